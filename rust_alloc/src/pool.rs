@@ -1,0 +1,642 @@
+//! The block pool: a fixed set of KV-cache blocks, their refcounts, an intrusive LRU free
+//! list, the prefix cache (hash chain with exact verification) and per-sequence block tables.
+//!
+//! Every public operation validates everything it needs before it mutates anything, so an
+//! operation that fails leaves the allocator exactly as it was.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use crate::hash::{chain_hash, FxBuild};
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AllocError {
+    /// Not enough free blocks; nothing was changed.
+    NoFreeBlocks { needed: usize, free: usize },
+    UnknownSequence(i64),
+    DuplicateSequence(i64),
+    /// A sequence-level request that cannot be honoured (e.g. more new tokens than known).
+    Sequence(String),
+    /// A bad argument.
+    Invalid(String),
+}
+
+impl fmt::Display for AllocError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AllocError::NoFreeBlocks { needed, free } => {
+                write!(f, "not enough free KV blocks: need {needed}, {free} free")
+            }
+            AllocError::UnknownSequence(id) => write!(f, "unknown sequence id {id}"),
+            AllocError::DuplicateSequence(id) => write!(f, "sequence id {id} already exists"),
+            AllocError::Sequence(m) | AllocError::Invalid(m) => f.write_str(m),
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, AllocError>;
+
+/// Identity of a cached block: the block id and its generation (bumped on eviction), so a
+/// child's link to its parent can never point at a block that was since reused.
+type BlockRef = (u32, u32);
+
+#[derive(Debug, Clone)]
+struct Block {
+    refcount: u32,
+    generation: u32,
+    /// Chain hash, present while the block is registered in the prefix cache.
+    hash: Option<u64>,
+    /// What the hash stands for, kept for exact verification on a hit.
+    parent: Option<BlockRef>,
+    salt: u64,
+    tokens: Vec<u32>,
+    // intrusive doubly linked free list
+    prev: u32,
+    next: u32,
+    in_free_list: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    pub tokens: Vec<u32>,
+    pub blocks: Vec<u32>,
+    /// Leading positions that have a KV slot.
+    pub num_slots: usize,
+    /// Positions whose KV is known to be computed (all slots reserved before the last
+    /// `prepare_step`, or found in the prefix cache).
+    pub num_computed: usize,
+    /// Leading blocks already registered in (or taken from) the prefix cache.
+    pub num_hashed_blocks: usize,
+    pub salt: u64,
+    /// Stamp of the last `prepare_step` that named this sequence.
+    step: u64,
+}
+
+/// Counters, all monotonic except the gauges computed on demand.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub evictions: u64,
+}
+
+/// The result of one `prepare_step`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    pub slot_mapping: Vec<i64>,
+    /// Row-major `[batch, width]`, padded with 0.
+    pub block_tables: Vec<i32>,
+    pub width: usize,
+    pub seq_lens: Vec<i32>,
+    /// Copy-on-write pairs `(src, dst)`.
+    pub copies: Vec<(u32, u32)>,
+}
+
+/// The blocks themselves: refcounts, the free list and the prefix cache. Kept apart from
+/// the sequences so one can be borrowed while the other changes.
+struct Store {
+    block_size: usize,
+    blocks: Vec<Block>,
+    free_head: u32,
+    free_tail: u32,
+    num_free: usize,
+    cache: HashMap<u64, u32, FxBuild>,
+    prefix_caching: bool,
+    counters: Counters,
+}
+
+pub struct BlockPool {
+    store: Store,
+    seqs: HashMap<i64, Sequence, FxBuild>,
+    contiguous: bool,
+    /// Stamp of the current `prepare_step`, to find a sequence named twice in O(1).
+    step: u64,
+}
+
+impl Store {
+    fn blocks_for(&self, tokens: usize) -> usize { tokens.div_ceil(self.block_size) }
+
+    // ---- free list ----------------------------------------------------------------------
+
+    fn unlink(&mut self, id: u32) {
+        let (prev, next) = {
+            let b = &self.blocks[id as usize];
+            debug_assert!(b.in_free_list);
+            (b.prev, b.next)
+        };
+        if prev == NIL { self.free_head = next } else { self.blocks[prev as usize].next = next }
+        if next == NIL { self.free_tail = prev } else { self.blocks[next as usize].prev = prev }
+        let b = &mut self.blocks[id as usize];
+        b.prev = NIL;
+        b.next = NIL;
+        b.in_free_list = false;
+        self.num_free -= 1;
+    }
+
+    fn push_free_tail(&mut self, id: u32) {
+        let tail = self.free_tail;
+        {
+            let b = &mut self.blocks[id as usize];
+            debug_assert!(!b.in_free_list && b.refcount == 0);
+            b.prev = tail;
+            b.next = NIL;
+            b.in_free_list = true;
+        }
+        if tail == NIL { self.free_head = id } else { self.blocks[tail as usize].next = id }
+        self.free_tail = id;
+        self.num_free += 1;
+    }
+
+    /// Take the least recently freed block, evicting its cached content if it has any.
+    fn pop_free(&mut self) -> u32 {
+        let id = self.free_head;
+        debug_assert!(id != NIL, "pop_free on an empty free list (callers check first)");
+        self.unlink(id);
+        self.uncache(id);
+        self.blocks[id as usize].refcount = 1;
+        id
+    }
+
+    fn uncache(&mut self, id: u32) {
+        let b = &mut self.blocks[id as usize];
+        if let Some(h) = b.hash.take() {
+            b.generation = b.generation.wrapping_add(1);
+            b.parent = None;
+            b.tokens = Vec::new();
+            if self.cache.get(&h) == Some(&id) {
+                self.cache.remove(&h);
+            }
+            self.counters.evictions += 1;
+        }
+    }
+
+    fn acquire(&mut self, id: u32) {
+        if self.blocks[id as usize].in_free_list {
+            self.unlink(id);
+        }
+        self.blocks[id as usize].refcount += 1;
+    }
+
+    fn release(&mut self, id: u32) {
+        let b = &mut self.blocks[id as usize];
+        debug_assert!(b.refcount > 0);
+        b.refcount -= 1;
+        if b.refcount == 0 {
+            self.push_free_tail(id);
+        }
+    }
+
+    fn refcount(&self, id: u32) -> u32 { self.blocks[id as usize].refcount }
+
+    // ---- prefix cache -------------------------------------------------------------------
+
+    fn block_ref(&self, id: u32) -> BlockRef { (id, self.blocks[id as usize].generation) }
+
+    fn hash_of(&self, parent: Option<u32>, salt: u64, tokens: &[u32]) -> u64 {
+        let parent_hash = parent.map_or(0, |p| self.blocks[p as usize].hash.unwrap_or(0));
+        chain_hash(parent_hash, salt, tokens)
+    }
+
+    /// The cached block that continues `parent` with these tokens, verified exactly.
+    fn lookup(&self, parent: Option<u32>, salt: u64, tokens: &[u32]) -> Option<u32> {
+        let &id = self.cache.get(&self.hash_of(parent, salt, tokens))?;
+        let b = &self.blocks[id as usize];
+        let parent_ref = parent.map(|p| self.block_ref(p));
+        (b.parent == parent_ref && b.salt == salt && b.tokens == tokens).then_some(id)
+    }
+
+    /// Longest run of cached full blocks for a prompt: never the whole prompt, so at least
+    /// one token is left to compute. Returns the block ids.
+    fn match_prefix(&self, tokens: &[u32], salt: u64) -> Vec<u32> {
+        let mut found = Vec::new();
+        if !self.prefix_caching || tokens.is_empty() {
+            return found;
+        }
+        let max_blocks = (tokens.len() - 1) / self.block_size;
+        let mut parent = None;
+        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
+            match self.lookup(parent, salt, chunk) {
+                Some(id) => {
+                    found.push(id);
+                    parent = Some(id);
+                }
+                None => break,
+            }
+        }
+        found
+    }
+
+    /// Register a sequence's computed full blocks in the prefix cache, in order. A block
+    /// whose content is already cached elsewhere is swapped for the cached one (its own
+    /// copy returns to the pool) when `dedupe` is set; otherwise hashing stops there.
+    fn hash_computed_blocks(&mut self, seq: &mut Sequence, dedupe: bool) {
+        let bs = self.block_size;
+        let full = seq.num_computed.min(seq.tokens.len()) / bs;
+        if !self.prefix_caching || seq.num_hashed_blocks >= full {
+            return;
+        }
+        while seq.num_hashed_blocks < full {
+            let i = seq.num_hashed_blocks;
+            let id = seq.blocks[i];
+            if self.blocks[id as usize].hash.is_some() {
+                seq.num_hashed_blocks += 1;
+                continue;
+            }
+            let parent = if i == 0 { None } else { Some(seq.blocks[i - 1]) };
+            let toks = &seq.tokens[i * bs..(i + 1) * bs];
+            if let Some(existing) = self.lookup(parent, seq.salt, toks) {
+                // Swapping must not shrink the free list (a step's need was counted
+                // before hashing): skip it when both blocks would stay out of it.
+                let shrinks = self.refcount(existing) == 0 && self.refcount(id) > 1;
+                if !dedupe || shrinks {
+                    break;
+                }
+                self.acquire(existing);
+                seq.blocks[i] = existing;
+                self.release(id);
+                seq.num_hashed_blocks += 1;
+                continue;
+            }
+            let h = self.hash_of(parent, seq.salt, toks);
+            if self.cache.contains_key(&h) {
+                break; // a true 64-bit collision: leave this block (and its tail) uncached
+            }
+            let parent_ref = parent.map(|p| self.block_ref(p));
+            let b = &mut self.blocks[id as usize];
+            b.hash = Some(h);
+            b.parent = parent_ref;
+            b.salt = seq.salt;
+            b.tokens = toks.to_vec();
+            self.cache.insert(h, id);
+            seq.num_hashed_blocks += 1;
+        }
+    }
+
+    /// Blocks a reservation of `n` more slots takes from the free list: new blocks plus
+    /// copy-on-write copies of shared blocks it would write into.
+    fn blocks_needed_for(&self, seq: &Sequence, n: usize) -> usize {
+        if n == 0 {
+            return 0;
+        }
+        let bs = self.block_size;
+        let (first, last) = (seq.num_slots / bs, (seq.num_slots + n - 1) / bs);
+        let have = seq.blocks.len().min(last + 1);
+        let shared = (first..have).filter(|&j| self.refcount(seq.blocks[j]) > 1).count();
+        shared + (last + 1).saturating_sub(have.max(first))
+    }
+
+    /// Reserve slots for `n` more positions of `seq`, appending their slots to `slots` and
+    /// any copy-on-write pair to `copies`. The caller checked there are enough blocks.
+    fn reserve(&mut self, seq: &mut Sequence, n: usize, slots: &mut Vec<i64>, copies: &mut Vec<(u32, u32)>) {
+        if n == 0 {
+            return;
+        }
+        let bs = self.block_size;
+        let (first, last) = (seq.num_slots / bs, (seq.num_slots + n - 1) / bs);
+        for j in first..=last {
+            if j == seq.blocks.len() {
+                let id = self.pop_free();
+                seq.blocks.push(id);
+            } else {
+                let id = seq.blocks[j];
+                if self.refcount(id) > 1 {
+                    let dst = self.pop_free();
+                    if j * bs < seq.num_slots {
+                        copies.push((id, dst));
+                    }
+                    self.release(id);
+                    seq.blocks[j] = dst;
+                }
+            }
+        }
+        let mut pos = seq.num_slots;
+        while pos < seq.num_slots + n {
+            let base = seq.blocks[pos / bs] as i64 * bs as i64;
+            let end = ((pos / bs + 1) * bs).min(seq.num_slots + n);
+            slots.extend((pos % bs..pos % bs + (end - pos)).map(|o| base + o as i64));
+            pos = end;
+        }
+        seq.num_slots += n;
+    }
+}
+
+impl BlockPool {
+    pub fn new(
+        num_blocks: usize,
+        block_size: usize,
+        prefix_caching: bool,
+        contiguous: bool,
+    ) -> Result<Self> {
+        if num_blocks == 0 || num_blocks >= NIL as usize {
+            return Err(AllocError::Invalid(format!("num_blocks must be in 1..{NIL}, got {num_blocks}")));
+        }
+        if block_size == 0 || block_size > 1 << 16 {
+            return Err(AllocError::Invalid(format!("block_size must be in 1..=65536, got {block_size}")));
+        }
+        let blocks = (0..num_blocks as u32)
+            .map(|i| Block {
+                refcount: 0,
+                generation: 0,
+                hash: None,
+                parent: None,
+                salt: 0,
+                tokens: Vec::new(),
+                prev: if i == 0 { NIL } else { i - 1 },
+                next: if i as usize + 1 == num_blocks { NIL } else { i + 1 },
+                in_free_list: true,
+            })
+            .collect();
+        Ok(BlockPool {
+            store: Store {
+                block_size,
+                blocks,
+                free_head: 0,
+                free_tail: num_blocks as u32 - 1,
+                num_free: num_blocks,
+                cache: HashMap::with_hasher(FxBuild),
+                // A reservation made up front for the whole length is the naive scheme; it
+                // has no prefix cache.
+                prefix_caching: prefix_caching && !contiguous,
+                counters: Counters::default(),
+            },
+            seqs: HashMap::with_hasher(FxBuild),
+            contiguous,
+            step: 0,
+        })
+    }
+
+    // ---- gauges -------------------------------------------------------------------------
+
+    pub fn num_blocks(&self) -> usize { self.store.blocks.len() }
+    pub fn block_size(&self) -> usize { self.store.block_size }
+    pub fn num_free_blocks(&self) -> usize { self.store.num_free }
+    pub fn num_used_blocks(&self) -> usize { self.store.blocks.len() - self.store.num_free }
+    pub fn num_cached_blocks(&self) -> usize { self.store.cache.len() }
+    pub fn num_sequences(&self) -> usize { self.seqs.len() }
+    pub fn prefix_caching(&self) -> bool { self.store.prefix_caching }
+    pub fn contiguous(&self) -> bool { self.contiguous }
+    pub fn counters(&self) -> &Counters { &self.store.counters }
+
+    pub fn refcount(&self, block: usize) -> Result<u32> {
+        self.store.blocks.get(block).map(|b| b.refcount).ok_or_else(|| {
+            AllocError::Invalid(format!("block id {block} out of range 0..{}", self.store.blocks.len()))
+        })
+    }
+
+    pub fn is_cached(&self, block: usize) -> bool {
+        self.store.blocks.get(block).is_some_and(|b| b.hash.is_some())
+    }
+
+    pub fn sequence(&self, seq_id: i64) -> Result<&Sequence> {
+        self.seqs.get(&seq_id).ok_or(AllocError::UnknownSequence(seq_id))
+    }
+
+    pub fn seq_ids(&self) -> Vec<i64> { self.seqs.keys().copied().collect() }
+
+    /// Free-list order, head (next to be evicted) first. For tests and debugging.
+    pub fn free_list(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.store.num_free);
+        let mut cur = self.store.free_head;
+        while cur != NIL {
+            out.push(cur);
+            cur = self.store.blocks[cur as usize].next;
+        }
+        out
+    }
+
+    /// Pure query: `(cached_tokens, free_cached_blocks)` — how many prompt tokens the prefix
+    /// cache holds and how many of those blocks sit in the free list (admitting the prompt
+    /// takes them out of it).
+    pub fn prefix_match(&self, tokens: &[u32], salt: u64) -> (usize, usize) {
+        let found = self.store.match_prefix(tokens, salt);
+        let free = found.iter().filter(|&&id| self.store.refcount(id) == 0).count();
+        (found.len() * self.store.block_size, free)
+    }
+
+    // ---- sequences ----------------------------------------------------------------------
+
+    /// Add a sequence with its prompt; reuse cached prefix blocks. Returns the number of
+    /// prompt tokens found in the prefix cache. In contiguous mode, reserve blocks for
+    /// `reserve_tokens` (at least the prompt) up front, all or nothing.
+    pub fn add_sequence(
+        &mut self,
+        seq_id: i64,
+        tokens: Vec<u32>,
+        salt: u64,
+        reserve_tokens: Option<usize>,
+    ) -> Result<usize> {
+        if self.seqs.contains_key(&seq_id) {
+            return Err(AllocError::DuplicateSequence(seq_id));
+        }
+        if tokens.is_empty() {
+            return Err(AllocError::Invalid("a sequence needs at least one prompt token".into()));
+        }
+        let st = &mut self.store;
+        let mut blocks = Vec::new();
+        if self.contiguous {
+            let want = st.blocks_for(reserve_tokens.unwrap_or(0).max(tokens.len()));
+            if want > st.num_free {
+                return Err(AllocError::NoFreeBlocks { needed: want, free: st.num_free });
+            }
+            blocks.extend((0..want).map(|_| st.pop_free()));
+        }
+        let cached = st.match_prefix(&tokens, salt);
+        for &id in &cached {
+            st.acquire(id);
+        }
+        let cached_tokens = cached.len() * st.block_size;
+        if st.prefix_caching {
+            st.counters.prefix_cache_queries += tokens.len() as u64;
+            st.counters.prefix_cache_hits += cached_tokens as u64;
+        }
+        let num_hashed_blocks = cached.len();
+        if !cached.is_empty() {
+            blocks = cached;
+        }
+        self.seqs.insert(
+            seq_id,
+            Sequence {
+                tokens,
+                blocks,
+                num_slots: cached_tokens,
+                num_computed: cached_tokens,
+                num_hashed_blocks,
+                salt,
+                step: 0,
+            },
+        );
+        Ok(cached_tokens)
+    }
+
+    pub fn append_tokens(&mut self, seq_id: i64, tokens: &[u32]) -> Result<()> {
+        let seq = self.seqs.get_mut(&seq_id).ok_or(AllocError::UnknownSequence(seq_id))?;
+        seq.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    /// Child shares all of the parent's blocks (refcounts up); writes into a shared block
+    /// copy it first (see `prepare_step`).
+    pub fn fork(&mut self, parent_id: i64, child_id: i64) -> Result<()> {
+        if self.seqs.contains_key(&child_id) {
+            return Err(AllocError::DuplicateSequence(child_id));
+        }
+        let child = self.sequence(parent_id)?.clone();
+        for &id in &child.blocks {
+            self.store.acquire(id);
+        }
+        self.seqs.insert(child_id, child);
+        Ok(())
+    }
+
+    /// Release a sequence's blocks, tail first so its last blocks are evicted first. With
+    /// `cache`, its computed full blocks enter the prefix cache first; without it (the step
+    /// that was to compute them failed) only already-cached blocks stay cached.
+    pub fn free_sequence(&mut self, seq_id: i64, cache: bool) -> Result<()> {
+        let mut seq = self.seqs.remove(&seq_id).ok_or(AllocError::UnknownSequence(seq_id))?;
+        if cache {
+            seq.num_computed = seq.num_slots;
+            self.store.hash_computed_blocks(&mut seq, false);
+        }
+        for &id in seq.blocks.iter().rev() {
+            self.store.release(id);
+        }
+        Ok(())
+    }
+
+    /// Blocks `prepare_step` would take from the free list for `n` more tokens of a sequence
+    /// (new blocks plus copy-on-write copies of shared blocks it would write into).
+    pub fn blocks_needed(&self, seq_id: i64, n: usize) -> Result<usize> {
+        Ok(self.store.blocks_needed_for(self.sequence(seq_id)?, n))
+    }
+
+    /// The hot path, once per engine step: reserve slots for `num_new[i]` new tokens of
+    /// each sequence `seq_ids[i]` and return the slot mapping, the padded block tables,
+    /// the context lengths and the copy-on-write copies. All or nothing.
+    ///
+    /// `new_tokens`, when given, holds one token per sequence to append first (the token
+    /// sampled last step), or -1 for none: decoding needs no separate call per sequence.
+    pub fn prepare_step(
+        &mut self,
+        seq_ids: &[i64],
+        num_new: &[i64],
+        new_tokens: Option<&[i64]>,
+    ) -> Result<StepPlan> {
+        if seq_ids.len() != num_new.len() || new_tokens.is_some_and(|t| t.len() != seq_ids.len()) {
+            return Err(AllocError::Invalid(format!(
+                "seq_ids has {} entries but num_new_tokens has {}{}",
+                seq_ids.len(),
+                num_new.len(),
+                new_tokens.map_or(String::new(), |t| format!(" and new_tokens {}", t.len()))
+            )));
+        }
+        let appended = |k: usize| new_tokens.map_or(0, |t| (t[k] >= 0) as usize);
+        if let Some(bad) = new_tokens.and_then(|t| t.iter().find(|&&x| x >= u32::MAX as i64)) {
+            return Err(AllocError::Invalid(format!("token id {bad} out of range")));
+        }
+        // validate and count, changing nothing observable
+        self.step += 1;
+        let st = &self.store;
+        let bs = st.block_size;
+        let (mut need, mut total, mut width) = (0usize, 0usize, 1usize);
+        for (k, (&sid, &n)) in seq_ids.iter().zip(num_new).enumerate() {
+            if n < 0 {
+                return Err(AllocError::Invalid(format!("num_new_tokens[{k}] is negative ({n})")));
+            }
+            let n = n as usize;
+            let seq = self.seqs.get_mut(&sid).ok_or(AllocError::UnknownSequence(sid))?;
+            if seq.step == self.step {
+                return Err(AllocError::Invalid(format!("sequence {sid} appears twice in one step")));
+            }
+            seq.step = self.step;
+            let known = seq.tokens.len() + appended(k);
+            if seq.num_slots + n > known {
+                return Err(AllocError::Sequence(format!(
+                    "sequence {sid}: {n} new tokens requested but only {} known tokens lack a slot",
+                    known - seq.num_slots
+                )));
+            }
+            let blocks_after = seq.blocks.len().max(st.blocks_for(seq.num_slots + n));
+            if self.contiguous && blocks_after > seq.blocks.len() {
+                return Err(AllocError::Sequence(format!(
+                    "sequence {sid}: {} tokens exceed its reservation of {} tokens",
+                    seq.num_slots + n,
+                    seq.blocks.len() * bs
+                )));
+            }
+            need += st.blocks_needed_for(seq, n);
+            total += n;
+            width = width.max(blocks_after);
+        }
+        if need > st.num_free {
+            return Err(AllocError::NoFreeBlocks { needed: need, free: st.num_free });
+        }
+
+        let mut plan = StepPlan {
+            slot_mapping: Vec::with_capacity(total),
+            block_tables: vec![0i32; seq_ids.len() * width],
+            width,
+            seq_lens: Vec::with_capacity(seq_ids.len()),
+            copies: Vec::new(),
+        };
+        // What was reserved before counts as computed: cache its full blocks first, for
+        // every sequence, so a deduplication never meets a block reserved in this step.
+        for (k, &sid) in seq_ids.iter().enumerate() {
+            let seq = self.seqs.get_mut(&sid).unwrap();
+            if appended(k) == 1 {
+                seq.tokens.push(new_tokens.unwrap()[k] as u32);
+            }
+            seq.num_computed = seq.num_slots;
+            self.store.hash_computed_blocks(seq, true);
+        }
+        for (row, (&sid, &n)) in seq_ids.iter().zip(num_new).enumerate() {
+            let seq = self.seqs.get_mut(&sid).unwrap();
+            self.store.reserve(seq, n as usize, &mut plan.slot_mapping, &mut plan.copies);
+            plan.seq_lens.push(seq.num_slots as i32);
+            let dst = &mut plan.block_tables[row * width..row * width + seq.blocks.len()];
+            for (d, &b) in dst.iter_mut().zip(&seq.blocks) {
+                *d = b as i32;
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Check every invariant; used by the tests (cheap enough for debugging runs too).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let st = &self.store;
+        let mut refs = vec![0u32; st.blocks.len()];
+        for (sid, seq) in &self.seqs {
+            if seq.num_slots > seq.blocks.len() * st.block_size {
+                return Err(format!("sequence {sid} has slots beyond its blocks"));
+            }
+            if seq.num_computed > seq.num_slots || seq.num_slots > seq.tokens.len() {
+                return Err(format!("sequence {sid}: computed <= slots <= tokens violated"));
+            }
+            for &b in &seq.blocks {
+                refs[b as usize] += 1;
+            }
+        }
+        let free: std::collections::HashSet<u32> = self.free_list().into_iter().collect();
+        if free.len() != st.num_free {
+            return Err(format!("free list has {} entries, counter says {}", free.len(), st.num_free));
+        }
+        for (i, b) in st.blocks.iter().enumerate() {
+            if b.refcount != refs[i] {
+                return Err(format!("block {i}: refcount {} but {} tables hold it", b.refcount, refs[i]));
+            }
+            if (b.refcount == 0) != free.contains(&(i as u32)) || b.in_free_list != (b.refcount == 0) {
+                return Err(format!("block {i}: refcount {} vs free-list membership", b.refcount));
+            }
+            if let Some(h) = b.hash {
+                if st.cache.get(&h) != Some(&(i as u32)) {
+                    return Err(format!("block {i} has a hash the cache does not map to it"));
+                }
+            }
+        }
+        if st.cache.values().any(|&id| st.blocks[id as usize].hash.is_none()) {
+            return Err("cache maps to a block without a hash".into());
+        }
+        Ok(())
+    }
+}

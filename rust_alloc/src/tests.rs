@@ -1,0 +1,255 @@
+//! Invariant tests of the core pool (no Python needed).
+
+use crate::pool::{AllocError, BlockPool};
+
+fn pool(n: usize, bs: usize) -> BlockPool { BlockPool::new(n, bs, true, false).unwrap() }
+
+fn ok(p: &BlockPool) { p.check_invariants().unwrap() }
+
+#[test]
+fn new_rejects_bad_sizes() {
+    assert!(matches!(BlockPool::new(0, 16, true, false), Err(AllocError::Invalid(_))));
+    assert!(matches!(BlockPool::new(4, 0, true, false), Err(AllocError::Invalid(_))));
+}
+
+#[test]
+fn prepare_step_reserves_slots_and_tables() {
+    let mut p = pool(8, 4);
+    assert_eq!(p.add_sequence(1, (0..6).collect(), 0, None).unwrap(), 0);
+    let plan = p.prepare_step(&[1], &[6], None).unwrap();
+    assert_eq!(plan.slot_mapping, vec![0, 1, 2, 3, 4, 5]);
+    assert_eq!(plan.width, 2);
+    assert_eq!(plan.block_tables, vec![0, 1]);
+    assert_eq!(plan.seq_lens, vec![6]);
+    assert_eq!(p.num_free_blocks(), 6);
+    p.append_tokens(1, &[100]).unwrap();
+    let plan = p.prepare_step(&[1], &[1], None).unwrap();
+    assert_eq!(plan.slot_mapping, vec![6]);
+    ok(&p);
+    // more tokens than known
+    assert!(matches!(p.prepare_step(&[1], &[1], None), Err(AllocError::Sequence(_))));
+    ok(&p);
+}
+
+#[test]
+fn prepare_step_appends_sampled_tokens_first() {
+    let mut p = pool(4, 2);
+    p.add_sequence(1, vec![5, 6], 0, None).unwrap();
+    p.add_sequence(2, vec![7], 0, None).unwrap();
+    p.prepare_step(&[1, 2], &[2, 1], None).unwrap();
+    let plan = p.prepare_step(&[1, 2], &[1, 1], Some(&[8, 9])).unwrap();
+    assert_eq!(plan.seq_lens, vec![3, 2]);
+    assert_eq!(p.sequence(1).unwrap().tokens, vec![5, 6, 8]);
+    // -1 appends nothing; a failing step appends nothing either
+    assert!(matches!(p.prepare_step(&[1], &[1], Some(&[-1])), Err(AllocError::Sequence(_))));
+    p.prepare_step(&[1], &[0], Some(&[-1])).unwrap();
+    assert_eq!(p.sequence(1).unwrap().tokens, vec![5, 6, 8]);
+    p.append_tokens(2, &[1, 1, 1, 1, 1]).unwrap();
+    assert!(matches!(p.prepare_step(&[1, 2], &[1, 5], Some(&[3, -1])), Err(AllocError::NoFreeBlocks { .. })));
+    assert_eq!(p.sequence(1).unwrap().tokens, vec![5, 6, 8]);
+    assert!(matches!(p.prepare_step(&[1], &[1], Some(&[1, 2])), Err(AllocError::Invalid(_))));
+    ok(&p);
+}
+
+#[test]
+fn all_or_nothing_when_out_of_blocks() {
+    let mut p = pool(3, 4);
+    p.add_sequence(1, (0..8).collect(), 0, None).unwrap();
+    p.add_sequence(2, (100..108).collect(), 0, None).unwrap();
+    let before = p.free_list();
+    let e = p.prepare_step(&[1, 2], &[8, 8], None).unwrap_err();
+    assert_eq!(e, AllocError::NoFreeBlocks { needed: 4, free: 3 });
+    assert_eq!(p.free_list(), before);
+    assert_eq!(p.sequence(1).unwrap().num_slots, 0);
+    ok(&p);
+    // unknown id and duplicate id in a batch change nothing either
+    assert!(matches!(p.prepare_step(&[1, 9], &[1, 1], None), Err(AllocError::UnknownSequence(9))));
+    assert!(matches!(p.prepare_step(&[1, 1], &[1, 1], None), Err(AllocError::Invalid(_))));
+    assert!(matches!(p.add_sequence(1, vec![1], 0, None), Err(AllocError::DuplicateSequence(1))));
+    assert_eq!(p.sequence(1).unwrap().num_slots, 0);
+    ok(&p);
+}
+
+#[test]
+fn prefix_cache_hit_shares_full_blocks_only() {
+    let mut p = pool(16, 4);
+    let prompt: Vec<u32> = (0..10).collect();
+    p.add_sequence(1, prompt.clone(), 0, None).unwrap();
+    p.prepare_step(&[1], &[10], None).unwrap();
+    p.free_sequence(1, true).unwrap();
+    ok(&p);
+    assert_eq!(p.num_cached_blocks(), 2); // 2 full blocks of 4; the partial one is not cached
+    let t1 = p.add_sequence(2, prompt.clone(), 0, None).unwrap();
+    assert_eq!(t1, 8);
+    assert_eq!(p.sequence(2).unwrap().blocks, vec![0, 1]);
+    // a different salt sees nothing
+    assert_eq!(p.add_sequence(3, prompt.clone(), 7, None).unwrap(), 0);
+    // a prompt of exactly two blocks leaves its last block to compute
+    assert_eq!(p.add_sequence(4, (0..8).collect(), 0, None).unwrap(), 4);
+    // a different first block: no hit for the second one either (chain)
+    let mut other = prompt.clone();
+    other[0] = 99;
+    assert_eq!(p.add_sequence(5, other, 0, None).unwrap(), 0);
+    assert_eq!(p.refcount(0).unwrap(), 2);
+    ok(&p);
+}
+
+#[test]
+fn eviction_takes_least_recently_freed_tail_first() {
+    let mut p = pool(4, 2);
+    p.add_sequence(1, (0..5).collect(), 0, None).unwrap();
+    p.prepare_step(&[1], &[5], None).unwrap(); // blocks 0,1,2
+    p.free_sequence(1, true).unwrap();
+    // freed tail first: 3 (never used) is first, then 2, 1, 0
+    assert_eq!(p.free_list(), vec![3, 2, 1, 0]);
+    p.add_sequence(2, (50..57).collect(), 0, None).unwrap();
+    p.prepare_step(&[2], &[5], None).unwrap(); // takes 3, 2 (uncached partial), 1 (cached: evicted)
+    assert_eq!(p.counters().evictions, 1);
+    assert_eq!(p.num_cached_blocks(), 1);
+    // block 0 still holds [0, 1]
+    p.free_sequence(2, true).unwrap();
+    assert_eq!(p.add_sequence(3, vec![0, 1, 2], 0, None).unwrap(), 2);
+    ok(&p);
+}
+
+#[test]
+fn evicted_parent_never_links_to_a_stale_child() {
+    let mut p = pool(3, 2);
+    p.add_sequence(1, vec![1, 2, 3, 4, 5], 0, None).unwrap();
+    p.prepare_step(&[1], &[5], None).unwrap();
+    p.free_sequence(1, true).unwrap(); // cached: b0=[1,2], b1=[3,4]
+    // reuse everything with other content
+    p.add_sequence(2, vec![7, 7, 7, 7, 7, 7], 0, None).unwrap();
+    p.prepare_step(&[2], &[6], None).unwrap();
+    p.free_sequence(2, false).unwrap();
+    assert_eq!(p.add_sequence(3, vec![1, 2, 3, 4, 5], 0, None).unwrap(), 0);
+    ok(&p);
+}
+
+#[test]
+fn fork_copy_on_write() {
+    let mut p = pool(8, 4);
+    p.add_sequence(1, (0..6).collect(), 0, None).unwrap();
+    p.prepare_step(&[1], &[6], None).unwrap(); // blocks 0, 1 (partial: 2 of 4)
+    p.fork(1, 2).unwrap();
+    assert_eq!(p.refcount(1).unwrap(), 2);
+    ok(&p);
+    p.append_tokens(1, &[10]).unwrap();
+    p.append_tokens(2, &[20]).unwrap();
+    let plan = p.prepare_step(&[1, 2], &[1, 1], None).unwrap();
+    // the first writer copies the shared partial block; the second then owns the original
+    assert_eq!(plan.copies, vec![(1, 2)]);
+    assert_eq!(plan.slot_mapping, vec![2 * 4 + 2, 4 + 2]);
+    assert_eq!(p.refcount(1).unwrap(), 1);
+    assert_eq!(p.refcount(0).unwrap(), 2); // the full block stays shared
+    ok(&p);
+    assert!(matches!(p.fork(1, 2), Err(AllocError::DuplicateSequence(2))));
+    assert!(matches!(p.fork(9, 3), Err(AllocError::UnknownSequence(9))));
+}
+
+#[test]
+fn duplicate_blocks_are_deduplicated_once_computed() {
+    let mut p = pool(8, 2);
+    let prompt = vec![1, 2, 3, 4, 5];
+    p.add_sequence(1, prompt.clone(), 0, None).unwrap();
+    p.add_sequence(2, prompt.clone(), 0, None).unwrap();
+    p.prepare_step(&[1, 2], &[5, 5], None).unwrap(); // both compute everything: 6 blocks
+    assert_eq!(p.num_used_blocks(), 6);
+    p.append_tokens(1, &[6]).unwrap();
+    p.append_tokens(2, &[6]).unwrap();
+    p.prepare_step(&[1, 2], &[1, 1], None).unwrap();
+    // seq 2's two full blocks were swapped for seq 1's cached ones
+    assert_eq!(p.sequence(2).unwrap().blocks[..2], p.sequence(1).unwrap().blocks[..2]);
+    assert_eq!(p.num_used_blocks(), 4);
+    ok(&p);
+}
+
+#[test]
+fn contiguous_reserves_up_front() {
+    let mut p = BlockPool::new(10, 4, true, true).unwrap();
+    assert!(!p.prefix_caching());
+    p.add_sequence(1, (0..5).collect(), 0, Some(20)).unwrap();
+    assert_eq!(p.num_used_blocks(), 5);
+    assert!(matches!(
+        p.add_sequence(2, (0..5).collect(), 0, Some(24)),
+        Err(AllocError::NoFreeBlocks { needed: 6, free: 5 })
+    ));
+    assert_eq!(p.num_sequences(), 1);
+    let plan = p.prepare_step(&[1], &[5], None).unwrap();
+    assert_eq!(plan.width, 5);
+    assert_eq!(p.num_used_blocks(), 5);
+    p.append_tokens(1, &(0..20).collect::<Vec<u32>>()).unwrap();
+    assert!(matches!(p.prepare_step(&[1], &[16], None), Err(AllocError::Sequence(_))));
+    p.prepare_step(&[1], &[15], None).unwrap();
+    p.free_sequence(1, true).unwrap();
+    assert_eq!(p.num_free_blocks(), 10);
+    ok(&p);
+}
+
+#[test]
+fn random_operations_keep_invariants() {
+    // a small deterministic LCG so the test needs no crates
+    let mut s: u64 = 12345;
+    let mut rnd = |n: u64| {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (s >> 33) % n
+    };
+    let mut p = pool(64, 4);
+    let mut live: Vec<i64> = Vec::new();
+    let mut next_id = 0i64;
+    for _ in 0..20_000 {
+        match rnd(6) {
+            0 | 1 => {
+                let len = 1 + rnd(20) as usize;
+                let base = rnd(3) as u32 * 100;
+                let toks: Vec<u32> = (0..len as u32).map(|i| base + i % 7).collect();
+                if p.add_sequence(next_id, toks, rnd(2), None).is_ok() {
+                    live.push(next_id);
+                }
+                next_id += 1;
+            }
+            2 if !live.is_empty() => {
+                let id = live.swap_remove(rnd(live.len() as u64) as usize);
+                p.free_sequence(id, rnd(4) != 0).unwrap();
+            }
+            3 if !live.is_empty() => {
+                let id = live[rnd(live.len() as u64) as usize];
+                if p.fork(id, next_id).is_ok() {
+                    live.push(next_id);
+                }
+                next_id += 1;
+            }
+            _ if !live.is_empty() => {
+                let k = 1 + rnd(live.len() as u64) as usize;
+                let ids: Vec<i64> = live[..k].to_vec();
+                for &id in &ids {
+                    if rnd(2) == 0 {
+                        p.append_tokens(id, &[rnd(5) as u32]).unwrap();
+                    }
+                }
+                let n: Vec<i64> = ids
+                    .iter()
+                    .map(|&id| {
+                        let q = p.sequence(id).unwrap();
+                        let avail = (q.tokens.len() - q.num_slots) as u64;
+                        rnd(avail + 1) as i64
+                    })
+                    .collect();
+                let free_before = p.free_list();
+                match p.prepare_step(&ids, &n, None) {
+                    Ok(_) => {}
+                    Err(AllocError::NoFreeBlocks { .. }) => assert_eq!(p.free_list(), free_before),
+                    Err(e) => panic!("unexpected {e}"),
+                }
+            }
+            _ => {}
+        }
+        ok(&p);
+        assert_eq!(p.num_free_blocks() + p.num_used_blocks(), 64);
+    }
+    for id in live {
+        p.free_sequence(id, true).unwrap();
+    }
+    assert_eq!(p.num_used_blocks(), 0);
+    ok(&p);
+}

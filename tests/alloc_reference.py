@@ -1,0 +1,271 @@
+"""A plain-Python block allocator with the same semantics as the Rust one.
+
+It is the reference model of the property tests (tests/test_alloc_property.py) and the
+baseline of bench/alloc_bench.py. It keys the prefix cache by the exact identity of a block
+(parent block and generation, salt, tokens) instead of a 64-bit hash, so it needs no
+verification step; everything else — free-list order, eviction, copy-on-write, deduplication
+— follows the Rust code step for step, so the two must agree on every block id.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgepaged._rust_alloc import NoFreeBlocksError, SequenceError
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]
+    blocks: list[int]
+    num_slots: int
+    num_computed: int
+    num_hashed: int
+    salt: int
+
+
+@dataclass
+class RefAllocator:
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    contiguous: bool = False
+    refcounts: list[int] = field(init=False)
+    generation: list[int] = field(init=False)
+    key: list[tuple | None] = field(init=False)
+    free: OrderedDict = field(init=False)
+    cache: dict = field(init=False)
+    seqs: dict = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks <= 0 or self.block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        n = self.num_blocks
+        self.refcounts, self.generation, self.key = [0] * n, [0] * n, [None] * n
+        self.free = OrderedDict((i, None) for i in range(n))
+        self.cache = {}
+        self.seqs = {}
+        self.enable_prefix_caching = self.enable_prefix_caching and not self.contiguous
+        self.prefix_cache_queries = self.prefix_cache_hits = self.evictions = 0
+
+    # -- gauges ----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cache)
+
+    def stats(self) -> dict:
+        return dict(num_blocks=self.num_blocks, block_size=self.block_size,
+                    free_blocks=len(self.free), used_blocks=self.num_used_blocks,
+                    cached_blocks=len(self.cache), num_sequences=len(self.seqs),
+                    prefix_cache_queries=self.prefix_cache_queries,
+                    prefix_cache_hits=self.prefix_cache_hits, evictions=self.evictions)
+
+    def free_list(self) -> list[int]:
+        return list(self.free)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self._seq(seq_id).blocks)
+
+    # -- blocks ----------------------------------------------------------------------------
+    def _seq(self, seq_id: int) -> _Seq:
+        if seq_id not in self.seqs:
+            raise SequenceError(f"unknown sequence id {seq_id}")
+        return self.seqs[seq_id]
+
+    def _pop_free(self) -> int:
+        b, _ = self.free.popitem(last=False)
+        self._uncache(b)
+        self.refcounts[b] = 1
+        return b
+
+    def _uncache(self, b: int) -> None:
+        k = self.key[b]
+        if k is not None:
+            self.key[b] = None
+            self.generation[b] += 1
+            if self.cache.get(k) == b:
+                del self.cache[k]
+            self.evictions += 1
+
+    def _acquire(self, b: int) -> None:
+        self.free.pop(b, None)
+        self.refcounts[b] += 1
+
+    def _release(self, b: int) -> None:
+        self.refcounts[b] -= 1
+        if self.refcounts[b] == 0:
+            self.free[b] = None
+
+    def _key(self, parent: int | None, salt: int, tokens) -> tuple:
+        pref = None if parent is None else (parent, self.generation[parent])
+        return (pref, salt, tuple(tokens))
+
+    def _match(self, tokens: list[int], salt: int) -> list[int]:
+        found: list[int] = []
+        if not self.enable_prefix_caching or not tokens:
+            return found
+        bs, parent = self.block_size, None
+        for i in range((len(tokens) - 1) // bs):
+            b = self.cache.get(self._key(parent, salt, tokens[i * bs:(i + 1) * bs]))
+            if b is None:
+                break
+            found.append(b)
+            parent = b
+        return found
+
+    def _hash_computed(self, s: _Seq, dedupe: bool) -> None:
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(s.num_computed, len(s.tokens)) // bs
+        while s.num_hashed < full:
+            i = s.num_hashed
+            b = s.blocks[i]
+            if self.key[b] is not None:
+                s.num_hashed += 1
+                continue
+            parent = None if i == 0 else s.blocks[i - 1]
+            k = self._key(parent, s.salt, s.tokens[i * bs:(i + 1) * bs])
+            existing = self.cache.get(k)
+            if existing is not None:
+                shrinks = self.refcounts[existing] == 0 and self.refcounts[b] > 1
+                if not dedupe or shrinks:
+                    break
+                self._acquire(existing)
+                s.blocks[i] = existing
+                self._release(b)
+                s.num_hashed += 1
+                continue
+            self.key[b] = k
+            self.cache[k] = b
+            s.num_hashed += 1
+
+    # -- operations ------------------------------------------------------------------------
+    def prefix_match(self, tokens, salt: int = 0) -> tuple[int, int]:
+        found = self._match(list(tokens), salt)
+        return len(found) * self.block_size, sum(self.refcounts[b] == 0 for b in found)
+
+    def add_sequence(self, seq_id: int, prompt, salt: int = 0, reserve_tokens: int | None = None) -> int:
+        tokens = [int(t) for t in prompt]
+        if seq_id in self.seqs:
+            raise SequenceError(f"sequence id {seq_id} already exists")
+        if not tokens:
+            raise ValueError("a sequence needs at least one prompt token")
+        blocks: list[int] = []
+        if self.contiguous:
+            want = -(-max(reserve_tokens or 0, len(tokens)) // self.block_size)
+            if want > len(self.free):
+                raise NoFreeBlocksError(f"not enough free KV blocks: need {want}, {len(self.free)} free")
+            blocks = [self._pop_free() for _ in range(want)]
+        cached = self._match(tokens, salt)
+        for b in cached:
+            self._acquire(b)
+        n = len(cached) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += len(tokens)
+            self.prefix_cache_hits += n
+        if cached:
+            blocks = cached
+        self.seqs[seq_id] = _Seq(tokens, blocks, n, n, len(cached), salt)
+        return n
+
+    def append_tokens(self, seq_id: int, tokens) -> None:
+        self._seq(seq_id).tokens.extend(int(t) for t in tokens)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        if child_id in self.seqs:
+            raise SequenceError(f"sequence id {child_id} already exists")
+        p = self._seq(parent_id)
+        for b in p.blocks:
+            self._acquire(b)
+        self.seqs[child_id] = _Seq(list(p.tokens), list(p.blocks), p.num_slots,
+                                   p.num_computed, p.num_hashed, p.salt)
+
+    def free_sequence(self, seq_id: int, cache: bool = True) -> None:
+        s = self._seq(seq_id)
+        if cache:
+            s.num_computed = s.num_slots
+            self._hash_computed(s, dedupe=False)
+        del self.seqs[seq_id]
+        for b in reversed(s.blocks):
+            self._release(b)
+
+    def _needed(self, s: _Seq, n: int) -> int:
+        if n == 0:
+            return 0
+        bs = self.block_size
+        need = 0
+        for j in range(s.num_slots // bs, (s.num_slots + n - 1) // bs + 1):
+            if j >= len(s.blocks) or self.refcounts[s.blocks[j]] > 1:
+                need += 1
+        return need
+
+    def blocks_needed(self, seq_id: int, n: int) -> int:
+        return self._needed(self._seq(seq_id), n)
+
+    def prepare_step(self, seq_ids, num_new_tokens, new_tokens=None):
+        ids = [int(x) for x in seq_ids]
+        ns = [int(x) for x in num_new_tokens]
+        new = [-1] * len(ids) if new_tokens is None else [int(x) for x in new_tokens]
+        if len(ids) != len(ns) or len(new) != len(ids):
+            raise ValueError("seq_ids, num_new_tokens and new_tokens differ in length")
+        if any(t >= 2**32 - 1 for t in new):
+            raise ValueError("token id out of range")
+        need = 0
+        bs = self.block_size
+        for sid, n, t in zip(ids, ns, new):
+            if n < 0:
+                raise ValueError("negative num_new_tokens")
+            s = self._seq(sid)
+            if s.num_slots + n > len(s.tokens) + (t >= 0):
+                raise SequenceError(f"sequence {sid}: more new tokens than known tokens")
+            if self.contiguous and -(-(s.num_slots + n) // bs) > len(s.blocks):
+                raise SequenceError(f"sequence {sid}: tokens exceed its reservation")
+            need += self._needed(s, n)
+        if len(set(ids)) != len(ids):
+            raise ValueError("a sequence appears twice in one step")
+        if need > len(self.free):
+            raise NoFreeBlocksError(f"not enough free KV blocks: need {need}, {len(self.free)} free")
+        for sid, t in zip(ids, new):
+            s = self.seqs[sid]
+            if t >= 0:
+                s.tokens.append(t)
+            if s.num_computed < s.num_slots:
+                s.num_computed = s.num_slots
+                self._hash_computed(s, dedupe=True)
+        slots: list[int] = []
+        copies: list[tuple[int, int]] = []
+        seq_lens: list[int] = []
+        for sid, n in zip(ids, ns):
+            s = self.seqs[sid]
+            if n:
+                for j in range(s.num_slots // bs, (s.num_slots + n - 1) // bs + 1):
+                    if j == len(s.blocks):
+                        s.blocks.append(self._pop_free())
+                    elif self.refcounts[s.blocks[j]] > 1:
+                        dst = self._pop_free()
+                        if j * bs < s.num_slots:
+                            copies.append((s.blocks[j], dst))
+                        self._release(s.blocks[j])
+                        s.blocks[j] = dst
+                for pos in range(s.num_slots, s.num_slots + n):
+                    slots.append(s.blocks[pos // bs] * bs + pos % bs)
+                s.num_slots += n
+            seq_lens.append(s.num_slots)
+        width = max([1] + [len(self.seqs[sid].blocks) for sid in ids])
+        tables = np.zeros((len(ids), width), dtype=np.int32)
+        for row, sid in enumerate(ids):
+            blocks = self.seqs[sid].blocks
+            tables[row, :len(blocks)] = blocks
+        return (np.array(slots, dtype=np.int64), tables, np.array(seq_lens, dtype=np.int32),
+                np.array(copies, dtype=np.int32).reshape(-1, 2))

@@ -1,0 +1,206 @@
+"""The Rust allocator against the plain-Python reference model, under random operation
+sequences (hypothesis stateful testing), plus direct checks of the Python binding."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from edgepaged._rust_alloc import (AllocatorError, BlockAllocator, NoFreeBlocksError,
+                                   SequenceError)
+
+from alloc_reference import RefAllocator
+
+NUM_BLOCKS, BLOCK_SIZE = 24, 4
+# a few shared "system prompts" so prefix hits, evictions and deduplication happen often
+PREFIXES = [list(range(100, 109)), list(range(200, 213)), [7] * 8]
+
+
+def _result(fn, *args, **kw):
+    """(kind, value): the outcome of a call, exceptions included, in comparable form."""
+    try:
+        out = fn(*args, **kw)
+    except (AllocatorError, ValueError) as e:
+        return ("error", type(e).__name__)
+    if isinstance(out, tuple):
+        return ("ok", tuple(np.asarray(x).tolist() for x in out))
+    return ("ok", out)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.rust = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
+        self.ref = RefAllocator(NUM_BLOCKS, BLOCK_SIZE)
+        self.next_id = 0
+        # simulated KV cache: which token sits in each slot
+        self.content = np.full(NUM_BLOCKS * BLOCK_SIZE, -1, dtype=np.int64)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _state(self, a):
+        ids = sorted(a.seqs) if isinstance(a, RefAllocator) else sorted(a.seq_ids())
+        return (a.stats(), a.free_list(), {i: list(a.block_table(i)) for i in ids})
+
+    def _both(self, name, *args, **kw):
+        before = self._state(self.rust)
+        r = _result(getattr(self.rust, name), *args, **kw)
+        p = _result(getattr(self.ref, name), *args, **kw)
+        assert r == p, f"{name}{args}: rust {r} != reference {p}"
+        if r[0] == "error":
+            assert self._state(self.rust) == before, f"failed {name} changed the state"
+        return r
+
+    def _live(self):
+        return sorted(self.ref.seqs)
+
+    # -- rules -----------------------------------------------------------------------------
+    @rule(prefix=st.sampled_from(range(-1, len(PREFIXES))),
+          suffix=st.lists(st.integers(0, 5), max_size=9), salt=st.sampled_from([0, 0, 1]))
+    def add(self, prefix, suffix, salt):
+        prompt = (PREFIXES[prefix] if prefix >= 0 else []) + suffix
+        sid = self.next_id
+        self.next_id += 1
+        kind, cached = self._both("add_sequence", sid, prompt, salt)
+        if kind == "ok" and cached:
+            # a prefix hit returns only blocks that hold exactly these tokens
+            table = self.rust.block_table(sid)
+            slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached)]
+            assert self.content[slots].tolist() == prompt[:cached]
+
+    @precondition(lambda self: self.ref.seqs)
+    @rule(data=st.data())
+    def append(self, data):
+        sid = data.draw(st.sampled_from(self._live()))
+        toks = data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=6))
+        self._both("append_tokens", sid, toks)
+
+    @precondition(lambda self: self.ref.seqs)
+    @rule(data=st.data())
+    def step(self, data):
+        live = self._live()
+        ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
+        ns, new = [], []
+        for sid in ids:
+            s = self.ref.seqs[sid]
+            new.append(data.draw(st.sampled_from([-1, -1, 3, 4])))
+            avail = len(s.tokens) - s.num_slots + (new[-1] >= 0)
+            ns.append(data.draw(st.integers(0, avail + (1 if data.draw(st.booleans()) else 0))))
+        args = [np.array(ids, dtype=np.int64), np.array(ns, dtype=np.int64)]
+        if data.draw(st.booleans()):
+            args.append(np.array(new, dtype=np.int64))
+        kind, out = self._both("prepare_step", *args)
+        if kind != "ok":
+            return
+        slots, tables, seq_lens, copies = out
+        for src, dst in copies:  # copy-on-write first, as the runner does
+            self.content[dst * BLOCK_SIZE:(dst + 1) * BLOCK_SIZE] = self.content[src * BLOCK_SIZE:(src + 1) * BLOCK_SIZE]
+        k = 0
+        for sid, n, length in zip(ids, ns, seq_lens):
+            toks = self.ref.seqs[sid].tokens
+            for pos in range(length - n, length):
+                self.content[slots[k]] = toks[pos]
+                k += 1
+        assert k == len(slots)
+
+    @precondition(lambda self: self.ref.seqs)
+    @rule(data=st.data(), cache=st.booleans())
+    def free(self, data, cache):
+        self._both("free_sequence", data.draw(st.sampled_from(self._live())), cache)
+
+    @precondition(lambda self: self.ref.seqs)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self._live()))
+        self._both("fork", parent, self.next_id)
+        self.next_id += 1
+
+    @rule(sid=st.integers(1000, 1002))
+    def unknown_ids(self, sid):
+        self._both("free_sequence", sid)
+        self._both("prepare_step", [sid], [1])
+        self._both("append_tokens", sid, [1])
+
+    @precondition(lambda self: self.ref.seqs)
+    @rule(data=st.data())
+    def duplicate_id(self, data):
+        self._both("add_sequence", data.draw(st.sampled_from(self._live())), [1, 2, 3])
+
+    @rule(prefix=st.sampled_from(range(len(PREFIXES))), salt=st.sampled_from([0, 1]))
+    def query(self, prefix, salt):
+        self._both("prefix_match", PREFIXES[prefix] + [1], salt)
+
+    # -- invariants ------------------------------------------------------------------------
+    @invariant()
+    def same_state_and_invariants(self):
+        assert self._state(self.rust) == self._state(self.ref)
+        self.rust.check_invariants()
+        st_ = self.rust.stats()
+        assert st_["free_blocks"] + st_["used_blocks"] == NUM_BLOCKS
+        holders = [0] * NUM_BLOCKS
+        for sid in self.rust.seq_ids():
+            for b in self.rust.block_table(sid):
+                holders[b] += 1
+        free = set(self.rust.free_list())
+        for b in range(NUM_BLOCKS):
+            assert self.rust.refcount(b) == holders[b]
+            assert not (b in free and holders[b] > 0)
+
+    @invariant()
+    def computed_kv_matches_tokens(self):
+        # every slot a sequence reserved before holds its token (copy-on-write worked)
+        for sid, s in self.ref.seqs.items():
+            for pos in range(s.num_computed):
+                b = s.blocks[pos // BLOCK_SIZE]
+                assert self.content[b * BLOCK_SIZE + pos % BLOCK_SIZE] == s.tokens[pos], (sid, pos)
+
+
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+def test_errors_are_specific_and_change_nothing():
+    a = BlockAllocator(4, 4)
+    a.add_sequence(1, list(range(16)))
+    a.add_sequence(2, [1])
+    with pytest.raises(NoFreeBlocksError):
+        a.prepare_step([1, 2], [16, 1])
+    assert a.num_free_blocks == 4 and a.seq_num_slots(1) == 0
+    with pytest.raises(SequenceError):
+        a.add_sequence(1, [5])
+    with pytest.raises(SequenceError):
+        a.free_sequence(99)
+    with pytest.raises(ValueError):
+        a.add_sequence(3, [])
+    with pytest.raises(ValueError):
+        a.add_sequence(3, [-1])
+    with pytest.raises(ValueError):
+        a.prepare_step([1], [1, 2])
+    with pytest.raises(ValueError):
+        BlockAllocator(0, 16)
+    with pytest.raises(ValueError):
+        a.prepare_step("not ints", [1])
+    a.check_invariants()
+
+
+def test_prepare_step_arrays():
+    a = BlockAllocator(64, 16)
+    a.add_sequence(7, np.arange(40, dtype=np.int64))
+    a.add_sequence(8, np.arange(3, dtype=np.int32))
+    slots, tables, lens, copies = a.prepare_step(np.array([7, 8]), np.array([40, 3], dtype=np.int32))
+    assert slots.dtype == np.int64 and slots.shape == (43,)
+    assert tables.dtype == np.int32 and tables.shape == (2, 3)
+    assert lens.tolist() == [40, 3] and copies.shape == (0, 2)
+    assert tables[1, 1:].tolist() == [0, 0]  # padding
+    assert slots[:16].tolist() == list(range(tables[0, 0] * 16, tables[0, 0] * 16 + 16))
+
+
+def test_contiguous_mode_reserves_up_front():
+    a = BlockAllocator(8, 4, contiguous=True)
+    assert not a.enable_prefix_caching
+    a.add_sequence(1, [1, 2], reserve_tokens=16)
+    assert a.num_used_blocks == 4
+    with pytest.raises(NoFreeBlocksError):
+        a.add_sequence(2, [1], reserve_tokens=20)
+    assert a.num_sequences == 1
