@@ -1,0 +1,110 @@
+"""A request's life inside the engine: its tokens, its state, its timings, its events."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..model.sampler import SamplingParams
+
+INTERACTIVE, BACKGROUND = "interactive", "background"
+PRIORITIES = (INTERACTIVE, BACKGROUND)
+
+_ids = itertools.count(1)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"        # not admitted yet, or preempted and requeued
+    RUNNING = "running"        # holds blocks in the allocator
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenEvent:
+    """New output: the token ids sampled and the text that is now safe to show."""
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class DoneEvent:
+    """The last event of a request."""
+    finish_reason: str            # stop | length | cancelled | error
+    usage: dict[str, int]         # prompt_tokens, completion_tokens, cached_tokens
+    timings: dict[str, float]     # queue_s, ttft_s, decode_s, tpot_s, e2e_s
+    stop: str | int | None = None  # the stop string or stop token that ended it
+    error: dict[str, str] | None = None  # {"code", "message"} when finish_reason == "error"
+
+
+Event = TokenEvent | DoneEvent
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: str = INTERACTIVE
+    client: str = ""
+    salt: int = 0
+    id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = field(default_factory=time.monotonic)
+
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    # allocator-side progress: how many of prompt_ids + output_ids the allocator knows and
+    # how many have KV slots (computed or being computed this step)
+    num_known: int = 0
+    num_slots: int = 0
+    num_cached: int = 0            # prompt tokens found in the prefix cache (first admission)
+    num_preemptions: int = 0
+    admitted: bool = False         # admitted at least once
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: dict[str, str] | None = None
+    detok: Any = None              # IncrementalDetokenizer
+    send: Any = None               # the engine's side of the event channel
+    reserve_tokens: int = 0        # contiguous mode: tokens reserved at admission
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_total(self) -> int:
+        """Prompt plus the most tokens it may generate."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """All known tokens but the last sampled one have KV: one token to compute."""
+        return bool(self.output_ids) and self.num_slots == self.num_tokens - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.output_ids),
+                "cached_tokens": self.num_cached}
+
+    def timings(self) -> dict[str, float]:
+        end = self.finished_at or time.monotonic()
+        start = self.first_scheduled or end
+        first = self.first_token or end
+        n = len(self.output_ids)
+        return {
+            "queue_s": round(start - self.arrival, 6),
+            "ttft_s": round(first - self.arrival, 6),
+            "decode_s": round(end - first, 6),
+            "tpot_s": round((end - first) / (n - 1), 6) if n > 1 else 0.0,
+            "e2e_s": round(end - self.arrival, 6),
+        }

@@ -1,0 +1,310 @@
+"""The scheduling policy: plain synchronous code over the queues and the block allocator.
+
+Each step fills a token budget: running sequences' decode tokens first, then prefill chunks
+of partially prefilled sequences, then new admissions (chunked prefill), so a long document
+never stalls everyone else's decoding. Admission needs the blocks of the first chunk (and a
+small watermark kept back). When a running sequence cannot get its next block, the lowest
+ranked running sequence (background before interactive, then newest first) is preempted by
+recompute: its blocks are freed and it is requeued at the front with its output kept.
+
+Waiting order: preempted interactive, waiting interactive, preempted background, waiting
+background. Within a priority, clients share fairly: the client with the fewest running
+requests goes first (oldest request on ties), so one client's fifty requests never push
+another client's single request to the back.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .request import BACKGROUND, INTERACTIVE, PRIORITIES, Request, Status
+
+
+class RequestRejected(ValueError):
+    """A request that can never run here (too long for the context or the KV pool)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    watermark_frac: float = 0.01
+    contiguous: bool = False
+    background_share: float = 0.5    # at most this fraction of max_num_seqs runs background work
+
+
+@dataclass
+class Batch:
+    """One step's work, with the allocator's answer for it."""
+    requests: list[Request]
+    num_new: list[int]
+    input_ids: np.ndarray            # int64 [T]
+    positions: np.ndarray            # int64 [T]
+    query_start_loc: np.ndarray      # int32 [B+1]
+    seq_lens: np.ndarray             # int32 [B]
+    block_tables: np.ndarray         # int32 [B, M]
+    slot_mapping: np.ndarray         # int64 [T]
+    copies: np.ndarray               # int32 [K, 2]
+    logits_indices: np.ndarray       # int64 [S]: rows whose next token is sampled
+    sampled: list[Request]           # the requests of those rows
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+
+class _Queue:
+    """Waiting requests of one priority: preempted ones first, then fair across clients."""
+
+    def __init__(self):
+        self.preempted: deque[Request] = deque()
+        self.clients: dict[str, deque[Request]] = {}
+
+    def __len__(self) -> int:
+        return len(self.preempted) + sum(len(q) for q in self.clients.values())
+
+    def push(self, req: Request) -> None:
+        self.clients.setdefault(req.client, deque()).append(req)
+
+    def push_front(self, req: Request) -> None:
+        self.preempted.appendleft(req)
+
+    def peek(self, running_per_client: dict[str, int]) -> Request | None:
+        if self.preempted:
+            return self.preempted[0]
+        best = None
+        for client, q in self.clients.items():
+            key = (running_per_client.get(client, 0), q[0].arrival)
+            if best is None or key < best[0]:
+                best = (key, q[0])
+        return best[1] if best else None
+
+    def pop(self, req: Request) -> None:
+        if self.preempted and self.preempted[0] is req:
+            self.preempted.popleft()
+            return
+        q = self.clients[req.client]
+        q.remove(req)
+        if not q:
+            del self.clients[req.client]
+
+    def remove(self, req: Request) -> bool:
+        if req in self.preempted:
+            self.preempted.remove(req)
+            return True
+        q = self.clients.get(req.client)
+        if q is not None and req in q:
+            self.pop(req)
+            return True
+        return False
+
+
+class Scheduler:
+    def __init__(self, allocator, config: SchedulerConfig):
+        self.alloc = allocator
+        self.config = config
+        self.block_size = allocator.block_size
+        self.watermark = max(1, int(config.watermark_frac * allocator.num_blocks)) if not config.contiguous else 0
+        self.queues = {p: _Queue() for p in PRIORITIES}
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue state ------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def check(self, req: Request) -> None:
+        """Reject up front a request that could never run; raise RequestRejected."""
+        cfg = self.config
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise RequestRejected("empty_prompt", "the prompt is empty")
+        if n >= cfg.max_model_len:
+            raise RequestRejected("prompt_too_long", f"the prompt has {n} tokens; this server's context is "
+                                  f"{cfg.max_model_len} tokens (including the answer)")
+        if req.max_total > cfg.max_model_len:
+            raise RequestRejected("context_exceeded", f"prompt ({n} tokens) + max_tokens ({req.params.max_tokens}) "
+                                  f"exceeds the context of {cfg.max_model_len} tokens")
+        usable = self.alloc.num_blocks - self.watermark
+        if self._blocks_for(req.max_total) > usable:
+            raise RequestRejected("kv_capacity", f"prompt + max_tokens needs {self._blocks_for(req.max_total)} KV "
+                                  f"blocks; the pool has {usable}")
+
+    def add(self, req: Request) -> None:
+        self.check(req)
+        req.status = Status.WAITING
+        self.queues[req.priority].push(req)
+
+    def abort(self, req: Request) -> None:
+        """Take a request out wherever it is; its blocks return to the pool at once."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.alloc.free_sequence(req.id)
+        elif req.status is Status.WAITING:
+            self.queues[req.priority].remove(req)
+        req.status = Status.FINISHED
+
+    def finish(self, req: Request, cache: bool = True) -> None:
+        """A running request ended (stop, length, or a failed step with cache=False)."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.alloc.free_sequence(req.id, cache)
+        elif req.status is Status.WAITING:
+            self.queues[req.priority].remove(req)
+        req.status = Status.FINISHED
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.alloc.free_sequence(req.id)
+        req.status = Status.WAITING
+        req.num_known = req.num_slots = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.queues[req.priority].push_front(req)
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        """Plan one step: interactive work first (decodes, prefill chunks, admissions), then
+        background work — unless an interactive prefill runs this step: background then
+        waits one step, so an interactive request's first token never waits behind it."""
+        self._budget = self.config.max_num_batched_tokens
+        self._plan: dict[Request, int] = {}
+        self._need: dict[Request, int] = {}
+        self._preempted: list[Request] = []
+        rank = {INTERACTIVE: 0, BACKGROUND: 1}
+        self.running.sort(key=lambda r: (rank[r.priority], r.arrival))
+        for prio in PRIORITIES:
+            self._schedule_running(prio)
+            self._admit(prio)
+            if prio == INTERACTIVE and any(not r.is_decoding for r in self._plan):
+                break
+        if not self._plan:
+            return None
+        return self._build(self._plan, self._preempted)
+
+    def _free(self) -> int:
+        return self.alloc.num_free_blocks - sum(self._need.values())
+
+    def _preempt_in_step(self, victim: Request) -> None:
+        self._budget += self._plan.pop(victim, 0)
+        self._need.pop(victim, None)
+        self._preempt(victim)
+        self._preempted.append(victim)
+
+    def _schedule_running(self, prio: str) -> None:
+        """Running sequences of one priority: decodes first, then prefill chunks. A sequence
+        that cannot get its blocks preempts the lowest ranked running one not yet planned."""
+        for decoding in (True, False):
+            for req in list(self.running):
+                if (req.priority != prio or req.status is not Status.RUNNING or req in self._plan
+                        or req.is_decoding != decoding):
+                    continue
+                n = 1 if decoding else min(req.num_known - req.num_slots, self._budget)
+                if n <= 0:
+                    continue
+                k = self.alloc.blocks_needed(req.id, n)
+                while k > self._free():
+                    victims = [r for r in self.running if r is not req and r not in self._plan]
+                    victim = victims[-1] if victims else req
+                    self._preempt_in_step(victim)
+                    if victim is req:
+                        break
+                    k = self.alloc.blocks_needed(req.id, n)
+                if req.status is Status.RUNNING:
+                    self._plan[req], self._need[req] = n, k
+                    self._budget -= n
+
+    def _admit(self, prio: str) -> None:
+        cfg = self.config
+        queue = self.queues[prio]
+        running_per_client: dict[str, int] = {}
+        for r in self.running:
+            running_per_client[r.client] = running_per_client.get(r.client, 0) + 1
+        limit = cfg.max_num_seqs
+        if prio == BACKGROUND:   # keep room for interactive arrivals
+            limit = max(1, int(cfg.max_num_seqs * cfg.background_share))
+        while self._budget > 0:
+            req = queue.peek(running_per_client)
+            if req is None or req in self._preempted:
+                return
+            tokens = req.all_ids
+            if cfg.contiguous:
+                reserve = min(req.max_total, cfg.max_model_len)
+                k = self._blocks_for(reserve)
+            else:
+                reserve = None
+                cached, free_cached = self.alloc.prefix_match(tokens, req.salt)
+                chunk = min(len(tokens) - cached, self._budget)
+                k = free_cached + self._blocks_for(cached + chunk) - cached // self.block_size
+            same_prio = sum(r.priority == prio for r in self.running)
+            full = len(self.running) >= cfg.max_num_seqs or same_prio >= limit
+            if full or k > self._free() - self.watermark:
+                # an interactive request may take the place of running background work
+                victims = [r for r in self.running if r.priority == BACKGROUND] if prio == INTERACTIVE else []
+                if victims:
+                    self._preempt_in_step(victims[-1])
+                    continue
+                return
+            queue.pop(req)
+            cached = self.alloc.add_sequence(req.id, tokens, req.salt, reserve)
+            if not req.admitted:
+                req.num_cached = cached
+                req.admitted = True
+            req.num_known, req.num_slots = len(tokens), cached
+            req.status = Status.RUNNING
+            self.running.append(req)
+            running_per_client[req.client] = running_per_client.get(req.client, 0) + 1
+            n = min(len(tokens) - cached, self._budget)
+            self._plan[req] = n
+            self._need[req] = self.alloc.blocks_needed(req.id, n)
+            self._budget -= n
+
+    def _build(self, plan: dict[Request, int], preempted: list[Request]) -> Batch:
+        reqs = list(plan)
+        num_new = [plan[r] for r in reqs]
+        new_tokens = [r.output_ids[-1] if r.num_known == r.num_tokens - 1 else -1 for r in reqs]
+        slot_mapping, block_tables, seq_lens, copies = self.alloc.prepare_step(
+            np.array([r.id for r in reqs], dtype=np.int64), np.array(num_new, dtype=np.int64),
+            np.array(new_tokens, dtype=np.int64))
+        total = sum(num_new)
+        input_ids = np.empty(total, dtype=np.int64)
+        positions = np.empty(total, dtype=np.int64)
+        qsl = np.zeros(len(reqs) + 1, dtype=np.int32)
+        logits_indices, sampled = [], []
+        t = 0
+        for i, (r, n, tok) in enumerate(zip(reqs, num_new, new_tokens)):
+            start = r.num_slots
+            if tok >= 0:
+                r.num_known += 1
+            if n == 1 and tok >= 0:
+                input_ids[t] = tok
+            else:
+                input_ids[t:t + n] = r.all_ids[start:start + n]
+            positions[t:t + n] = np.arange(start, start + n)
+            r.num_slots += n
+            t += n
+            qsl[i + 1] = t
+            if r.num_slots == r.num_tokens:
+                logits_indices.append(t - 1)
+                sampled.append(r)
+        return Batch(reqs, num_new, input_ids, positions, qsl, seq_lens, block_tables, slot_mapping, copies,
+                     np.array(logits_indices, dtype=np.int64), sampled, preempted)

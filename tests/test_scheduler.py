@@ -1,0 +1,150 @@
+"""The scheduling policy on its own: no Trio, no model; the real Rust allocator."""
+import pytest
+
+from edgepaged._rust_alloc import BlockAllocator
+from edgepaged.engine.request import BACKGROUND, INTERACTIVE, Request, Status
+from edgepaged.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from edgepaged.model.sampler import SamplingParams
+
+BS = 16
+
+
+def make(num_blocks=64, **kw):
+    cfg = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256)
+    cfg.update(kw)
+    contiguous = cfg.get("contiguous", False)
+    return Scheduler(BlockAllocator(num_blocks, BS, contiguous=contiguous), SchedulerConfig(**cfg))
+
+
+def req(n=20, max_tokens=8, priority=INTERACTIVE, client="", base=1, arrival=None):
+    r = Request(prompt_ids=[base + i % 50 for i in range(n)], params=SamplingParams(temperature=0, max_tokens=max_tokens),
+                priority=priority, client=client)
+    if arrival is not None:
+        r.arrival = arrival
+    return r
+
+
+def step(s: Scheduler, token=7):
+    """One engine step without a model: every sampled request gets `token`; requests that
+    reach max_tokens finish."""
+    b = s.schedule()
+    if b is None:
+        return None
+    for r in b.sampled:
+        r.output_ids.append(token)
+        if len(r.output_ids) >= r.params.max_tokens:
+            s.finish(r)
+    return b
+
+
+def test_rejects_what_can_never_fit():
+    s = make(num_blocks=8, max_model_len=200)
+    with pytest.raises(RequestRejected) as e:
+        s.add(req(n=200))
+    assert e.value.code == "prompt_too_long"
+    with pytest.raises(RequestRejected) as e:
+        s.add(req(n=150, max_tokens=100))
+    assert e.value.code == "context_exceeded"
+    with pytest.raises(RequestRejected) as e:
+        s.add(req(n=100, max_tokens=90))   # 12 blocks > 8 - watermark
+    assert e.value.code == "kv_capacity"
+    assert s.num_waiting == 0
+
+
+def test_chunked_prefill_keeps_decodes_going():
+    s = make(max_num_batched_tokens=64)
+    short = req(n=10, max_tokens=50)
+    s.add(short)
+    step(s)
+    long = req(n=300, max_tokens=4, base=100)
+    s.add(long)
+    chunks = []
+    while long.num_slots < 300:
+        b = step(s)
+        assert short in b.requests and b.num_new[b.requests.index(short)] == 1   # decode never stalls
+        assert b.num_tokens <= 64
+        chunks.append(b.num_new[b.requests.index(long)])
+    assert chunks == [63, 63, 63, 63, 48]
+    assert long in b.sampled     # the last chunk samples the first token
+
+
+def test_fair_share_between_clients():
+    s = make(max_num_seqs=4)
+    flood = [req(client="alice", base=i) for i in range(50)]
+    for r in flood:
+        s.add(r)
+    bob = req(client="bob", base=99)
+    s.add(bob)
+    b = step(s)
+    assert bob in b.requests, "one client's fifty requests must not push another's single one back"
+
+
+def test_interactive_before_background_and_takes_its_place():
+    s = make(max_num_seqs=2, background_share=1.0)
+    bg = [req(priority=BACKGROUND, base=i, max_tokens=100, arrival=i) for i in range(3)]
+    for r in bg:
+        s.add(r)
+    step(s)
+    assert [r.status for r in bg] == [Status.RUNNING, Status.RUNNING, Status.WAITING]
+    inter = req(priority=INTERACTIVE, base=77, arrival=10)
+    s.add(inter)
+    b = step(s)
+    assert inter in b.requests
+    assert bg[1].status is Status.WAITING and bg[1].num_preemptions == 1   # newest background gave way
+    assert s.num_preemptions == 1
+
+
+def test_out_of_blocks_preempts_newest_and_resumes_with_output_kept():
+    s = make(num_blocks=6, max_num_batched_tokens=512)
+    a, b_ = req(n=30, max_tokens=40, base=1, arrival=1), req(n=30, max_tokens=40, base=60, arrival=2)
+    s.add(a)
+    s.add(b_)
+    preempted = []
+    for _ in range(200):
+        batch = step(s)
+        if batch is None:
+            break
+        preempted += batch.preempted
+    assert preempted and preempted[0] is b_, "the newest request is the victim"
+    assert a.finished and b_.finished
+    assert len(a.output_ids) == len(b_.output_ids) == 40
+    assert s.alloc.num_used_blocks == 0
+
+
+def test_contiguous_reserves_prompt_plus_max_tokens():
+    s = make(num_blocks=64, contiguous=True)
+    r = req(n=20, max_tokens=100)
+    s.add(r)
+    step(s)
+    assert s.alloc.num_used_blocks == -(-120 // BS)
+    while step(s):
+        pass
+    assert s.alloc.num_used_blocks == 0 and r.finished
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    s = make(max_num_seqs=1)
+    r1, r2 = req(base=1), req(base=2)
+    s.add(r1)
+    s.add(r2)
+    step(s)
+    assert r1.status is Status.RUNNING and r2.status is Status.WAITING
+    s.abort(r2)
+    s.abort(r1)
+    assert s.alloc.num_used_blocks == 0 and not s.has_work()
+
+
+def test_background_share_and_pause_for_interactive_prefill():
+    s = make(max_num_seqs=4)          # background may hold at most half
+    bg = [req(priority=BACKGROUND, base=i, max_tokens=100, arrival=i) for i in range(4)]
+    for r in bg:
+        s.add(r)
+    step(s)
+    assert sum(r.status is Status.RUNNING for r in bg) == 2
+    step(s)
+    inter = req(priority=INTERACTIVE, base=77, arrival=10)
+    s.add(inter)
+    b = step(s)
+    assert b.requests == [inter], "background waits while an interactive prompt prefills"
+    b = step(s)
+    assert inter in b.requests and len(b.requests) == 3   # then everyone decodes together
