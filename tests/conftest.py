@@ -1,0 +1,18 @@
+# Keep this block first. Triton reads TRITON_INTERPRET once, when it is first imported (torch can
+# import it lazily too, e.g. through torch._inductor), so the variable must be set before any
+# import below. By default the Triton kernels run in Triton's CPU interpreter; with
+# EDGEPAGED_GPU_TESTS=1 they are compiled and run on the CUDA GPU instead.
+import os
+
+if os.environ.get("EDGEPAGED_GPU_TESTS") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random llama (safetensors + tokenizer.json) shared by the engine and server tests."""
+    from tiny_models import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
