@@ -16,3 +16,11 @@ def tiny_model_dir(tmp_path_factory):
     """A tiny random llama (safetensors + tokenizer.json) shared by the engine and server tests."""
     from tiny_models import make_tiny_model
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def embedded_runner():
+    """The embedded SmolLM2-135M-Instruct, loaded once per session, with a small KV pool
+    (256 blocks of 16 tokens). Shared by the server tests: one engine at a time."""
+    from edgepaged.model import ModelRunner
+    return ModelRunner(num_blocks=256)

@@ -58,7 +58,10 @@ class Engine:
         self.block_size = runner.block_size
         self.allocator = BlockAllocator(runner.num_blocks, runner.block_size,
                                         enable_prefix_caching=cfg.enable_prefix_caching, contiguous=cfg.contiguous)
-        self.max_model_len = min(cfg.max_model_len or runner.max_model_len, runner.max_model_len)
+        # a request must fit the pool with the watermark kept back
+        usable = runner.num_blocks - (0 if cfg.contiguous else max(1, int(cfg.watermark_frac * runner.num_blocks)))
+        self.max_model_len = min(cfg.max_model_len or runner.max_model_len, runner.max_model_len,
+                                 usable * runner.block_size)
         self.scheduler = Scheduler(self.allocator, SchedulerConfig(
             max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, watermark_frac=cfg.watermark_frac,
@@ -247,8 +250,14 @@ class Engine:
         self.metrics.on_step(
             running=self.scheduler.num_running, waiting=self.scheduler.num_waiting, blocks_used=blocks_used,
             blocks_total=self.allocator.num_blocks, generated=generated, preemptions=len(batch.preempted),
-            reserved_slots=blocks_used * self.block_size,
-            used_slots=sum(r.num_slots for r in self.scheduler.running))
+            reserved_slots=blocks_used * self.block_size, unused_slots=self._unused_slots())
+
+    def _unused_slots(self) -> int:
+        """KV slots reserved but holding nothing: the empty tail of each sequence's own last
+        block (shared blocks are always full), or its whole up-front reservation beyond what
+        it holds in contiguous mode."""
+        bs = self.block_size
+        return sum(-(-max(r.num_slots, r.reserve_tokens) // bs) * bs - r.num_slots for r in self.scheduler.running)
 
     def _send(self, req: Request, event) -> None:
         try:

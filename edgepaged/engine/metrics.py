@@ -54,7 +54,7 @@ class Metrics:
         self.started = time.monotonic()
         self._tok_window: deque = deque()   # (time, tokens) of recent steps, for tokens/s
         self.max_running = 0
-        self.steps_waste: list[float] = []   # reserved-but-unused KV slot fraction, per step
+        self.waste_sum, self.waste_steps = 0.0, 0   # reserved-but-unused KV slot fraction, summed over steps
 
     def _inc(self, name: str, n: int) -> None:
         if n:
@@ -62,7 +62,7 @@ class Metrics:
             self.counts[name] += n
 
     def on_step(self, *, running: int, waiting: int, blocks_used: int, blocks_total: int, generated: int,
-                preemptions: int, reserved_slots: int, used_slots: int) -> None:
+                preemptions: int, reserved_slots: int, unused_slots: int) -> None:
         self.num_requests_running.set(running)
         self.num_requests_waiting.set(waiting)
         self.kv_blocks_used.set(blocks_used)
@@ -73,7 +73,8 @@ class Metrics:
         self.counts["num_steps"] += 1
         self.max_running = max(self.max_running, running)
         if reserved_slots:
-            self.steps_waste.append(max(0.0, 1 - used_slots / reserved_slots))
+            self.waste_sum += unused_slots / reserved_slots
+            self.waste_steps += 1
         now = time.monotonic()
         self._tok_window.append((now, generated))
         while self._tok_window and now - self._tok_window[0][0] > 10:
@@ -126,7 +127,7 @@ class Metrics:
             "finished": dict(self.finished),
             "tokens_per_s": self.tokens_per_s(),
             "uptime_s": round(time.monotonic() - self.started, 3),
-            "kv_waste_frac": round(sum(self.steps_waste) / len(self.steps_waste), 4) if self.steps_waste else 0.0,
+            "kv_waste_frac": round(self.waste_sum / self.waste_steps, 4) if self.waste_steps else 0.0,
             **{f"{k}": _quantiles(v) for k, v in self.recent.items()},
         }
 

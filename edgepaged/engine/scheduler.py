@@ -248,7 +248,7 @@ class Scheduler:
                 return
             tokens = req.all_ids
             if cfg.contiguous:
-                reserve = min(req.max_total, cfg.max_model_len)
+                reserve = req.reserve_tokens = min(req.max_total, cfg.max_model_len)
                 k = self._blocks_for(reserve)
             else:
                 reserve = None

@@ -1,0 +1,277 @@
+"""The command line: `edgepaged serve | chat | ask | ls | top | stats`.
+
+The client commands import neither torch nor the engine: they start fast.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+from functools import partial
+
+import click
+
+from .client import DEFAULT_PORT, ServerError, SyncClient
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+TOKEN_ENV = "EDGEPAGED_TOKEN"
+MDNS_ENV = "EDGEPAGED_MDNS_INTERFACE"
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '1G', '1.5GiB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not m:
+        raise click.BadParameter(f"not a size: {text!r} (e.g. 1073741824, 512M, 2G)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+
+
+def fail(message: str, code: int = 1):
+    click.echo(f"edgepaged: {message}", err=True)
+    sys.exit(code)
+
+
+def server_options(f):
+    """--server, --token, --mdns-interface, --timeout: where and how to connect."""
+    f = click.option("--timeout", "discover_timeout", type=float, default=3.0, show_default=True,
+                     help="Seconds to look for a server by mDNS when --server is not given.")(f)
+    f = click.option("--mdns-interface", envvar=MDNS_ENV, default=None, metavar="ADDR",
+                     help=f"Browse mDNS on this interface address only (env {MDNS_ENV}).")(f)
+    f = click.option("--token", envvar=TOKEN_ENV, default=None, help=f"Shared token (env {TOKEN_ENV}).")(f)
+    f = click.option("--server", default=None, metavar="HOST:PORT",
+                     help="The server; by default the least loaded one found by mDNS.")(f)
+    return f
+
+
+def client_name() -> str:
+    """Who is asking, for fair scheduling: user@host (not one name shared by every CLI user)."""
+    import getpass
+    import socket
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "user"
+    return f"{user}@{socket.gethostname()}"[:128]
+
+
+def connect(server, token, mdns_interface, discover_timeout) -> SyncClient:
+    name = client_name()
+    try:
+        return SyncClient(server, token=token or None, name=name, mdns_interface=mdns_interface,
+                          discover_timeout_s=discover_timeout)
+    except ServerError as e:
+        fail(e.message if e.code in ("no_server", "connection_failed", "bad_address") else str(e))
+
+
+def sampling_options(f):
+    f = click.option("--temperature", type=float, default=0.0, show_default=True,
+                     help="0 picks the most likely token (deterministic).")(f)
+    f = click.option("--max-tokens", type=int, default=None, help="Most tokens per answer (default: the server's).")(f)
+    return f
+
+
+@click.group()
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+def main(verbose):
+    """edgepaged: a local LLM runtime for a home server."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+# ---------------------------------------------------------------- serve
+
+@main.command()
+@click.option("--model", "model_path", default=None, metavar="PATH",
+              help="A GGUF file or a Hugging Face folder (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
+@click.option("--host", default="0.0.0.0", show_default=True,
+              help="Address to listen on; 0.0.0.0 makes the server reachable from the local network.")
+@click.option("--port", type=int, default=DEFAULT_PORT, show_default=True, help="TCP port (0: any free port).")
+@click.option("--kv-memory", default=None, metavar="BYTES",
+              help="KV cache budget, e.g. 512M or 4G (default: min(1 GiB, 25% of free RAM) on CPU, "
+                   "90% of what the GPU has left).")
+@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block.")
+@click.option("--max-batched-tokens", type=int, default=512, show_default=True, help="Token budget of one step.")
+@click.option("--token", envvar=TOKEN_ENV, default=None,
+              help=f"Shared token clients must send (env {TOKEN_ENV}); none: open to the local network.")
+@click.option("--no-mdns", is_flag=True, help="Do not advertise on the local network.")
+@click.option("--mdns-interface", default=None, metavar="ADDR", help="Advertise on this interface address only.")
+@click.option("--max-connections", type=int, default=64, show_default=True)
+@click.option("--max-inflight", type=int, default=16, show_default=True, help="Requests in flight per connection.")
+@click.option("--max-prompt-tokens", type=int, default=None, help="Longest prompt taken (default: the context).")
+@click.option("--max-tokens", type=int, default=None, help="Cap on a request's max_tokens (default: the context).")
+@click.option("--grace", type=float, default=10.0, show_default=True,
+              help="Seconds running requests get to finish at shutdown.")
+@click.option("--mdns-refresh", type=float, default=5.0, hidden=True)
+def serve(model_path, device, host, port, kv_memory, block_size, max_batched_tokens, token, no_mdns,
+          mdns_interface, max_connections, max_inflight, max_prompt_tokens, max_tokens, grace, mdns_refresh):
+    """Serve a model on the network (msgpack over TCP, advertised by mDNS)."""
+    import trio
+
+    from .engine import EngineConfig
+    from .server.app import AppConfig, run
+    from .server.tcp import ServerConfig
+    kv_bytes = parse_bytes(kv_memory) if kv_memory else None
+    try:
+        runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens)
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted while loading the model", 130)
+    cfg = AppConfig(
+        server=ServerConfig(host=host, port=port, token=token or None, max_connections=max_connections,
+                            max_inflight=max_inflight, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens),
+        engine=EngineConfig(max_num_batched_tokens=max_batched_tokens),
+        mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
+    try:
+        trio.run(partial(run, runner, cfg, say=lambda line: click.echo(line) or sys.stdout.flush()))
+    except BaseExceptionGroup as group:   # e.g. the port is taken: say so without a traceback
+        bind_errors, rest = group.split(OSError)
+        if bind_errors is None or rest is not None:
+            raise
+        e = _leaves(bind_errors)[0]
+        fail(f"cannot serve on {host}:{port}: {e.strerror or e}")
+
+
+def _leaves(group) -> list[BaseException]:
+    return [x for e in group.exceptions for x in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])]
+
+
+def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens):
+    import torch
+
+    from .model import ModelRunner
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.monotonic()
+    click.echo(f"loading {model_path or 'the embedded model (SmolLM2-135M-Instruct)'} on {device}...", err=True)
+    runner = ModelRunner(model_path, device=device, kv_memory_bytes=kv_bytes, block_size=block_size,
+                         max_num_batched_tokens=max_batched_tokens)
+    click.echo(f"loaded {runner.model_path.name} in {time.monotonic() - t0:.1f} s", err=True)
+    return runner
+
+
+# ---------------------------------------------------------------- ask
+
+@main.command()
+@server_options
+@sampling_options
+@click.option("--system", default=None, help="A system prompt.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, usage, timings.")
+@click.argument("prompt", nargs=-1)
+def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens, system, as_json, prompt):
+    """Ask one question (PROMPT, or stdin when none) and stream the answer."""
+    text = " ".join(prompt) if prompt else sys.stdin.read()
+    if not text.strip():
+        fail("nothing to ask: give a PROMPT or pipe one on stdin", 2)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    with connect(server, token, mdns_interface, discover_timeout) as c:
+        answer = None
+        try:
+            answer = c.chat(messages, max_tokens=max_tokens, temperature=temperature)
+            for piece in answer:
+                if not as_json:
+                    click.echo(piece, nl=False)
+                    sys.stdout.flush()
+        except ServerError as e:
+            fail(str(e))
+        except KeyboardInterrupt:
+            if answer is not None:
+                answer.cancel()
+            sys.exit(130)
+        done = answer.done or {}
+        if as_json:
+            click.echo(json.dumps({"text": answer.text, "finish_reason": done.get("finish_reason"),
+                                   "usage": done.get("usage"), "timings": done.get("timings"),
+                                   "model": c.info.get("model"), "server": c.address, "error": done.get("error")}))
+        else:
+            click.echo()
+        if done.get("finish_reason") in ("error", "cancelled"):
+            fail((done.get("error") or {}).get("message", "the request did not finish"))
+
+
+# ---------------------------------------------------------------- chat
+
+@main.command()
+@server_options
+@sampling_options
+@click.option("--system", default=None, help="A system prompt (also /system TEXT in the chat).")
+def chat(server, token, mdns_interface, discover_timeout, temperature, max_tokens, system):
+    """Chat with a server: /reset, /system TEXT, Ctrl-C stops an answer, Ctrl-D leaves."""
+    from .cli_chat import ChatSession
+    with connect(server, token, mdns_interface, discover_timeout) as c:
+        ChatSession(c, system=system, max_tokens=max_tokens, temperature=temperature).run()
+
+
+# ---------------------------------------------------------------- ls / stats / top
+
+@main.command(name="ls")
+@click.option("--timeout", type=float, default=2.0, show_default=True, help="Seconds to listen for answers.")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--mdns-interface", envvar=MDNS_ENV, default=None, metavar="ADDR",
+              help=f"Browse on this interface address only (env {MDNS_ENV}).")
+def ls(timeout, as_json, mdns_interface):
+    """The servers on the local network, least loaded first."""
+    import trio
+
+    from .server.mdns import discover
+    records = trio.run(discover, timeout, mdns_interface)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in records]))
+        return
+    if not records:
+        click.echo(f"no edgepaged server answered within {timeout:g} s", err=True)
+        return
+    rows = [("NAME", "ADDRESS", "MODEL", "CONTEXT", "AUTH", "RUNNING", "WAITING", "KV")]
+    rows += [(r.name, r.address, r.model, str(r.context_length), "token" if r.auth else "open", str(r.running),
+              str(r.waiting), f"{100 * r.kv_usage:.0f}%") for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+@main.command()
+@server_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON snapshot.")
+def stats(server, token, mdns_interface, discover_timeout, as_json):
+    """One snapshot of the server's metrics."""
+    with connect(server, token, mdns_interface, discover_timeout) as c:
+        s = c.stats()
+    if as_json:
+        click.echo(json.dumps(s))
+    else:
+        for key, value in s.items():
+            click.echo(f"{key}: {json.dumps(value) if isinstance(value, dict) else value}")
+
+
+@main.command()
+@server_options
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between refreshes.")
+@click.option("--count", type=int, default=0, help="Stop after this many refreshes (0: until Ctrl-C).")
+def top(server, token, mdns_interface, discover_timeout, interval, count):
+    """A live view of the server: requests, KV blocks, prefix cache, preemptions, tokens/s."""
+    from .cli_top import render
+    tty = sys.stdout.isatty()
+    with connect(server, token, mdns_interface, discover_timeout) as c:
+        n = 0
+        try:
+            while True:
+                view = render(c.stats(), c.address, c.info)
+                click.echo(("\x1b[H\x1b[2J" if tty else "") + view)
+                sys.stdout.flush()
+                n += 1
+                if count and n >= count:
+                    break
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            pass
+        except ServerError as e:
+            fail(str(e))
+
+
+if __name__ == "__main__":
+    main(prog_name="edgepaged")

@@ -1,0 +1,1 @@
+"""The network side: the msgpack protocol, the TCP server, mDNS advertise/browse."""

@@ -1,0 +1,186 @@
+"""One client connection: a reader, a writer and the request tasks, under one nursery.
+
+The reader takes frames in, validates them and dispatches; the writer sends frames out
+through a bounded queue (a peer that takes no output for `unread_timeout_s` is cut off, so
+it never holds up the engine or other clients); each chat/generate runs as a task around
+`Engine.stream`. When the peer leaves or breaks the protocol, the request tasks are
+cancelled and leaving `Engine.stream` frees their blocks at once.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..engine import DoneEvent, EngineClosed, RequestRejected, TokenEvent
+from .protocol import (CODES, SUPPORTED_VERSIONS, ConnectionClosed, FrameReader, GenerateRequest, Hello,
+                       ProtocolError, encode, parse, with_id)
+
+if TYPE_CHECKING:
+    from .tcp import Server
+
+log = logging.getLogger("edgepaged.server")
+
+
+def event_frame(rid, ev: TokenEvent | DoneEvent) -> dict:
+    if isinstance(ev, TokenEvent):
+        return {"type": "token", "id": rid, "text": ev.text, "token_ids": ev.token_ids}
+    frame = {"type": "done", "id": rid, "finish_reason": ev.finish_reason, "usage": ev.usage, "timings": ev.timings}
+    if ev.stop is not None:
+        frame["stop"] = ev.stop
+    if ev.error:
+        frame["error"] = ev.error
+    return frame
+
+
+async def close_gracefully(stream, timeout_s: float = 1.0) -> None:
+    """FIN after what was sent, then discard what the peer still sends (closing with unread
+    input would reset the connection and could destroy the last error frame in flight)."""
+    with trio.move_on_after(timeout_s):
+        try:
+            await stream.send_eof()
+            while await stream.receive_some(65536):
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
+class Connection:
+    def __init__(self, server: Server, stream):
+        self.server, self.engine, self.stream = server, server.engine, stream
+        cfg = self.config = server.config
+        try:
+            self.peer = str(stream.socket.getpeername()[0])
+        except OSError:
+            self.peer = "?"
+        self.client = self.peer                  # the fairness identity: hello's client name, else the peer
+        self.hello: Hello | None = None
+        self.inflight: dict = {}                 # request id -> engine Request
+        self.out_send, self.out_recv = trio.open_memory_channel(cfg.max_pending_frames)
+        self.read_scope = trio.CancelScope()     # cancelled at shutdown: read no more, finish what runs
+        self._outer: trio.Nursery | None = None
+        self._requests: trio.Nursery | None = None
+
+    async def send(self, frame: dict) -> None:
+        await self.out_send.send(encode(frame))
+
+    async def run(self) -> None:
+        fatal = False
+        async with trio.open_nursery() as outer:
+            self._outer = outer
+            outer.start_soon(self._writer)
+            async with trio.open_nursery() as requests:
+                self._requests = requests
+                with self.read_scope:
+                    fatal = await self._read_loop()
+                    requests.cancel_scope.cancel()   # the peer left or broke the protocol: its requests end
+            await self.out_send.aclose()             # the writer delivers what is queued, then ends
+        if fatal or self.read_scope.cancel_called:
+            await close_gracefully(self.stream)
+
+    async def _writer(self) -> None:
+        try:
+            async for data in self.out_recv:
+                chunks, size = [data], len(data)
+                while size < 262_144:
+                    try:
+                        more = self.out_recv.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                    chunks.append(more)
+                    size += len(more)
+                with trio.fail_after(self.config.unread_timeout_s):
+                    await self.stream.send_all(b"".join(chunks))
+        except trio.TooSlowError:
+            log.warning("closing the connection from %s: it read nothing for %.0f s", self.peer,
+                        self.config.unread_timeout_s)
+            self._outer.cancel_scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._outer.cancel_scope.cancel()
+
+    async def _read_loop(self) -> bool:
+        """Read and dispatch frames until the peer leaves (False) or a fatal error (True)."""
+        reader = FrameReader(self.stream, self.config.max_frame_bytes)
+        while True:
+            try:
+                if self.hello is None:
+                    with trio.move_on_after(self.config.hello_timeout_s) as scope:
+                        msg = await reader.read()
+                    if scope.cancelled_caught:
+                        raise ProtocolError("hello_timeout", f"no hello within {self.config.hello_timeout_s} s")
+                else:
+                    msg = await reader.read()
+                await self._dispatch(msg)
+            except ConnectionClosed:
+                return False
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return False
+            except ProtocolError as e:
+                await self.send(e.frame())
+                if e.fatal:
+                    return True
+            except Exception as e:  # never let one frame take the server down
+                log.exception("error while handling a frame from %s", self.peer)
+                await self.send(ProtocolError("internal_error", f"{type(e).__name__}: {e}").frame())
+
+    async def _dispatch(self, msg: dict) -> None:
+        item = parse(msg)
+        if isinstance(item, Hello):
+            return await self._hello(item)
+        if self.hello is None:
+            raise ProtocolError("hello_required", "send hello first", item.id)
+        if isinstance(item, GenerateRequest):
+            return await self._start(item)
+        if item.kind == "cancel":
+            req = self.inflight.get(item.id)
+            if req is None:
+                raise ProtocolError("unknown_request", f"no request {item.id!r} in flight", item.id)
+            self.engine.abort(req)      # its done frame (finish_reason cancelled) follows
+        elif item.kind == "stats":
+            await self.send(with_id({"type": "stats", "stats": self.server.stats()}, item.id))
+        elif item.kind == "models":
+            await self.send(with_id({"type": "models", "models": self.server.models()}, item.id))
+
+    async def _hello(self, item: Hello) -> None:
+        if self.hello is not None:
+            raise ProtocolError("bad_request", "hello was already done on this connection", item.id)
+        if item.version not in SUPPORTED_VERSIONS:
+            raise ProtocolError("unsupported_version", f"protocol version {item.version} is not supported; this "
+                                f"server speaks {', '.join(map(str, SUPPORTED_VERSIONS))}", item.id)
+        token = self.config.token
+        if token is not None and (item.token is None or
+                                  not hmac.compare_digest(item.token.encode(), token.encode())):
+            raise ProtocolError("auth_failed", "a wrong or missing token", item.id)
+        self.hello = item
+        if item.client:
+            self.client = item.client
+        await self.send(with_id(self.server.info(), item.id))
+
+    async def _start(self, item: GenerateRequest) -> None:
+        rid = item.id
+        if rid in self.inflight:
+            raise ProtocolError("duplicate_id", f"request {rid!r} is already in flight", rid)
+        if len(self.inflight) >= self.config.max_inflight:
+            raise ProtocolError("too_many_requests", f"at most {self.config.max_inflight} requests in flight "
+                                "per connection", rid)
+        if not self.engine.accepting:
+            raise ProtocolError("shutdown", "the server is shutting down", rid)
+        req = await self.server.build_request(item, self.client)
+        self.inflight[rid] = req
+        try:
+            await self._requests.start(self._stream, rid, req)
+        except EngineClosed:
+            raise ProtocolError("shutdown", "the server is shutting down", rid) from None
+        except RequestRejected as e:
+            raise ProtocolError(e.code if e.code in CODES else "bad_request", str(e), rid) from None
+
+    async def _stream(self, rid, req, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with self.engine.stream(req) as events:
+                task_status.started()
+                async for ev in events:
+                    await self.send(event_frame(rid, ev))
+        finally:
+            self.inflight.pop(rid, None)

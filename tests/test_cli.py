@@ -1,0 +1,213 @@
+"""The CLI against a real `serve` subprocess started the README's way (without mDNS: tests
+never advertise on the host network; test_mdns.py covers discovery in its own namespace)."""
+import hashlib
+import json
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+CLI = [str(BIN / "edgepaged")] if (BIN / "edgepaged").exists() else [sys.executable, "-m", "edgepaged.cli"]
+SERVE_ARGS = ["--port", "0", "--host", "127.0.0.1", "--no-mdns", "--kv-memory", "64M", "--grace", "1"]
+
+
+def readme_serve_command() -> list[str]:
+    """`./run.sh serve` when this venv is the one run.sh set up (its stamp is current: the set-up
+    step is then a no-op), else what run.sh execs."""
+    stamp = hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in ("pyproject.toml", "packaging/constraints.txt",
+                                                                      "run.sh"))).hexdigest()[:16]
+    venv_stamp = Path(sys.prefix, ".deps-stamp")
+    if venv_stamp.exists() and venv_stamp.read_text().strip() == stamp:
+        return [str(ROOT / "run.sh"), "serve", *SERVE_ARGS]
+    return [sys.executable, "-m", "edgepaged.cli", "serve", *SERVE_ARGS]
+
+
+class ServeProcess:
+    def __init__(self, cmd, env):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     cwd=ROOT)
+        self.lines: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                if m := re.search(pattern, line):
+                    return m
+            if self.proc.poll() is not None and not any(re.search(pattern, x) for x in self.lines):
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} in the server's output:\n{''.join(self.lines)}")
+
+
+@pytest.fixture(scope="module")
+def server():
+    env = {**os.environ, "EDGEPAGED_VENV": sys.prefix}
+    env.pop("EDGEPAGED_TOKEN", None)
+    s = ServeProcess(readme_serve_command(), env)
+    m = s.wait_for(r"ready on ([\d.]+):(\d+)", timeout=180)
+    s.address = f"{m.group(1)}:{m.group(2)}"
+    yield s
+    if s.proc.poll() is None:
+        s.proc.kill()
+        s.proc.wait()
+
+
+def cli(*args, input=None, timeout=120):
+    return subprocess.run([*CLI, *args], input=input, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_banner_says_where_and_how_much(server):
+    banner = next(line for line in server.lines if "ready on" in line)
+    assert "SmolLM2-135M-Instruct" in banner and "mDNS off" in banner
+    assert re.search(r"KV capacity \d+ tokens", banner)
+    assert "open to anyone on the local network" in banner
+
+
+def test_ask_answers_paris(server):
+    r = cli("ask", "--server", server.address, "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_ask_json_and_stdin(server):
+    r = cli("ask", "--server", server.address, "--json", input="What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert "Paris" in out["text"] and out["finish_reason"] == "stop"
+    assert out["usage"]["completion_tokens"] > 0 and out["timings"]["ttft_s"] > 0
+
+
+def test_stats_and_top(server):
+    r = cli("stats", "--server", server.address, "--json")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] > 0
+    r = cli("top", "--server", server.address, "--count", "2", "--interval", "0.1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("KV blocks") == 2 and "prefix" in r.stdout and "tokens/s" in r.stdout
+
+
+def test_unreachable_server_is_a_clear_error():
+    r = cli("ask", "--server", "127.0.0.1:1", "hi")
+    assert r.returncode == 1 and "cannot connect to 127.0.0.1:1" in r.stderr and "Traceback" not in r.stderr
+
+
+class Pty:
+    def __init__(self, argv):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:   # the child: a session leader whose controlling terminal is the pty
+            try:
+                os.execv(argv[0], argv)
+            finally:
+                os._exit(127)
+        self.out = b""
+        self.exited = False
+
+    def expect(self, pattern: bytes, timeout: float = 60, start: int = 0) -> int:
+        """Wait until `pattern` appears in the output after `start`; returns the end of the match."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.out[start:])
+            if m:
+                return start + m.end()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {pattern!r} in:\n{self.out.decode(errors='replace')}")
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if ready:
+                try:
+                    data = os.read(self.fd, 4096)
+                except OSError:
+                    data = b""
+                if not data:
+                    raise AssertionError(f"EOF before {pattern!r}:\n{self.out.decode(errors='replace')}")
+                self.out += data
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def wait(self, timeout: float = 20) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.exited = True
+                return os.waitstatus_to_exitcode(status)
+            try:   # keep draining so the child never blocks on a full pty
+                if select.select([self.fd], [], [], 0.05)[0]:
+                    self.out += os.read(self.fd, 4096)
+            except OSError:
+                pass
+        raise AssertionError("the chat did not exit")
+
+    def kill(self) -> None:
+        if not self.exited:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.exited = True
+        os.close(self.fd)
+
+
+def test_chat_in_a_terminal(server):
+    term = Pty([*CLI, "chat", "--server", server.address, "--max-tokens", "400"])
+    try:
+        pos = term.expect(rb"Ctrl-D leaves.*\n.*> ", timeout=60)
+        term.send(b"Write a very long story about a dragon who learns to cook.\r")
+        pos = term.expect(rb"learns to cook\.\r?\n", start=pos)          # the echo of the line
+        pos = term.expect(rb"\w+\W+\w+\W+\w+\W+\w+", start=pos, timeout=60)   # the answer is streaming
+        streamed_before_stop = term.out[pos - 20:pos]
+        term.send(b"\x03")                                                # Ctrl-C mid-answer
+        pos = term.expect(rb"\[stopped\]", start=pos, timeout=30)
+        pos = term.expect(rb"> ", start=pos)
+        term.send(b"What is the capital of France?\r")
+        pos = term.expect(rb"Paris", start=pos + 10, timeout=90)
+        pos = term.expect(rb"> ", start=pos, timeout=90)
+        term.send(b"\x04")                                                # Ctrl-D leaves
+        assert term.wait() == 0
+    finally:
+        term.kill()
+    assert streamed_before_stop
+    stats = json.loads(cli("stats", "--server", server.address, "--json").stdout)
+    assert stats["finished"].get("cancelled", 0) >= 1
+    assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
+
+
+def test_sigterm_finishes_running_requests_then_exits_0(server):
+    """Last in this file: it stops the module's server."""
+    long = subprocess.Popen([*CLI, "ask", "--server", server.address, "--max-tokens", "1000",
+                             "Write a very long story about a dragon."], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    first = long.stdout.read(1)   # the answer is streaming
+    assert first
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=30) == 0
+    server.wait_for(r"SIGTERM: stopping", timeout=1)
+    server.wait_for(r"stopped \(1 request\(s\) cancelled\)", timeout=5)
+    out, err = long.communicate(timeout=30)
+    assert long.returncode == 1 and "shutting down" in err
+
+
+def test_addresses():
+    from edgepaged.client import ServerError, parse_address
+    assert parse_address("box") == ("box", 7878)
+    assert parse_address("10.0.0.2:9000") == ("10.0.0.2", 9000)
+    assert parse_address("[fe80::1]:9000") == ("fe80::1", 9000)
+    for bad in ("box:", ":", "box:70000", "box:x"):
+        with pytest.raises(ServerError):
+            parse_address(bad)
