@@ -15,6 +15,8 @@ import click
 
 from .client import DEFAULT_PORT, ServerError, SyncClient
 
+DEFAULT_HTTP_PORT = 7879   # edgepaged.server.httpd.DEFAULT_HTTP_PORT (not imported: client commands start fast)
+
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
@@ -98,6 +100,9 @@ def main(verbose):
 @click.option("--max-batched-tokens", type=int, default=512, show_default=True, help="Token budget of one step.")
 @click.option("--token", envvar=TOKEN_ENV, default=None,
               help=f"Shared token clients must send (env {TOKEN_ENV}); none: open to the local network.")
+@click.option("--http-port", type=int, default=DEFAULT_HTTP_PORT, show_default=True,
+              help="HTTP port: the OpenAI-compatible API, /metrics and the chat page for phones (0: any free port).")
+@click.option("--no-http", is_flag=True, help="Do not serve HTTP (the msgpack port only).")
 @click.option("--no-mdns", is_flag=True, help="Do not advertise on the local network.")
 @click.option("--mdns-interface", default=None, metavar="ADDR", help="Advertise on this interface address only.")
 @click.option("--max-connections", type=int, default=64, show_default=True)
@@ -106,15 +111,26 @@ def main(verbose):
 @click.option("--max-tokens", type=int, default=None, help="Cap on a request's max_tokens (default: the context).")
 @click.option("--grace", type=float, default=10.0, show_default=True,
               help="Seconds running requests get to finish at shutdown.")
+@click.option("--users", "users_file", default=None, metavar="FILE", type=click.Path(exists=True, dir_okay=False),
+              help="Per-user tokens, one 'name token' per line: each user gets a prefix cache of their own.")
 @click.option("--mdns-refresh", type=float, default=5.0, hidden=True)
-def serve(model_path, device, host, port, kv_memory, block_size, max_batched_tokens, token, no_mdns,
-          mdns_interface, max_connections, max_inflight, max_prompt_tokens, max_tokens, grace, mdns_refresh):
-    """Serve a model on the network (msgpack over TCP, advertised by mDNS)."""
+def serve(model_path, device, host, port, kv_memory, block_size, max_batched_tokens, token, http_port, no_http,
+          no_mdns, mdns_interface, max_connections, max_inflight, max_prompt_tokens, max_tokens, grace, users_file,
+          mdns_refresh):
+    """Serve a model on the network (msgpack over TCP and HTTP, advertised by mDNS)."""
     import trio
+
+    from .server.app import tame_malloc
+    tame_malloc()
 
     from .engine import EngineConfig
     from .server.app import AppConfig, run
-    from .server.tcp import ServerConfig
+    from .server.httpd import HttpConfig
+    from .server.tcp import ServerConfig, load_users
+    try:
+        users = load_users(users_file) if users_file else None
+    except (OSError, ValueError) as e:
+        fail(f"--users: {e}")
     kv_bytes = parse_bytes(kv_memory) if kv_memory else None
     try:
         runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens)
@@ -123,9 +139,10 @@ def serve(model_path, device, host, port, kv_memory, block_size, max_batched_tok
     except KeyboardInterrupt:
         fail("interrupted while loading the model", 130)
     cfg = AppConfig(
-        server=ServerConfig(host=host, port=port, token=token or None, max_connections=max_connections,
+        server=ServerConfig(host=host, port=port, token=token or None, users=users, max_connections=max_connections,
                             max_inflight=max_inflight, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens),
         engine=EngineConfig(max_num_batched_tokens=max_batched_tokens),
+        http=None if no_http else HttpConfig(port=http_port),
         mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
     try:
         trio.run(partial(run, runner, cfg, say=lambda line: click.echo(line) or sys.stdout.flush()))
@@ -134,7 +151,7 @@ def serve(model_path, device, host, port, kv_memory, block_size, max_batched_tok
         if bind_errors is None or rest is not None:
             raise
         e = _leaves(bind_errors)[0]
-        fail(f"cannot serve on {host}:{port}: {e.strerror or e}")
+        fail(f"cannot serve on {e.filename or f'{host}:{port}'}: {e.strerror or e}")
 
 
 def _leaves(group) -> list[BaseException]:

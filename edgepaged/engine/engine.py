@@ -66,7 +66,8 @@ class Engine:
             max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, watermark_frac=cfg.watermark_frac,
             contiguous=cfg.contiguous, background_share=cfg.background_share))
-        self.model_name = getattr(runner, "model_name", None) or str(getattr(runner, "model_path", "model"))
+        path = getattr(runner, "model_path", None)
+        self.model_name = getattr(runner, "model_name", None) or (path.stem if hasattr(path, "stem") else "model")
         self.metrics = Metrics(self.model_name)
         self.requests: dict[int, Request] = {}
         self.accepting = False
@@ -139,6 +140,8 @@ class Engine:
         """Submit `req` and yield the channel of its events. Leaving early aborts it."""
         if not self.accepting:
             raise EngineClosed("the engine is not accepting requests (shutting down)")
+        if req.finished or req.send is not None:
+            raise ValueError(f"request {req.id} was already submitted or has ended")
         send, recv = trio.open_memory_channel(math.inf)
         req.send = send
         req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, stop=req.params.stop)
@@ -165,6 +168,10 @@ class Engine:
                 else:
                     return "".join(parts), ev
         raise RuntimeError("the event stream ended without a done event")
+
+    @property
+    def kv_capacity_blocks(self) -> int:
+        return self.allocator.num_blocks
 
     def abort(self, req: Request) -> None:
         if not req.finished:

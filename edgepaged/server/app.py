@@ -1,8 +1,9 @@
-"""`edgepaged serve`: the engine, the TCP server and the mDNS record, tied to the signals.
+"""`edgepaged serve`: the engine, the TCP server, the HTTP server (OpenAI-compatible API,
+metrics, chat page) and the mDNS record, tied to the signals.
 
-SIGINT/SIGTERM: stop accepting, withdraw the mDNS record (goodbye), let running requests
-finish within the grace period, cancel the rest with reason `shutdown`, return. A second
-signal cuts the grace period short.
+SIGINT/SIGTERM: stop accepting (TCP and HTTP), withdraw the mDNS record (goodbye), let
+running requests finish within the grace period, cancel the rest with reason `shutdown`,
+deliver the last answers, return. A second signal cuts the grace period short.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import trio
 
 from ..engine import Engine, EngineConfig
 from . import mdns
+from .httpd import HttpConfig, HttpServer
 from .protocol import PROTOCOL_VERSION
 from .tcp import Server, ServerConfig
 
@@ -26,22 +28,35 @@ log = logging.getLogger("edgepaged.server")
 class AppConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    http: HttpConfig | None = field(default_factory=HttpConfig)   # None: no HTTP server
     mdns: bool = True
     mdns_interface: str | None = None
     mdns_refresh_s: float = 5.0      # the load in the TXT record is refreshed at most this often
     grace_s: float = 10.0
 
 
-def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig) -> str:
+def http_url(http: HttpServer) -> str:
+    """Where a browser on the local network finds the chat page."""
+    host = http.host
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            host = mdns.local_addresses()[0]
+        except Exception:  # ifaddr missing or failing: say the bind address
+            pass
+    return f"http://[{host}]:{http.port}/" if ":" in host else f"http://{host}:{http.port}/"
+
+
+def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig, http: HttpServer | None = None) -> str:
     e, sc = server.engine, server.config
     host = sc.host or "0.0.0.0"
     where = (f"{host}:{server.port} (all interfaces: reachable from the local network)"
              if host in ("0.0.0.0", "::") else f"{host}:{server.port}")
-    capacity = e.allocator.num_blocks * e.block_size
+    capacity = e.kv_capacity_blocks * e.block_size
     parts = [f"edgepaged ready on {where}", f"model {server.model}", f"context {e.max_model_len} tokens",
-             f"KV capacity {capacity} tokens ({e.allocator.num_blocks} blocks of {e.block_size})",
+             f"KV capacity {capacity} tokens ({e.kv_capacity_blocks} blocks of {e.block_size})",
+             f"HTTP (OpenAI API, chat page) {http_url(http)}" if http else "HTTP off",
              f"mDNS {adv.name!r}" if adv else "mDNS off"]
-    access = ("token required" if sc.token is not None
+    access = (f"per-user tokens ({len(sc.users)} users)" if sc.users else "token required" if sc.token is not None
               else "no --token: open to anyone on the local network")
     return ", ".join(parts) + f"; {access}"
 
@@ -73,7 +88,7 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
                     if cfg.mdns:
                         props = mdns.txt_properties(version=PROTOCOL_VERSION, model=server.model,
                                                     context_length=engine.max_model_len,
-                                                    auth=cfg.server.token is not None)
+                                                    auth=cfg.server.token is not None or bool(cfg.server.users))
                         try:
                             addresses = await trio.to_thread.run_sync(
                                 mdns.advertised_addresses, cfg.server.host, cfg.mdns_interface)
@@ -90,10 +105,12 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
                                 with refresh:
                                     await _refresh_load(adv, server, cfg.mdns_refresh_s)
                             nursery.start_soon(refresher)
-                    say(banner(server, adv, cfg))
+                    say(banner(server, adv, cfg, http))
                     task_status.started(server)
                     signum = await _next_signal(signals)
                     server.stop_accepting()
+                    if http:
+                        http.stop_accepting()
                     say(f"{signal.Signals(signum).name}: stopping (no new connections, "
                         + ("withdrawing the mDNS record, " if adv else "")
                         + f"up to {cfg.grace_s:g} s for running requests; signal again to stop now)")
@@ -104,6 +121,24 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
                     server.hurry()
                 nursery.start_soon(hurry)
                 cancelled = await server.shutdown(cfg.grace_s)
+                if http:   # the drain ended every HTTP answer too: let the last ones go out
+                    await http.wait_closed(cfg.server.flush_s)
                 say(f"stopped ({cancelled} request(s) cancelled)" if cancelled else "stopped")
                 nursery.cancel_scope.cancel()
     return cancelled
+
+
+def tame_malloc() -> None:
+    """Keep a long-running server's memory flat (glibc only). Model steps run in worker
+    threads, and glibc gives threads arenas of their own and raises its mmap threshold after
+    large frees, so freed activation buffers stay resident and RSS creeps up. Two arenas and
+    a fixed mmap threshold hand big buffers back to the system when they are freed."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-8, 2)            # M_ARENA_MAX
+        libc.mallopt(-3, 1 << 20)      # M_MMAP_THRESHOLD: 1 MiB, and no dynamic raising
+    except (OSError, AttributeError):
+        pass
+

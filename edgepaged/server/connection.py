@@ -56,6 +56,7 @@ class Connection:
         except OSError:
             self.peer = "?"
         self.client = self.peer                  # the fairness identity: hello's client name, else the peer
+        self.identity: str | None = None         # whose prefix cache: the authenticated user, else the client
         self.hello: Hello | None = None
         self.inflight: dict = {}                 # request id -> engine Request
         self.out_send, self.out_recv = trio.open_memory_channel(cfg.max_pending_frames)
@@ -149,13 +150,23 @@ class Connection:
         if item.version not in SUPPORTED_VERSIONS:
             raise ProtocolError("unsupported_version", f"protocol version {item.version} is not supported; this "
                                 f"server speaks {', '.join(map(str, SUPPORTED_VERSIONS))}", item.id)
-        token = self.config.token
-        if token is not None and (item.token is None or
-                                  not hmac.compare_digest(item.token.encode(), token.encode())):
+        token, users = self.config.token, self.config.users
+        given = (item.token or "").encode()
+        if users:
+            # compare against every user's token, in constant time each
+            matches = [name for t, name in users.items() if hmac.compare_digest(given, t.encode())]
+            if item.token is None or not matches:
+                raise ProtocolError("auth_failed", "a wrong or missing token", item.id)
+            self.identity = matches[0]
+        elif token is not None and (item.token is None or not hmac.compare_digest(given, token.encode())):
             raise ProtocolError("auth_failed", "a wrong or missing token", item.id)
         self.hello = item
         if item.client:
             self.client = item.client
+        if self.identity is None:
+            self.identity = self.client
+        else:
+            self.client = self.identity if not item.client else f"{self.identity}/{item.client}"
         await self.send(with_id(self.server.info(), item.id))
 
     async def _start(self, item: GenerateRequest) -> None:
@@ -167,7 +178,7 @@ class Connection:
                                 "per connection", rid)
         if not self.engine.accepting:
             raise ProtocolError("shutdown", "the server is shutting down", rid)
-        req = await self.server.build_request(item, self.client)
+        req = await self.server.build_request(item, self.client, self.identity)
         self.inflight[rid] = req
         try:
             await self._requests.start(self._stream, rid, req)

@@ -62,9 +62,12 @@ def instance_name(port: int) -> str:
 
 
 def txt_properties(*, version: int, model: str, context_length: int, auth: bool, running: int = 0,
-                   waiting: int = 0, kv_usage: float = 0.0) -> dict[str, str]:
-    return {"proto": str(version), "model": model[:200], "ctx": str(context_length), "auth": "1" if auth else "0",
-            "running": str(running), "waiting": str(waiting), "kv": f"{kv_usage:.3f}"}
+                   waiting: int = 0, kv_usage: float = 0.0, http_port: int | None = None) -> dict[str, str]:
+    props = {"proto": str(version), "model": model[:200], "ctx": str(context_length), "auth": "1" if auth else "0",
+             "running": str(running), "waiting": str(waiting), "kv": f"{kv_usage:.3f}"}
+    if http_port:
+        props["http"] = str(http_port)   # the HTTP port (OpenAI API, chat page) on the same addresses
+    return props
 
 
 def load_properties(stats: dict) -> dict[str, str]:
@@ -86,6 +89,7 @@ class ServerRecord:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    http_port: int = 0             # 0: no HTTP server advertised
     extra: dict = field(default_factory=dict)
 
     @property
@@ -113,11 +117,12 @@ class ServerRecord:
             except ValueError:
                 return default
         name = info.name[:-len(SERVICE_TYPE) - 1] if info.name.endswith("." + SERVICE_TYPE) else info.name
-        known = {"proto", "model", "ctx", "auth", "running", "waiting", "kv"}
+        known = {"proto", "model", "ctx", "auth", "running", "waiting", "kv", "http"}
         return cls(name=name, addresses=info.parsed_addresses(IPVersion.V4Only), port=info.port or 0,
                    version=num("proto", int, 0), model=props.get("model", ""), context_length=num("ctx", int, 0),
                    auth=props.get("auth") == "1", running=num("running", int, 0), waiting=num("waiting", int, 0),
-                   kv_usage=num("kv", float, 0.0), extra={k: v for k, v in props.items() if k not in known})
+                   kv_usage=num("kv", float, 0.0), http_port=num("http", int, 0),
+                   extra={k: v for k, v in props.items() if k not in known})
 
 
 class Advertiser:

@@ -52,7 +52,8 @@ SAMPLING_FIELDS = {   # name -> accepted python types (after msgpack decoding)
     "temperature": (int, float), "top_k": (int,), "top_p": (int, float), "min_p": (int, float),
     "repetition_penalty": (int, float), "seed": (int,), "ignore_eos": (bool,),
 }
-REQUEST_FIELDS = {"type", "id", "max_tokens", "priority", "stop", "stop_token_ids", *SAMPLING_FIELDS}
+REQUEST_FIELDS = {"type", "id", "max_tokens", "priority", "stop", "stop_token_ids", "share_prefix_cache",
+                  *SAMPLING_FIELDS}
 
 
 class ProtocolError(Exception):
@@ -163,6 +164,7 @@ class GenerateRequest:
     prompt: str | None = None
     max_tokens: int | None = None
     priority: str = "interactive"
+    share_prefix_cache: bool = False               # opt in to the household-wide prefix cache
     sampling: dict = field(default_factory=dict)   # SamplingParams keyword arguments (no max_tokens)
 
 
@@ -249,6 +251,9 @@ def _parse_generate(msg: dict) -> GenerateRequest:
     if priority not in PRIORITIES:
         raise ProtocolError("bad_request", f"priority must be one of {', '.join(PRIORITIES)}", rid)
     req.priority = priority
+    if msg.get("share_prefix_cache") is not None:
+        _type_check("share_prefix_cache", msg["share_prefix_cache"], (bool,), rid)
+        req.share_prefix_cache = msg["share_prefix_cache"]
     for name, types in SAMPLING_FIELDS.items():
         if msg.get(name) is not None:
             _type_check(name, msg[name], types, rid)

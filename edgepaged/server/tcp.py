@@ -9,6 +9,7 @@ request, all under nurseries; limits, auth, request building, shutdown.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import logging
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 7878
     token: str | None = None             # shared secret asked in hello; None = open to the network
+    users: dict[str, str] | None = None  # per-user tokens (token -> name): each user's own prefix cache
     max_connections: int = 64
     max_inflight: int = 16               # requests in flight per connection
     max_prompt_tokens: int | None = None  # default: the context length - 1
@@ -46,10 +48,34 @@ class ServerConfig:
     flush_s: float = 2.0                 # at shutdown: time to deliver the last frames
 
 
-def cache_salt(client: str) -> int:
-    """The prefix-cache salt of `client`'s requests. 0: one prefix cache shared by every
-    client. Per-user cache isolation plugs in here, as a hash of the client's identity."""
-    return 0
+def cache_salt(identity: str, shared: bool = False) -> int:
+    """The prefix-cache salt of a request. Each identity (the authenticated user, else the
+    client's name) gets a cache of its own, so nobody can learn from time-to-first-token
+    whether somebody else sent a prompt; `shared` (the request's explicit opt-in) uses the
+    household-wide cache, e.g. for a common system prompt."""
+    if shared:
+        return 0
+    digest = hashlib.blake2b(identity.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1 or 1
+
+
+def load_users(path) -> dict[str, str]:
+    """A users file: one `name token` per line ('#' comments). Returns token -> name."""
+    users: dict[str, str] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ValueError(f"{path}:{n}: expected 'name token'")
+        name, token = parts
+        if token in users:
+            raise ValueError(f"{path}:{n}: the token of {name!r} is already used by {users[token]!r}")
+        users[token] = name
+    if not users:
+        raise ValueError(f"{path}: no users")
+    return users
 
 
 def model_display_name(engine) -> str:
@@ -80,15 +106,16 @@ class Server:
         e = self.engine
         return {"type": "hello", "version": PROTOCOL_VERSION, "server": f"edgepaged {VERSION}",
                 "model": self.model, "context_length": e.max_model_len, "block_size": e.block_size,
-                "kv_capacity_tokens": e.allocator.num_blocks * e.block_size,
-                "auth_required": self.config.token is not None,
+                "kv_capacity_tokens": e.kv_capacity_blocks * e.block_size,
+                "auth_required": self.config.token is not None or bool(self.config.users),
                 "limits": {"max_frame_bytes": self.config.max_frame_bytes, "max_inflight": self.config.max_inflight,
                            "max_prompt_tokens": self.max_prompt_tokens, "max_tokens": self.max_tokens}}
 
     def stats(self) -> dict:
         s = self.engine.stats()
         s["server"] = {"connections": len(self.connections),
-                       "requests_inflight": sum(len(c.inflight) for c in self.connections)}
+                       "requests_inflight": sum(len(c.inflight) for c in self.connections),
+                       "tasks_living": trio.lowlevel.current_statistics().tasks_living}
         return s
 
     def models(self) -> list[dict]:
@@ -148,7 +175,7 @@ class Server:
             self.connections.discard(conn)
 
     # -- requests -----------------------------------------------------------------------------
-    async def build_request(self, item: GenerateRequest, client: str):
+    async def build_request(self, item: GenerateRequest, client: str, identity: str | None = None):
         """Tokenize and validate a chat/generate request into an engine Request."""
         rid = item.id
         try:
@@ -176,7 +203,8 @@ class Server:
                                 f"got {max_tokens}", rid)
         try:
             return self.engine.make_request(prompt_ids=ids, params=params, max_tokens=max_tokens,
-                                            priority=item.priority, client=client, salt=cache_salt(client))
+                                            priority=item.priority, client=client,
+                                            salt=cache_salt(identity or client, item.share_prefix_cache))
         except RequestRejected as e:
             raise ProtocolError(e.code if e.code in CODES else "bad_request", str(e), rid) from None
         except ValueError as e:

@@ -1,0 +1,205 @@
+"""Soak with faults: `edgepaged serve` (a subprocess, loopback only) under hundreds of
+concurrent clients for a bounded time, most of them misbehaving.
+
+Each client loops until the deadline, picking a behaviour each round:
+  normal     50%  chat, read everything: must finish with its full answer
+  cancel     20%  cancel mid-stream (a cancel frame)
+  vanish     10%  drop the socket mid-stream without a word
+  noread      8%  send a request and never read the stream, then drop the socket
+  garbage     6%  send bytes that are not a frame: must get an error frame and a close
+  reconnect   6%  connect, hello, disconnect, a few times in a row
+At the end: every normal request completed, zero blocks leaked (nothing used once idle),
+the server's RSS back near where it started after warm-up, and its task count back.
+
+    python bench/soak.py [--quick] [--json] [--clients N] [--seconds S]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import trio
+
+from edgepaged.client import ServerError, open_client
+from edgepaged.server.protocol import encode
+
+QUESTIONS = ["Turn on the kitchen light?", "Is it going to rain tomorrow?", "What is 12 times 7?",
+             "Name a green vegetable.", "What is the capital of France?", "Say good night."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Tally:
+    def __init__(self):
+        self.counts = {k: 0 for k in ("normal", "cancel", "vanish", "noread", "garbage", "reconnect")}
+        self.completed = 0
+        self.failed: list[str] = []
+        self.requests = 0
+
+
+async def behave(addr: str, host: str, port: int, kind: str, rng: random.Random, t: Tally) -> None:
+    q = [{"role": "user", "content": rng.choice(QUESTIONS)}]
+    n = rng.randint(4, 16)
+    if kind in ("normal", "cancel"):
+        t.requests += 1
+        async with open_client(addr, name=f"soak-{rng.randrange(20)}") as c:
+            stream = c.chat(q, max_tokens=n, temperature=0, ignore_eos=True)
+            got = 0
+            async for _ in stream:
+                got += 1
+                if kind == "cancel" and got >= rng.randint(1, 3):
+                    await stream.cancel()
+                    return
+            if kind == "normal":
+                done = stream.done or {}
+                ok = done.get("finish_reason") == "length" and done.get("usage", {}).get("completion_tokens") == n
+                if ok:
+                    t.completed += 1
+                else:
+                    t.failed.append(f"normal request ended {done}")
+        return
+    s = await trio.open_tcp_stream(host, port)
+    try:
+        if kind == "garbage":
+            await s.send_all(rng.choice([b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1", b"\xff\xff\xff\xffjunk",
+                                         b"\x00\x00\x00\x03abc"]))
+            with trio.move_on_after(10):
+                data = b""
+                while chunk := await s.receive_some(65536):
+                    data += chunk
+                if b"error" not in data:
+                    t.failed.append("garbage got no error frame")
+            return
+        await s.send_all(encode({"type": "hello", "version": 1, "client": "soak-raw"}))
+        if kind == "reconnect":
+            return
+        t.requests += 1
+        await s.send_all(encode({"type": "chat", "id": 1, "messages": q, "max_tokens": n, "ignore_eos": True}))
+        if kind == "vanish":
+            await trio.sleep(rng.random() * 0.5)
+            s.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        else:   # noread
+            await trio.sleep(rng.random() * 2)
+    finally:
+        await s.aclose()
+
+
+async def soak(addr: str, clients: int, seconds: float, seed: int, t: Tally) -> None:
+    host, port = addr.rsplit(":", 1)
+    kinds, weights = list(t.counts), [50, 20, 10, 8, 6, 6]
+    deadline = trio.current_time() + seconds
+
+    async def client(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
+        while trio.current_time() < deadline:
+            kind = rng.choices(kinds, weights)[0]
+            t.counts[kind] += 1
+            try:
+                with trio.fail_after(120):
+                    await behave(addr, host, int(port), kind, rng, t)
+            except (ServerError, OSError, trio.BrokenResourceError) as e:
+                if kind == "normal":
+                    t.failed.append(f"normal request: {type(e).__name__}: {e}")
+            except trio.TooSlowError:
+                t.failed.append(f"{kind} client hung for 120 s")
+            await trio.sleep(rng.random() * 0.2)
+
+    async with trio.open_nursery() as n:
+        for i in range(clients):
+            n.start_soon(client, i)
+
+
+async def stats(addr: str) -> dict:
+    async with open_client(addr, name="soak-observer") as c:
+        return await c.stats()
+
+
+async def wait_idle(addr: str, timeout: float = 60) -> dict:
+    with trio.move_on_after(timeout):
+        while True:
+            s = await stats(addr)
+            if s["num_requests_running"] == s["num_requests_waiting"] == s["kv_blocks_used"] == 0 \
+                    and s["server"]["requests_inflight"] == 0 and s["server"]["connections"] <= 1:
+                return s
+            await trio.sleep(0.25)
+    return await stats(addr)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="about 2 minutes: 120 clients for 75 s")
+    ap.add_argument("--clients", type=int, default=300)
+    ap.add_argument("--seconds", type=float, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.clients, args.seconds = 120, 75
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--no-mdns",
+           "--kv-memory", "256MiB", "--max-connections", str(args.clients + 64), "--grace", "5"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "ready on" in line:
+                print(line.strip())
+                break
+        else:
+            sys.exit(f"the server did not start (exit {proc.wait()})")
+        # warm up at full concurrency (allocator caches reach their working size), then the baseline
+        trio.run(soak, addr, args.clients, max(10.0, args.seconds / 8), args.seed + 99, Tally())
+        base = trio.run(wait_idle, addr)
+        rss0 = rss_mb(proc.pid)
+        t = Tally()
+        t0 = time.monotonic()
+        trio.run(soak, addr, args.clients, args.seconds, args.seed, t)
+        wall = time.monotonic() - t0
+        end = trio.run(wait_idle, addr)
+        rss1 = rss_mb(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = {
+        "requests": t.requests, "completed": t.completed, "failed": len(t.failed),
+        "leaked_blocks": end["kv_blocks_used"],
+        "rss_mb_start": round(rss0, 1), "rss_mb_end": round(rss1, 1), "rss_growth_mb": round(rss1 - rss0, 1),
+        "max_active": end["max_requests_running"], "tasks_start": base["server"]["tasks_living"],
+        "tasks_end": end["server"]["tasks_living"], "behaviours": t.counts, "clients": args.clients,
+        "seconds": round(wall, 1), "generation_tokens": end["generation_tokens"], "finished": end["finished"],
+        "free_plus_cached_equals_total": end["kv_blocks_free"] == end["kv_blocks_total"], "exit_code": rc,
+    }
+    for f in t.failed[:10]:
+        print("FAILED:", f)
+    print(f"{t.requests} requests from {args.clients} clients in {wall:.0f} s: {t.completed} normal ones completed, "
+          f"{len(t.failed)} failed; leaked blocks {out['leaked_blocks']}; RSS {rss0:.0f} -> {rss1:.0f} MB; "
+          f"tasks {out['tasks_start']} -> {out['tasks_end']}; max active {out['max_active']}; server exit {rc}")
+    if args.json:
+        print(json.dumps(out))
+    ok = not t.failed and out["leaked_blocks"] == 0 and rc == 0
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""HTTP on the same process and the same engine: the OpenAI-compatible API, the metrics,
+the health check and the web chat page, as a Starlette app served by hypercorn's Trio worker.
+
+    http = HttpServer(server, HttpConfig(port=0))   # server: the tcp.Server (limits, token)
+    async with trio.open_nursery() as n:
+        await n.start(http.serve)        # listening; http.port is the bound port
+        ...
+        http.stop_accepting()            # at shutdown: no new connections, idle ones close
+        await http.wait_closed(2.0)      # after the engine drained: the last answers go out
+
+Requests are built by the TCP server's `build_request` (same limits, same fairness identity:
+the OpenAI `user` field, else the peer's address). Each generation runs inside
+`engine.stream(req)` in the ASGI task, beside a watcher of the client's `http.disconnect`:
+a client that goes away cancels the scope, leaving the stream aborts the request and its
+KV blocks return to the pool at once.
+"""
+from __future__ import annotations
+
+import hmac
+import importlib.resources
+import json
+import logging
+import socket
+import time
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..engine import EngineClosed, RequestRejected, TokenEvent
+from .openai_api import (ApiError, Generation, Shaper, done_error, error_body, model_card, models_list, new_id,
+                         parse_chat, parse_completion)
+from .protocol import CODES, ProtocolError
+
+log = logging.getLogger("edgepaged.http")
+DEFAULT_HTTP_PORT = 7879
+# The chat page loads nothing from outside the box: the browser enforces it.
+PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+            "img-src 'self' data:; manifest-src 'self'; base-uri 'none'; form-action 'none'; "
+            "frame-ancestors 'none'")
+
+
+class HttpConfig:
+    """Settings of the HTTP side (the token and the request limits are the TCP server's)."""
+
+    def __init__(self, host: str | None = None, port: int = DEFAULT_HTTP_PORT, max_body_bytes: int = 1 << 20,
+                 max_inflight: int = 64, keep_alive_s: float = 5.0, page: bool = True):
+        self.host = host                    # None: the TCP server's host
+        self.port = port
+        self.max_body_bytes = max_body_bytes
+        self.max_inflight = max_inflight    # generations in flight over HTTP, all clients together
+        self.keep_alive_s = keep_alive_s
+        self.page = page                    # serve the chat page at GET /
+
+
+def _page() -> bytes:
+    return importlib.resources.files("edgepaged.server").joinpath("web/chat.html").read_bytes()
+
+
+def api_error_response(e: ApiError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class HttpServer:
+    def __init__(self, server, config: HttpConfig | None = None):
+        self.server, self.engine = server, server.engine
+        self.config = config or HttpConfig()
+        self.host = self.config.host or server.config.host or "0.0.0.0"
+        self.port: int | None = None
+        self.inflight = 0
+        self.created = int(time.time())
+        self._stop = trio.Event()
+        self._closed = trio.Event()
+        self._page = _page() if self.config.page else None
+        self.app = self._build_app()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def _listen(self) -> socket.socket:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.bind((self.host, self.config.port))
+        except OSError as e:
+            sock.close()
+            where = f"[{self.host}]:{self.config.port}" if family == socket.AF_INET6 else \
+                f"{self.host}:{self.config.port}"
+            raise OSError(e.errno, e.strerror, f"{where} (HTTP, --http-port)") from None
+        return sock
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        sock = self._listen()
+        self.port = sock.getsockname()[1]
+        hc = HypercornConfig()
+        hc.bind = [f"fd://{sock.detach()}"]   # bound here: a clear error, and the port of port 0 at once
+        hc.accesslog = None
+        hc.errorlog = log
+        hc.keep_alive_timeout = self.config.keep_alive_s
+        hc.graceful_timeout = 3600.0          # app.run decides when to stop waiting (wait_closed)
+        hc.include_server_header = False
+        try:
+            await hypercorn_serve(self.app, hc, shutdown_trigger=self._stop.wait, task_status=task_status)
+        finally:
+            self._closed.set()
+
+    def stop_accepting(self) -> None:
+        """Stop listening; idle keep-alive connections close, running answers go on."""
+        self._stop.set()
+
+    async def wait_closed(self, timeout_s: float) -> bool:
+        """After stop_accepting and the engine's drain: wait for the last answers to go out."""
+        with trio.move_on_after(timeout_s):
+            while self.inflight:
+                await trio.sleep(0.02)
+            return True
+        return False
+
+    # -- the app ------------------------------------------------------------------------------
+    def _build_app(self) -> Starlette:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/stats", self.stats, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ]
+        if self._page is not None:
+            routes.append(Route("/", self.page, methods=["GET"]))
+        return Starlette(routes=routes, exception_handlers={
+            ApiError: self._api_error,
+            HTTPException: self._http_error,
+            Exception: self._internal_error,
+        })
+
+    @staticmethod
+    async def _api_error(request, e: ApiError) -> Response:
+        return api_error_response(e)
+
+    @staticmethod
+    async def _http_error(request, e: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return JSONResponse(error_body(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code),
+                            status_code=e.status_code, headers=e.headers)
+
+    @staticmethod
+    async def _internal_error(request, e: Exception) -> Response:
+        log.exception("HTTP %s %s failed", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"{type(e).__name__}: {e}", "internal_error"), status_code=500)
+
+    def _authorize(self, request: HttpRequest) -> str | None:
+        """Check the bearer token as the TCP server checks hello's (constant-time compares);
+        returns the authenticated user's name with per-user tokens, else None."""
+        cfg = self.server.config
+        token, users = cfg.token, getattr(cfg, "users", None)
+        if token is None and not users:
+            return None
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        given_b = given.strip().encode("utf-8", "surrogateescape")
+        ok = scheme.lower() == "bearer" and bool(given_b)
+        if users:
+            matches = [name for t, name in users.items() if hmac.compare_digest(given_b, t.encode())]
+            if ok and matches:
+                return matches[0]
+        elif ok and hmac.compare_digest(given_b, token.encode()):
+            return None
+        raise ApiError(401, "a wrong or missing token: send Authorization: Bearer <token>", "auth_failed")
+
+    async def _json_body(self, request: HttpRequest) -> dict:
+        limit = self.config.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes", "frame_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(413, f"the request body is over {limit} bytes", "frame_too_large")
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}", "bad_request") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "the body must be a JSON object", "bad_request")
+        return data
+
+    # -- endpoints ----------------------------------------------------------------------------
+    async def page(self, request: HttpRequest) -> Response:
+        return Response(self._page, media_type="text/html; charset=utf-8",
+                        headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-cache",
+                                 "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
+
+    async def health(self, request: HttpRequest) -> Response:
+        ok = self.engine.accepting
+        return JSONResponse({"status": "ok" if ok else "shutting_down", "model": self.server.model},
+                            status_code=200 if ok else 503)
+
+    async def metrics(self, request: HttpRequest) -> Response:
+        self._authorize(request)
+        return Response(prometheus_text(self.engine), media_type=CONTENT_TYPE_LATEST)
+
+    async def stats(self, request: HttpRequest) -> Response:
+        self._authorize(request)
+        s = self.server.stats()
+        s["http"] = {"requests_inflight": self.inflight}
+        s["model"] = self.server.model
+        return JSONResponse(s)
+
+    async def models(self, request: HttpRequest) -> Response:
+        self._authorize(request)
+        return JSONResponse(models_list(self.server.model, self.engine.max_model_len, self.created))
+
+    async def model(self, request: HttpRequest) -> Response:
+        self._authorize(request)
+        name = request.path_params["model"]
+        if name != self.server.model:
+            raise ApiError(404, f"no model {name!r} here; this server has {self.server.model!r}", "model_not_found")
+        return JSONResponse(model_card(name, self.engine.max_model_len, self.created))
+
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        return await self._generation(request, parse_chat, chat=True)
+
+    async def completions(self, request: HttpRequest) -> Response:
+        return await self._generation(request, parse_completion, chat=False)
+
+    async def _generation(self, request: HttpRequest, parse, chat: bool) -> Response:
+        user = self._authorize(request)
+        gen = parse(await self._json_body(request), new_id(chat))
+        if not self.engine.accepting:
+            raise ApiError(503, "the server is shutting down", "shutdown")
+        if self.inflight >= self.config.max_inflight:
+            raise ApiError(429, f"the server has {self.config.max_inflight} HTTP requests in flight; try again "
+                           "shortly", "too_many_requests")
+        # the fairness identity: the OpenAI `user` field, else the peer's address (as over TCP)
+        client = gen.user or (request.client.host if request.client else "http")
+        if user is not None:   # an authenticated user: their own prefix cache, as over TCP
+            client = f"{user}/{gen.user}" if gen.user else user
+        try:
+            req = await self.server.build_request(gen.item, client, user)
+        except ProtocolError as e:
+            raise ApiError.from_protocol(e) from None
+        return GenerationResponse(self, gen, req)
+
+
+def prometheus_text(engine) -> bytes:
+    """The engine's Prometheus exposition, with the load gauges made current (the engine sets
+    them once per step, so a request aborted between steps would show until the next one)."""
+    s, m = engine.stats(), engine.metrics
+    m.num_requests_running.set(s["num_requests_running"])
+    m.num_requests_waiting.set(s["num_requests_waiting"])
+    m.kv_blocks_used.set(s["kv_blocks_used"])
+    m.kv_blocks_total.set(s["kv_blocks_total"])
+    m.kv_cache_usage_perc.set(s["kv_cache_usage_perc"])
+    return m.prometheus_text()
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class GenerationResponse:
+    """An ASGI response that runs one request on the engine: a JSON answer, or server-sent
+    events as the tokens come. The client's disconnect ends it (and the request) at once."""
+
+    def __init__(self, http: HttpServer, gen: Generation, req):
+        self.http, self.gen, self.req = http, gen, req
+        self.shaper = Shaper(gen, http.server.model)
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.http.inflight += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope)
+                await self._run(send)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.http.inflight -= 1
+
+    @staticmethod
+    async def _watch_disconnect(receive, scope: trio.CancelScope) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                scope.cancel()
+                return
+
+    async def _run(self, send) -> None:
+        try:
+            async with self.http.engine.stream(self.req) as events:
+                if self.gen.stream:
+                    await self._stream(events, send)
+                else:
+                    await self._answer(events, send)
+        except EngineClosed:   # entering the stream: nothing was sent yet
+            await self._send_json(send, 503, error_body(503, "the server is shutting down", "shutdown"))
+        except RequestRejected as e:
+            await self._send_json(send, 400, error_body(400, str(e), e.code if e.code in CODES else "bad_request"))
+
+    async def _answer(self, events, send) -> None:
+        parts = []
+        async for ev in events:
+            if isinstance(ev, TokenEvent):
+                parts.append(ev.text)
+                continue
+            err = done_error(ev)
+            if err is not None:
+                return await self._send_json(send, err.status, err.body())
+            return await self._send_json(send, 200, self.shaper.full("".join(parts), ev))
+
+    async def _stream(self, events, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+        first = self.shaper.first_chunk()
+        if first is not None:
+            await send({"type": "http.response.body", "body": _sse(first), "more_body": True})
+        done = None
+        while done is None:
+            batch = [await events.receive()]
+            while True:   # what else is already queued goes in the same write
+                try:
+                    batch.append(events.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            out = []
+            for ev in batch:
+                if isinstance(ev, TokenEvent):
+                    if ev.text:
+                        out.append(_sse(self.shaper.text_chunk(ev.text)))
+                else:
+                    done = ev
+            if done is not None:
+                err = done_error(done)
+                chunks = [{"error": err.body()["error"]}] if err is not None else self.shaper.last_chunks(done)
+                out += [_sse(c) for c in chunks]
+                out.append(b"data: [DONE]\n\n")
+            if out:
+                await send({"type": "http.response.body", "body": b"".join(out), "more_body": done is None})
+
+    @staticmethod
+    async def _send_json(send, status: int, body: dict) -> None:
+        data = json.dumps(body, ensure_ascii=False).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data, "more_body": False})

@@ -1,0 +1,299 @@
+"""The OpenAI-compatible API, as plain data: request bodies in, response bodies out.
+
+Bodies of `POST /v1/chat/completions` and `POST /v1/completions` become the protocol's
+`GenerateRequest` (so the HTTP server builds engine requests exactly as the TCP server does,
+`tcp.Server.build_request`), and engine events become OpenAI's response objects and
+stream chunks. No HTTP here: `httpd.py` does the serving.
+
+Fields this server cannot honour (n > 1, tools, logprobs, JSON mode, penalties other than
+`repetition_penalty`) are refused with a 400 naming them, never silently ignored; fields it
+does not know are ignored, as OpenAI-compatible servers do, since clients send many.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from .protocol import MAX_MESSAGES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, GenerateRequest
+
+# protocol error code -> HTTP status (the code itself goes to the client as error.code)
+STATUS = {
+    "bad_request": 400, "invalid_params": 400, "empty_prompt": 400, "prompt_too_long": 400,
+    "context_exceeded": 400, "kv_capacity": 400, "bad_token": 400,
+    "too_many_requests": 429, "shutdown": 503, "internal_error": 500,
+}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: up to the context)
+
+
+class ApiError(Exception):
+    """An error to answer with an OpenAI-style body and an HTTP status."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    @classmethod
+    def from_protocol(cls, e) -> "ApiError":
+        """From a `ProtocolError` raised while building the request."""
+        return cls(STATUS.get(e.code, 400), e.message, e.code)
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.code, self.param)
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def bad(message: str, param: str | None = None, code: str = "bad_request") -> ApiError:
+    return ApiError(400, message, code, param)
+
+
+@dataclass
+class Generation:
+    """A parsed generation request: what to run and how to answer."""
+    item: GenerateRequest
+    chat: bool
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+
+# ---------------------------------------------------------------- requests
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Features whose non-default values this server cannot honour."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad("only n=1 is supported", "n", "invalid_params")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise bad("best_of is not supported", "best_of", "invalid_params")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        raise bad("logprobs are not supported", "logprobs", "invalid_params")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if v not in (None, 0, 0.0):
+            raise bad(f"{name} is not supported (use repetition_penalty)", name, "invalid_params")
+    if body.get("logit_bias"):
+        raise bad("logit_bias is not supported", "logit_bias", "invalid_params")
+    if body.get("tools") or body.get("functions"):
+        raise bad("tools and function calling are not supported", "tools", "invalid_params")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad("only response_format {\"type\": \"text\"} is supported", "response_format", "invalid_params")
+    if body.get("echo"):
+        raise bad("echo is not supported", "echo", "invalid_params")
+    if body.get("suffix"):
+        raise bad("suffix is not supported", "suffix", "invalid_params")
+
+
+def _sampling(body: dict, item: GenerateRequest) -> None:
+    """The sampling fields, type-checked (ranges are checked by SamplingParams)."""
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        v = body.get(name)
+        if v is not None:
+            if not _is_num(v):
+                raise bad(f"{name} must be a number", name)
+            item.sampling[name] = v
+    for name in ("top_k", "seed"):
+        v = body.get(name)
+        if v is not None:
+            if not _is_int(v):
+                raise bad(f"{name} must be an integer", name)
+            item.sampling[name] = v
+    if body.get("ignore_eos") is not None:
+        if not isinstance(body["ignore_eos"], bool):
+            raise bad("ignore_eos must be a boolean", "ignore_eos")
+        item.sampling["ignore_eos"] = body["ignore_eos"]
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+            raise bad(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
+        if stop:
+            item.sampling["stop"] = stop
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or len(ids) > MAX_STOP or not all(_is_int(t) for t in ids):
+            raise bad(f"stop_token_ids must be a list of at most {MAX_STOP} integers", "stop_token_ids")
+        item.sampling["stop_token_ids"] = ids
+
+
+def _common(body: dict, item: GenerateRequest, gen: Generation, default_max_tokens: int | None) -> None:
+    _refuse_unsupported(body)
+    _sampling(body, item)
+    for name in ("max_completion_tokens", "max_tokens"):   # the newer name wins
+        v = body.get(name)
+        if v is not None:
+            if not _is_int(v):
+                raise bad(f"{name} must be an integer", name)
+            item.max_tokens = v
+            break
+    else:
+        item.max_tokens = default_max_tokens
+    share = body.get("share_prefix_cache")
+    if share is not None:
+        if not isinstance(share, bool):
+            raise bad("share_prefix_cache must be a boolean", "share_prefix_cache")
+        if hasattr(item, "share_prefix_cache"):
+            item.share_prefix_cache = share
+    priority = body.get("priority", "interactive")
+    if priority not in PRIORITIES:
+        raise bad(f"priority must be one of {', '.join(PRIORITIES)}", "priority")
+    item.priority = priority
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("stream must be a boolean", "stream")
+    gen.stream = bool(stream)
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+            raise bad("stream_options must be an object like {\"include_usage\": true}", "stream_options")
+        gen.include_usage = gen.stream and opts.get("include_usage", False)
+    user = body.get("user")
+    if isinstance(user, str) and 0 < len(user) <= MAX_NAME_LEN:
+        gen.user = user
+
+
+def _content_text(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def parse_chat(body: dict, rid: str) -> Generation:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
+        raise bad(f"messages must be a list of 1..{MAX_MESSAGES} messages", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role")
+        out.append({"role": ROLES[m["role"]], "content": _content_text(m.get("content"), i)})
+    item = GenerateRequest(rid, "chat", messages=out)
+    gen = Generation(item, chat=True)
+    _common(body, item, gen, None)
+    return gen
+
+
+def parse_completion(body: dict, rid: str) -> Generation:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise bad("prompt must be a string (one prompt per request)", "prompt")
+    item = GenerateRequest(rid, "generate", prompt=prompt)
+    gen = Generation(item, chat=False)
+    _common(body, item, gen, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return gen
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+# ---------------------------------------------------------------- responses
+
+def usage(u: dict) -> dict:
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
+
+
+class Shaper:
+    """Builds one request's response objects (same id, creation time and model throughout)."""
+
+    def __init__(self, gen: Generation, model: str):
+        self.gen, self.model = gen, model
+        self.id = gen.item.id
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _choice_end(self, done) -> dict:
+        c = {"finish_reason": done.finish_reason if done.finish_reason in ("stop", "length") else "stop"}
+        if done.stop is not None:
+            c["stop_reason"] = done.stop   # which stop string / token ended it (a vLLM extension)
+        return c
+
+    def full(self, text: str, done) -> dict:
+        """The non-streamed answer."""
+        if self.gen.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+            obj = "text_completion"
+        choice.update(self._choice_end(done))
+        return {**self._envelope(obj), "choices": [choice], "usage": usage(done.usage)}
+
+    def _chunk(self, choice: dict | None, usage_value=None) -> dict:
+        obj = "chat.completion.chunk" if self.gen.chat else "text_completion"
+        out = {**self._envelope(obj), "choices": [choice] if choice is not None else []}
+        if self.gen.include_usage:
+            out["usage"] = usage_value
+        return out
+
+    def first_chunk(self) -> dict | None:
+        """Chat streams open with the assistant role."""
+        if not self.gen.chat:
+            return None
+        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+
+    def text_chunk(self, text: str) -> dict:
+        if self.gen.chat:
+            return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
+        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+
+    def last_chunks(self, done) -> list[dict]:
+        choice = {"index": 0, "delta": {}, "logprobs": None} if self.gen.chat else \
+            {"index": 0, "text": "", "logprobs": None}
+        choice.update(self._choice_end(done))
+        out = [self._chunk(choice)]
+        if self.gen.include_usage:
+            out.append(self._chunk(None, usage(done.usage)))
+        return out
+
+
+def done_error(done) -> ApiError | None:
+    """The error a finished request reports instead of an answer (shutdown, failed step)."""
+    if done.finish_reason in ("stop", "length"):
+        return None
+    err = done.error or {"code": "shutdown" if done.finish_reason == "cancelled" else "internal_error",
+                         "message": f"the request ended: {done.finish_reason}"}
+    return ApiError(STATUS.get(err["code"], 500), err["message"], err["code"])
+
+
+def models_list(name: str, context_length: int, created: int) -> dict:
+    return {"object": "list", "data": [model_card(name, context_length, created)]}
+
+
+def model_card(name: str, context_length: int, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "edgepaged",
+            "max_model_len": context_length}
