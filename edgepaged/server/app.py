@@ -46,7 +46,8 @@ def http_url(http: HttpServer) -> str:
     return f"http://[{host}]:{http.port}/" if ":" in host else f"http://{host}:{http.port}/"
 
 
-def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig, http: HttpServer | None = None) -> str:
+def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig,
+           http: HttpServer | None = None) -> str:
     e, sc = server.engine, server.config
     host = sc.host or "0.0.0.0"
     where = (f"{host}:{server.port} (all interfaces: reachable from the local network)"
@@ -83,12 +84,17 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
             server = Server(engine, cfg.server)
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.serve)
+                http = None
+                if cfg.http is not None:   # the same engine over HTTP: OpenAI API, metrics, chat page
+                    http = HttpServer(server, cfg.http)
+                    await nursery.start(http.serve)
                 async with AsyncExitStack() as stack:
                     adv = None
                     if cfg.mdns:
                         props = mdns.txt_properties(version=PROTOCOL_VERSION, model=server.model,
                                                     context_length=engine.max_model_len,
-                                                    auth=cfg.server.token is not None or bool(cfg.server.users))
+                                                    auth=cfg.server.token is not None or bool(cfg.server.users),
+                                                    http_port=http.port if http else None)
                         try:
                             addresses = await trio.to_thread.run_sync(
                                 mdns.advertised_addresses, cfg.server.host, cfg.mdns_interface)

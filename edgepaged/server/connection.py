@@ -57,6 +57,7 @@ class Connection:
             self.peer = "?"
         self.client = self.peer                  # the fairness identity: hello's client name, else the peer
         self.identity: str | None = None         # whose prefix cache: the authenticated user, else the client
+        self.idle_scope: trio.CancelScope | None = None
         self.hello: Hello | None = None
         self.inflight: dict = {}                 # request id -> engine Request
         self.out_send, self.out_recv = trio.open_memory_channel(cfg.max_pending_frames)
@@ -112,7 +113,17 @@ class Connection:
                     if scope.cancelled_caught:
                         raise ProtocolError("hello_timeout", f"no hello within {self.config.hello_timeout_s} s")
                 else:
-                    msg = await reader.read()
+                    # a client waiting for its answers may stay quiet; one with nothing in
+                    # flight (or stalled halfway through a frame) may not hold a slot forever
+                    with trio.CancelScope() as scope:
+                        self.idle_scope = scope
+                        if not self.inflight:
+                            scope.deadline = trio.current_time() + self.config.idle_timeout_s
+                        msg = await reader.read()
+                    self.idle_scope = None
+                    if scope.cancelled_caught:
+                        raise ProtocolError("idle_timeout", f"no request and no frame for "
+                                            f"{self.config.idle_timeout_s:.0f} s")
                 await self._dispatch(msg)
             except ConnectionClosed:
                 return False
@@ -195,3 +206,5 @@ class Connection:
                     await self.send(event_frame(rid, ev))
         finally:
             self.inflight.pop(rid, None)
+            if not self.inflight and self.idle_scope is not None:   # idle again: arm the timeout
+                self.idle_scope.deadline = trio.current_time() + self.config.idle_timeout_s

@@ -27,6 +27,7 @@ FATAL_CODES = {
     "unsupported_version": "hello asked for a protocol version this server does not speak",
     "auth_failed": "hello carried no token or a wrong one",
     "hello_timeout": "no hello within the time allowed",
+    "idle_timeout": "nothing in flight and no frame for the idle time (or half a frame stalled)",
     "server_busy": "the server has its maximum number of connections",
 }
 CODES = {

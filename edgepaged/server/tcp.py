@@ -45,6 +45,7 @@ class ServerConfig:
     max_pending_frames: int = 256        # per connection: frames waiting for the socket
     unread_timeout_s: float = 30.0       # a connection that takes none of its output this long is closed
     hello_timeout_s: float = 10.0
+    idle_timeout_s: float = 300.0        # no request in flight and no whole frame this long: close
     flush_s: float = 2.0                 # at shutdown: time to deliver the last frames
 
 
