@@ -322,6 +322,10 @@ class SyncStream:
     def cancel(self) -> dict | None:
         return self.owner._call(self.stream.cancel)
 
+    def collect(self) -> tuple[str, dict]:
+        """Run to the end: (text, done frame)."""
+        return self.owner._call(self.stream.collect)
+
     def close(self) -> None:
         self.owner._call(self.stream.aclose)
 
