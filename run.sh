@@ -45,6 +45,21 @@ setup() {
     fi
 }
 
+browser_for_tests() {
+    # tests/test_webchat.py drives Debian's chromium + chromedriver (it skips, saying why, without them)
+    if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then return; fi
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        local aptlog="${TMPDIR:-/tmp}/edgepaged-apt-chromium.log"
+        log "installing chromium and chromium-driver for the browser test (apt-get, first run only; log: $aptlog)"
+        if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+                >"$aptlog" 2>&1; then
+            log "could not install chromium (see $aptlog): the browser test will skip"
+        fi
+    else
+        log "no chromium/chromedriver: the browser test will skip (as root with apt-get, ./run.sh test installs them)"
+    fi
+}
+
 cmd=${1:-serve}; shift || true
 case "$cmd" in
     setup) setup ;;
@@ -53,6 +68,7 @@ case "$cmd" in
         exec "$VENV/bin/python" -m edgepaged.cli serve "$@" ;;
     test)
         setup
+        browser_for_tests
         log "cargo test"
         cargo test --release -q
         log "pytest"

@@ -113,10 +113,12 @@ def main(verbose):
               help="Seconds running requests get to finish at shutdown.")
 @click.option("--users", "users_file", default=None, metavar="FILE", type=click.Path(exists=True, dir_okay=False),
               help="Per-user tokens, one 'name token' per line: each user gets a prefix cache of their own.")
+@click.option("--contiguous", is_flag=True,
+              help="Reserve prompt + max_tokens of KV up front (the naive scheme, for benchmarks).")
 @click.option("--mdns-refresh", type=float, default=5.0, hidden=True)
 def serve(model_path, device, host, port, kv_memory, block_size, max_batched_tokens, token, http_port, no_http,
           no_mdns, mdns_interface, max_connections, max_inflight, max_prompt_tokens, max_tokens, grace, users_file,
-          mdns_refresh):
+          contiguous, mdns_refresh):
     """Serve a model on the network (msgpack over TCP and HTTP, advertised by mDNS)."""
     import trio
 
@@ -141,7 +143,7 @@ def serve(model_path, device, host, port, kv_memory, block_size, max_batched_tok
     cfg = AppConfig(
         server=ServerConfig(host=host, port=port, token=token or None, users=users, max_connections=max_connections,
                             max_inflight=max_inflight, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens),
-        engine=EngineConfig(max_num_batched_tokens=max_batched_tokens),
+        engine=EngineConfig(max_num_batched_tokens=max_batched_tokens, contiguous=contiguous),
         http=None if no_http else HttpConfig(port=http_port),
         mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
     try:

@@ -34,9 +34,9 @@ def ls() -> list[dict]:
 
 
 def start_server():
-    proc = subprocess.Popen([*CLI, "serve", "--port", "0", "--mdns-interface", IFACE, "--kv-memory", "64M",
-                             "--mdns-refresh", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=ENV)
+    proc = subprocess.Popen([*CLI, "serve", "--port", "0", "--http-port", "0", "--mdns-interface", IFACE,
+                             "--kv-memory", "64M", "--mdns-refresh", "0.3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     lines = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     deadline = time.monotonic() + 180
@@ -63,6 +63,8 @@ async def scenario():
     assert rec["port"] == port and rec["address"] == f"127.0.0.1:{port}" and f"{rec['name']}._edgepaged._tcp.local." == name
     assert rec["model"] == "SmolLM2-135M-Instruct.Q4_1" and rec["version"] == 1 and rec["auth"] is False
     assert rec["context_length"] > 0 and rec["running"] == 0 and rec["waiting"] == 0
+    http_port = int(re.search(r"HTTP \(OpenAI API, chat page\) http://[\d.]+:(\d+)/", banner).group(1))
+    assert rec["http_port"] == http_port, rec      # the TXT record says where HTTP is
 
     step("a long request: the TXT load follows")
     long = subprocess.Popen([*CLI, "ask", "--max-tokens", "300", "Write a very long story about a dragon."],

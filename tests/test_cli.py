@@ -18,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 CLI = [str(BIN / "edgepaged")] if (BIN / "edgepaged").exists() else [sys.executable, "-m", "edgepaged.cli"]
-SERVE_ARGS = ["--port", "0", "--host", "127.0.0.1", "--no-mdns", "--kv-memory", "64M", "--grace", "1"]
+SERVE_ARGS = ["--port", "0", "--http-port", "0", "--host", "127.0.0.1", "--no-mdns", "--kv-memory", "64M",
+              "--grace", "1"]
 
 
 def readme_serve_command() -> list[str]:
@@ -77,6 +78,17 @@ def test_banner_says_where_and_how_much(server):
     assert "SmolLM2-135M-Instruct" in banner and "mDNS off" in banner
     assert re.search(r"KV capacity \d+ tokens", banner)
     assert "open to anyone on the local network" in banner
+
+
+def test_http_beside_the_msgpack_port(server):
+    import urllib.request
+    banner = next(line for line in server.lines if "ready on" in line)
+    m = re.search(r"HTTP \(OpenAI API, chat page\) (http://127\.0\.0\.1:\d+/)", banner)
+    assert m, "the banner says where HTTP is"
+    with urllib.request.urlopen(m.group(1) + "health", timeout=10) as r:
+        assert json.loads(r.read())["status"] == "ok"
+    with urllib.request.urlopen(m.group(1), timeout=10) as r:
+        assert b"<title>edgepaged chat</title>" in r.read()
 
 
 def test_ask_answers_paris(server):

@@ -77,7 +77,6 @@ class HttpServer:
         self.inflight = 0
         self.created = int(time.time())
         self._stop = trio.Event()
-        self._closed = trio.Event()
         self._page = _page() if self.config.page else None
         self.app = self._build_app()
 
@@ -106,10 +105,7 @@ class HttpServer:
         hc.keep_alive_timeout = self.config.keep_alive_s
         hc.graceful_timeout = 3600.0          # app.run decides when to stop waiting (wait_closed)
         hc.include_server_header = False
-        try:
-            await hypercorn_serve(self.app, hc, shutdown_trigger=self._stop.wait, task_status=task_status)
-        finally:
-            self._closed.set()
+        await hypercorn_serve(self.app, hc, shutdown_trigger=self._stop.wait, task_status=task_status)
 
     def stop_accepting(self) -> None:
         """Stop listening; idle keep-alive connections close, running answers go on."""
@@ -244,10 +240,14 @@ class HttpServer:
         client = gen.user or (request.client.host if request.client else "http")
         if user is not None:   # an authenticated user: their own prefix cache, as over TCP
             client = f"{user}/{gen.user}" if gen.user else user
+        self.inflight += 1   # held from here; the response gives it back when it ends
         try:
             req = await self.server.build_request(gen.item, client, user)
-        except ProtocolError as e:
-            raise ApiError.from_protocol(e) from None
+        except BaseException as e:
+            self.inflight -= 1
+            if isinstance(e, ProtocolError):
+                raise ApiError.from_protocol(e) from None
+            raise
         return GenerationResponse(self, gen, req)
 
 
@@ -276,7 +276,6 @@ class GenerationResponse:
         self.shaper = Shaper(gen, http.server.model)
 
     async def __call__(self, scope, receive, send) -> None:
-        self.http.inflight += 1
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope)
