@@ -1,0 +1,172 @@
+"""Engine benchmark: the embedded model in-process on a household mix with Poisson arrivals,
+once with paging and once with contiguous reservation (prompt + max_tokens reserved at
+admission, as the systems compared in vLLM's paper did), same KV budget, same requests.
+Then the interactive-under-flood check: interactive TTFT p99 alone, and while background
+agents flood the engine.
+
+    python bench/engine_bench.py [--json] [--scale 0.15] [--requests 40] [--rate 1.5]
+
+Prints a table; with --json the last line is one JSON object with, for `paged` and
+`contiguous`: tok_s, ttft_p50_s, ttft_p99_s, max_active, preemptions, kv_waste_frac,
+interactive_ttft_ratio (and more).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import trio
+
+sys.path.insert(0, os.path.dirname(__file__))
+from workloads import make_item, mix, poisson  # noqa: E402
+
+from edgepaged.engine import Engine, EngineConfig, TokenEvent  # noqa: E402
+from edgepaged.model import ModelRunner, SamplingParams  # noqa: E402
+
+
+def pct(values, q):
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def drive(engine: Engine, item, out: list) -> None:
+    """One client: send, read until the answer's drawn length, then end it."""
+    req = engine.make_request(prompt_ids=item.prompt_ids, params=SamplingParams(temperature=0, ignore_eos=True),
+                              max_tokens=item.max_tokens, priority=item.priority, client=item.client)
+    t0 = time.monotonic()
+    first, n = None, 0
+    async with engine.stream(req) as events:
+        async for ev in events:
+            if isinstance(ev, TokenEvent):
+                if first is None:
+                    first = time.monotonic()
+                n += len(ev.token_ids)
+                if n >= item.answer_tokens:
+                    break          # the answer ends here: the blocks go back as on an EOS
+            else:
+                break
+    out.append(dict(klass=item.klass, priority=item.priority, tokens=n, ttft=(first or time.monotonic()) - t0,
+                    e2e=time.monotonic() - t0, complete=n >= item.answer_tokens))
+
+
+async def run_mix(runner, items, contiguous: bool, cfg: dict) -> dict:
+    engine = Engine(runner, EngineConfig(contiguous=contiguous, **cfg))
+    results: list[dict] = []
+    trace = []
+    async with engine:
+        t0 = time.monotonic()
+
+        async def sampler():
+            while True:
+                s = engine.scheduler
+                trace.append((round(time.monotonic() - t0, 3), s.num_running, s.num_waiting,
+                              engine.allocator.num_used_blocks))
+                await trio.sleep(0.25)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(sampler)
+            async with trio.open_nursery() as clients:
+                for it in items:
+                    await trio.sleep_until(t0 + it.at)
+                    clients.start_soon(drive, engine, it, results)
+            n.cancel_scope.cancel()
+        wall = time.monotonic() - t0
+        st = engine.stats()
+    toks = sum(r["tokens"] for r in results)
+    ttfts = [r["ttft"] for r in results]
+    return {
+        "tok_s": round(toks / wall, 2),
+        "wall_s": round(wall, 2),
+        "requests": len(results),
+        "completed": sum(r["complete"] for r in results),
+        "ttft_p50_s": round(pct(ttfts, 0.5), 3),
+        "ttft_p99_s": round(pct(ttfts, 0.99), 3),
+        "max_active": st["max_requests_running"],
+        "preemptions": st["num_preemptions"],
+        "kv_waste_frac": st["kv_waste_frac"],
+        "prefix_hit_rate": st["prefix_cache_hit_rate"],
+        "kv_blocks_max": max((t[3] for t in trace), default=0),
+        "trace": trace,
+    }
+
+
+async def interactive_ratio(runner, tok, contiguous: bool, cfg: dict, scale: float, seed: int) -> dict:
+    """Interactive TTFT p99 alone vs under a background flood (same interactive prompts)."""
+    import random
+    rng = random.Random(seed)
+    inter = [make_item(tok, "home", rng, 1.0) for _ in range(6)]
+    flood = [make_item(tok, "agent", rng, scale) for _ in range(24)]
+    engine = Engine(runner, EngineConfig(contiguous=contiguous, **cfg))
+    async with engine:
+        alone: list[dict] = []
+        for it in inter:
+            await drive(engine, it, alone)
+        flooded: list[dict] = []
+        async with trio.open_nursery() as n:
+            for it in flood:
+                n.start_soon(drive, engine, it, [])
+            await trio.sleep(1.0)
+            for it in inter:
+                await drive(engine, it, flooded)
+                await trio.sleep(0.5)
+            n.cancel_scope.cancel()
+    a = pct([r["ttft"] for r in alone], 0.99)
+    f = pct([r["ttft"] for r in flooded], 0.99)
+    return {"interactive_ttft_alone_p99_s": round(a, 3), "interactive_ttft_flood_p99_s": round(f, 3),
+            "interactive_ttft_ratio": round(f / a, 2) if a else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", type=float, default=0.15, help="multiplies every request length")
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--rate", type=float, default=1.5, help="Poisson arrivals per second")
+    ap.add_argument("--kv-tokens", type=int, default=8192, help="KV budget in tokens (same for both modes)")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-batched-tokens", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    t = time.monotonic()
+    runner = ModelRunner(num_blocks=args.kv_tokens // 16, block_size=16)
+    tok = runner.tokenizer
+    print(f"model {runner.model_path.name} loaded in {time.monotonic() - t:.1f} s; KV pool {runner.num_blocks} "
+          f"blocks x 16 = {runner.num_blocks * 16} tokens; context {runner.max_model_len}")
+    cfg = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
+    items = poisson(mix(tok, args.requests, args.seed, args.scale, context=runner.max_model_len), args.rate,
+                    args.seed)
+    out = {}
+    for mode in ("paged", "contiguous"):
+        t = time.monotonic()
+        r = trio.run(run_mix, runner, items, mode == "contiguous", cfg)
+        r.update(trio.run(interactive_ratio, runner, tok, mode == "contiguous", cfg, args.scale, args.seed))
+        out[mode] = r
+        print(f"{mode}: done in {time.monotonic() - t:.0f} s", flush=True)
+
+    keys = ["tok_s", "ttft_p50_s", "ttft_p99_s", "max_active", "preemptions", "kv_waste_frac", "prefix_hit_rate",
+            "kv_blocks_max", "completed", "interactive_ttft_alone_p99_s", "interactive_ttft_flood_p99_s",
+            "interactive_ttft_ratio"]
+    print(f"\n{'':32}{'paged':>12}{'contiguous':>12}")
+    for k in keys:
+        print(f"{k:32}{out['paged'][k]!s:>12}{out['contiguous'][k]!s:>12}")
+    ratio = out["paged"]["max_active"] / max(1, out["contiguous"]["max_active"])
+    print(f"max_active paged/contiguous: {ratio:.1f}x   (requests={args.requests}, scale={args.scale}, "
+          f"rate={args.rate}/s, kv={args.kv_tokens} tokens)")
+    if args.json:
+        for m in out.values():
+            m.pop("trace")
+        out.update(max_active_ratio=round(ratio, 2), requests=args.requests, scale=args.scale, rate=args.rate,
+                   kv_tokens=args.kv_tokens, machine=f"{platform.machine()} {os.cpu_count()} cpus")
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

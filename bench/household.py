@@ -1,0 +1,458 @@
+"""The household benchmark: request-length mixes and arrival patterns end to end over the
+protocol, paging against contiguous reservation and against other runtimes, with plots.
+
+1. End to end: `edgepaged serve` as a subprocess (loopback), many concurrent clients over the
+   real protocol, a household mix (bench/workloads.py) with Poisson arrivals — once with
+   paging, once with contiguous reservation (`--contiguous`), same KV budget, same requests.
+   Clients send the max_tokens real clients send; each answer ends at its drawn length (the
+   client cancels there, which frees the blocks as an end-of-sequence token would).
+2. Baselines on the same prompts: transformers `generate` with static batches of 8 (fp32,
+   left padding); llama-cpp-python on the same GGUF when installed (skipped with a reason).
+3. A trace-driven simulation of a household day (thousands of requests) with the real Rust
+   allocator and the real scheduling policy; step times come from a cost model fitted to
+   this machine's measured forward times (not measured end to end). Paged against
+   contiguous, and a sliding-window policy that keeps only the last W tokens of each
+   sequence (its KV is accounted on the same run: windowing changes how much state a
+   sequence keeps, paging changes how it is allocated).
+
+    python bench/household.py [--quick] [--json] [--out bench/out/household]
+
+With --json the last line is one JSON object: paged, contiguous, hf (tok_s, max_active,
+ttft_p50/p90/p99_s, ...), llama_cpp, simulation. Plots (PNG) go to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, os.path.dirname(__file__))
+from workloads import CLASSES, make_item, mix, poisson  # noqa: E402
+
+from edgepaged.client import ServerError, open_client  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pct(values, q):
+    if not values:
+        return None
+    s = sorted(values)
+    return round(s[min(len(s) - 1, int(q * len(s)))], 4)
+
+
+def quantiles(values) -> dict:
+    return {f"p{int(q * 100)}": pct(values, q) for q in (0.5, 0.9, 0.99)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------ end to end
+class Serve:
+    def __init__(self, kv_bytes: int, contiguous: bool, max_batched: int):
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               "--no-mdns", "--no-http", "--kv-memory", str(kv_bytes), "--max-batched-tokens", str(max_batched),
+               "--max-connections", "512", "--grace", "1"] + (["--contiguous"] if contiguous else [])
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.banner = None
+        for line in self.proc.stdout:
+            if "ready on" in line:
+                self.banner = line.strip()
+                break
+        if self.banner is None:
+            raise SystemExit(f"the server did not start (exit {self.proc.wait()})")
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+        self.addr = f"127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def client(addr: str, item, out: list) -> None:
+    t0 = time.monotonic()
+    rec = dict(klass=item.klass, priority=item.priority, tokens=0, want=item.answer_tokens, error=None)
+    times = []
+    try:
+        async with open_client(addr, name=item.client) as c:
+            stream = c.chat(item.messages, max_tokens=item.max_tokens, temperature=0, ignore_eos=True,
+                            priority=item.priority)
+            async for _ in stream:
+                if len(stream.token_ids) > rec["tokens"]:
+                    rec["tokens"] = len(stream.token_ids)
+                    times.append(time.monotonic())
+                if rec["tokens"] >= item.answer_tokens:
+                    await stream.cancel()       # the answer ends here
+                    break
+            done = stream.done or {}
+            rec["queue_s"] = done.get("timings", {}).get("queue_s")
+            if done.get("error"):
+                rec["error"] = done["error"]
+    except ServerError as e:
+        rec["error"] = {"code": e.code, "message": str(e)}
+    rec["ttft_s"] = times[0] - t0 if times else None
+    rec["tpot_s"] = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+    rec["e2e_s"] = time.monotonic() - t0
+    rec["complete"] = rec["tokens"] >= item.answer_tokens and rec["error"] is None
+    out.append(rec)
+
+
+async def run_e2e(addr: str, items) -> dict:
+    results: list[dict] = []
+    samples = []
+    t0 = time.monotonic()
+
+    async def sampler():
+        async with open_client(addr, name="bench-observer") as c:
+            while True:
+                s = await c.stats()
+                samples.append((round(time.monotonic() - t0, 2), s["num_requests_running"], s["num_requests_waiting"],
+                                s["kv_blocks_used"], s["tokens_per_s"]))
+                await trio.sleep(0.5)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(sampler)
+        async with trio.open_nursery() as clients:
+            for it in items:
+                await trio.sleep_until(t0 + it.at)
+                clients.start_soon(client, addr, it, results)
+        wall = time.monotonic() - t0
+        async with open_client(addr, name="bench-observer") as c:
+            final = await c.stats()
+        n.cancel_scope.cancel()
+    return summarize(results, wall, final, samples)
+
+
+def summarize(results, wall, final, samples) -> dict:
+    toks = sum(r["tokens"] for r in results)
+    per_class = {}
+    for k in CLASSES:
+        rs = [r for r in results if r["klass"] == k]
+        if rs:
+            per_class[k] = {"n": len(rs), "ttft_s": quantiles([r["ttft_s"] for r in rs if r["ttft_s"] is not None]),
+                            "tpot_s": quantiles([r["tpot_s"] for r in rs if r["tpot_s"] is not None]),
+                            "queue_s": quantiles([r["queue_s"] for r in rs if r.get("queue_s") is not None])}
+    ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+    return {
+        "tok_s": round(toks / wall, 2), "wall_s": round(wall, 1), "requests": len(results),
+        "completed": sum(r["complete"] for r in results), "failed": sum(not r["complete"] for r in results),
+        "max_active": final["max_requests_running"], "preemptions": final["num_preemptions"],
+        "prefix_hit_rate": final["prefix_cache_hit_rate"],
+        "ttft_p50_s": pct(ttfts, 0.5), "ttft_p90_s": pct(ttfts, 0.9), "ttft_p99_s": pct(ttfts, 0.99),
+        "tpot_p50_s": pct([r["tpot_s"] for r in results if r["tpot_s"]], 0.5),
+        "queue_p99_s": pct([r["queue_s"] for r in results if r.get("queue_s") is not None], 0.99),
+        "kv_blocks_max": max((s[3] for s in samples), default=0), "kv_blocks_total": final["kv_blocks_total"],
+        "per_class": per_class, "samples": samples,
+        "ttfts_by_class": {k: sorted(r["ttft_s"] for r in results if r["klass"] == k and r["ttft_s"] is not None)
+                           for k in CLASSES},
+    }
+
+
+# ------------------------------------------------------------------------------ baselines
+def run_hf(items, model_path: Path, batch: int = 8) -> dict:
+    """transformers generate, static batches in arrival order, greedy, fp32."""
+    import torch
+    import transformers
+    t = time.monotonic()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
+                                                              dtype=torch.float32).eval()
+    load_s = time.monotonic() - t
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 2
+    useful = 0
+    t0 = time.monotonic()
+    with torch.inference_mode():
+        for i in range(0, len(items), batch):
+            group = items[i:i + batch]
+            width = max(len(it.prompt_ids) for it in group)
+            ids = torch.full((len(group), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, it in enumerate(group):   # left padding
+                ids[r, width - len(it.prompt_ids):] = torch.tensor(it.prompt_ids)
+                mask[r, width - len(it.prompt_ids):] = 1
+            n = max(it.answer_tokens for it in group)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=pad)
+            useful += sum(it.answer_tokens for it in group)
+    wall = time.monotonic() - t0
+    return {"tok_s": round(useful / wall, 2), "wall_s": round(wall, 1), "max_active": batch, "load_s": round(load_s, 1),
+            "requests": len(items), "completed": len(items), "failed": 0,
+            "note": "static batches of 8 in arrival order, all requests available at once (favours the baseline)"}
+
+
+def run_llama_cpp(items, model_path: Path) -> dict | None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama-cpp-python: not installed (optional: pip install llama-cpp-python, ~12 min build) - skipped")
+        return None
+    from llama_cpp import Llama
+    llm = Llama(model_path=str(model_path), n_ctx=8192, n_threads=os.cpu_count(), verbose=False)
+    useful = 0
+    t0 = time.monotonic()
+    for it in items:       # one at a time: llama-cpp-python serves a single sequence
+        llm.reset()
+        for k, _ in enumerate(llm.generate(it.prompt_ids, temp=0.0)):
+            if k + 1 >= it.answer_tokens:
+                break
+        useful += it.answer_tokens
+    wall = time.monotonic() - t0
+    return {"tok_s": round(useful / wall, 2), "wall_s": round(wall, 1), "max_active": 1, "requests": len(items)}
+
+
+# ------------------------------------------------------------------------------ simulation
+def fit_cost_model(runner) -> tuple[list[float], list]:
+    """Least-squares fit of step seconds = a + b * tokens + c * attention (sum of q_len x
+    context), from forward passes of this machine at several batch shapes."""
+    import numpy as np
+    from edgepaged._rust_alloc import BlockAllocator
+    shapes = [(b, 1, ctx) for b in (1, 8, 32) for ctx in (64, 512)] + [(1, n, n) for n in (32, 128, 512)] + \
+             [(4, 128, 128)]
+    rows, ys = [], []
+    for b, q, ctx in shapes:                      # b sequences, q new tokens each, context ctx after the step
+        if b * -(-ctx // runner.block_size) > runner.num_blocks:
+            ctx = runner.num_blocks // b * runner.block_size
+        a = BlockAllocator(runner.num_blocks, runner.block_size)
+        ids = np.arange(b)
+        for i in range(b):
+            a.add_sequence(i, [5 + i] * ctx)
+        if ctx > q:
+            a.prepare_step(ids, np.full(b, ctx - q))
+        sm, bt, sl, _ = a.prepare_step(ids, np.full(b, q))
+        meta = dict(query_start_loc=np.arange(0, b * q + 1, q, dtype=np.int32), seq_lens=sl, block_tables=bt,
+                    slot_mapping=sm)
+        pos = np.concatenate([np.arange(ctx - q, ctx)] * b)
+        best = 1e9
+        for _ in range(3):
+            t = time.perf_counter()
+            runner.execute(np.full(b * q, 7), pos, meta)
+            best = min(best, time.perf_counter() - t)
+        rows.append([1.0, b * q, b * q * ctx])
+        ys.append(best)
+    coef = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)[0]
+    return [float(c) for c in coef], list(zip(shapes, ys))
+
+
+def simulate(items, num_blocks: int, block_size: int, contiguous: bool, coef, window: int, context: int) -> dict:
+    from edgepaged._rust_alloc import BlockAllocator
+    from edgepaged.engine.request import Request
+    from edgepaged.engine.scheduler import Scheduler, SchedulerConfig
+    from edgepaged.model.sampler import SamplingParams
+    alloc = BlockAllocator(num_blocks, block_size, contiguous=contiguous)
+    usable = num_blocks - (0 if contiguous else max(1, num_blocks // 100))
+    max_len = min(context, usable * block_size)
+    sched = Scheduler(alloc, SchedulerConfig(max_model_len=max_len, max_num_seqs=64, max_num_batched_tokens=512,
+                                             contiguous=contiguous))
+    pending = sorted(items, key=lambda it: it.at)
+    reqs, t, k = {}, 0.0, 0
+    trace, waits, window_blocks = [], [], []
+    max_active = 0
+    rejected = 0
+    while k < len(pending) or sched.has_work():
+        while k < len(pending) and pending[k].at <= t:
+            it = pending[k]
+            k += 1
+            mt = it.max_tokens if it.max_tokens is not None else max_len - len(it.prompt_ids)
+            r = Request(prompt_ids=it.prompt_ids, params=SamplingParams(temperature=0, max_tokens=max(1, mt)),
+                        priority=it.priority, client=it.client)
+            r.arrival = it.at
+            try:
+                sched.add(r)
+            except ValueError:
+                rejected += 1
+                continue
+            reqs[r] = it
+        batch = sched.schedule()
+        if batch is None:
+            if k < len(pending):
+                t = pending[k].at
+                continue
+            break
+        attn = sum(n * int(ln) for n, ln in zip(batch.num_new, batch.seq_lens))
+        t += coef[0] + coef[1] * batch.num_tokens + coef[2] * attn
+        for r in batch.requests:
+            if r.first_scheduled is None:
+                r.first_scheduled = t
+                waits.append(t - r.arrival)
+        for r in batch.sampled:
+            r.output_ids.append(7)
+            if len(r.output_ids) >= min(reqs[r].answer_tokens, r.params.max_tokens):
+                sched.finish(r)
+        running = sched.running
+        max_active = max(max_active, len(running))
+        window_blocks.append(sum(-(-min(r.num_slots, window) // block_size) for r in running))
+        trace.append((round(t, 2), len(running), sched.num_waiting, alloc.num_used_blocks))
+    return {"sim_seconds": round(t, 1), "requests": len(items), "rejected": rejected, "max_active": max_active,
+            "preemptions": sched.num_preemptions, "queue_wait_p50_s": pct(waits, 0.5),
+            "queue_wait_p99_s": pct(waits, 0.99), "kv_blocks_max": max((x[3] for x in trace), default=0),
+            "kv_blocks_mean": round(sum(x[3] for x in trace) / max(1, len(trace)), 1),
+            f"window{window}_kv_blocks_max": max(window_blocks, default=0),
+            f"window{window}_kv_blocks_mean": round(sum(window_blocks) / max(1, len(window_blocks)), 1),
+            "trace": trace[:: max(1, len(trace) // 2000)]}
+
+
+def day_trace(tok, n: int, seed: int, scale: float, context: int):
+    """n requests over a household day: quiet nights, a morning peak and an evening burst."""
+    rng = random.Random(seed)
+    items = mix(tok, n, seed, scale, context=context)
+    hours = [0.2] * 6 + [1.5, 2.5, 1.5] + [0.8] * 8 + [2.0, 3.0, 2.5] + [1.2, 0.6, 0.3, 0.2]
+    for it in items:
+        h = rng.choices(range(24), weights=hours)[0]
+        it.at = (h + rng.random()) * 3600
+    return sorted(items, key=lambda it: it.at)
+
+
+# ------------------------------------------------------------------------------ plots
+def plots(out: Path, paged: dict, contiguous: dict, hf: dict, sim: dict) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+    for name, r in (("paged", paged), ("contiguous", contiguous)):
+        ax[0].plot([s[0] for s in r["samples"]], [s[3] for s in r["samples"]], label=f"{name} (KV blocks used)")
+        ax[0].plot([s[0] for s in r["samples"]], [s[1] * 10 for s in r["samples"]], ":", label=f"{name} active x10")
+    ax[0].set(xlabel="seconds", ylabel="blocks", title="End to end: KV blocks used and active sequences")
+    ax[0].legend(fontsize=7)
+    for name in ("paged", "contiguous"):
+        tr = sim[name]["trace"]
+        ax[1].plot([x[0] / 3600 for x in tr], [x[3] for x in tr], label=name)
+    ax[1].set(xlabel="hour of the simulated day", ylabel="KV blocks used", title="Simulated household day")
+    ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    files.append(str(out / "kv_blocks_over_time.png"))
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for k, v in paged["ttfts_by_class"].items():
+        if v:
+            ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=f"paged {k}")
+    for k, v in contiguous["ttfts_by_class"].items():
+        if v:
+            ax.step(v, [(i + 1) / len(v) for i in range(len(v))], ":", where="post", label=f"contiguous {k}")
+    ax.set(xscale="log", xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF per request class")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(str(out / "ttft_cdf.png"))
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for name, r in (("paged", paged), ("contiguous", contiguous)):
+        pts = [(s[1], s[4]) for s in r["samples"] if s[4] > 0]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=10, label=name)
+    ax.scatter([hf["max_active"]], [hf["tok_s"]], marker="x", s=60, label="transformers (static batch 8)")
+    ax.set(xlabel="active sequences", ylabel="tokens/s (10 s window)", title="Throughput vs concurrency")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(str(out / "throughput_vs_concurrency.png"))
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="about 2-3 minutes on a 2-core CPU")
+    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--scale", type=float, default=0.25, help="prompt length scale")
+    ap.add_argument("--answer-scale", type=float, default=0.5)
+    ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
+    ap.add_argument("--kv-tokens", type=int, default=8192)
+    ap.add_argument("--day-requests", type=int, default=3000)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "household"))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.scale, args.answer_scale, args.rate, args.day_requests = 24, 0.1, 0.3, 2.0, 600
+
+    from edgepaged.model import ModelRunner
+    from edgepaged.model.loader import default_model_path
+    model_path = default_model_path()
+    runner = ModelRunner(num_blocks=args.kv_tokens // 16, block_size=16)
+    tok, context = runner.tokenizer, runner.config.context_length
+    items = poisson(mix(tok, args.requests, args.seed, args.scale, context=context, answer_scale=args.answer_scale),
+                    args.rate, args.seed)
+    kv_bytes = args.kv_tokens // 16 * runner.block_bytes
+    print(f"{len(items)} requests (scale {args.scale}, answers x{args.answer_scale}, Poisson {args.rate}/s); "
+          f"KV budget {args.kv_tokens} tokens ({kv_bytes >> 20} MiB) for both modes", flush=True)
+
+    out = {}
+    for mode in ("paged", "contiguous"):
+        t = time.monotonic()
+        srv = Serve(kv_bytes, mode == "contiguous", 512)
+        try:
+            out[mode] = trio.run(run_e2e, srv.addr, items)
+        finally:
+            srv.stop()
+        print(f"{mode}: {out[mode]['tok_s']} tok/s, max active {out[mode]['max_active']}, "
+              f"{time.monotonic() - t:.0f} s", flush=True)
+
+    coef, measured = fit_cost_model(runner)
+    print(f"cost model (fitted to this machine): step_s = {coef[0]:.4f} + {coef[1]:.2e} * tokens + "
+          f"{coef[2]:.2e} * attention", flush=True)
+    del runner
+    out["hf"] = run_hf(items, model_path)
+    print(f"transformers: {out['hf']['tok_s']} tok/s", flush=True)
+    out["llama_cpp"] = run_llama_cpp(items, model_path)
+
+    day = day_trace(tok, args.day_requests, args.seed, args.scale, context)
+    sim = {"cost_model": {"intercept_s": coef[0], "per_token_s": coef[1], "per_attention_s": coef[2],
+                          "note": "step times from a cost model fitted to measured forward passes"}}
+    for mode in ("paged", "contiguous"):
+        t = time.monotonic()
+        sim[mode] = simulate(day, args.kv_tokens // 16, 16, mode == "contiguous", coef, args.window, context)
+        print(f"simulated day, {mode}: max active {sim[mode]['max_active']}, preemptions "
+              f"{sim[mode]['preemptions']}, queue p99 {sim[mode]['queue_wait_p99_s']} s ({time.monotonic() - t:.0f} s)",
+              flush=True)
+    files = plots(Path(args.out), out["paged"], out["contiguous"], out["hf"], sim)
+
+    keys = ["tok_s", "max_active", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "queue_p99_s",
+            "preemptions", "prefix_hit_rate", "kv_blocks_max", "completed", "failed"]
+    print(f"\n{'':18}{'paged':>12}{'contiguous':>12}{'transformers':>14}")
+    for k in keys:
+        print(f"{k:18}{out['paged'].get(k)!s:>12}{out['contiguous'].get(k)!s:>12}{out['hf'].get(k, '-')!s:>14}")
+    for k in ("home", "chat", "document", "agent"):
+        for mode in ("paged", "contiguous"):
+            pc = out[mode]["per_class"].get(k)
+            if pc:
+                print(f"  {mode:10} {k:9} n={pc['n']:<3} TTFT {pc['ttft_s']}  TPOT {pc['tpot_s']}")
+    print(f"plots: {', '.join(files)}")
+    print(f"paged/transformers tok_s {out['paged']['tok_s'] / out['hf']['tok_s']:.2f}x; paged/contiguous max_active "
+          f"{out['paged']['max_active'] / max(1, out['contiguous']['max_active']):.1f}x")
+    if args.json:
+        for mode in ("paged", "contiguous"):
+            for k in ("samples", "ttfts_by_class"):
+                out[mode].pop(k)
+            sim[mode].pop("trace")
+        out["simulation"] = sim
+        out["machine"] = f"{platform.machine()} {os.cpu_count()} cpus"
+        out["workload"] = dict(requests=args.requests, scale=args.scale, answer_scale=args.answer_scale,
+                               rate=args.rate, kv_tokens=args.kv_tokens, day_requests=args.day_requests)
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

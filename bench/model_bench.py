@@ -1,0 +1,191 @@
+"""Model runtime benchmark: greedy decode throughput of ModelRunner on the embedded model
+against transformers' `generate` (fp32, same GGUF, same prompts, left padding), plus the
+machine's fp32 GEMM rate, all in one run.
+
+Each batch of B distinct chat prompts is prefilled in one flat batch, then decoded for
+--new-tokens steps (EOS ignored, so every sequence yields exactly that many tokens).
+tok_s_bN = B * new_tokens / (prefill + decode time); tok_s_decode_bN counts decode steps only.
+roofline_frac_b32 = 2 * params (LM head included) * tok_s_b32 / (gemm_gflops * 1e9).
+
+    python bench/model_bench.py [--json] [--batches 1,8,32] [--new-tokens 64] [--no-hf] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+
+from edgepaged.model import ModelRunner, default_model_path
+
+QUESTIONS = [
+    "What is the capital of France?", "How do I boil an egg?", "Name three primary colors.",
+    "Why is the sky blue?", "Write a haiku about autumn.", "What is 12 times 7?",
+    "Give me a tip for better sleep.", "What does a CPU do?", "Explain photosynthesis briefly.",
+    "Who wrote Romeo and Juliet?", "What is the boiling point of water?", "Suggest a name for a cat.",
+    "How many legs does a spider have?", "What is a prime number?", "Describe the moon in one sentence.",
+    "What language is spoken in Brazil?", "How do airplanes fly?", "What is the largest ocean?",
+    "Recommend a book for a long trip.", "What is machine learning?", "How far is the sun from earth?",
+    "What is the tallest mountain?", "Translate 'good morning' to Spanish.", "What are clouds made of?",
+    "Why do leaves change color?", "How do I make tea?", "What is gravity?", "List two uses of copper.",
+    "What is the speed of light?", "How do bees make honey?", "What is an atom?", "Tell me a fun fact.",
+]
+
+
+class PyBlocks:
+    """Plain-Python stand-in for the Rust allocator's prepare_step (scattered free blocks)."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.free = list(range(num_blocks))
+        random.Random(0).shuffle(self.free)
+        self.bs, self.tables, self.lens = block_size, {}, {}
+
+    def add_sequence(self, seq_id, prompt):
+        self.tables[seq_id], self.lens[seq_id] = [], 0
+        return 0
+
+    def prepare_step(self, seq_ids, num_new, new_tokens=None):
+        slots = []
+        for s, n in zip(seq_ids, num_new):
+            t, start = self.tables[s], self.lens[s]
+            while len(t) * self.bs < start + n:
+                t.append(self.free.pop())
+            slots += [t[p // self.bs] * self.bs + p % self.bs for p in range(start, start + n)]
+            self.lens[s] = start + n
+        width = max(len(self.tables[s]) for s in seq_ids)
+        tables = np.array([self.tables[s] + [0] * (width - len(self.tables[s])) for s in seq_ids], np.int32)
+        return (np.array(slots, np.int64), tables, np.array([self.lens[s] for s in seq_ids], np.int32),
+                np.zeros((0, 2), np.int32))
+
+    def free_sequence(self, seq_id, cache=True):
+        self.free += self.tables.pop(seq_id)
+        del self.lens[seq_id]
+
+
+def make_allocator(runner):
+    try:
+        from edgepaged._rust_alloc import BlockAllocator
+        return BlockAllocator(runner.num_blocks, runner.block_size, enable_prefix_caching=False), "rust"
+    except ImportError:
+        return PyBlocks(runner.num_blocks, runner.block_size), "python"
+
+
+def run_batch(runner, alloc, prompts, new_tokens, seq_base=0):
+    """Prefill all prompts in one flat batch, then greedy decode. Returns (outputs, t_prefill, t_decode)."""
+    ids = list(range(seq_base, seq_base + len(prompts)))
+    for s, p in zip(ids, prompts):
+        alloc.add_sequence(s, p)
+    t0 = time.perf_counter()
+    slots, tables, lens, _ = alloc.prepare_step(ids, [len(p) for p in prompts])
+    qsl = np.cumsum([0] + [len(p) for p in prompts])
+    meta = dict(query_start_loc=qsl, seq_lens=lens, block_tables=tables, slot_mapping=slots)
+    positions = np.concatenate([np.arange(len(p)) for p in prompts])
+    toks = runner.step(np.concatenate(prompts), positions, meta)
+    t1 = time.perf_counter()
+    out = [[t] for t in toks]
+    arange = np.arange(len(prompts) + 1)
+    for _ in range(new_tokens - 1):
+        slots, tables, lens, _ = alloc.prepare_step(ids, [1] * len(ids), toks)
+        meta = dict(query_start_loc=arange, seq_lens=lens, block_tables=tables, slot_mapping=slots)
+        toks = runner.step(toks, lens.astype(np.int64) - 1, meta)
+        for o, t in zip(out, toks):
+            o.append(t)
+    t2 = time.perf_counter()
+    for s in ids:
+        alloc.free_sequence(s, cache=False)
+    return out, t1 - t0, t2 - t1
+
+
+def gemm_gflops(n=2048, reps=5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def hf_generate(prompts_text, batches, new_tokens) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    res = {}
+    for b in batches:
+        enc = tok(prompts_text[:b], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            out = model.generate(**enc, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 pad_token_id=tok.pad_token_id)
+            dt = time.perf_counter() - t
+        res[f"hf_tok_s_b{b}"] = b * (out.shape[1] - enc["input_ids"].shape[1]) / dt
+    return res
+
+
+def profile_decode(runner, alloc, prompts):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_batch(runner, alloc, prompts, 8, seq_base=10_000)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="last line: one JSON object")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--hf-batches", default="1,8")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--profile", action="store_true", help="print a torch profile of decode at the largest batch")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    t = time.perf_counter()
+    runner = ModelRunner()
+    load_s = time.perf_counter() - t
+    tk = runner.tokenizer
+    texts = [tk.apply_chat_template([{"role": "user", "content": q}], tokenize=False) for q in QUESTIONS]
+    prompts = [np.array(tk.encode(x, add_special_tokens=False), np.int64) for x in texts]
+    alloc, alloc_kind = make_allocator(runner)
+    res = {"model": runner.model_path.name, "params": runner.config.num_params, "threads": torch.get_num_threads(),
+           "new_tokens": args.new_tokens, "allocator": alloc_kind, "load_s": round(load_s, 2),
+           "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+    run_batch(runner, alloc, prompts[:2], 4, seq_base=90_000)  # warm-up
+    for b in batches:
+        reps = prompts[:b] if b <= len(prompts) else (prompts * (b // len(prompts) + 1))[:b]
+        out, tp, td = run_batch(runner, alloc, reps, args.new_tokens, seq_base=1000 * b)
+        res[f"tok_s_b{b}"] = b * args.new_tokens / (tp + td)
+        res[f"tok_s_decode_b{b}"] = b * (args.new_tokens - 1) / td
+        res[f"prefill_s_b{b}"] = tp
+        if not args.json:
+            print(f"B={b}: {res[f'tok_s_b{b}']:.1f} tok/s (decode {res[f'tok_s_decode_b{b}']:.1f}, "
+                  f"prefill {tp * 1e3:.0f} ms); first answer: {tk.decode(out[0], skip_special_tokens=True)[:60]!r}")
+    if args.profile:
+        profile_decode(runner, alloc, prompts[: max(batches)])
+    res["gemm_gflops"] = gemm_gflops()
+    if 32 in batches:
+        res["roofline_frac_b32"] = 2 * runner.config.num_params * res["tok_s_b32"] / (res["gemm_gflops"] * 1e9)
+        res["roofline_frac_decode_b32"] = 2 * runner.config.num_params * res["tok_s_decode_b32"] / (
+            res["gemm_gflops"] * 1e9)
+    del runner
+    if not args.no_hf:
+        res.update(hf_generate(texts, [int(b) for b in args.hf_batches.split(",")], args.new_tokens))
+        if "tok_s_b32" in res and "hf_tok_s_b8" in res:
+            res["speedup_b32_vs_hf_b8"] = res["tok_s_b32"] / res["hf_tok_s_b8"]
+    res = {k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}
+    if not args.json:
+        for k, v in res.items():
+            print(f"{k:>26}: {v}")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

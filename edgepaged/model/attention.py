@@ -1,0 +1,177 @@
+"""Paged attention: metadata for one flat batch and the two backends (torch, Triton).
+
+A backend has `plan(meta)`, called once per forward, and
+`forward(q, k, v, k_cache, v_cache, plan)`, called per layer: it writes this step's K/V
+into their slots, then attends over each sequence's context through its block table.
+q [T, H, D], k/v [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> out [T, H, D].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def _tensor(x, dtype, device) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x)
+    return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+
+@dataclass
+class AttentionMetadata:
+    """The contract of docs/INTERNALS.md, plus host copies of the lengths for planning."""
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    seq_lens: torch.Tensor         # int32 [B]
+    block_tables: torch.Tensor     # int32 [B, M]
+    slot_mapping: torch.Tensor     # int64 [T]
+    q_lens_host: list[int]
+    seq_lens_host: list[int]
+
+    @classmethod
+    def build(cls, query_start_loc, seq_lens, block_tables, slot_mapping, device="cpu") -> "AttentionMetadata":
+        qsl = np.asarray(query_start_loc, dtype=np.int64)
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        q_lens = np.diff(qsl)
+        if len(q_lens) != len(lens) or (q_lens < 1).any() or (q_lens > lens).any():
+            raise ValueError("attention metadata: need 1 <= q_len <= seq_len for every sequence")
+        bt = block_tables if isinstance(block_tables, torch.Tensor) else np.asarray(block_tables, np.int32)
+        return cls(_tensor(qsl, torch.int32, device), _tensor(lens, torch.int32, device),
+                   _tensor(bt, torch.int32, device).reshape(len(lens), -1),
+                   _tensor(slot_mapping, torch.int64, device), q_lens.tolist(), lens.tolist())
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(q == 1 for q in self.q_lens_host)
+
+    def last_token_indices(self) -> torch.Tensor:
+        return (self.query_start_loc[1:] - 1).long()
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Whole blocks as rows of a 2-D view: the fast contiguous-row path of index_select."""
+    return cache.view(cache.shape[0], -1).index_select(0, blocks)
+
+
+@dataclass
+class _DecodeGroup:      # sequences with one new token, attended in one batched matmul
+    tokens: torch.Tensor | slice  # their rows in the flat batch
+    blocks: torch.Tensor          # int64 [B * nb] block ids, nb = blocks of the longest context
+    bias: torch.Tensor            # [B, 1, 1, L] 0 / -inf (length and window mask)
+    num_seqs: int
+
+
+@dataclass
+class _TorchPlan:
+    meta: AttentionMetadata
+    decode: _DecodeGroup | None
+    prefills: list                # (token slice, block ids, context len, causal mask or None)
+
+
+class TorchAttention:
+    """Reference backend in plain torch, also the CPU path.
+
+    Decode rows: one gather of whole blocks for all sequences, then two batched matmuls with
+    a length mask. Prefill chunks: per sequence SDPA with the causal mask offset by the
+    cached context."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 sliding_window: int | None = None, dtype=torch.float32):
+        self.dtype = dtype
+        self.h, self.hkv, self.d, self.block_size = num_heads, num_kv_heads, head_dim, block_size
+        self.group, self.window, self.scale = num_heads // num_kv_heads, sliding_window, head_dim ** -0.5
+
+    def plan(self, meta: AttentionMetadata) -> _TorchPlan:
+        bs, dev = self.block_size, meta.block_tables.device
+        starts = np.cumsum([0] + meta.q_lens_host)
+        dec = [i for i, q in enumerate(meta.q_lens_host) if q == 1]
+        decode = None
+        if dec:
+            lens = [meta.seq_lens_host[i] for i in dec]
+            nb = -(-max(lens) // bs)
+            idx = torch.tensor(dec, device=dev)
+            rows = slice(dec[0], dec[-1] + 1) if dec == list(range(dec[0], dec[0] + len(dec))) else None
+            tokens = rows if rows is not None else torch.tensor(starts[dec], device=dev)
+            blocks = meta.block_tables.index_select(0, idx)[:, :nb].reshape(-1).long()
+            pos = torch.arange(nb * bs, device=dev)
+            lens_t = torch.tensor(lens, device=dev)[:, None]
+            visible = pos < lens_t
+            if self.window:
+                visible &= pos >= lens_t - self.window
+            bias = torch.zeros(visible.shape, dtype=torch.float32, device=dev).masked_fill_(~visible, float("-inf"))
+            decode = _DecodeGroup(tokens, blocks, bias[:, None, None, :].to(self.dtype), len(dec))
+        prefills = []
+        for i, q in enumerate(meta.q_lens_host):
+            if q == 1:
+                continue
+            n = meta.seq_lens_host[i]
+            blocks = meta.block_tables[i, : -(-n // bs)].long()
+            mask = None
+            if q != n or self.window:
+                qpos = torch.arange(n - q, n, device=dev)[:, None]
+                kpos = torch.arange(n, device=dev)[None, :]
+                mask = kpos <= qpos
+                if self.window:
+                    mask &= kpos > qpos - self.window
+            prefills.append((slice(int(starts[i]), int(starts[i]) + q), blocks, n, mask))
+        return _TorchPlan(meta, decode, prefills)
+
+    def forward(self, q, k, v, k_cache, v_cache, plan: _TorchPlan) -> torch.Tensor:
+        slots = plan.meta.slot_mapping
+        k_cache.view(-1, self.hkv, self.d).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, self.hkv, self.d).index_copy_(0, slots, v.to(v_cache.dtype))
+        if not plan.prefills:
+            return self._decode(q, k_cache, v_cache, plan.decode)
+        out = torch.empty_like(q)
+        for rows, blocks, n, mask in plan.prefills:
+            kc = _gather(k_cache, blocks).view(-1, self.hkv, self.d)[:n].transpose(0, 1)
+            vc = _gather(v_cache, blocks).view(-1, self.hkv, self.d)[:n].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), kc, vc, attn_mask=mask,
+                                               is_causal=mask is None, scale=self.scale, enable_gqa=True)
+            out[rows] = o.transpose(0, 1)
+        if plan.decode is not None:
+            out[plan.decode.tokens] = self._decode(q[plan.decode.tokens], k_cache, v_cache, plan.decode)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, g: _DecodeGroup) -> torch.Tensor:
+        b, hkv, d = g.num_seqs, self.hkv, self.d
+        # [B * nb, block_size * Hkv * D] -> [B, Hkv, L, D], a view
+        kc = _gather(k_cache, g.blocks).view(b, -1, hkv, d).transpose(1, 2)
+        vc = _gather(v_cache, g.blocks).view(b, -1, hkv, d).transpose(1, 2)
+        # GQA folded into the query length: the G query heads of a KV head are G "positions"
+        o = F.scaled_dot_product_attention(q.reshape(b, hkv, self.group, d), kc, vc, attn_mask=g.bias,
+                                           scale=self.scale)
+        return o.view(b, self.h, d)
+
+
+class TritonAttention:
+    """GPU backend: edgepaged.kernels (imported lazily so CPU-only runs never load Triton)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 sliding_window: int | None = None, dtype=None):
+        from edgepaged.kernels import paged_decode, paged_prefill, write_kv
+        self._write, self._decode, self._prefill = write_kv, paged_decode, paged_prefill
+        self.window, self.scale = sliding_window, head_dim ** -0.5
+
+    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return meta
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                                sliding_window=self.window)
+        return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                             self.scale, sliding_window=self.window)
+
+
+def make_backend(device, *args, **kwargs):
+    if torch.device(device).type == "cuda":
+        return TritonAttention(*args, **kwargs)
+    return TorchAttention(*args, **kwargs)

@@ -1,0 +1,112 @@
+"""Sampling parameters and the batched sampler."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0     # 0 = greedy
+    top_k: int = 0               # 0 = off
+    top_p: float = 1.0           # 1 = off
+    min_p: float = 0.0           # 0 = off
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an int >= 0 (0 = off), got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+             f"max_tokens must be an int >= 1, got {self.max_tokens}"),
+            (self.seed is None or isinstance(self.seed, int) and 0 <= self.seed < 2**63,
+             f"seed must be an int in [0, 2**63), got {self.seed}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be a list of token ids >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _step_generator(seed: int, step: int, device) -> torch.Generator:
+    """A generator for one request's `step`-th token: depends on nothing else in the batch."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 0x9E3779B97F4A7C15 + step) % 2**63)
+    return g
+
+
+def apply_repetition_penalty(logits: torch.Tensor, params, prev_tokens) -> None:
+    for i, p in enumerate(params):
+        if p.repetition_penalty != 1.0 and prev_tokens is not None and len(prev_tokens[i]):
+            ids = torch.as_tensor(list(prev_tokens[i]), device=logits.device).unique()
+            row = logits[i, ids]
+            logits[i, ids] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+
+
+def _filter(logits: torch.Tensor, params) -> torch.Tensor:
+    """Temperature, then top-k / top-p / min-p as -inf masks. Returns probabilities."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    if any(p.top_p < 1 or p.min_p > 0 for p in params):
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        for i, p in enumerate(params):
+            if p.top_k:
+                remove[i] |= rank >= p.top_k
+            if p.top_p < 1:  # drop tokens once the mass before them reaches top_p
+                remove[i] |= (probs[i].cumsum(-1) - probs[i]) >= p.top_p
+            if p.min_p > 0:
+                remove[i] |= probs[i] < p.min_p * probs[i, 0]
+        remove[:, 0] = False
+        logits = torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
+    elif any(p.top_k for p in params):
+        k = max(p.top_k for p in params)
+        top = logits.topk(min(k, logits.shape[-1]), -1).values
+        for i, p in enumerate(params):
+            if p.top_k:
+                logits[i].masked_fill_(logits[i] < top[i, p.top_k - 1], float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids int64 [B].
+
+    prev_tokens[i]: the tokens of row i's sequence so far (prompt + output); used for the
+    repetition penalty and, with a seed, to pick the random stream for this step, so a
+    seeded request samples the same tokens whatever else is in the batch."""
+    if any(p.repetition_penalty != 1.0 for p in params):
+        logits = logits.clone()
+        apply_repetition_penalty(logits, params, prev_tokens)
+    out = logits.argmax(-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    sub = [params[i] for i in rows]
+    probs = _filter(logits[rows], sub)
+    # exponential race: argmax(p / E) with E ~ Exp(1) draws from p
+    noise = torch.empty_like(probs).exponential_()
+    for j, (i, p) in enumerate(zip(rows, sub)):
+        if p.seed is not None:
+            step = len(prev_tokens[i]) if prev_tokens is not None else 0
+            noise[j].exponential_(generator=_step_generator(p.seed, step, probs.device))
+    out[rows] = (probs / noise.clamp_min_(1e-20)).argmax(-1)
+    return out

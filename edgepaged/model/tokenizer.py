@@ -1,0 +1,234 @@
+"""Tokenizer (HF `tokenizers`, built from GGUF metadata or tokenizer.json), chat template,
+and an incremental detokenizer with stop strings."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# pre-tokenizer regexes llama.cpp names in tokenizer.ggml.pre
+_LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_RE = _LLAMA3_RE.replace(r"\p{N}{1,3}", r"\p{N}")
+# end-of-turn markers that stop generation besides the declared EOS
+_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>")
+_GGUF_CONTROL, _GGUF_USER, _GGUF_UNUSED, _GGUF_BYTE = 3, 4, 5, 6
+
+
+def _byte_level_pre(pre: str):
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre in ("llama-bpe", "llama3", "qwen2", "smaug-bpe"):
+        regex = _QWEN2_RE if pre == "qwen2" else _LLAMA3_RE
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # 'gpt2' / 'default'
+
+
+def _sentencepiece_merges(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """Merges implied by a SentencePiece vocab: every split of a piece into two pieces, best score first."""
+    merges = []
+    for piece, pid in vocab.items():
+        for i in range(1, len(piece)):
+            left, right = piece[:i], piece[i:]
+            if left in vocab and right in vocab:
+                merges.append((scores[pid], vocab[left], vocab[right], left, right))
+    merges.sort(key=lambda m: (-m[0], m[1], m[2]))
+    return [(m[3], m[4]) for m in merges]
+
+
+def tokenizer_from_gguf(reader) -> "Tokenizer":
+    from .loader import gguf_field
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    types = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges") or []]
+        pre = gguf_field(reader, "tokenizer.ggml.pre", "default")
+        tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama3")))
+        tok.pre_tokenizer = _byte_level_pre(pre)
+        tok.decoder = decoders.ByteLevel()
+    elif kind == "llama":
+        scores = gguf_field(reader, "tokenizer.ggml.scores")
+        unk = gguf_field(reader, "tokenizer.ggml.unknown_token_id", 0)
+        tok = HFTokenizer(models.BPE(vocab, _sentencepiece_merges(vocab, scores), unk_token=tokens[unk],
+                                     fuse_unk=True, byte_fallback=True))
+        steps = [normalizers.Replace(" ", "\u2581")]
+        dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if gguf_field(reader, "tokenizer.ggml.add_space_prefix", True):
+            steps.insert(0, normalizers.Prepend("\u2581"))
+            dec.append(decoders.Strip(" ", 1, 0))
+        tok.normalizer = normalizers.Sequence(steps)
+        tok.decoder = decoders.Sequence(dec)
+    else:
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (edgepaged reads 'gpt2' and 'llama')")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _GGUF_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _GGUF_USER])
+
+    def token(key):
+        i = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
+        return tokens[i] if i is not None and i < len(tokens) else None
+    add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")
+    return Tokenizer(tok, gguf_field(reader, "tokenizer.chat_template"), bos_token=token("bos"),
+                     eos_token=token("eos"), unk_token=token("unknown"), pad_token=token("padding"),
+                     add_bos=add_bos)
+
+
+def tokenizer_from_folder(path) -> "Tokenizer":
+    path = Path(path)
+    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() else {}
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+
+    def name(key):
+        v = cfg.get(key)
+        return v.get("content") if isinstance(v, dict) else v
+    extra_eos = []
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        extra_eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    # tokenizer.json's post-processor already adds BOS where the model wants it
+    return Tokenizer(tok, template, bos_token=name("bos_token"), eos_token=name("eos_token"),
+                     unk_token=name("unk_token"), pad_token=name("pad_token"), add_bos=None,
+                     extra_stop_ids=extra_eos)
+
+
+class Tokenizer:
+    def __init__(self, tok: HFTokenizer, chat_template: str | None = None, *, bos_token=None, eos_token=None,
+                 unk_token=None, pad_token=None, add_bos: bool | None = False, extra_stop_ids=()):
+        self.tok, self.chat_template, self.add_bos = tok, chat_template, add_bos
+        self.bos_token, self.eos_token, self.unk_token, self.pad_token = bos_token, eos_token, unk_token, pad_token
+        self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = tok.token_to_id(eos_token) if eos_token else None
+        stops = {self.eos_token_id, *extra_stop_ids, *(tok.token_to_id(t) for t in _STOP_TOKENS)}
+        self.stop_token_ids = frozenset(i for i in stops if i is not None)
+        self._template = None
+
+    @classmethod
+    def load(cls, path, reader=None) -> "Tokenizer":
+        """From a GGUF file (its metadata) or a Hugging Face folder (tokenizer.json)."""
+        if reader is not None:
+            return tokenizer_from_gguf(reader)
+        path = Path(path)
+        if path.is_dir():
+            return tokenizer_from_folder(path)
+        from gguf import GGUFReader
+        return tokenizer_from_gguf(GGUFReader(str(path)))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Special-token text ("<|im_start|>") maps to its id. With add_special_tokens, a BOS is
+        prepended when the model asks for one (GGUF add_bos_token / tokenizer.json post-processor)."""
+        ids = self.tok.encode(text, add_special_tokens=add_special_tokens and self.add_bos is None).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = True, **kwargs) -> list[int] | str:
+        """Render the model's chat template as transformers does; token ids unless tokenize=False."""
+        if self._template is None:
+            if not self.chat_template:
+                raise ValueError("this model has no chat template; send a raw prompt instead")
+            self._template = _compile(self.chat_template)
+        special = {k: v for k, v in dict(bos_token=self.bos_token, eos_token=self.eos_token,
+                                         unk_token=self.unk_token, pad_token=self.pad_token).items() if v}
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **{**special, **kwargs})
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _compile(source: str):
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Turns a token stream into text deltas.
+
+    Never emits half a UTF-8 character (a decode ending in U+FFFD waits for the next token)
+    and never emits text of a stop string: a suffix that may still grow into one is held
+    back; when one completes, `stopped` is set and the text before it is the last delta."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids=(), stop: list[str] | tuple = (),
+                 skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids = list(prompt_ids)[-6:]  # a little context so the first token decodes with its space
+        self.prefix, self.read = 0, len(self.ids)
+        self.stop = [s for s in stop if s]
+        self.text = ""      # decoded text of the generated tokens (cut at a stop string)
+        self.emitted = 0    # len of text handed out
+        self.stopped: str | None = None  # the stop string that ended the text
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def add(self, token_id: int) -> str:
+        """Feed one token, get the text that is now safe to show (may be '')."""
+        if self.stopped is not None:
+            return ""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix: self.read])
+        new_text = self._decode(self.ids[self.prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text):]
+            self.prefix, self.read = self.read, len(self.ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """End of stream: flush held-back text (incomplete bytes decode as U+FFFD)."""
+        if self.stopped is None and self.read < len(self.ids):
+            prefix_text = self._decode(self.ids[self.prefix: self.read])
+            self.text += self._decode(self.ids[self.prefix:])[len(prefix_text):]
+            self.prefix = self.read = len(self.ids)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text)
+        if self.stop and self.stopped is None:
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, self.emitted)) >= 0]
+            if hits:
+                end, self.stopped = min(hits)
+                self.text = self.text[:end]
+            elif not final:
+                end -= self._partial_stop()
+        delta = self.text[self.emitted: end]
+        self.emitted = end
+        return delta
+
+    def _partial_stop(self) -> int:
+        """Length of the longest tail of the unemitted text that begins some stop string."""
+        tail = self.text[self.emitted:]
+        for k in range(min(len(tail), max(map(len, self.stop)) - 1), 0, -1):
+            if any(s.startswith(tail[-k:]) for s in self.stop):
+                return k
+        return 0
