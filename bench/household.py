@@ -37,7 +37,7 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, os.path.dirname(__file__))
-from workloads import CLASSES, make_item, mix, poisson  # noqa: E402
+from workloads import CLASSES, burst, make_item, mix, poisson  # noqa: E402
 
 from edgepaged.client import ServerError, open_client  # noqa: E402
 
@@ -140,6 +140,29 @@ async def run_e2e(addr: str, items) -> dict:
             final = await c.stats()
         n.cancel_scope.cancel()
     return summarize(results, wall, final, samples)
+
+
+async def run_closed_loop(addr: str, tok, users: int, per_user: int, think_s: float, scale: float,
+                          answer_scale: float, seed: int) -> dict:
+    """Closed-loop users: each sends a request, reads the answer, thinks, sends the next."""
+    results: list[dict] = []
+    t0 = time.monotonic()
+
+    async def user(u: int):
+        rng = random.Random(seed * 100 + u)
+        klass = ("home", "chat", "chat", "document", "home", "agent")[u % 6]
+        for _ in range(per_user):
+            it = make_item(tok, klass, rng, scale, client=f"user-{u}", answer_scale=answer_scale)
+            await client(addr, it, results)
+            await trio.sleep(rng.expovariate(1 / think_s))
+
+    async with trio.open_nursery() as n:
+        for u in range(users):
+            n.start_soon(user, u)
+    wall = time.monotonic() - t0
+    async with open_client(addr, name="bench-observer") as c:
+        final = await c.stats()
+    return summarize(results, wall, final, [])
 
 
 def summarize(results, wall, final, samples) -> dict:
@@ -410,6 +433,21 @@ def main() -> None:
         print(f"{mode}: {out[mode]['tok_s']} tok/s, max active {out[mode]['max_active']}, "
               f"{time.monotonic() - t:.0f} s", flush=True)
 
+    # other arrival patterns, paged: everyone at once after dinner, and closed-loop users
+    patterns = {}
+    srv = Serve(kv_bytes, False, 512)
+    try:
+        burst_items = burst(mix(tok, args.requests, args.seed + 1, args.scale, context=context,
+                                answer_scale=args.answer_scale), seed=args.seed)
+        patterns["burst"] = trio.run(run_e2e, srv.addr, burst_items)
+        patterns["closed_loop"] = trio.run(run_closed_loop, srv.addr, tok, 6 if args.quick else 12,
+                                           2 if args.quick else 5, 1.0, args.scale, args.answer_scale, args.seed)
+    finally:
+        srv.stop()
+    for name, r in patterns.items():
+        print(f"paged, {name}: {r['tok_s']} tok/s, max active {r['max_active']}, TTFT p99 {r['ttft_p99_s']} s, "
+              f"failed {r['failed']}", flush=True)
+
     coef, measured = fit_cost_model(runner)
     print(f"cost model (fitted to this machine): step_s = {coef[0]:.4f} + {coef[1]:.2e} * tokens + "
           f"{coef[2]:.2e} * attention", flush=True)
@@ -448,6 +486,8 @@ def main() -> None:
                 out[mode].pop(k)
             sim[mode].pop("trace")
         out["simulation"] = sim
+        out["patterns"] = {k: {x: v[x] for x in ("tok_s", "max_active", "ttft_p50_s", "ttft_p99_s", "failed",
+                                                 "requests", "preemptions")} for k, v in patterns.items()}
         out["machine"] = f"{platform.machine()} {os.cpu_count()} cpus"
         out["workload"] = dict(requests=args.requests, scale=args.scale, answer_scale=args.answer_scale,
                                rate=args.rate, kv_tokens=args.kv_tokens, day_requests=args.day_requests)

@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import trio
@@ -172,7 +173,14 @@ def main() -> None:
         rss0 = rss_mb(proc.pid)
         t = Tally()
         t0 = time.monotonic()
+        rss_trace, stop = [], threading.Event()
+
+        def sample_rss():
+            while not stop.wait(10):
+                rss_trace.append((round(time.monotonic() - t0), round(rss_mb(proc.pid), 1)))
+        threading.Thread(target=sample_rss, daemon=True).start()
         trio.run(soak, addr, args.clients, args.seconds, args.seed, t)
+        stop.set()
         wall = time.monotonic() - t0
         end = trio.run(wait_idle, addr)
         rss1 = rss_mb(proc.pid)
@@ -189,6 +197,7 @@ def main() -> None:
         "tasks_end": end["server"]["tasks_living"], "behaviours": t.counts, "clients": args.clients,
         "seconds": round(wall, 1), "generation_tokens": end["generation_tokens"], "finished": end["finished"],
         "free_plus_cached_equals_total": end["kv_blocks_free"] == end["kv_blocks_total"], "exit_code": rc,
+        "rss_trace_mb": rss_trace,
     }
     for f in t.failed[:10]:
         print("FAILED:", f)
