@@ -78,3 +78,39 @@ class BlockAllocator:
     def free_list(self) -> list[int]: ...
     def check_invariants(self) -> None: ...
     def stats(self) -> AllocatorStats: ...
+
+# ---- quantized matmul kernels (rust_alloc/src/quant, bound in python_quant.rs) ----
+# `weight`: the GGUF block bytes of a [N, K] matrix, C-contiguous uint8 (any shape);
+# `qtype`: the GGML type id (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K). Arrays are used in
+# place (torch CPU tensors through `.numpy()`); rows must be contiguous, row strides are free.
+# The GIL is released while they run. `scalar=True` forces the portable path.
+
+class QuantFormats(TypedDict, total=False):
+    Q4_0: tuple[int, int, int]
+    Q4_1: tuple[int, int, int]
+    Q8_0: tuple[int, int, int]
+    Q4_K: tuple[int, int, int]
+    Q6_K: tuple[int, int, int]
+
+class QuantInfo(TypedDict):
+    isa: str            # "avx2" or "scalar"
+    threads: int        # kernel threads, the caller included (EDGEPAGED_NUM_THREADS)
+    formats: QuantFormats  # name -> (ggml type id, weights per block, bytes per block)
+
+def quant_matmul(
+    weight: npt.NDArray[np.uint8], qtype: int, x: npt.NDArray[np.float32], out: npt.NDArray[np.float32],
+    *, scalar: bool = False,
+) -> None:
+    """out[t] = W x[t] for x [T, K] (or [K]) into out [T, N] (or [N]); fp32 accumulation,
+    blocks decoded in registers exactly as gguf.quants.dequantize does."""
+def quant_dequantize(
+    weight: npt.NDArray[np.uint8], qtype: int, out: npt.NDArray[np.float32], row_start: int = 0,
+    *, scalar: bool = False,
+) -> None:
+    """Rows row_start .. row_start + out.shape[0] of W, decoded into out [R, K]."""
+def quant_gather_rows(
+    weight: npt.NDArray[np.uint8], qtype: int, rows: npt.NDArray[np.int64], out: npt.NDArray[np.float32],
+    *, scalar: bool = False,
+) -> None:
+    """out[i] = row rows[i] of W, decoded (an embedding lookup)."""
+def quant_info() -> QuantInfo: ...

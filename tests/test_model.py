@@ -89,7 +89,8 @@ def generate(runner, prompts, max_new, chunk=None, stagger=False, params=None, s
 
 @pytest.fixture(scope="session")
 def runner():
-    return ModelRunner(num_blocks=256)
+    """The embedded model on the fp32 path (tests/test_quant.py covers the quantized one)."""
+    return ModelRunner(num_blocks=256, quantized=False)
 
 
 @pytest.fixture(scope="session")
@@ -428,3 +429,30 @@ def test_chat_template_has_default_system_prompt(runner):
                     "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
     assert runner.tokenizer.apply_chat_template(CHAT)[:2] == [1, 9690]
     assert {0, 2} <= runner.tokenizer.stop_token_ids
+
+
+# ---------------------------------------------------------------- attention backends
+
+def test_triton_backend_matches_torch_backend():
+    """The GPU backend's wiring, run through Triton's CPU interpreter (or the GPU with
+    EDGEPAGED_GPU_TESTS=1): a decode batch and a mixed prefill/decode batch."""
+    pytest.importorskip("triton")
+    from edgepaged import kernels
+    from edgepaged.model.attention import TorchAttention, TritonAttention
+    if not kernels.is_available():
+        pytest.skip("Triton has neither a GPU nor the interpreter here")
+    dev = "cuda" if torch.cuda.is_available() and not kernels.interpreting() else "cpu"
+    h, hkv, d, nb = 4, 2, 16, 12
+    g = torch.Generator().manual_seed(0)
+    ref, tri = TorchAttention(h, hkv, d, BLOCK), TritonAttention(h, hkv, d, BLOCK)
+    caches = {name: [torch.zeros(nb, BLOCK, hkv, d, device=dev) for _ in range(2)] for name in ("ref", "tri")}
+    paged = Paged(nb)
+    for items in ([(0, [0] * 20), (1, [0] * 5)], [(0, [0]), (1, [0])], [(0, [0]), (2, [0] * 7), (1, [0])]):
+        ids, pos, meta_d = paged.batch(items)
+        t = len(ids)
+        q, k, v = (torch.randn(t, n, d, generator=g).to(dev) for n in (h, hkv, hkv))
+        meta = AttentionMetadata.build(**meta_d, device=dev)
+        want = ref.forward(q, k, v, *caches["ref"], ref.plan(meta))
+        got = tri.forward(q, k, v, *caches["tri"], tri.plan(meta))
+        assert torch.allclose(got.float().cpu(), want.float().cpu(), atol=1e-4), items
+    assert torch.equal(caches["ref"][0].cpu(), caches["tri"][0].cpu())

@@ -60,7 +60,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class _DecodeGroup:      # sequences with one new token, attended in one batched matmul
+class _DecodeGroup:      # sequences with one new token, attended in one SDPA call
     tokens: torch.Tensor | slice  # their rows in the flat batch
     blocks: torch.Tensor          # int64 [B * nb] block ids, nb = blocks of the longest context
     bias: torch.Tensor            # [B, 1, 1, L] 0 / -inf (length and window mask)
@@ -72,14 +72,15 @@ class _TorchPlan:
     meta: AttentionMetadata
     decode: _DecodeGroup | None
     prefills: list                # (token slice, block ids, context len, causal mask or None)
+    write: tuple | None = None    # (rows, slots) when some slots are -1 (skipped), else None
 
 
 class TorchAttention:
     """Reference backend in plain torch, also the CPU path.
 
-    Decode rows: one gather of whole blocks for all sequences, then two batched matmuls with
-    a length mask. Prefill chunks: per sequence SDPA with the causal mask offset by the
-    cached context."""
+    Decode rows: one gather of whole blocks per cache for all of them, then one SDPA call
+    with a length mask, the query heads of each KV head folded into the query length.
+    Prefill chunks: per sequence SDPA with the causal mask offset by the cached context."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  sliding_window: int | None = None, dtype=torch.float32):
@@ -120,10 +121,17 @@ class TorchAttention:
                 if self.window:
                     mask &= kpos > qpos - self.window
             prefills.append((slice(int(starts[i]), int(starts[i]) + q), blocks, n, mask))
-        return _TorchPlan(meta, decode, prefills)
+        write = None
+        if len(meta.slot_mapping) and int(meta.slot_mapping.min()) < 0:
+            rows = (meta.slot_mapping >= 0).nonzero().squeeze(1)
+            write = rows, meta.slot_mapping[rows]
+        return _TorchPlan(meta, decode, prefills, write)
 
     def forward(self, q, k, v, k_cache, v_cache, plan: _TorchPlan) -> torch.Tensor:
         slots = plan.meta.slot_mapping
+        if plan.write is not None:  # slot -1: don't write that token
+            rows, slots = plan.write
+            k, v = k[rows], v[rows]
         k_cache.view(-1, self.hkv, self.d).index_copy_(0, slots, k.to(k_cache.dtype))
         v_cache.view(-1, self.hkv, self.d).index_copy_(0, slots, v.to(v_cache.dtype))
         if not plan.prefills:

@@ -74,6 +74,9 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """Copy checkpoint tensors (Hugging Face names) into place, fusing QKV and gate/up."""
+        if getattr(self, "quantized", False):  # GGUF blocks kept quantized (quant.py)
+            from .quant import load_quantized
+            return load_quantized(self, weights)
         seen = set()
         for name, w in weights:
             if name == "rope_freqs":
@@ -117,7 +120,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, meta: AttentionMetadata,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Flat batch [T] -> logits [len(logits_indices), vocab] (float32)."""
-        h = F.embedding(input_ids, self.embed_tokens)
+        h = (F.embedding(input_ids, self.embed_tokens) if isinstance(self.embed_tokens, torch.Tensor)
+             else self.embed_tokens(input_ids))  # a QuantEmbedding (quant.py)
         cos, sin = self.rotary.tables(positions)
         plan = backend.plan(meta)
         for layer in self.layers:

@@ -1,7 +1,6 @@
 """ModelRunner: model + tokenizer + paged KV cache; one `execute` per engine step."""
 from __future__ import annotations
 
-import ctypes
 import os
 
 import numpy as np
@@ -10,6 +9,7 @@ import torch
 from .attention import AttentionMetadata, make_backend
 from .llama import LlamaForCausalLM
 from .loader import ModelFiles, terminal_progress
+from .quant import quant_weights, wants_quantized
 from .sampler import SamplingParams, sample
 from .tokenizer import Tokenizer
 
@@ -28,21 +28,6 @@ def _available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _keep_freed_memory():
-    """glibc returns freed blocks over 128 KiB to the OS (mmap/munmap, heap trim), so every
-    decode step page-faults its activations and gathers back in; on a small VM that costs
-    more than the math. Keep them in the heap instead (EDGEPAGED_MALLOC_TUNE=0 to skip)."""
-    if os.environ.get("EDGEPAGED_MALLOC_TUNE", "1") == "0":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # the largest glibc allows
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-
-
 def _as_tensor(x, dtype, device) -> torch.Tensor:
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(x)
@@ -57,13 +42,14 @@ class ModelRunner:
 
     def __init__(self, model_path=None, device="cpu", dtype=None, kv_memory_bytes=None, block_size=16,
                  num_blocks=None, *, gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
-                 progress=None):
+                 progress=None, quantized: bool | None = None):
+        """quantized: keep a GGUF file's quantized weights as they are and multiply with the
+        Rust kernels (edgepaged/model/quant.py); None = whenever the file is GGUF, the device
+        the CPU and the dtype float32. `self.quantized` says what was chosen."""
         if threads := os.environ.get("EDGEPAGED_NUM_THREADS"):
             torch.set_num_threads(int(threads))
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
-        if self.device.type == "cpu":
-            _keep_freed_memory()
         self.dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
         self.block_size = block_size
         files = ModelFiles(model_path)
@@ -73,7 +59,9 @@ class ModelRunner:
         with torch.inference_mode():
             self.model = LlamaForCausalLM(cfg, device=self.device, dtype=self.dtype)
             progress = progress or terminal_progress(f"loading {files.path.name}")
-            self.model.load_weights(files.weights(self.dtype, self.device, progress))
+            self.quantized = self.model.quantized = wants_quantized(files, self.device, self.dtype, quantized)
+            self.model.load_weights(quant_weights(files, progress) if self.quantized
+                                    else files.weights(self.dtype, self.device, progress))
             self.model.pack()
         del files
         self.backend = make_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
@@ -120,6 +108,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - self.kv_cache.numel() * self.kv_cache.element_size()
         del self.kv_cache, self.k_caches, self.v_caches
+        for layer in self.model.layers:
+            layer.self_attn.k_cache = layer.self_attn.v_cache = None
         torch.cuda.empty_cache()
         return int(total * utilization - others - peak)
 

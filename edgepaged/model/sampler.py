@@ -77,7 +77,8 @@ def _filter(logits: torch.Tensor, params) -> torch.Tensor:
             if p.min_p > 0:
                 remove[i] |= probs[i] < p.min_p * probs[i, 0]
         remove[:, 0] = False
-        logits = torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
+        kept = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter_(-1, order, kept)
     elif any(p.top_k for p in params):
         k = max(p.top_k for p in params)
         top = logits.topk(min(k, logits.shape[-1]), -1).values

@@ -3,8 +3,11 @@
 
 mod hash;
 pub mod pool;
+pub mod quant;
 #[cfg(feature = "python")]
 mod python;
+#[cfg(feature = "python")]
+mod python_quant;
 
 pub use pool::{AllocError, BlockPool, StepPlan};
 

@@ -200,5 +200,6 @@ fn _rust_alloc(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("AllocatorError", py.get_type::<AllocatorError>())?;
     m.add("NoFreeBlocksError", py.get_type::<NoFreeBlocksError>())?;
     m.add("SequenceError", py.get_type::<SequenceError>())?;
+    crate::python_quant::register(m)?; // quantized matmul kernels (python_quant.rs)
     Ok(())
 }

@@ -1,0 +1,279 @@
+//! Matrix products on GGUF-quantized weights, read in their block formats.
+//!
+//! `W` is `[n, k]` (output rows, input columns), stored row by row as GGML blocks along `k`;
+//! `x` is `[t, k]` fp32 activations and `out` is `[t, n]` fp32: `out = x · Wᵀ`, accumulated in
+//! fp32. Every block is split into groups of 32 weights that are dequantized inside registers
+//! (exactly as `gguf.quants.dequantize` computes them) and multiplied with `t` token rows at
+//! once, so a block is read from memory once per call whatever `t` is.
+//!
+//! Two code paths give the same results up to fp32 rounding order: AVX2 + FMA + F16C
+//! (`avx2.rs`, chosen at run time when the CPU has them) and portable scalar Rust
+//! (`scalar.rs`). Work is split over output rows on a small persistent pool (`pool.rs`).
+
+mod formats;
+mod pool;
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(test)]
+mod tests;
+
+pub use formats::{dequantize_ref, f16_to_f32};
+pub use pool::num_threads;
+
+use std::fmt;
+
+/// The GGML block formats these kernels read; the discriminant is GGML's type id.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QType {
+    Q4_0 = 2,
+    Q4_1 = 3,
+    Q8_0 = 8,
+    Q4_K = 12,
+    Q6_K = 14,
+}
+
+impl QType {
+    pub const ALL: [QType; 5] = [QType::Q4_0, QType::Q4_1, QType::Q8_0, QType::Q4_K, QType::Q6_K];
+
+    pub fn from_ggml(id: u32) -> Option<QType> {
+        QType::ALL.into_iter().find(|q| *q as u32 == id)
+    }
+
+    /// Weights per block.
+    pub const fn block_weights(self) -> usize {
+        match self {
+            QType::Q4_0 | QType::Q4_1 | QType::Q8_0 => 32,
+            QType::Q4_K | QType::Q6_K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            QType::Q4_0 => 18,
+            QType::Q4_1 => 20,
+            QType::Q8_0 => 34,
+            QType::Q4_K => 144,
+            QType::Q6_K => 210,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            QType::Q4_0 => "Q4_0",
+            QType::Q4_1 => "Q4_1",
+            QType::Q8_0 => "Q8_0",
+            QType::Q4_K => "Q4_K",
+            QType::Q6_K => "Q6_K",
+        }
+    }
+
+    /// Bytes of one row of `cols` weights (`cols` must be a multiple of the block size).
+    pub fn row_bytes(self, cols: usize) -> Result<usize, QuantError> {
+        if cols == 0 || cols % self.block_weights() != 0 {
+            return Err(QuantError(format!(
+                "{}: a row of {cols} weights is not a positive multiple of the block size {}",
+                self.name(),
+                self.block_weights()
+            )));
+        }
+        Ok(cols / self.block_weights() * self.block_bytes())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuantError(pub String);
+
+impl fmt::Display for QuantError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result { f.write_str(&self.0) }
+}
+
+impl std::error::Error for QuantError {}
+
+fn bad<T>(msg: impl Into<String>) -> Result<T, QuantError> { Err(QuantError(msg.into())) }
+
+/// Which code path runs the kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+}
+
+impl Isa {
+    /// The fastest path this CPU supports.
+    pub fn best() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+        }
+    }
+
+    fn checked(self) -> Result<Isa, QuantError> {
+        if self == Isa::Avx2 && Isa::best() != Isa::Avx2 {
+            return bad("this CPU lacks AVX2/FMA/F16C");
+        }
+        Ok(self)
+    }
+}
+
+/// A quantized weight matrix `[rows, cols]` borrowed from GGUF block bytes.
+#[derive(Clone, Copy)]
+pub struct QMatrix<'a> {
+    pub qtype: QType,
+    pub data: &'a [u8],
+    pub rows: usize,
+    pub cols: usize,
+    row_bytes: usize,
+}
+
+impl<'a> QMatrix<'a> {
+    pub fn new(qtype: QType, data: &'a [u8], rows: usize, cols: usize) -> Result<Self, QuantError> {
+        let row_bytes = qtype.row_bytes(cols)?;
+        if data.len() != rows * row_bytes {
+            return bad(format!(
+                "{} weight [{rows}, {cols}] needs {} bytes, got {}",
+                qtype.name(),
+                rows * row_bytes,
+                data.len()
+            ));
+        }
+        Ok(QMatrix { qtype, data, rows, cols, row_bytes })
+    }
+
+    pub fn row_bytes(&self) -> usize { self.row_bytes }
+}
+
+/// A raw fp32 matrix view with a row stride (elements); rows are contiguous.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat {
+    pub ptr: *mut f32,
+    pub rows: usize,
+    pub stride: usize,
+}
+// The kernels write disjoint parts of an output from several threads.
+unsafe impl Send for Mat {}
+unsafe impl Sync for Mat {}
+
+impl Mat {
+    /// Start of row `i` (unchecked).
+    #[inline]
+    pub unsafe fn row(&self, i: usize) -> *mut f32 { self.ptr.add(i * self.stride) }
+}
+
+fn check_view(len: usize, rows: usize, cols: usize, stride: usize, what: &str) -> Result<(), QuantError> {
+    if rows == 0 {
+        return Ok(());
+    }
+    if stride < cols && rows > 1 {
+        return bad(format!("{what}: row stride {stride} is shorter than a row of {cols}"));
+    }
+    if len < (rows - 1) * stride + cols {
+        return bad(format!("{what}: {len} elements cannot hold [{rows}, {cols}] with row stride {stride}"));
+    }
+    Ok(())
+}
+
+/// Token rows per tile: a block's dequantized weights are reused for this many rows.
+pub const MAX_TILE: usize = 12;
+
+/// `out[t, r] = sum_k x[t, k] * W[r, k]` for `t < tokens`, `r < w.rows`.
+///
+/// `x` holds `tokens` rows of `w.cols` values, row `t` at `x[t * x_stride..]`; `out` holds
+/// `tokens` rows of `w.rows` values at `out[t * out_stride..]`. Runs on the pool.
+pub fn matmul(
+    w: &QMatrix, x: &[f32], x_stride: usize, tokens: usize, out: &mut [f32], out_stride: usize, isa: Isa,
+) -> Result<(), QuantError> {
+    let isa = isa.checked()?;
+    check_view(x.len(), tokens, w.cols, x_stride, "x")?;
+    check_view(out.len(), tokens, w.rows, out_stride, "out")?;
+    if tokens == 0 || w.rows == 0 {
+        return Ok(());
+    }
+    let xm = Mat { ptr: x.as_ptr() as *mut f32, rows: tokens, stride: x_stride };
+    let om = Mat { ptr: out.as_mut_ptr(), rows: tokens, stride: out_stride };
+    // Chunks of output rows: a few per thread so a busy core does not hold everyone up.
+    let work = w.rows * w.cols * tokens;
+    let threads = if work < 1 << 16 { 1 } else { pool::num_threads() };
+    let per = (w.rows.div_ceil(threads * 4)).max(16).next_multiple_of(4).min(w.rows);
+    let chunks = w.rows.div_ceil(per);
+    pool::parallel_for(if threads == 1 { 1 } else { chunks }, &|c| {
+        let (r0, r1) = if threads == 1 { (0, w.rows) } else { (c * per, ((c + 1) * per).min(w.rows)) };
+        // SAFETY: views were checked above; chunks write disjoint columns of `out`.
+        unsafe { rows_kernel(isa, w, xm, om, r0, r1) }
+    });
+    Ok(())
+}
+
+unsafe fn rows_kernel(isa: Isa, w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::matmul_rows(w, x, out, r0, r1),
+        _ => scalar::matmul_rows(w, x, out, r0, r1),
+    }
+}
+
+/// Dequantize rows `row_start .. row_start + out_rows` of `w` into `out` (row stride
+/// `out_stride`), in parallel over rows.
+pub fn dequantize(
+    w: &QMatrix, row_start: usize, out: &mut [f32], out_rows: usize, out_stride: usize, isa: Isa,
+) -> Result<(), QuantError> {
+    let isa = isa.checked()?;
+    if row_start + out_rows > w.rows {
+        return bad(format!("rows {row_start}..{} out of range for {} rows", row_start + out_rows, w.rows));
+    }
+    check_view(out.len(), out_rows, w.cols, out_stride, "out")?;
+    if out_rows == 0 {
+        return Ok(());
+    }
+    let om = Mat { ptr: out.as_mut_ptr(), rows: out_rows, stride: out_stride };
+    let threads = if out_rows * w.cols < 1 << 16 { 1 } else { pool::num_threads() };
+    let per = out_rows.div_ceil(threads * 4).max(4);
+    let chunks = out_rows.div_ceil(per);
+    pool::parallel_for(chunks, &|c| {
+        let (a, b) = (c * per, ((c + 1) * per).min(out_rows));
+        for i in a..b {
+            // SAFETY: row i of the checked view; chunks are disjoint.
+            unsafe { dequant_row(isa, w, row_start + i, om.row(i)) }
+        }
+    });
+    Ok(())
+}
+
+/// Dequantize the listed rows of `w` (an embedding gather) into `out` row by row.
+pub fn gather_rows(w: &QMatrix, rows: &[i64], out: &mut [f32], out_stride: usize, isa: Isa) -> Result<(), QuantError> {
+    let isa = isa.checked()?;
+    check_view(out.len(), rows.len(), w.cols, out_stride, "out")?;
+    if let Some(&r) = rows.iter().find(|&&r| r < 0 || r as usize >= w.rows) {
+        return bad(format!("row {r} out of range for {} rows", w.rows));
+    }
+    let om = Mat { ptr: out.as_mut_ptr(), rows: rows.len(), stride: out_stride };
+    let per = if rows.len() * w.cols < 1 << 16 { rows.len().max(1) } else { 64 };
+    pool::parallel_for(rows.len().div_ceil(per), &|c| {
+        for i in c * per..((c + 1) * per).min(rows.len()) {
+            // SAFETY: indices checked above; chunks are disjoint.
+            unsafe { dequant_row(isa, w, rows[i] as usize, om.row(i)) }
+        }
+    });
+    Ok(())
+}
+
+unsafe fn dequant_row(isa: Isa, w: &QMatrix, r: usize, out: *mut f32) {
+    let row = &w.data[r * w.row_bytes..(r + 1) * w.row_bytes];
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::dequant_row(w.qtype, row, out),
+        _ => scalar::dequant_row(w.qtype, row, out),
+    }
+}

@@ -1,0 +1,285 @@
+//! Kernel tests without Python: decoders against the reference decoder, both code paths
+//! against an f64 product of the reference weights, and against each other.
+
+use super::*;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize { (self.next() % n as u64) as usize }
+    fn unit(&mut self) -> f32 { (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0 }
+    /// A sane f16 scale: |s| in [2^-10, 2^-2), either sign.
+    fn scale(&mut self) -> [u8; 2] {
+        let sign = (self.next() & 1) as u16;
+        let exp = 5 + self.below(8) as u16;
+        let man = self.below(1024) as u16;
+        ((sign << 15) | (exp << 10) | man).to_le_bytes()
+    }
+}
+
+/// Random block bytes with sane f16 scales where each format keeps them.
+fn random_rows(q: QType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    let rb = q.row_bytes(cols).unwrap();
+    let mut v: Vec<u8> = (0..rows * rb).map(|_| rng.next() as u8).collect();
+    for blk in v.chunks_exact_mut(q.block_bytes()) {
+        let at: &[usize] = match q {
+            QType::Q8_0 | QType::Q4_0 => &[0],
+            QType::Q4_1 | QType::Q4_K => &[0, 2],
+            QType::Q6_K => &[208],
+        };
+        for &a in at {
+            let s = rng.scale();
+            blk[a..a + 2].copy_from_slice(&s);
+        }
+    }
+    v
+}
+
+fn isas() -> Vec<Isa> {
+    let mut v = vec![Isa::Scalar];
+    if Isa::best() == Isa::Avx2 {
+        v.push(Isa::Avx2);
+    }
+    v
+}
+
+#[test]
+fn f16_conversion_is_exact() {
+    assert_eq!(f16_to_f32(0x3c00), 1.0);
+    assert_eq!(f16_to_f32(0xc000), -2.0);
+    assert_eq!(f16_to_f32(0x7bff), 65504.0);
+    assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+    assert_eq!(f16_to_f32(0x03ff), 1023.0 * 2f32.powi(-24));
+    assert_eq!(f16_to_f32(0x0400), 2f32.powi(-14));
+    assert_eq!(f16_to_f32(0x7c00), f32::INFINITY);
+    assert!(f16_to_f32(0x7e00).is_nan());
+    assert_eq!(f16_to_f32(0x8000).to_bits(), 0x8000_0000);
+    // every value against the CPU's own conversion, where it has one
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("f16c") {
+        for h in 0..=u16::MAX {
+            let hw = unsafe { hw_f16(h) };
+            let sw = f16_to_f32(h);
+            assert!(hw.to_bits() == sw.to_bits() || (hw.is_nan() && sw.is_nan()), "{h:#06x}: {hw} vs {sw}");
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "f16c")]
+unsafe fn hw_f16(h: u16) -> f32 {
+    use std::arch::x86_64::*;
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+#[test]
+fn layouts() {
+    for (q, w, b) in [(QType::Q4_0, 32, 18), (QType::Q4_1, 32, 20), (QType::Q8_0, 32, 34), (QType::Q4_K, 256, 144), (QType::Q6_K, 256, 210)] {
+        assert_eq!((q.block_weights(), q.block_bytes()), (w, b));
+        assert_eq!(QType::from_ggml(q as u32), Some(q));
+    }
+    assert_eq!(QType::from_ggml(0), None); // F32
+    assert!(QType::Q4_K.row_bytes(576).is_err());
+    assert!(QType::Q4_0.row_bytes(0).is_err());
+}
+
+#[test]
+fn dequantize_matches_reference_bit_for_bit() {
+    let mut rng = Rng(0x9e3779b97f4a7c15);
+    for q in QType::ALL {
+        let (rows, cols) = (7, 2 * q.block_weights());
+        let data = random_rows(q, rows, cols, &mut rng);
+        let w = QMatrix::new(q, &data, rows, cols).unwrap();
+        let reference: Vec<f32> = data.chunks_exact(w.row_bytes()).flat_map(|r| dequantize_ref(q, r)).collect();
+        for isa in isas() {
+            let mut out = vec![f32::NAN; rows * cols];
+            dequantize(&w, 0, &mut out, rows, cols, isa).unwrap();
+            for (i, (a, b)) in out.iter().zip(&reference).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{} {isa:?} element {i}: {a} vs {b}", q.name());
+            }
+            // a row range and a gather
+            let mut part = vec![0f32; 2 * cols];
+            dequantize(&w, 3, &mut part, 2, cols, isa).unwrap();
+            assert_eq!(part, reference[3 * cols..5 * cols]);
+            let mut g = vec![0f32; 3 * cols];
+            gather_rows(&w, &[6, 0, 6], &mut g, cols, isa).unwrap();
+            assert_eq!(g[..cols], reference[6 * cols..]);
+            assert_eq!(g[cols..2 * cols], reference[..cols]);
+        }
+    }
+}
+
+/// max |a - b| / max |b|
+fn rel_err(a: &[f32], b: &[f64]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+    a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((*x as f64 - y).abs())) / scale
+}
+
+#[test]
+fn matmul_matches_f64_reference_on_ragged_shapes() {
+    let mut rng = Rng(12345);
+    for q in QType::ALL {
+        for &(rows, blocks, tokens) in &[(1, 1, 1), (3, 2, 2), (17, 3, 3), (67, 1, 8), (130, 4, 9), (40, 2, 21), (5, 6, 16), (130, 4, 1), (67, 3, 1), (6, 1, 1)] {
+            let cols = blocks * q.block_weights();
+            let data = random_rows(q, rows, cols, &mut rng);
+            let w = QMatrix::new(q, &data, rows, cols).unwrap();
+            let wf: Vec<f32> = data.chunks_exact(w.row_bytes()).flat_map(|r| dequantize_ref(q, r)).collect();
+            let (xs, os) = (cols + 3, rows + 5); // strided views
+            let x: Vec<f32> = (0..tokens * xs).map(|_| rng.unit()).collect();
+            let mut reference = vec![0f64; tokens * rows];
+            for t in 0..tokens {
+                for r in 0..rows {
+                    reference[t * rows + r] = (0..cols).map(|k| wf[r * cols + k] as f64 * x[t * xs + k] as f64).sum();
+                }
+            }
+            let mut results = vec![];
+            for isa in isas() {
+                let mut out = vec![f32::NAN; tokens * os];
+                matmul(&w, &x, xs, tokens, &mut out, os, isa).unwrap();
+                let got: Vec<f32> = (0..tokens).flat_map(|t| out[t * os..t * os + rows].to_vec()).collect();
+                let e = rel_err(&got, &reference);
+                assert!(e <= 1e-5, "{} {isa:?} [{rows}x{cols}] t={tokens}: rel err {e}", q.name());
+                for t in 0..tokens {
+                    assert!(out[t * os + rows..(t + 1) * os].iter().all(|v| v.is_nan()), "wrote past a row");
+                }
+                results.push(got);
+            }
+            if results.len() == 2 {
+                // agree to rounding: within 1e-6 of sum_k |w x| per output
+                for t in 0..tokens {
+                    for r in 0..rows {
+                        let mag: f64 = (0..cols).map(|k| (wf[r * cols + k] as f64 * x[t * xs + k] as f64).abs()).sum();
+                        let (a, b) = (results[0][t * rows + r] as f64, results[1][t * rows + r] as f64);
+                        assert!((a - b).abs() <= 1e-6 * mag, "{}: scalar {a} vs avx2 {b} ({mag})", q.name());
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn large_matmul_runs_on_the_pool_and_agrees() {
+    // big enough to be split over threads, with concurrent callers
+    let mut rng = Rng(777);
+    let (q, rows, cols, tokens) = (QType::Q4_1, 1000, 576, 3);
+    let data = random_rows(q, rows, cols, &mut rng);
+    let x: Vec<f32> = (0..tokens * cols).map(|_| rng.unit()).collect();
+    let w = QMatrix::new(q, &data, rows, cols).unwrap();
+    let mut first = vec![0f32; tokens * rows];
+    matmul(&w, &x, cols, tokens, &mut first, rows, Isa::best()).unwrap();
+    std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| {
+                for _ in 0..20 {
+                    let mut out = vec![0f32; tokens * rows];
+                    matmul(&w, &x, cols, tokens, &mut out, rows, Isa::best()).unwrap();
+                    assert_eq!(out, first);
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    let data = vec![0u8; 2 * 20];
+    assert!(QMatrix::new(QType::Q4_1, &data, 2, 32).is_ok());
+    assert!(QMatrix::new(QType::Q4_1, &data, 3, 32).is_err());
+    assert!(QMatrix::new(QType::Q4_1, &data, 2, 64).is_err());
+    let w = QMatrix::new(QType::Q4_1, &data, 2, 32).unwrap();
+    let x = vec![0f32; 31];
+    let mut out = vec![0f32; 2];
+    assert!(matmul(&w, &x, 32, 1, &mut out, 2, Isa::Scalar).is_err());
+    let x = vec![0f32; 32];
+    assert!(matmul(&w, &x, 32, 1, &mut out[..1], 2, Isa::Scalar).is_err());
+    assert!(matmul(&w, &x, 32, 1, &mut out, 2, Isa::Scalar).is_ok());
+    assert!(gather_rows(&w, &[2], &mut vec![0f32; 32], 32, Isa::Scalar).is_err());
+    assert!(dequantize(&w, 1, &mut vec![0f32; 64], 2, 32, Isa::Scalar).is_err());
+}
+
+#[test]
+fn a_tokens_result_does_not_depend_on_its_batch() {
+    // every tile shape (2..=8 tokens, 1/2 rows, ragged row tails) sums in one order
+    let mut rng = Rng(4242);
+    for q in QType::ALL {
+        let (rows, cols) = (11, 2 * q.block_weights());
+        let data = random_rows(q, rows, cols, &mut rng);
+        let w = QMatrix::new(q, &data, rows, cols).unwrap();
+        let tokens = 13;
+        let x: Vec<f32> = (0..tokens * cols).map(|_| rng.unit()).collect();
+        let wf: Vec<f32> = data.chunks_exact(w.row_bytes()).flat_map(|r| dequantize_ref(q, r)).collect();
+        // the size of rounding differences in output (t, r): sum_k |w x|
+        let mag = |t: usize, r: usize| -> f32 { (0..cols).map(|k| (wf[r * cols + k] * x[t * cols + k]).abs()).sum() };
+        for isa in isas() {
+            let mut all = vec![0f32; tokens * rows];
+            matmul(&w, &x, cols, tokens, &mut all, rows, isa).unwrap();
+            // one token alone takes the GEMV path (scales applied per block): equal to rounding
+            for t0 in 0..tokens {
+                let mut one = vec![0f32; rows];
+                matmul(&w, &x[t0 * cols..], cols, 1, &mut one, rows, isa).unwrap();
+                for (r, (a, b)) in one.iter().zip(&all[t0 * rows..(t0 + 1) * rows]).enumerate() {
+                    assert!((a - b).abs() <= 1e-6 * mag(t0, r), "{} {isa:?}: {a} vs {b} ({})", q.name(), mag(t0, r));
+                }
+                for n in 2..=(tokens - t0).min(9) {
+                    let mut part = vec![0f32; n * rows];
+                    matmul(&w, &x[t0 * cols..], cols, n, &mut part, rows, isa).unwrap();
+                    assert_eq!(part, all[t0 * rows..(t0 + n) * rows], "{} {isa:?} tokens {t0}..{}", q.name(), t0 + n);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn pool_helpers_take_chunks() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    if pool::num_threads() < 2 {
+        return;
+    }
+    let main = std::thread::current().id();
+    let by_helpers = AtomicUsize::new(0);
+    let mut total_helper = 0;
+    for _ in 0..50 {
+        by_helpers.store(0, Ordering::SeqCst);
+        pool::parallel_for(64, &|_| {
+            let t = std::time::Instant::now();
+            while t.elapsed() < std::time::Duration::from_micros(20) {}
+            if std::thread::current().id() != main {
+                by_helpers.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        total_helper += by_helpers.load(Ordering::SeqCst);
+    }
+    eprintln!("helpers ran {total_helper} of {} chunks", 50 * 64);
+    assert!(total_helper > 0, "the pool's helpers never ran a chunk");
+}
+
+#[test]
+#[ignore]
+fn pool_speedup_probe() {
+    let mut rng = Rng(99);
+    let (q, rows, cols, tokens) = (QType::Q4_1, 3072, 576, 32);
+    let data = random_rows(q, rows, cols, &mut rng);
+    let x: Vec<f32> = (0..tokens * cols).map(|_| rng.unit()).collect();
+    let w = QMatrix::new(q, &data, rows, cols).unwrap();
+    let mut out = vec![0f32; tokens * rows];
+    let isa = Isa::best();
+    let xm = Mat { ptr: x.as_ptr() as *mut f32, rows: tokens, stride: cols };
+    let om = Mat { ptr: out.as_mut_ptr(), rows: tokens, stride: rows };
+    let t = std::time::Instant::now();
+    for _ in 0..20 {
+        unsafe { rows_kernel(isa, &w, xm, om, 0, rows) };
+    }
+    eprintln!("single thread: {:?} per call", t.elapsed() / 20);
+    let t = std::time::Instant::now();
+    for _ in 0..20 {
+        matmul(&w, &x, cols, tokens, &mut out, rows, isa).unwrap();
+    }
+    eprintln!("pool of {}: {:?} per call", pool::num_threads(), t.elapsed() / 20);
+}
