@@ -201,6 +201,13 @@ class Scheduler:
             return None
         return self._build(self._plan, self._preempted)
 
+    def _chunk_budget(self, prio: str) -> int:
+        """Background prefill goes in smaller chunks, so an interactive request arriving
+        meanwhile waits for a short step, not a long one."""
+        if prio == BACKGROUND:
+            return min(self._budget, max(16, self.config.max_num_batched_tokens // 4))
+        return self._budget
+
     def _free(self) -> int:
         return self.alloc.num_free_blocks - sum(self._need.values())
 
@@ -218,7 +225,7 @@ class Scheduler:
                 if (req.priority != prio or req.status is not Status.RUNNING or req in self._plan
                         or req.is_decoding != decoding):
                     continue
-                n = 1 if decoding else min(req.num_known - req.num_slots, self._budget)
+                n = 1 if decoding else min(req.num_known - req.num_slots, self._chunk_budget(prio))
                 if n <= 0:
                     continue
                 k = self.alloc.blocks_needed(req.id, n)
@@ -253,7 +260,7 @@ class Scheduler:
             else:
                 reserve = None
                 cached, free_cached = self.alloc.prefix_match(tokens, req.salt)
-                chunk = min(len(tokens) - cached, self._budget)
+                chunk = min(len(tokens) - cached, self._chunk_budget(prio))
                 k = free_cached + self._blocks_for(cached + chunk) - cached // self.block_size
             same_prio = sum(r.priority == prio for r in self.running)
             full = len(self.running) >= cfg.max_num_seqs or same_prio >= limit
@@ -273,7 +280,7 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             running_per_client[req.client] = running_per_client.get(req.client, 0) + 1
-            n = min(len(tokens) - cached, self._budget)
+            n = min(len(tokens) - cached, self._chunk_budget(prio))
             self._plan[req] = n
             self._need[req] = self.alloc.blocks_needed(req.id, n)
             self._budget -= n
