@@ -456,3 +456,26 @@ def test_triton_backend_matches_torch_backend():
         got = tri.forward(q, k, v, *caches["tri"], tri.plan(meta))
         assert torch.allclose(got.float().cpu(), want.float().cpu(), atol=1e-4), items
     assert torch.equal(caches["ref"][0].cpu(), caches["tri"][0].cpu())
+
+
+def test_forward_with_triton_kernels_equals_torch_path(tiny_model_dir):
+    """The whole runtime forward (tiny model) with the Triton kernels — interpreted on CPU —
+    gives the logits of the torch path: a prefill batch, then decode steps."""
+    pytest.importorskip("triton")
+    from edgepaged import kernels
+    from edgepaged.model.attention import TritonAttention
+    if not kernels.is_available():
+        pytest.skip("Triton has neither a GPU nor the interpreter here")
+    cfg_runner = ModelRunner(tiny_model_dir, num_blocks=16)
+    tri_runner = ModelRunner(tiny_model_dir, num_blocks=16)
+    c = tri_runner.config
+    tri_runner.backend = TritonAttention(c.num_heads, c.num_kv_heads, c.head_dim, tri_runner.block_size,
+                                         c.sliding_window)
+    paged = {name: Paged(16) for name in ("torch", "triton")}
+    steps = [[(0, list(range(3, 40))), (1, list(range(50, 61)))], [(0, [7]), (1, [9])], [(0, [11]), (1, [13])]]
+    for items in steps:
+        outs = []
+        for name, r in (("torch", cfg_runner), ("triton", tri_runner)):
+            ids, pos, meta = paged[name].batch(items)
+            outs.append(r.execute(ids, pos, meta))
+        assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
