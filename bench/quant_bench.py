@@ -9,9 +9,10 @@ All in one run, same GGUF, same prompt(s), greedy, EOS ignored (every sequence y
   reason printed, when it is not installed)
 - fp32_tok_s_b1 / fp32_tok_s_b32: the fp32 path (weights dequantized at load)
 - tok_s_b32: the quantized runner at batch 32 (its own rule picks kernels or fp32 GEMM per call)
-- weights_rss_mb: resident memory a quantized ModelRunner adds (fresh process, 16-block KV
-  cache, tokenizer included), against gguf_mb, the file size; fp32_weights_rss_mb the same
-  for the fp32 path
+- weights_rss_mb: resident memory that building the model and loading its weights adds
+  (fresh process, the GGUF reader and tokenizer already open), against gguf_mb, the file
+  size; runner_rss_mb: what a whole ModelRunner adds (tokenizer, 16-block KV cache and
+  what the GGUF reader leaves behind included); fp32_* the same for the fp32 path
 - --crossover: per token count, time of every linear layer of the model with the kernels
   and with decode-to-scratch + GEMM (how DENSE_MIN_TOKENS in edgepaged/model/quant.py is chosen)
 
@@ -47,29 +48,49 @@ QUESTIONS = [
 ]
 
 RSS_PROBE = r"""
-import gc, json, sys
+import dataclasses, gc, json, sys
 def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
 import torch
 from edgepaged.model import ModelRunner
-from edgepaged.model.quant import weight_bytes
+from edgepaged.model.llama import LlamaForCausalLM
+from edgepaged.model.loader import ModelFiles
+from edgepaged.model.quant import quant_weights, weight_bytes
+from edgepaged.model.tokenizer import Tokenizer
+quantized, what = sys.argv[1] == "1", sys.argv[2]
+if what == "runner":                      # the whole runner: tokenizer, 16-block KV cache, ...
+    before = rss()
+    runner = ModelRunner(num_blocks=16, quantized=quantized)
+    gc.collect()
+    print(json.dumps({"runner_rss": rss() - before, **weight_bytes(runner.model)}))
+    sys.exit()
+files = ModelFiles()                      # what the runner opens first: the GGUF reader ...
+tok = Tokenizer.load(files.path, reader=files.reader)   # ... and the tokenizer
+with torch.inference_mode():              # torch's code paths for building a model, paged in
+    tiny = dataclasses.replace(files.config, num_layers=1, vocab_size=64, context_length=16)
+    LlamaForCausalLM(tiny).pack()
 gc.collect()
-before = rss()
-r = ModelRunner(num_blocks=16, quantized=sys.argv[1] == "1")
+base = rss()
+with torch.inference_mode():              # then the runner's own loading steps
+    model = LlamaForCausalLM(files.config)
+    model.quantized = quantized
+    model.load_weights(quant_weights(files) if quantized else files.weights(torch.float32))
+    model.pack()
 gc.collect()
-after = rss()
-wb = weight_bytes(r.model)
-print(json.dumps({"rss": after - before, "quantized": r.quantized, **wb}))
+print(json.dumps({"weights_rss": rss() - base}))
 """
 
 
 def weights_rss(quantized: bool) -> dict:
-    """Resident memory a ModelRunner adds, measured in a fresh process."""
-    out = subprocess.run([sys.executable, "-c", RSS_PROBE, "1" if quantized else "0"], capture_output=True,
-                         text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """Resident memory of the weights and of a whole ModelRunner, each in a fresh process."""
+    res = {}
+    for what in ("weights", "runner"):
+        out = subprocess.run([sys.executable, "-c", RSS_PROBE, "1" if quantized else "0", what],
+                             capture_output=True, text=True, check=True)
+        res.update(json.loads(out.stdout.strip().splitlines()[-1]))
+    return res
 
 
 def cpu_idle(seconds: float = 1.0) -> float:
@@ -203,9 +224,11 @@ def main():
            "cpu_idle_at_start": round(cpu_idle(), 2)}
     q = weights_rss(True)
     f = weights_rss(False)
-    res["weights_rss_mb"] = round(q["rss"] / 2**20, 1)
+    res["weights_rss_mb"] = round(q["weights_rss"] / 2**20, 1)
+    res["runner_rss_mb"] = round(q["runner_rss"] / 2**20, 1)
     res["quantized_weight_mb"] = round(q["quantized"] / 2**20, 1)
-    res["fp32_weights_rss_mb"] = round(f["rss"] / 2**20, 1)
+    res["fp32_weights_rss_mb"] = round(f["weights_rss"] / 2**20, 1)
+    res["fp32_runner_rss_mb"] = round(f["runner_rss"] / 2**20, 1)
 
     if args.no_llama_cpp:
         res["llama_cpp_tok_s_b1"], why = None, "skipped (--no-llama-cpp)"

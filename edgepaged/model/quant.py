@@ -31,7 +31,7 @@ FORMATS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
 BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}  # weights, bytes
 # token rows from which the fp32 path (decode tiles to scratch + GEMM) beats the kernels;
 # measured on a 2-core AVX2 box (bench/quant_bench.py --crossover), override with the env
-DENSE_MIN_TOKENS = int(os.environ.get("EDGEPAGED_QUANT_DENSE_MIN_TOKENS", "128"))
+DENSE_MIN_TOKENS = int(os.environ.get("EDGEPAGED_QUANT_DENSE_MIN_TOKENS", "192"))
 SCRATCH_BYTES = 16 << 20
 
 try:
@@ -162,10 +162,49 @@ class QuantLinear(nn.Module):
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T; oneDNN where torch has it (MKL's sgemm is several times slower on AMD CPUs)."""
-    if _ONEDNN:
-        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    return torch.mm(x, w.t())
+    """x @ w.T; oneDNN where torch has it (MKL's sgemm is several times slower on AMD CPUs),
+    on all of torch's threads even inside `kernel_threads_only`."""
+    with _torch_threads(_local.__dict__.get("saved_threads")):
+        if _ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return torch.mm(x, w.t())
+
+
+class _torch_threads:
+    """Set torch's intra-op thread count for a block (None: leave it)."""
+
+    def __init__(self, n: int | None):
+        self.n = n
+
+    def __enter__(self):
+        self.saved = torch.get_num_threads()
+        if self.n is not None and self.n != self.saved:
+            torch.set_num_threads(self.n)
+        return self.saved
+
+    def __exit__(self, *exc):
+        if torch.get_num_threads() != self.saved:
+            torch.set_num_threads(self.saved)
+
+
+class kernel_threads_only:
+    """For a forward with quantized weights: torch runs on one thread while the kernels'
+    own pool does the parallel work. Two pools on the same cores fight: an OpenMP worker
+    that spins after torch's last op holds the core a kernel helper needs, and decode at
+    batch 1 ran 1.5x slower. `active=False` leaves torch alone."""
+
+    def __init__(self, active: bool):
+        self.active = active and os.environ.get("EDGEPAGED_QUANT_TORCH_THREADS", "1") == "1"
+
+    def __enter__(self):
+        if self.active:
+            self._t = _torch_threads(1)
+            _local.saved_threads = self._t.__enter__()
+
+    def __exit__(self, *exc):
+        if self.active:
+            _local.saved_threads = None
+            self._t.__exit__(*exc)
 
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

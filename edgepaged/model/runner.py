@@ -9,7 +9,7 @@ import torch
 from .attention import AttentionMetadata, make_backend
 from .llama import LlamaForCausalLM
 from .loader import ModelFiles, terminal_progress
-from .quant import quant_weights, wants_quantized
+from .quant import kernel_threads_only, quant_weights, wants_quantized
 from .sampler import SamplingParams, sample
 from .tokenizer import Tokenizer
 
@@ -137,7 +137,8 @@ class ModelRunner:
             ids = _as_tensor(input_ids, torch.int64, dev)
             pos = _as_tensor(positions, torch.int64, dev)
             idx = None if logits_indices is None else _as_tensor(logits_indices, torch.int64, dev)
-            return self.model(ids, pos, self.backend, meta, idx)
+            with kernel_threads_only(self.quantized):  # one pool at a time on the cores (quant.py)
+                return self.model(ids, pos, self.backend, meta, idx)
 
     def step(self, input_ids, positions, attn_metadata, logits_indices=None,
              params: list[SamplingParams] | None = None, prev_tokens=None) -> list[int]:
