@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+from tiny_models import randomize, tiny_tokenizer
 import torch
 
 from edgepaged.model import (AttentionMetadata, IncrementalDetokenizer, ModelFiles, ModelRunner, SamplingParams,
@@ -119,33 +120,6 @@ def test_embedded_model_logits_match_transformers(runner, chat_ids):
     assert (logits - ref).abs().max().item() <= 1e-3
 
 
-def _randomize(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-
-
-def _tiny_tokenizer(folder):
-    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
-    tok = HFTok(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello world, hello paged cache"] * 20,
-                            trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    template = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
-                "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "eos_token": "<|im_end|>",
-         "bos_token": None, "pad_token": "<|endoftext|>"}))
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_tiny_hf_folder_matches_transformers(arch, tmp_path):
     import transformers
@@ -157,9 +131,9 @@ def test_tiny_hf_folder_matches_transformers(arch, tmp_path):
     else:  # head_dim * heads != hidden, tied LM head
         cfg = transformers.LlamaConfig(**common, head_dim=32, tie_word_embeddings=True)
         hf = transformers.LlamaForCausalLM(cfg)
-    _randomize(hf, 0)
+    randomize(hf, 0)
     hf.save_pretrained(tmp_path)
-    _tiny_tokenizer(tmp_path)
+    tiny_tokenizer(tmp_path)
     r = ModelRunner(tmp_path, num_blocks=32)
     assert r.config.arch == arch and r.config.attention_bias == (arch == "qwen2")
     assert r.config.tie_word_embeddings == (arch == "llama") and r.config.head_dim == (16 if arch == "qwen2" else 32)
