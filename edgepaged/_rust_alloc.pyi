@@ -114,3 +114,23 @@ def quant_gather_rows(
 ) -> None:
     """out[i] = row rows[i] of W, decoded (an embedding lookup)."""
 def quant_info() -> QuantInfo: ...
+
+F32 = npt.NDArray[np.float32]
+
+# Fused CPU operators (rust_alloc/src/cpuops.rs, used by edgepaged/model/fused.py): float32
+# C-contiguous arrays, written in place.
+def cpu_add_rms_norm(h: F32, delta: F32 | None, weight: F32, eps: float, out: F32) -> None:
+    """h += delta (if given); out = h / rms(h) * weight, row by row ([T, D])."""
+def cpu_silu_mul(gu: F32, out: F32) -> None:
+    """out[t, i] = silu(gu[t, i]) * gu[t, I + i]; gu [T, 2I], out [T, I]."""
+def cpu_rope_write_kv(
+    qkv: F32, positions: npt.NDArray[np.int64], cos: F32, sin: F32, slots: npt.NDArray[np.int64],
+    k_cache: F32, v_cache: F32, num_heads: int, num_kv_heads: int,
+) -> None:
+    """Rotary on the Q and K heads of fused QKV rows in place, then K/V into their cache slots (-1: skip)."""
+def cpu_paged_decode(
+    q: F32, out: F32, rows: npt.NDArray[np.int64], seq_lens: npt.NDArray[np.int32],
+    block_tables: npt.NDArray[np.int32], k_cache: F32, v_cache: F32, num_heads: int, num_kv_heads: int,
+    scale: float, window: int = 0,
+) -> None:
+    """Attention of the query at row rows[b] of q over sequence b's paged context -> out[rows[b]]."""

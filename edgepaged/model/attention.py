@@ -88,17 +88,21 @@ class TorchAttention:
         self.h, self.hkv, self.d, self.block_size = num_heads, num_kv_heads, head_dim, block_size
         self.group, self.window, self.scale = num_heads // num_kv_heads, sliding_window, head_dim ** -0.5
 
-    def plan(self, meta: AttentionMetadata) -> _TorchPlan:
+    def plan(self, meta: AttentionMetadata, with_decode: bool = True) -> _TorchPlan:
+        """with_decode=False: plan the prefill chunks only (a caller that attends the decode
+        rows itself, like the fused CPU forward)."""
         bs, dev = self.block_size, meta.block_tables.device
         starts = np.cumsum([0] + meta.q_lens_host)
-        dec = [i for i, q in enumerate(meta.q_lens_host) if q == 1]
+        dec = [i for i, q in enumerate(meta.q_lens_host) if q == 1] if with_decode else []
         decode = None
         if dec:
             lens = [meta.seq_lens_host[i] for i in dec]
             nb = -(-max(lens) // bs)
             idx = torch.tensor(dec, device=dev)
-            rows = slice(dec[0], dec[-1] + 1) if dec == list(range(dec[0], dec[0] + len(dec))) else None
-            tokens = rows if rows is not None else torch.tensor(starts[dec], device=dev)
+            first = int(starts[dec[0]])   # decode rows in the flat batch: consecutive ones as a slice
+            rows = starts[dec]
+            consecutive = bool((rows == np.arange(first, first + len(dec))).all())
+            tokens = slice(first, first + len(dec)) if consecutive else torch.tensor(rows, device=dev)
             blocks = meta.block_tables.index_select(0, idx)[:, :nb].reshape(-1).long()
             pos = torch.arange(nb * bs, device=dev)
             lens_t = torch.tensor(lens, device=dev)[:, None]
@@ -122,7 +126,7 @@ class TorchAttention:
                     mask &= kpos > qpos - self.window
             prefills.append((slice(int(starts[i]), int(starts[i]) + q), blocks, n, mask))
         write = None
-        if len(meta.slot_mapping) and int(meta.slot_mapping.min()) < 0:
+        if with_decode and len(meta.slot_mapping) and int(meta.slot_mapping.min()) < 0:
             rows = (meta.slot_mapping >= 0).nonzero().squeeze(1)
             write = rows, meta.slot_mapping[rows]
         return _TorchPlan(meta, decode, prefills, write)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, TorchAttention
 from .layers import Linear, RMSNorm, Rotary
 from .loader import ModelConfig
 
@@ -120,6 +120,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, meta: AttentionMetadata,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Flat batch [T] -> logits [len(logits_indices), vocab] (float32)."""
+        if getattr(self, "fused", False) and isinstance(backend, TorchAttention):  # CPU float32: fused Rust operators around the GEMMs (fused.py)
+            from .fused import forward_fused
+            return forward_fused(self, input_ids, positions, backend, meta, logits_indices)
         h = (F.embedding(input_ids, self.embed_tokens) if isinstance(self.embed_tokens, torch.Tensor)
              else self.embed_tokens(input_ids))  # a QuantEmbedding (quant.py)
         cos, sin = self.rotary.tables(positions)

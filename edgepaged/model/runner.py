@@ -6,7 +6,8 @@ import os
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata, make_backend
+from .attention import AttentionMetadata, TorchAttention, make_backend
+from .fused import fused_available
 from .llama import LlamaForCausalLM
 from .loader import ModelFiles, terminal_progress
 from .quant import kernel_threads_only, quant_weights, wants_quantized
@@ -66,6 +67,8 @@ class ModelRunner:
         del files
         self.backend = make_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
                                     cfg.sliding_window, self.dtype)
+        # CPU float32: the forward with fused Rust operators (fused.py); EDGEPAGED_FUSED=0 turns it off
+        self.model.fused = fused_available(self.device, self.dtype) and isinstance(self.backend, TorchAttention)
         self.block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
                             * torch.empty((), dtype=self.dtype).element_size())
         if num_blocks is None:

@@ -201,5 +201,6 @@ fn _rust_alloc(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NoFreeBlocksError", py.get_type::<NoFreeBlocksError>())?;
     m.add("SequenceError", py.get_type::<SequenceError>())?;
     crate::python_quant::register(m)?; // quantized matmul kernels (python_quant.rs)
+    crate::python_ops::register(m)?; // fused CPU operators (python_ops.rs)
     Ok(())
 }

@@ -20,6 +20,7 @@ mod tests;
 
 pub use formats::{dequantize_ref, f16_to_f32};
 pub use pool::num_threads;
+pub(crate) use pool::parallel_for;
 
 use std::fmt;
 

@@ -1,0 +1,99 @@
+"""The CPU forward with fused operators (Rust, `rust_alloc/src/cpuops.rs`).
+
+A decode step of a small model on a small CPU is hundreds of tiny tensor ops, and their
+per-op cost (dispatch, allocation, thread wake-ups) was as large as the GEMMs. This forward
+keeps the GEMMs (oneDNN, or the quantized kernels) and does the rest in four Rust calls per
+half-layer pattern:
+
+    residual add + RMSNorm -> QKV GEMM -> rotary + KV-cache write -> attention -> O GEMM
+    residual add + RMSNorm -> gate/up GEMM -> SiLU·mul -> down GEMM
+
+Decode rows attend in Rust straight from the paged cache; prefill chunks (many query rows)
+use torch's SDPA over the gathered context, as `TorchAttention` does. The torch path stays
+the reference: `EDGEPAGED_FUSED=0` turns this one off, and the tests compare the two.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .attention import AttentionMetadata, TorchAttention, _gather
+
+try:
+    from edgepaged._rust_alloc import cpu_add_rms_norm, cpu_paged_decode, cpu_rope_write_kv, cpu_silu_mul
+except ImportError:  # an old build without the operators
+    cpu_add_rms_norm = cpu_paged_decode = cpu_rope_write_kv = cpu_silu_mul = None
+
+
+def fused_available(device, dtype) -> bool:
+    """Whether the fused forward applies: CPU, float32, a build that has the operators, and
+    not turned off with EDGEPAGED_FUSED=0."""
+    return (cpu_add_rms_norm is not None and torch.device(device).type == "cpu" and dtype == torch.float32
+            and os.environ.get("EDGEPAGED_FUSED", "1") != "0")
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.numpy()
+
+
+def forward_fused(model, input_ids: torch.Tensor, positions: torch.Tensor, backend: TorchAttention,
+                  meta: AttentionMetadata, logits_indices: torch.Tensor | None) -> torch.Tensor:
+    cfg = model.cfg
+    h = (F.embedding(input_ids, model.embed_tokens) if isinstance(model.embed_tokens, torch.Tensor)
+         else model.embed_tokens(input_ids)).contiguous()
+    t = h.shape[0]
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q_size = nh * d
+    plan = backend.plan(meta, with_decode=False)
+    pos = _np(positions.contiguous())
+    slots = _np(meta.slot_mapping.contiguous())
+    cos, sin = _np(model.rotary.cos), _np(model.rotary.sin)
+    dec = None
+    idx = [i for i, q in enumerate(meta.q_lens_host) if q == 1]
+    if idx:
+        starts = np.cumsum([0] + meta.q_lens_host)
+        tables = meta.block_tables
+        if len(idx) != meta.num_seqs:
+            tables = tables.index_select(0, torch.tensor(idx))
+        dec = (starts[idx].astype(np.int64), np.asarray([meta.seq_lens_host[i] for i in idx], np.int32),
+               _np(tables.contiguous()))
+    window = backend.window or 0
+    hn, a = _np(h), torch.empty_like(h)
+    an = _np(a)
+    out = torch.empty(t, q_size)
+    on = _np(out)
+    delta = None
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        kc, vc = _np(attn.k_cache), _np(attn.v_cache)
+        cpu_add_rms_norm(hn, delta, _np(layer.input_layernorm.weight), layer.input_layernorm.eps, an)
+        qkv = attn.qkv_proj(a)
+        qn = _np(qkv)
+        cpu_rope_write_kv(qn, pos, cos, sin, slots, kc, vc, nh, nkv)
+        if dec is not None:
+            cpu_paged_decode(qn, on, dec[0], dec[1], dec[2], kc, vc, nh, nkv, backend.scale, window)
+        for rows, blocks, n, mask in plan.prefills:
+            q = qkv[rows, :q_size].view(-1, nh, d).transpose(0, 1)
+            kk = _gather(attn.k_cache, blocks).view(-1, nkv, d)[:n].transpose(0, 1)
+            vv = _gather(attn.v_cache, blocks).view(-1, nkv, d)[:n].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=mask is None,
+                                               scale=backend.scale, enable_gqa=True)
+            out[rows] = o.transpose(0, 1).reshape(-1, q_size)
+        delta = _np(attn.o_proj(out))
+        cpu_add_rms_norm(hn, delta, _np(layer.post_attention_layernorm.weight),
+                         layer.post_attention_layernorm.eps, an)
+        gu = mlp.gate_up_proj(a)
+        m = torch.empty(t, mlp.inter)
+        cpu_silu_mul(_np(gu), _np(m))
+        delta = _np(mlp.down_proj(m))
+    if logits_indices is None:
+        logits_indices = meta.last_token_indices()
+    if logits_indices.numel() == 0:
+        return h.new_empty(0, cfg.vocab_size, dtype=torch.float32)
+    last = h.index_select(0, logits_indices).add_(torch.from_numpy(delta).index_select(0, logits_indices))
+    normed = torch.empty_like(last)
+    cpu_add_rms_norm(_np(last), None, _np(model.norm.weight), model.norm.eps, _np(normed))
+    return model.lm_head(normed).float()
