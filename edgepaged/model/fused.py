@@ -9,7 +9,9 @@ half-layer pattern:
     residual add + RMSNorm -> gate/up GEMM -> SiLU·mul -> down GEMM
 
 Decode rows attend in Rust straight from the paged cache; prefill chunks (many query rows)
-use torch's SDPA over the gathered context, as `TorchAttention` does. The torch path stays
+use torch's SDPA over the gathered context, as `TorchAttention` does. With quantized weights
+(quant.py) a decode-only step goes further: one `QuantDecoder.decode` call runs every layer
+in Rust (no Python between the operators), then the final norm and LM head run here. The torch path stays
 the reference: `EDGEPAGED_FUSED=0` turns this one off, and the tests compare the two.
 """
 from __future__ import annotations
@@ -21,11 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionMetadata, TorchAttention, _gather
+from .quant import _torch_threads as torch_threads, kernel_saved_threads
 
 try:
     from edgepaged._rust_alloc import cpu_add_rms_norm, cpu_paged_decode, cpu_rope_write_kv, cpu_silu_mul
 except ImportError:  # an old build without the operators
     cpu_add_rms_norm = cpu_paged_decode = cpu_rope_write_kv = cpu_silu_mul = None
+try:
+    from edgepaged._rust_alloc import QuantDecoder
+except ImportError:
+    QuantDecoder = None
 
 
 def fused_available(device, dtype) -> bool:
@@ -39,6 +46,57 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def quant_decoder(model):
+    """A Rust `QuantDecoder` running every layer of a decode-only step in one call, when all
+    of the model's linear layers kept their GGUF blocks (None otherwise). Built once."""
+    dec = getattr(model, "_quant_decoder", False)
+    if dec is not False:
+        return dec
+    from .quant import QuantLinear
+    dec = None
+    linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+               for layer in model.layers]
+    if QuantDecoder is not None and all(isinstance(m, QuantLinear) for ls in linears for m in ls):
+        cfg = model.cfg
+
+        def lin(m):
+            segs = [(s.data, s.qtype, s.rows, s.cols) for s in m.segments]
+            return segs, None if m.bias is None else _np(m.bias.float().contiguous())
+        dec = QuantDecoder([(_np(layer.input_layernorm.weight), _np(layer.post_attention_layernorm.weight),
+                             [lin(m) for m in ls]) for layer, ls in zip(model.layers, linears)],
+                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size,
+                           model.layers[0].input_layernorm.eps)
+    model._quant_decoder = dec
+    return dec
+
+
+def _prefill_attention(qkv, out, plan, attn, backend, nh, nkv, d) -> None:
+    """Prefill chunks: SDPA over each sequence's gathered context (K/V already written), on
+    all of torch's threads even inside `kernel_threads_only`."""
+    q_size = nh * d
+    with torch_threads(kernel_saved_threads()):
+        for rows, blocks, n, mask in plan.prefills:
+            q = qkv[rows, :q_size].view(-1, nh, d).transpose(0, 1)
+            kk = _gather(attn.k_cache, blocks).view(-1, nkv, d)[:n].transpose(0, 1)
+            vv = _gather(attn.v_cache, blocks).view(-1, nkv, d)[:n].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=mask is None,
+                                               scale=backend.scale, enable_gqa=True)
+            out[rows] = o.transpose(0, 1).reshape(-1, q_size)
+
+
+def _final(model, h: torch.Tensor, delta: np.ndarray | None, meta, logits_indices) -> torch.Tensor:
+    if logits_indices is None:
+        logits_indices = meta.last_token_indices()
+    if logits_indices.numel() == 0:
+        return h.new_empty(0, model.cfg.vocab_size, dtype=torch.float32)
+    last = h.index_select(0, logits_indices)
+    if delta is not None:
+        last.add_(torch.from_numpy(delta).index_select(0, logits_indices))
+    normed = torch.empty_like(last)
+    cpu_add_rms_norm(_np(last), None, _np(model.norm.weight), model.norm.eps, _np(normed))
+    return model.lm_head(normed).float()
+
+
 def forward_fused(model, input_ids: torch.Tensor, positions: torch.Tensor, backend: TorchAttention,
                   meta: AttentionMetadata, logits_indices: torch.Tensor | None) -> torch.Tensor:
     cfg = model.cfg
@@ -46,6 +104,12 @@ def forward_fused(model, input_ids: torch.Tensor, positions: torch.Tensor, backe
          else model.embed_tokens(input_ids)).contiguous()
     t = h.shape[0]
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    kv = getattr(model, "kv_cache", None)
+    if meta.is_decode and kv is not None and (dec := quant_decoder(model)) is not None:
+        dec.decode(_np(h), _np(positions.contiguous()), _np(meta.slot_mapping.contiguous()),
+                   _np(meta.seq_lens.contiguous()), _np(meta.block_tables.contiguous()), _np(kv),
+                   _np(model.rotary.cos), _np(model.rotary.sin), backend.scale, backend.window or 0)
+        return _final(model, h, None, meta, logits_indices)
     q_size = nh * d
     plan = backend.plan(meta, with_decode=False)
     pos = _np(positions.contiguous())
@@ -75,13 +139,8 @@ def forward_fused(model, input_ids: torch.Tensor, positions: torch.Tensor, backe
         cpu_rope_write_kv(qn, pos, cos, sin, slots, kc, vc, nh, nkv)
         if dec is not None:
             cpu_paged_decode(qn, on, dec[0], dec[1], dec[2], kc, vc, nh, nkv, backend.scale, window)
-        for rows, blocks, n, mask in plan.prefills:
-            q = qkv[rows, :q_size].view(-1, nh, d).transpose(0, 1)
-            kk = _gather(attn.k_cache, blocks).view(-1, nkv, d)[:n].transpose(0, 1)
-            vv = _gather(attn.v_cache, blocks).view(-1, nkv, d)[:n].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=mask is None,
-                                               scale=backend.scale, enable_gqa=True)
-            out[rows] = o.transpose(0, 1).reshape(-1, q_size)
+        if plan.prefills:
+            _prefill_attention(qkv, out, plan, attn, backend, nh, nkv, d)
         delta = _np(attn.o_proj(out))
         cpu_add_rms_norm(hn, delta, _np(layer.post_attention_layernorm.weight),
                          layer.post_attention_layernorm.eps, an)
@@ -89,11 +148,4 @@ def forward_fused(model, input_ids: torch.Tensor, positions: torch.Tensor, backe
         m = torch.empty(t, mlp.inter)
         cpu_silu_mul(_np(gu), _np(m))
         delta = _np(mlp.down_proj(m))
-    if logits_indices is None:
-        logits_indices = meta.last_token_indices()
-    if logits_indices.numel() == 0:
-        return h.new_empty(0, cfg.vocab_size, dtype=torch.float32)
-    last = h.index_select(0, logits_indices).add_(torch.from_numpy(delta).index_select(0, logits_indices))
-    normed = torch.empty_like(last)
-    cpu_add_rms_norm(_np(last), None, _np(model.norm.weight), model.norm.eps, _np(normed))
-    return model.lm_head(normed).float()
+    return _final(model, h, delta, meta, logits_indices)

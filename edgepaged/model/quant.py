@@ -170,6 +170,11 @@ def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mm(x, w.t())
 
 
+def kernel_saved_threads() -> int | None:
+    """Inside `kernel_threads_only`: the torch thread count it replaced (None outside)."""
+    return _local.__dict__.get("saved_threads")
+
+
 class _torch_threads:
     """Set torch's intra-op thread count for a block (None: leave it)."""
 

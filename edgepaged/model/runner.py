@@ -90,6 +90,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
                                     device=self.device, dtype=self.dtype)
+        self.model.kv_cache = self.kv_cache   # the fused CPU decode takes it whole (fused.py)
         self.k_caches = list(self.kv_cache[:, 0])
         self.v_caches = list(self.kv_cache[:, 1])
         for layer, k, v in zip(self.model.layers, self.k_caches, self.v_caches):
@@ -111,6 +112,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - self.kv_cache.numel() * self.kv_cache.element_size()
         del self.kv_cache, self.k_caches, self.v_caches
+        self.model.kv_cache = None
         for layer in self.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = None
         torch.cuda.empty_cache()

@@ -6,7 +6,8 @@ use numpy::{PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::cpuops::{self, Heads, OpError};
+use crate::cpuops::{self, DecodeStep, Heads, OpError, QLayer, QLinear};
+use crate::quant::QMatrix;
 
 fn verr(e: OpError) -> PyErr { PyValueError::new_err(e.0) }
 
@@ -115,5 +116,155 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_silu_mul, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_rope_write_kv, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_paged_decode, m)?)?;
+    m.add_class::<QuantDecoder>()?;
     Ok(())
+}
+
+/// (address, length) of an array's data, kept alive by the `QuantDecoder` that holds it.
+#[derive(Clone, Copy)]
+struct Raw {
+    ptr: usize,
+    len: usize,
+}
+
+impl Raw {
+    unsafe fn f32(&self) -> &'static [f32] { std::slice::from_raw_parts(self.ptr as *const f32, self.len) }
+    unsafe fn u8(&self) -> &'static [u8] { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+}
+
+fn raw_f32(a: &Bound<'_, PyAny>, what: &str) -> PyResult<Raw> {
+    let arr: PyReadonlyArrayDyn<'_, f32> = a.extract().map_err(|_| PyValueError::new_err(format!("{what}: expected a float32 array")))?;
+    let s = ro(&arr, what)?;
+    Ok(Raw { ptr: s.as_ptr() as usize, len: s.len() })
+}
+
+fn raw_u8(a: &Bound<'_, PyAny>, what: &str) -> PyResult<Raw> {
+    let arr: PyReadonlyArrayDyn<'_, u8> = a.extract().map_err(|_| PyValueError::new_err(format!("{what}: expected a uint8 array")))?;
+    let s = ro(&arr, what)?;
+    Ok(Raw { ptr: s.as_ptr() as usize, len: s.len() })
+}
+
+struct RawLinear {
+    segs: Vec<(crate::quant::QType, Raw, usize, usize)>, // format, blocks, rows, cols
+    bias: Option<Raw>,
+}
+
+struct RawLayer {
+    in_norm: Raw,
+    post_norm: Raw,
+    lin: [RawLinear; 4], // qkv, o, gate_up, down
+}
+
+/// Every decoder layer of a quantized model for decode-only steps, in one call per step
+/// (cpuops::decode_layers). Holds references to the weight arrays it was given, which must
+/// not be resized or freed while it lives (they are the model's own).
+#[pyclass(module = "edgepaged._rust_alloc")]
+pub struct QuantDecoder {
+    layers: Vec<RawLayer>,
+    _keep: Vec<Py<PyAny>>,
+    hs: Heads,
+    hidden: usize,
+    inter: usize,
+    eps: f32,
+}
+
+#[pymethods]
+impl QuantDecoder {
+    /// layers: per layer (input_norm, post_norm, [qkv, o, gate_up, down]) with each linear
+    /// as (segments, bias or None) and each segment as (uint8 blocks [rows, row_bytes],
+    /// ggml type, rows, cols).
+    #[new]
+    #[pyo3(signature = (layers, num_heads, num_kv_heads, head_dim, hidden, intermediate, eps))]
+    fn new(
+        layers: &Bound<'_, PyAny>, num_heads: usize, num_kv_heads: usize, head_dim: usize, hidden: usize,
+        intermediate: usize, eps: f32,
+    ) -> PyResult<Self> {
+        let mut keep = Vec::new();
+        let mut out = Vec::new();
+        for layer in layers.try_iter()? {
+            let layer = layer?;
+            let (inn, post, lins): (Bound<'_, PyAny>, Bound<'_, PyAny>, Vec<Bound<'_, PyAny>>) = layer.extract()?;
+            if lins.len() != 4 {
+                return Err(PyValueError::new_err("QuantDecoder: each layer needs [qkv, o, gate_up, down]"));
+            }
+            let mut raw_lins = Vec::new();
+            for lin in lins {
+                let (segs, bias): (Vec<(Bound<'_, PyAny>, u32, usize, usize)>, Option<Bound<'_, PyAny>>) = lin.extract()?;
+                let mut rs = Vec::new();
+                for (data, qt, rows, cols) in segs {
+                    let q = crate::quant::QType::from_ggml(qt)
+                        .ok_or_else(|| PyValueError::new_err(format!("QuantDecoder: GGML type {qt} not supported")))?;
+                    let raw = raw_u8(&data, "weight")?;
+                    crate::quant::QMatrix::new(q, unsafe { raw.u8() }, rows, cols).map_err(|e| PyValueError::new_err(e.0))?;
+                    keep.push(data.unbind());
+                    rs.push((q, raw, rows, cols));
+                }
+                let bias = match bias {
+                    Some(b) => {
+                        let r = raw_f32(&b, "bias")?;
+                        keep.push(b.unbind());
+                        Some(r)
+                    }
+                    None => None,
+                };
+                raw_lins.push(RawLinear { segs: rs, bias });
+            }
+            let (i, p) = (raw_f32(&inn, "input norm")?, raw_f32(&post, "post norm")?);
+            keep.push(inn.unbind());
+            keep.push(post.unbind());
+            let lin: [RawLinear; 4] = raw_lins.try_into().map_err(|_| PyValueError::new_err("4 linears"))?;
+            out.push(RawLayer { in_norm: i, post_norm: p, lin });
+        }
+        Ok(QuantDecoder {
+            layers: out, _keep: keep, hs: Heads { nh: num_heads, nkv: num_kv_heads, d: head_dim }, hidden,
+            inter: intermediate, eps,
+        })
+    }
+
+    /// h [T, hidden] (embeddings in, residual stream after the last layer out), positions and
+    /// slots int64 [T], seq_lens int32 [T], block_tables int32 [T, M], kv_cache the runner's
+    /// [layers, 2, num_blocks, block_size, Hkv, D], cos/sin [P, D].
+    #[pyo3(signature = (h, positions, slots, seq_lens, block_tables, kv_cache, cos, sin, scale, window = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn decode(
+        &self, py: Python<'_>, mut h: PyReadwriteArrayDyn<'_, f32>, positions: PyReadonlyArrayDyn<'_, i64>,
+        slots: PyReadonlyArrayDyn<'_, i64>, seq_lens: PyReadonlyArrayDyn<'_, i32>,
+        block_tables: PyReadonlyArrayDyn<'_, i32>, mut kv_cache: PyReadwriteArrayDyn<'_, f32>,
+        cos: PyReadonlyArrayDyn<'_, f32>, sin: PyReadonlyArrayDyn<'_, f32>, scale: f32, window: usize,
+    ) -> PyResult<()> {
+        let kshape = kv_cache.shape().to_vec();
+        if kshape.len() != 6 || kshape[0] != self.layers.len() || kshape[1] != 2 || kshape[4] != self.hs.nkv
+            || kshape[5] != self.hs.d
+        {
+            return Err(PyValueError::new_err("QuantDecoder.decode: kv_cache must be [layers, 2, blocks, block_size, Hkv, D]"));
+        }
+        let (t, hidden) = rows_cols(h.shape());
+        if hidden != self.hidden {
+            return Err(PyValueError::new_err(format!("QuantDecoder.decode: h rows of {hidden}, model hidden {}", self.hidden)));
+        }
+        let hsl = rw(&mut h, "h")?;
+        let (p, s, l, bt) = (ro(&positions, "positions")?, ro(&slots, "slots")?, ro(&seq_lens, "seq_lens")?, ro(&block_tables, "block_tables")?);
+        let (c, sn) = (ro(&cos, "cos")?, ro(&sin, "sin")?);
+        let kv = rw(&mut kv_cache, "kv_cache")?;
+        // SAFETY: the arrays behind every Raw are held in `_keep`.
+        let layers: Vec<QLayer> = self
+            .layers
+            .iter()
+            .map(|l| unsafe {
+                let lin = |r: &RawLinear| QLinear {
+                    segs: r.segs.iter().map(|(q, raw, rows, cols)| QMatrix::new(*q, raw.u8(), *rows, *cols).unwrap()).collect(),
+                    bias: r.bias.map(|b| b.f32()),
+                };
+                QLayer {
+                    in_norm: l.in_norm.f32(), post_norm: l.post_norm.f32(), qkv: lin(&l.lin[0]), o: lin(&l.lin[1]),
+                    gate_up: lin(&l.lin[2]), down: lin(&l.lin[3]),
+                }
+            })
+            .collect();
+        let step = DecodeStep {
+            positions: p, slots: s, lens: l, tables: bt, cos: c, sin: sn, block_size: kshape[3], scale, window,
+        };
+        let (hs, inter, eps) = (self.hs, self.inter, self.eps);
+        py.detach(|| cpuops::decode_layers(&layers, hs, hidden, inter, eps, hsl, t, &step, kv)).map_err(verr)
+    }
 }
