@@ -455,13 +455,20 @@ def test_forward_with_triton_kernels_equals_torch_path(tiny_model_dir):
         assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("rust_max", [16384, 50])
 @pytest.mark.parametrize("which", ["tiny", "embedded"])
-def test_fused_cpu_forward_equals_torch_path(which, tiny_model_dir, embedded_runner):
+def test_fused_cpu_forward_equals_torch_path(which, rust_max, tiny_model_dir, embedded_runner, monkeypatch):
     """The fused CPU forward (Rust operators, fused.py) gives the torch path's logits on
     batches that mix prefill chunks and decodes in any order (a prefill ahead of decodes
-    too), and every row equals the same sequence computed alone."""
+    too), and every row equals the same sequence computed alone. rust_max=50 sends the
+    longer prefill chunks to SDPA and keeps the short ones in Rust."""
+    from edgepaged.model import fused
+    monkeypatch.setattr(fused, "RUST_ATTENTION_MAX", rust_max)
     runner = embedded_runner if which == "embedded" else ModelRunner(tiny_model_dir, num_blocks=32)
     assert runner.model.fused, "the fused CPU forward should be the default on CPU float32"
+    if which == "embedded":   # quantized weights: the decode-only step runs in one Rust call
+        from edgepaged.model.fused import quant_decoder
+        assert runner.quantized and quant_decoder(runner.model) is not None
     tol = 1e-3 if which == "embedded" else 1e-4
     toks = [list(range(40, 60)), list(range(70, 79)), list(range(90, 102))]
     steps = [[(0, toks[0]), (1, toks[1][:5])],

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionMetadata, TorchAttention, _gather
-from .quant import _torch_threads as torch_threads, kernel_saved_threads
+from .quant import DENSE_MIN_TOKENS, _torch_threads as torch_threads, kernel_saved_threads
 
 try:
     from edgepaged._rust_alloc import cpu_add_rms_norm, cpu_paged_decode, cpu_rope_write_kv, cpu_silu_mul
@@ -97,6 +97,32 @@ def _final(model, h: torch.Tensor, delta: np.ndarray | None, meta, logits_indice
     return model.lm_head(normed).float()
 
 
+# A prefill chunk of q rows over a context of n positions attends in Rust, row by row, when
+# q * n is at most this (short prompts: a home question, a chat turn); longer ones go to SDPA.
+RUST_ATTENTION_MAX = int(os.environ.get("EDGEPAGED_RUST_ATTENTION_MAX", "16384"))
+
+
+def _attention_rows(meta: AttentionMetadata):
+    """Rows attended in Rust: every decode row, and every row of a short prefill chunk as
+    a query of its own (row j of a chunk of q over n sees positions < n - q + j + 1).
+    -> (rows int64 [R], lens int32 [R], tables int32 [R, M], sequences left for SDPA)."""
+    starts = np.cumsum([0] + meta.q_lens_host)
+    seq_of, rows, lens, sdpa = [], [], [], []
+    for i, (q, n) in enumerate(zip(meta.q_lens_host, meta.seq_lens_host)):
+        if q == 1 or q * n <= RUST_ATTENTION_MAX:
+            seq_of.extend([i] * q)
+            rows.extend(range(starts[i], starts[i] + q))
+            lens.extend(range(n - q + 1, n + 1))
+        else:
+            sdpa.append(i)
+    tables = meta.block_tables
+    if not sdpa and all(q == 1 for q in meta.q_lens_host):
+        pass                                   # one row per sequence, in order: the table as it is
+    else:
+        tables = tables.index_select(0, torch.tensor(seq_of, dtype=torch.long))
+    return (np.asarray(rows, np.int64), np.asarray(lens, np.int32), _np(tables.contiguous()), sdpa)
+
+
 def forward_fused(model, input_ids: torch.Tensor, positions: torch.Tensor, backend: TorchAttention,
                   meta: AttentionMetadata, logits_indices: torch.Tensor | None) -> torch.Tensor:
     cfg = model.cfg
@@ -104,27 +130,23 @@ def forward_fused(model, input_ids: torch.Tensor, positions: torch.Tensor, backe
          else model.embed_tokens(input_ids)).contiguous()
     t = h.shape[0]
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    kv = getattr(model, "kv_cache", None)
-    if meta.is_decode and kv is not None and (dec := quant_decoder(model)) is not None:
-        dec.decode(_np(h), _np(positions.contiguous()), _np(meta.slot_mapping.contiguous()),
-                   _np(meta.seq_lens.contiguous()), _np(meta.block_tables.contiguous()), _np(kv),
-                   _np(model.rotary.cos), _np(model.rotary.sin), backend.scale, backend.window or 0)
-        return _final(model, h, None, meta, logits_indices)
     q_size = nh * d
-    plan = backend.plan(meta, with_decode=False)
+    rows, lens, tables, sdpa = _attention_rows(meta)
     pos = _np(positions.contiguous())
     slots = _np(meta.slot_mapping.contiguous())
     cos, sin = _np(model.rotary.cos), _np(model.rotary.sin)
-    dec = None
-    idx = [i for i, q in enumerate(meta.q_lens_host) if q == 1]
-    if idx:
-        starts = np.cumsum([0] + meta.q_lens_host)
-        tables = meta.block_tables
-        if len(idx) != meta.num_seqs:
-            tables = tables.index_select(0, torch.tensor(idx))
-        dec = (starts[idx].astype(np.int64), np.asarray([meta.seq_lens_host[i] for i in idx], np.int32),
-               _np(tables.contiguous()))
     window = backend.window or 0
+    kv = getattr(model, "kv_cache", None)
+    if not sdpa and kv is not None and t < DENSE_MIN_TOKENS and (dec := quant_decoder(model)) is not None:
+        # every row attends in Rust and the token count suits the quantized kernels (from DENSE_MIN_TOKENS on
+        # QuantLinear decodes weights for oneDNN): the whole step is one call
+        dec.decode(_np(h), pos, slots, lens, tables, _np(kv), cos, sin, backend.scale, window)
+        return _final(model, h, None, meta, logits_indices)
+    plan = None
+    if sdpa:
+        plan = backend.plan(meta, with_decode=False)
+        keep = {int(np.cumsum([0] + meta.q_lens_host)[i]) for i in sdpa}
+        plan.prefills = [p for p in plan.prefills if p[0].start in keep]
     hn, a = _np(h), torch.empty_like(h)
     an = _np(a)
     out = torch.empty(t, q_size)
@@ -137,9 +159,9 @@ def forward_fused(model, input_ids: torch.Tensor, positions: torch.Tensor, backe
         qkv = attn.qkv_proj(a)
         qn = _np(qkv)
         cpu_rope_write_kv(qn, pos, cos, sin, slots, kc, vc, nh, nkv)
-        if dec is not None:
-            cpu_paged_decode(qn, on, dec[0], dec[1], dec[2], kc, vc, nh, nkv, backend.scale, window)
-        if plan.prefills:
+        if len(rows):
+            cpu_paged_decode(qn, on, rows, lens, tables, kc, vc, nh, nkv, backend.scale, window)
+        if plan is not None:
             _prefill_attention(qkv, out, plan, attn, backend, nh, nkv, d)
         delta = _np(attn.o_proj(out))
         cpu_add_rms_norm(hn, delta, _np(layer.post_attention_layernorm.weight),
