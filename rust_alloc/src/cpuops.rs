@@ -162,7 +162,7 @@ pub fn silu_mul(gu: &[f32], out: &mut [f32], rows: usize, inter: usize) -> Resul
         }
         silu_mul_rows(gp, op, inter, r0, r1)
     };
-    split(rows, rows * inter, 1 << 16, &run);
+    split(rows, rows * inter, 1 << 13, &run);
     Ok(())
 }
 
