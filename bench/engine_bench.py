@@ -61,7 +61,7 @@ async def run_mix(runner, items, contiguous: bool, cfg: dict) -> dict:
     results: list[dict] = []
     trace = []
     async with engine:
-        t0 = time.monotonic()
+        t0, start = time.monotonic(), trio.current_time()
 
         async def sampler():
             while True:
@@ -74,7 +74,7 @@ async def run_mix(runner, items, contiguous: bool, cfg: dict) -> dict:
             n.start_soon(sampler)
             async with trio.open_nursery() as clients:
                 for it in items:
-                    await trio.sleep_until(t0 + it.at)
+                    await trio.sleep_until(start + it.at)   # Trio's clock, not time.monotonic()
                     clients.start_soon(drive, engine, it, results)
             n.cancel_scope.cancel()
         wall = time.monotonic() - t0

@@ -119,7 +119,7 @@ async def client(addr: str, item, out: list) -> None:
 async def run_e2e(addr: str, items) -> dict:
     results: list[dict] = []
     samples = []
-    t0 = time.monotonic()
+    t0, start = time.monotonic(), trio.current_time()
 
     async def sampler():
         async with open_client(addr, name="bench-observer") as c:
@@ -133,7 +133,7 @@ async def run_e2e(addr: str, items) -> dict:
         n.start_soon(sampler)
         async with trio.open_nursery() as clients:
             for it in items:
-                await trio.sleep_until(t0 + it.at)
+                await trio.sleep_until(start + it.at)   # Trio's clock, not time.monotonic()
                 clients.start_soon(client, addr, it, results)
         wall = time.monotonic() - t0
         async with open_client(addr, name="bench-observer") as c:

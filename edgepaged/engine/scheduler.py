@@ -202,10 +202,12 @@ class Scheduler:
         return self._build(self._plan, self._preempted)
 
     def _chunk_budget(self, prio: str) -> int:
-        """Background prefill goes in smaller chunks, so an interactive request arriving
-        meanwhile waits for a short step, not a long one."""
+        """Background prefill goes in small chunks (an eighth of the step budget), so an
+        interactive request arriving meanwhile waits for a short step, not a long one: on a
+        CPU a step costs about its token count, and the chunk sets how long the in-flight
+        background step can hold a new interactive prompt back."""
         if prio == BACKGROUND:
-            return min(self._budget, max(16, self.config.max_num_batched_tokens // 4))
+            return min(self._budget, max(16, self.config.max_num_batched_tokens // 8))
         return self._budget
 
     def _free(self) -> int:
