@@ -68,7 +68,9 @@ class ModelRunner:
         self.backend = make_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
                                     cfg.sliding_window, self.dtype)
         # CPU float32: the forward with fused Rust operators (fused.py); EDGEPAGED_FUSED=0 turns it off
-        self.model.fused = fused_available(self.device, self.dtype) and isinstance(self.backend, TorchAttention)
+        self.model.fused = (fused_available(self.device, self.dtype) and isinstance(self.backend, TorchAttention)
+                            and cfg.head_dim % 2 == 0 and cfg.head_dim <= 512
+                            and cfg.num_heads // cfg.num_kv_heads <= 64)
         self.block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
                             * torch.empty((), dtype=self.dtype).element_size())
         if num_blocks is None:
