@@ -34,6 +34,9 @@ import torch
 
 from edgepaged.model import ModelRunner, default_model_path
 
+sys.path.insert(0, os.path.dirname(__file__))
+import model_bench  # noqa: E402  (bench/model_bench.py: the same batch runner)
+
 QUESTION = "What is the capital of France?"
 QUESTIONS = [
     QUESTION, "How do I boil an egg?", "Name three primary colors.", "Why is the sky blue?",
@@ -111,28 +114,9 @@ def chat_ids(tok, question: str) -> np.ndarray:
 
 
 def run_batch(runner, alloc, prompts, new_tokens, seq_base):
-    """Prefill every prompt in one flat batch, then greedy decode. -> (outputs, seconds)."""
-    ids = list(range(seq_base, seq_base + len(prompts)))
-    for s, p in zip(ids, prompts):
-        alloc.add_sequence(s, p)
-    t0 = time.perf_counter()
-    slots, tables, lens, _ = alloc.prepare_step(ids, [len(p) for p in prompts])
-    qsl = np.cumsum([0] + [len(p) for p in prompts])
-    meta = dict(query_start_loc=qsl, seq_lens=lens, block_tables=tables, slot_mapping=slots)
-    positions = np.concatenate([np.arange(len(p)) for p in prompts])
-    toks = runner.step(np.concatenate(prompts), positions, meta)
-    out = [[t] for t in toks]
-    arange = np.arange(len(prompts) + 1)
-    for _ in range(new_tokens - 1):
-        slots, tables, lens, _ = alloc.prepare_step(ids, [1] * len(ids), toks)
-        meta = dict(query_start_loc=arange, seq_lens=lens, block_tables=tables, slot_mapping=slots)
-        toks = runner.step(toks, lens.astype(np.int64) - 1, meta)
-        for o, t in zip(out, toks):
-            o.append(t)
-    dt = time.perf_counter() - t0
-    for s in ids:
-        alloc.free_sequence(s, cache=False)
-    return out, dt
+    """model_bench's run (one flat prefill, then greedy decode) -> (outputs, seconds in all)."""
+    out, t_prefill, t_decode = model_bench.run_batch(runner, alloc, prompts, new_tokens, seq_base)
+    return out, t_prefill + t_decode
 
 
 def paired_tok_s(batch: int, new_tokens: int, reps: int, llama_once=None) -> dict:
