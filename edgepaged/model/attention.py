@@ -141,15 +141,20 @@ class TorchAttention:
         if not plan.prefills:
             return self._decode(q, k_cache, v_cache, plan.decode)
         out = torch.empty_like(q)
-        for rows, blocks, n, mask in plan.prefills:
+        self.attend_prefills(q, k_cache, v_cache, plan.prefills, out)
+        if plan.decode is not None:
+            out[plan.decode.tokens] = self._decode(q[plan.decode.tokens], k_cache, v_cache, plan.decode)
+        return out
+
+    def attend_prefills(self, q, k_cache, v_cache, prefills, out) -> None:
+        """Prefill chunks (K/V already in the cache): SDPA of q[rows] [q, H, D] over each
+        sequence's gathered context, written to out[rows]."""
+        for rows, blocks, n, mask in prefills:
             kc = _gather(k_cache, blocks).view(-1, self.hkv, self.d)[:n].transpose(0, 1)
             vc = _gather(v_cache, blocks).view(-1, self.hkv, self.d)[:n].transpose(0, 1)
             o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), kc, vc, attn_mask=mask,
                                                is_causal=mask is None, scale=self.scale, enable_gqa=True)
             out[rows] = o.transpose(0, 1)
-        if plan.decode is not None:
-            out[plan.decode.tokens] = self._decode(q[plan.decode.tokens], k_cache, v_cache, plan.decode)
-        return out
 
     def _decode(self, q, k_cache, v_cache, g: _DecodeGroup) -> torch.Tensor:
         b, hkv, d = g.num_seqs, self.hkv, self.d

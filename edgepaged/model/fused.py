@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionMetadata, TorchAttention, _gather
+from .attention import AttentionMetadata, TorchAttention
 from .quant import DENSE_MIN_TOKENS, _torch_threads as torch_threads, kernel_saved_threads
 
 try:
@@ -70,18 +70,13 @@ def quant_decoder(model):
     return dec
 
 
-def _prefill_attention(qkv, out, plan, attn, backend, nh, nkv, d) -> None:
-    """Prefill chunks: SDPA over each sequence's gathered context (K/V already written), on
-    all of torch's threads even inside `kernel_threads_only`."""
-    q_size = nh * d
+def _prefill_attention(qkv, out, plan, attn, backend, nh, d) -> None:
+    """Prefill chunks through the torch backend's SDPA, on all of torch's threads even
+    inside `kernel_threads_only`."""
+    t = qkv.shape[0]
     with torch_threads(kernel_saved_threads()):
-        for rows, blocks, n, mask in plan.prefills:
-            q = qkv[rows, :q_size].view(-1, nh, d).transpose(0, 1)
-            kk = _gather(attn.k_cache, blocks).view(-1, nkv, d)[:n].transpose(0, 1)
-            vv = _gather(attn.v_cache, blocks).view(-1, nkv, d)[:n].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=mask is None,
-                                               scale=backend.scale, enable_gqa=True)
-            out[rows] = o.transpose(0, 1).reshape(-1, q_size)
+        backend.attend_prefills(qkv[:, : nh * d].view(t, nh, d), attn.k_cache, attn.v_cache, plan.prefills,
+                                out.view(t, nh, d))
 
 
 def _final(model, h: torch.Tensor, delta: np.ndarray | None, meta, logits_indices) -> torch.Tensor:
@@ -162,7 +157,7 @@ def forward_fused(model, input_ids: torch.Tensor, positions: torch.Tensor, backe
         if len(rows):
             cpu_paged_decode(qn, on, rows, lens, tables, kc, vc, nh, nkv, backend.scale, window)
         if plan is not None:
-            _prefill_attention(qkv, out, plan, attn, backend, nh, nkv, d)
+            _prefill_attention(qkv, out, plan, attn, backend, nh, d)
         delta = _np(attn.o_proj(out))
         cpu_add_rms_norm(hn, delta, _np(layer.post_attention_layernorm.weight),
                          layer.post_attention_layernorm.eps, an)
