@@ -22,23 +22,15 @@ pub struct OpError(pub String);
 
 fn bad<T>(msg: impl Into<String>) -> Result<T, OpError> { Err(OpError(msg.into())) }
 
-fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
+/// The same run-time check as the quantized kernels (AVX2 + FMA + F16C).
+fn has_avx2() -> bool { crate::quant::Isa::best() == crate::quant::Isa::Avx2 }
 
 /// Compile `$body` (an `#[inline(always)]` fn) for AVX2+FMA and for the baseline, and call
 /// the best one.
 macro_rules! dispatch {
     ($name:ident, $body:ident, ($($arg:ident : $ty:ty),*)) => {
         #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx2,fma")]
+        #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn $name($($arg: $ty),*) { $body($($arg),*) }
     };
 }
@@ -336,14 +328,8 @@ unsafe fn decode_item(a: &DecodeArgs, item: usize, scores: &mut Vec<f32>, acc: &
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{DecodeArgs, Heads};
+    use crate::quant::avx2::hsum;
     use std::arch::x86_64::*;
-
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
-    }
 
     /// `super::exp` on 8 lanes.
     #[inline(always)]
@@ -363,7 +349,7 @@ mod x86 {
     /// One (sequence, KV head) item with head_dim = 8 * NV: the G query heads of the KV head
     /// against every visible K row (each K row read once for all G), softmax on 8 lanes, then
     /// the V rows summed into NV registers per head.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn item<const NV: usize>(a: &DecodeArgs, item: usize, scores: &mut Vec<f32>, slots: &mut Vec<usize>) {
         let Heads { nh, nkv, d } = a.hs;
         let g = nh / nkv;
@@ -446,7 +432,7 @@ mod x86 {
         _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), idx))
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn items(a: &DecodeArgs, i0: usize, i1: usize) -> bool {
         let (mut scores, mut slots) = (Vec::new(), Vec::new());
         let nv = a.hs.d / 8;

@@ -14,7 +14,7 @@ mod formats;
 mod pool;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
-mod avx2;
+pub(crate) mod avx2;
 #[cfg(test)]
 mod tests;
 
