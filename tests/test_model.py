@@ -414,7 +414,7 @@ def test_triton_backend_matches_torch_backend():
     from edgepaged import kernels
     from edgepaged.model.attention import TorchAttention, TritonAttention
     if not kernels.is_available():
-        pytest.skip("Triton has neither a GPU nor the interpreter here")
+        pytest.skip("Triton has neither a GPU nor the interpreter here (runs in CI: conftest.py sets TRITON_INTERPRET=1)")
     dev = "cuda" if torch.cuda.is_available() and not kernels.interpreting() else "cpu"
     h, hkv, d, nb = 4, 2, 16, 12
     g = torch.Generator().manual_seed(0)
@@ -439,7 +439,7 @@ def test_forward_with_triton_kernels_equals_torch_path(tiny_model_dir):
     from edgepaged import kernels
     from edgepaged.model.attention import TritonAttention
     if not kernels.is_available():
-        pytest.skip("Triton has neither a GPU nor the interpreter here")
+        pytest.skip("Triton has neither a GPU nor the interpreter here (runs in CI: conftest.py sets TRITON_INTERPRET=1)")
     cfg_runner = ModelRunner(tiny_model_dir, num_blocks=16)
     tri_runner = ModelRunner(tiny_model_dir, num_blocks=16)
     c = tri_runner.config

@@ -12,7 +12,7 @@ from edgepaged.model.quant import BLOCK, FORMATS, QuantEmbedding, QuantLinear, Q
 
 rust = pytest.importorskip("edgepaged._rust_alloc")
 if not hasattr(rust, "quant_matmul"):
-    pytest.skip("the Rust extension predates the quantized kernels (./run.sh setup)", allow_module_level=True)
+    pytest.skip("the Rust extension predates the quantized kernels (runs once ./run.sh setup has rebuilt it, as CI does)", allow_module_level=True)
 
 from gguf_models import random_blocks, write_random_gguf  # noqa: E402
 
