@@ -646,11 +646,8 @@ impl QLinear<'_> {
 
     fn forward(&self, x: &[f32], t: usize, out: &mut [f32]) -> Result<(), OpError> {
         let n = self.out_features();
-        let mut off = 0;
-        for s in &self.segs {
-            crate::quant::matmul(s, x, s.cols, t, &mut out[off..], n, crate::quant::Isa::best()).map_err(|e| OpError(e.0))?;
-            off += s.rows;
-        }
+        let cols = self.segs.first().map_or(0, |s| s.cols);
+        crate::quant::matmul_stacked(&self.segs, x, cols, t, out, n, crate::quant::Isa::best()).map_err(|e| OpError(e.0))?;
         if let Some(b) = self.bias {
             for r in 0..t {
                 for (o, v) in out[r * n..(r + 1) * n].iter_mut().zip(b) {

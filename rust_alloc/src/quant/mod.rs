@@ -196,24 +196,56 @@ pub const MAX_TILE: usize = 12;
 pub fn matmul(
     w: &QMatrix, x: &[f32], x_stride: usize, tokens: usize, out: &mut [f32], out_stride: usize, isa: Isa,
 ) -> Result<(), QuantError> {
+    matmul_stacked(std::slice::from_ref(w), x, x_stride, tokens, out, out_stride, isa)
+}
+
+/// `matmul` of matrices stacked along the output (a fused QKV or gate/up whose parts are
+/// separate GGUF tensors): part `i` writes the columns after those of parts `0..i`. One
+/// call on the pool for all parts.
+pub fn matmul_stacked(
+    ws: &[QMatrix], x: &[f32], x_stride: usize, tokens: usize, out: &mut [f32], out_stride: usize, isa: Isa,
+) -> Result<(), QuantError> {
     let isa = isa.checked()?;
-    check_view(x.len(), tokens, w.cols, x_stride, "x")?;
-    check_view(out.len(), tokens, w.rows, out_stride, "out")?;
-    if tokens == 0 || w.rows == 0 {
+    let Some(cols) = ws.first().map(|w| w.cols) else { return Ok(()) };
+    if ws.iter().any(|w| w.cols != cols) {
+        return bad("stacked matrices must have the same number of columns");
+    }
+    let rows: usize = ws.iter().map(|w| w.rows).sum();
+    check_view(x.len(), tokens, cols, x_stride, "x")?;
+    check_view(out.len(), tokens, rows, out_stride, "out")?;
+    if tokens == 0 || rows == 0 {
         return Ok(());
     }
     let xm = Mat { ptr: x.as_ptr() as *mut f32, rows: tokens, stride: x_stride };
-    let om = Mat { ptr: out.as_mut_ptr(), rows: tokens, stride: out_stride };
-    // Chunks of output rows: a few per thread so a busy core does not hold everyone up.
-    let work = w.rows * w.cols * tokens;
+    // Chunks of output rows: a few per thread so a busy core does not hold everyone up; one
+    // token reads each row once from memory, and longer runs of rows stream better there
+    // (batch-1 decode step about 4% faster with 2 chunks per thread than with 4).
+    let work = rows * cols * tokens;
     let threads = if work < 1 << 16 { 1 } else { pool::num_threads() };
-    let per = (w.rows.div_ceil(threads * 4)).max(16).next_multiple_of(4).min(w.rows);
-    let chunks = w.rows.div_ceil(per);
-    pool::parallel_for(if threads == 1 { 1 } else { chunks }, &|c| {
-        let (r0, r1) = if threads == 1 { (0, w.rows) } else { (c * per, ((c + 1) * per).min(w.rows)) };
-        // SAFETY: views were checked above; chunks write disjoint columns of `out`.
-        unsafe { rows_kernel(isa, w, xm, om, r0, r1) }
-    });
+    let per_thread = if tokens == 1 { 2 } else { 4 };
+    let per = (rows.div_ceil(threads * per_thread)).max(16).next_multiple_of(4);
+    // (part, first row, end row, first output column), chunks inside each part
+    let mut chunks = Vec::with_capacity(ws.len() + threads * per_thread);
+    let mut off = 0;
+    for (i, w) in ws.iter().enumerate() {
+        let per = if threads == 1 { w.rows.max(1) } else { per };
+        for r0 in (0..w.rows).step_by(per) {
+            chunks.push((i, r0, (r0 + per).min(w.rows), off));
+        }
+        off += w.rows;
+    }
+    let om = &Mat { ptr: out.as_mut_ptr(), rows: tokens, stride: out_stride };
+    let run = |c: usize| {
+        let (i, r0, r1, off) = chunks[c];
+        // SAFETY: views were checked above (part i's columns lie inside out's rows); chunks
+        // write disjoint columns of `out`.
+        unsafe { rows_kernel(isa, &ws[i], xm, Mat { ptr: om.ptr.add(off), ..*om }, r0, r1) }
+    };
+    if threads == 1 {
+        (0..chunks.len()).for_each(run);
+    } else {
+        pool::parallel_for(chunks.len(), &run);
+    }
     Ok(())
 }
 

@@ -237,6 +237,37 @@ fn a_tokens_result_does_not_depend_on_its_batch() {
 }
 
 #[test]
+fn stacked_parts_equal_separate_products() {
+    // a fused QKV of three formats, one call; small (inline) and large (pool) products
+    let mut rng = Rng(31337);
+    for (rows, tokens) in [([3, 2, 2], 1), ([96, 40, 40], 1), ([96, 40, 40], 5), ([300, 100, 100], 13)] {
+        let cols = 256;
+        let qs = [QType::Q4_K, QType::Q8_0, QType::Q6_K];
+        let data: Vec<Vec<u8>> = qs.iter().zip(rows).map(|(&q, r)| random_rows(q, r, cols, &mut rng)).collect();
+        let ws: Vec<QMatrix> = qs.iter().zip(rows).zip(&data).map(|((&q, r), d)| QMatrix::new(q, d, r, cols).unwrap()).collect();
+        let n: usize = rows.iter().sum();
+        let x: Vec<f32> = (0..tokens * cols).map(|_| rng.unit()).collect();
+        for isa in isas() {
+            let mut one = vec![f32::NAN; tokens * (n + 3)];
+            matmul_stacked(&ws, &x, cols, tokens, &mut one, n + 3, isa).unwrap();
+            let mut off = 0;
+            for w in &ws {
+                let mut part = vec![0f32; tokens * w.rows];
+                matmul(w, &x, cols, tokens, &mut part, w.rows, isa).unwrap();
+                for t in 0..tokens {
+                    assert_eq!(one[t * (n + 3) + off..t * (n + 3) + off + w.rows], part[t * w.rows..(t + 1) * w.rows]);
+                    assert!(one[t * (n + 3) + n..(t + 1) * (n + 3)].iter().all(|v| v.is_nan()), "wrote past a row");
+                }
+                off += w.rows;
+            }
+        }
+    }
+    let d = random_rows(QType::Q8_0, 2, 64, &mut rng);
+    let (a, b) = (QMatrix::new(QType::Q8_0, &d, 2, 64).unwrap(), QMatrix::new(QType::Q8_0, &d, 4, 32).unwrap());
+    assert!(matmul_stacked(&[a, b], &[0f32; 64], 64, 1, &mut [0f32; 6], 6, Isa::Scalar).is_err());
+}
+
+#[test]
 fn pool_helpers_take_chunks() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     if pool::num_threads() < 2 {
