@@ -243,30 +243,53 @@ def _clean(params: dict) -> dict:
     return {k: v for k, v in params.items() if v is not None}
 
 
-async def resolve(server: str | None, *, discover_timeout_s: float = 3.0,
-                  mdns_interface: str | None = None) -> list[tuple[str, int]]:
-    """Where to connect: the given address, or the least loaded server found by mDNS."""
+async def resolve(server: str | None, *, discover_timeout_s: float = 3.0, mdns_interface: str | None = None,
+                  wait_all: bool = False) -> list[tuple[str, int]]:
+    """Where to connect: the given address, or the servers found by mDNS, least loaded first
+    (every address of each). Discovery returns shortly after the first server answers,
+    or with `wait_all` after the whole timeout."""
     if server:
         return [parse_address(server)]
     from .server.mdns import discover
-    records = await discover(discover_timeout_s, mdns_interface, first=True)
+    records = await discover(discover_timeout_s, mdns_interface, first=not wait_all)
     if not records:
         raise NoServerFound(f"no edgepaged server answered on the local network within {discover_timeout_s:g} s; "
                             "give one with --server HOST:PORT")
-    return [(addr, records[0].port) for addr in records[0].addresses]
+    return [(addr, r.port) for r in records for addr in r.addresses]
+
+
+async def _connect(candidates, tried: set, last):
+    """The first of `candidates` not in `tried` that accepts a connection -> (stream, host,
+    port, last error)."""
+    for host, port in candidates:
+        if (host, port) in tried:
+            continue
+        tried.add((host, port))
+        try:
+            return await trio.open_tcp_stream(host, port), host, port, last
+        except OSError as e:
+            last = ServerError("connection_failed", f"cannot connect to {host}:{port}: {e.strerror or e}")
+    return None, None, None, last
 
 
 @asynccontextmanager
 async def open_client(server: str | None = None, *, token: str | None = None, name: str | None = None,
                       discover_timeout_s: float = 3.0, mdns_interface: str | None = None):
-    """Connect (to `server` 'HOST:PORT', or by discovery), say hello, yield a Client."""
-    stream, last = None, None
-    for host, port in await resolve(server, discover_timeout_s=discover_timeout_s, mdns_interface=mdns_interface):
+    """Connect (to `server` 'HOST:PORT', or by discovery), say hello, yield a Client.
+
+    By discovery, servers are tried least loaded first; when none of those that answered
+    first accepts (a stale record of a server that stopped, a dead port), the network is
+    asked again for the whole timeout and the others are tried."""
+    tried: set = set()
+    found = await resolve(server, discover_timeout_s=discover_timeout_s, mdns_interface=mdns_interface)
+    stream, host, port, last = await _connect(found, tried, None)
+    if stream is None and not server:
         try:
-            stream = await trio.open_tcp_stream(host, port)
-            break
-        except OSError as e:
-            last = ServerError("connection_failed", f"cannot connect to {host}:{port}: {e.strerror or e}")
+            found = await resolve(None, discover_timeout_s=discover_timeout_s, mdns_interface=mdns_interface,
+                                  wait_all=True)
+        except NoServerFound:
+            found = []
+        stream, host, port, last = await _connect(found, tried, last)
     if stream is None:
         raise last
     async with stream:

@@ -77,8 +77,6 @@ async def scenario():
             break
         assert time.monotonic() < deadline, rec
     step(f"ls under load: running {rec['running']}, kv {rec['kv_usage']}")
-    long.kill()
-    long.wait()
 
     # a busier decoy at a dead port: discovery must pick the least loaded server, the real one
     decoy_props = txt_properties(version=1, model="decoy", context_length=10, auth=False, running=7, waiting=3,
@@ -90,6 +88,20 @@ async def scenario():
         out = cli("chat", input="What is the capital of France?\n")
         step(f"chat by discovery: {out.strip()!r}")
         assert "Paris" in out
+
+    # a stale record that looks idle (a server gone without withdrawing it) while the real one is busy: the
+    # client tries it first, cannot connect, and must go on to the real one
+    stale_props = txt_properties(version=1, model="stale", context_length=10, auth=False, running=0, waiting=0,
+                                 kv_usage=0.0)
+    async with Advertiser(port=1, properties=stale_props, addresses=[IFACE], interface=IFACE, instance="stale"):
+        names = [r["name"] for r in ls()]
+        step(f"ls with a stale idle record: {names} (stale first while the long answer runs)")
+        assert "stale" in names and len(names) == 2
+        out = cli("chat", input="What is the capital of France?\n")
+        step(f"chat past the stale record: {out.strip()!r}")
+        assert "Paris" in out
+    long.kill()
+    long.wait()
 
     async with open_browser(IFACE) as browser:
         assert await browser.wait_for(lambda recs: any(r.port == port for r in recs), 5)

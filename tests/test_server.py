@@ -397,3 +397,26 @@ async def test_a_plain_blocking_socket_client_is_enough(embedded_runner):
     async with serving(embedded_runner) as server:
         text, last = await trio.to_thread.run_sync(_plain_socket_chat, server.port)
     assert last["type"] == "done" and "Paris" in text
+
+
+async def test_client_goes_past_an_address_that_refuses():
+    """A discovered record whose server is gone (dead port) must not stop the client: the
+    next candidate is tried, and when every one refuses the last error says why."""
+    from edgepaged.client import _connect
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()                                   # nothing listens there now
+    live = trio.socket.socket()
+    await live.bind(("127.0.0.1", 0))
+    live.listen()
+    live_port = live.getsockname()[1]
+    with live:
+        tried: set = set()
+        stream, host, port, last = await _connect([("127.0.0.1", dead_port), ("127.0.0.1", live_port)], tried, None)
+        assert stream is not None and (host, port) == ("127.0.0.1", live_port)
+        assert isinstance(last, ServerError) and f"127.0.0.1:{dead_port}" in str(last)
+        await stream.aclose()
+        # already tried: not again; nothing left -> no stream, the error kept
+        stream, host, port, last2 = await _connect([("127.0.0.1", dead_port)], tried, last)
+        assert stream is None and last2 is last
