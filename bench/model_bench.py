@@ -15,6 +15,11 @@ Each batch of B distinct chat prompts is prefilled in one flat batch, then decod
                   spell of a shared machine would flatter the fraction). The best of each
                   library is reported too (gemm_gflops_torch_mm, gemm_gflops_onednn)
     roofline_frac_b32 = 2 * params (LM head included) * tok_s_b32 / (gemm_gflops * 1e9)
+    dense_m32_gflops  oneDNN's fp32 linear on this model's own layer shapes at 32 tokens, weights
+                      hot in cache, FLOP-weighted over one step (LM head included), best of 3;
+                      dense_m32_frac = that / gemm_gflops: how much of the 2048^3 rate the
+                      vendor GEMM itself reaches on these shapes, a ceiling for roofline_frac_b32
+                      of any GEMM-based decode here
 
     python bench/model_bench.py [--json] [--batches 1,8,32] [--new-tokens 64] [--no-hf] [--profile]
                                 [--quantized auto|on|off]
@@ -112,6 +117,17 @@ def run_batch(runner, alloc, prompts, new_tokens, seq_base=0):
     return out, t1 - t0, t2 - t1
 
 
+def median_s(f, reps: int) -> float:
+    """Median wall time of `reps` calls of f, after one warm-up call."""
+    f()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
 def gemm_gflops(n=2048, reps=5) -> dict:
     """fp32 GEMM rates at n^3 (median of `reps`): torch.mm and, where torch has it, oneDNN's
     linear; `gemm_gflops` is the faster, the machine's fp32 GEMM rate."""
@@ -122,15 +138,27 @@ def gemm_gflops(n=2048, reps=5) -> dict:
         ways["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, bt, None, "none", [], "")
     res = {}
     for name, f in ways.items():
-        f()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t)
-        res[f"gemm_gflops_{name}"] = 2 * n**3 / float(np.median(times)) / 1e9
+        res[f"gemm_gflops_{name}"] = 2 * n**3 / median_s(f, reps) / 1e9
     res["gemm_gflops"] = max(res.values())
     return res
+
+
+def dense_shapes_gflops(cfg, m=32, reps=7) -> float:
+    """fp32 rate of oneDNN's linear on this model's own layer shapes at m tokens, each weight
+    hot in cache (one per shape, reused): FLOP of one step's linear layers (LM head included)
+    over the sum of their median times. What the vendor GEMM reaches on these shapes: a
+    ceiling for roofline_frac_b32 of any GEMM-based decode on this machine."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = {((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h): cfg.num_layers, (h, cfg.num_heads * d): cfg.num_layers,
+              (2 * i, h): cfg.num_layers, (h, i): cfg.num_layers, (cfg.vocab_size, h): 1}
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return float("nan")
+    flop = secs = 0.0
+    for (n, k), count in shapes.items():
+        x, w = torch.randn(m, k), torch.randn(n, k)
+        flop += 2 * m * n * k * count
+        secs += median_s(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), reps) * count
+    return flop / secs / 1e9
 
 
 def hf_generate(prompts_text, batches, new_tokens) -> dict:
@@ -207,6 +235,8 @@ def main():
         profile_decode(runner, alloc, prompts[: max(batches)])
     if 32 in batches:
         res["roofline_frac_b32"] = 2 * runner.config.num_params * res["tok_s_b32"] / (res["gemm_gflops"] * 1e9)
+        res["dense_m32_gflops"] = max(dense_shapes_gflops(runner.config) for _ in range(3))
+        res["dense_m32_frac"] = res["dense_m32_gflops"] / res["gemm_gflops"]
     del runner
     if not args.no_hf:
         res.update(hf_generate(texts, [int(b) for b in args.hf_batches.split(",")], args.new_tokens))

@@ -237,6 +237,43 @@ fn a_tokens_result_does_not_depend_on_its_batch() {
 }
 
 #[test]
+fn long_k_batches_take_panels_and_sum_in_the_tile_order() {
+    // K >= 1024 and >= 16 tokens take the panel path (K in chunks, 3 x 4 tiles); fewer
+    // tokens take the tile path. Both must give the same bits for a token, and be right.
+    let mut rng = Rng(2718);
+    for q in QType::ALL {
+        let (rows, cols, tokens) = (29, 1536, 45);
+        let data = random_rows(q, rows, cols, &mut rng);
+        let w = QMatrix::new(q, &data, rows, cols).unwrap();
+        let wf: Vec<f32> = data.chunks_exact(w.row_bytes()).flat_map(|r| dequantize_ref(q, r)).collect();
+        let (xs, os) = (cols + 3, rows + 5);
+        let x: Vec<f32> = (0..tokens * xs).map(|_| rng.unit()).collect();
+        for isa in isas() {
+            let mut all = vec![f32::NAN; tokens * os];
+            matmul(&w, &x, xs, tokens, &mut all, os, isa).unwrap();
+            for t in 0..tokens {
+                let reference: Vec<f64> =
+                    (0..rows).map(|r| (0..cols).map(|k| wf[r * cols + k] as f64 * x[t * xs + k] as f64).sum()).collect();
+                let e = rel_err(&all[t * os..t * os + rows], &reference);
+                assert!(e <= 1e-5, "{} {isa:?} token {t}: rel err {e}", q.name());
+                assert!(all[t * os + rows..(t + 1) * os].iter().all(|v| v.is_nan()), "wrote past a row");
+            }
+            for (t0, n) in [(0, 9), (7, 2), (13, 15), (20, 20), (3, 33), (44, 1)] {
+                if n == 1 {
+                    continue; // one token: the GEMV path, equal to rounding (tested above)
+                }
+                let mut part = vec![f32::NAN; n * os];
+                matmul(&w, &x[t0 * xs..], xs, n, &mut part, os, isa).unwrap();
+                for t in 0..n {
+                    assert_eq!(part[t * os..t * os + rows], all[(t0 + t) * os..(t0 + t) * os + rows],
+                               "{} {isa:?} tokens {t0}..{}: token {t}", q.name(), t0 + n);
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn stacked_parts_equal_separate_products() {
     // a fused QKV of three formats, one call; small (inline) and large (pool) products
     let mut rng = Rng(31337);
