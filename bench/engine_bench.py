@@ -23,7 +23,7 @@ import time
 import trio
 
 sys.path.insert(0, os.path.dirname(__file__))
-from workloads import make_item, mix, poisson  # noqa: E402
+from workloads import make_item, mix, parse_caps, poisson  # noqa: E402
 
 from edgepaged.engine import Engine, EngineConfig, TokenEvent  # noqa: E402
 from edgepaged.model import ModelRunner, SamplingParams  # noqa: E402
@@ -132,6 +132,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--caps", default="", help="override the max_tokens a class's clients send, e.g. "
+                    "'agent=none/512' (sensitivity runs; the default is workloads.CLASSES)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -141,7 +143,8 @@ def main() -> None:
     print(f"model {runner.model_path.name} loaded in {time.monotonic() - t:.1f} s; KV pool {runner.num_blocks} "
           f"blocks x 16 = {runner.num_blocks * 16} tokens; context {runner.max_model_len}")
     cfg = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
-    items = poisson(mix(tok, args.requests, args.seed, args.scale, context=runner.max_model_len), args.rate,
+    items = poisson(mix(tok, args.requests, args.seed, args.scale, context=runner.max_model_len,
+                        caps=parse_caps(args.caps)), args.rate,
                     args.seed)
     out = {}
     for mode in ("paged", "contiguous"):
@@ -164,7 +167,7 @@ def main() -> None:
         for m in out.values():
             m.pop("trace")
         out.update(max_active_ratio=round(ratio, 2), requests=args.requests, scale=args.scale, rate=args.rate,
-                   kv_tokens=args.kv_tokens, machine=f"{platform.machine()} {os.cpu_count()} cpus")
+                   kv_tokens=args.kv_tokens, caps=args.caps or "default", machine=f"{platform.machine()} {os.cpu_count()} cpus")
         print(json.dumps(out))
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, os.path.dirname(__file__))
-from workloads import CLASSES, burst, make_item, mix, poisson  # noqa: E402
+from workloads import CLASSES, burst, make_item, mix, parse_caps, poisson  # noqa: E402
 
 from edgepaged.client import ServerError, open_client  # noqa: E402
 
@@ -405,6 +405,8 @@ def main() -> None:
     ap.add_argument("--day-requests", type=int, default=3000)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--caps", default="", help="override the max_tokens a class's clients send, e.g. "
+                    "'home=64,agent=512' (sensitivity runs; the default is workloads.CLASSES)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "household"))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -416,8 +418,9 @@ def main() -> None:
     model_path = default_model_path()
     runner = ModelRunner(num_blocks=args.kv_tokens // 16, block_size=16)
     tok, context = runner.tokenizer, runner.config.context_length
-    items = poisson(mix(tok, args.requests, args.seed, args.scale, context=context, answer_scale=args.answer_scale),
-                    args.rate, args.seed)
+    caps = parse_caps(args.caps)
+    items = poisson(mix(tok, args.requests, args.seed, args.scale, context=context, answer_scale=args.answer_scale,
+                        caps=caps), args.rate, args.seed)
     kv_bytes = args.kv_tokens // 16 * runner.block_bytes
     print(f"{len(items)} requests (scale {args.scale}, answers x{args.answer_scale}, Poisson {args.rate}/s); "
           f"KV budget {args.kv_tokens} tokens ({kv_bytes >> 20} MiB) for both modes", flush=True)
@@ -438,7 +441,7 @@ def main() -> None:
     srv = Serve(kv_bytes, False, 512)
     try:
         burst_items = burst(mix(tok, args.requests, args.seed + 1, args.scale, context=context,
-                                answer_scale=args.answer_scale), seed=args.seed)
+                                answer_scale=args.answer_scale, caps=caps), seed=args.seed)
         patterns["burst"] = trio.run(run_e2e, srv.addr, burst_items)
         patterns["closed_loop"] = trio.run(run_closed_loop, srv.addr, tok, 6 if args.quick else 12,
                                            2 if args.quick else 5, 1.0, args.scale, args.answer_scale, args.seed)
@@ -490,7 +493,8 @@ def main() -> None:
                                                  "requests", "preemptions")} for k, v in patterns.items()}
         out["machine"] = f"{platform.machine()} {os.cpu_count()} cpus"
         out["workload"] = dict(requests=args.requests, scale=args.scale, answer_scale=args.answer_scale,
-                               rate=args.rate, kv_tokens=args.kv_tokens, day_requests=args.day_requests)
+                               rate=args.rate, kv_tokens=args.kv_tokens, day_requests=args.day_requests,
+                               caps=args.caps or "default")
         print(json.dumps(out))
 
 

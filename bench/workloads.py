@@ -8,10 +8,16 @@ Classes (prompt tokens, answer tokens, priority) at --scale 1, as a household se
   agent     background summariser     1000–4000  100–200   background   (shared system prompt)
 `scale` multiplies every length (a quick run on a 2-core CPU uses 0.1–0.25).
 
-`max_tokens` is what the client sends: many chat clients send none (the answer may run to
-the context), IoT hubs and agents send a cap. The answer length a request really gets is
-drawn from its class; the driver ends the answer at that length, which frees the blocks
-exactly as an end-of-sequence token would.
+`max_tokens` is what the client sends, drawn per request from its class's list (None: no
+max_tokens, so the answer may run to the context). The defaults assume smart-home hubs and
+agents send a cap. What real clients send varies more: Home Assistant's Ollama integration
+sends no limit (only num_ctx) and its OpenAI integration 3000 (150 in older releases);
+scripts on the OpenAI SDK or LangChain send none unless their author sets one. `--caps`
+(engine_bench.py, household.py) overrides a class's list, e.g. `agent=none/512`; overrides
+are drawn from a random stream of their own, so the requests themselves stay the same.
+
+The answer length a request really gets is drawn from its class; the driver ends the
+answer at that length, which frees the blocks exactly as an end-of-sequence token would.
 
 Arrival patterns: `poisson(rate)`, `burst(at)` (everyone at once after dinner), and
 `closed(users, think_s)` (each user sends the next request after reading the answer).
@@ -57,9 +63,25 @@ def _words(n: int, rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+def parse_caps(text: str) -> dict:
+    """`agent=none/512,home=150` -> {"agent": (None, 512), "home": (150,)}: the max_tokens
+    values a class's clients send, drawn uniformly (`none`: no max_tokens)."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        klass, _, values = part.partition("=")
+        if klass not in CLASSES or not values:
+            raise ValueError(f"--caps: expected CLASS=CAP[/CAP...] with CLASS in {sorted(CLASSES)}, got {part!r}")
+        out[klass] = tuple(None if v.lower() == "none" else int(v) for v in values.split("/"))
+    return out
+
+
 def make_item(tok, klass: str, rng: random.Random, scale: float, at: float = 0.0, client: str | None = None,
-              context: int = 8192, answer_scale: float | None = None) -> WorkItem:
-    (p_lo, p_hi), (a_lo, a_hi), priority, _, caps = CLASSES[klass]
+              context: int = 8192, answer_scale: float | None = None, caps: dict | None = None,
+              cap_rng: random.Random | None = None) -> WorkItem:
+    """One request of `klass`. `caps` overrides what a class's clients send as max_tokens;
+    an override is drawn from `cap_rng` (when given), so the requests themselves (lengths,
+    words, order) stay those of the default workload and only the caps change."""
+    (p_lo, p_hi), (a_lo, a_hi), priority, _, caps_default = CLASSES[klass]
     n_prompt = max(4, int(rng.randint(p_lo, p_hi) * scale))
     n_answer = max(2, int(rng.randint(a_lo, a_hi) * (scale if answer_scale is None else answer_scale)))
     system = {"chat": SYSTEM_CHAT, "agent": SYSTEM_AGENT}.get(klass)
@@ -67,7 +89,9 @@ def make_item(tok, klass: str, rng: random.Random, scale: float, at: float = 0.0
     overhead = len(tok.apply_chat_template(messages + [{"role": "user", "content": ""}]))
     messages.append({"role": "user", "content": _words(max(1, n_prompt - overhead), rng)})
     ids = tok.apply_chat_template(messages)
-    cap = rng.choice(caps)
+    cap = rng.choice(caps_default)
+    if caps and klass in caps:
+        cap = (cap_rng or rng).choice(caps[klass])
     if cap is not None:
         cap = max(n_answer, int(cap * max(scale, 0.25)))
     n_answer = max(1, min(n_answer, context - len(ids) - 1))
@@ -75,13 +99,13 @@ def make_item(tok, klass: str, rng: random.Random, scale: float, at: float = 0.0
 
 
 def mix(tok, n: int, seed: int, scale: float, classes: dict | None = None, context: int = 8192,
-        answer_scale: float | None = None) -> list[WorkItem]:
+        answer_scale: float | None = None, caps: dict | None = None) -> list[WorkItem]:
     """n requests drawn from the household mix (arrival times all 0: apply a pattern)."""
-    rng = random.Random(seed)
+    rng, cap_rng = random.Random(seed), random.Random(seed + 7)
     shares = classes or {k: v[3] for k, v in CLASSES.items()}
     names = list(shares)
     return [make_item(tok, rng.choices(names, weights=[shares[k] for k in names])[0], rng, scale, context=context,
-                      answer_scale=answer_scale) for _ in range(n)]
+                      answer_scale=answer_scale, caps=caps, cap_rng=cap_rng) for _ in range(n)]
 
 
 def poisson(items: list[WorkItem], rate: float, seed: int = 0) -> list[WorkItem]:
