@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import signal
 import sys
 import time
 from functools import partial
@@ -82,6 +83,11 @@ def main(verbose):
     """edgepaged: a local LLM runtime for a home server."""
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if sys.stdin.isatty() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # On a terminal, Ctrl-C stops an answer (chat, ask) or leaves (top), even when the
+        # launcher handed us SIGINT ignored (a background job of a script, some session
+        # managers): Python then leaves it ignored and Ctrl-C would do nothing.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # ---------------------------------------------------------------- serve

@@ -125,6 +125,8 @@ class Pty:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:   # the child: a session leader whose controlling terminal is the pty
             try:
+                # as a background job of a script starts it: Ctrl-C must still work on a terminal
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
                 os.execv(argv[0], argv)
             finally:
                 os._exit(127)
