@@ -4,7 +4,10 @@ admission, as the systems compared in vLLM's paper did), same KV budget, same re
 Then the interactive-under-flood check: interactive TTFT p99 alone, and while background
 agents flood the engine.
 
-    python bench/engine_bench.py [--json] [--scale 0.15] [--requests 40] [--rate 1.5]
+    python bench/engine_bench.py [--json] [--scale 0.15] [--requests 40] [--rate 1.5] [--caps agent=none/512]
+
+`--caps` changes what a class of clients sends as max_tokens (bench/workloads.py), nothing
+else about the requests: the max_active ratio depends on it (see bench/RESULTS.md).
 
 Prints a table; with --json the last line is one JSON object with, for `paged` and
 `contiguous`: tok_s, ttft_p50_s, ttft_p99_s, max_active, preemptions, kv_waste_frac,

@@ -15,7 +15,7 @@ protocol, paging against contiguous reservation and against other runtimes, with
    sequence (its KV is accounted on the same run: windowing changes how much state a
    sequence keeps, paging changes how it is allocated).
 
-    python bench/household.py [--quick] [--json] [--out bench/out/household]
+    python bench/household.py [--quick] [--json] [--out bench/out/household] [--caps agent=none/512]
 
 With --json the last line is one JSON object: paged, contiguous, hf (tok_s, max_active,
 ttft_p50/p90/p99_s, ...), llama_cpp, simulation. Plots (PNG) go to --out.
