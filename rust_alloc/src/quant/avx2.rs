@@ -323,6 +323,42 @@ unsafe fn gemv<F: Dot>(w: &QMatrix, x: *const f32, out: *mut f32, r0: usize, r1:
     }
 }
 
+/// Block `b` of `NR` weight rows (`row`, row stride `rb`) decoded in registers, 8 weights at
+/// a time, each vector multiplied into `acc[r][t]` with the `NT` token rows at `x` (stride
+/// `xs`, K from 0). With `STORE` the decoded vectors also go to `wp` (row stride `ws`, K
+/// from 0), for later tiles to read. One order of products for every tile shape.
+#[inline]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_fma<F: Fmt, const NR: usize, const NT: usize, const STORE: bool>(
+    row: *const u8, rb: usize, b: usize, x: *const f32, xs: usize, acc: &mut [[__m256; NT]; NR], wp: *mut f32,
+    ws: usize,
+) {
+    let blk = |r: usize| row.add(r * rb + b * F::Q.block_bytes());
+    let mut s = [F::scales(blk(0)); NR];
+    for (r, s) in s.iter_mut().enumerate().skip(1) {
+        *s = F::scales(blk(r));
+    }
+    for g in 0..groups(F::Q) {
+        for v in 0..4 {
+            let k = b * F::Q.block_weights() + g * 32 + 8 * v;
+            let mut w = [_mm256_setzero_ps(); NR];
+            for (r, w) in w.iter_mut().enumerate() {
+                *w = F::vec(blk(r), &s[r], g, v);
+                if STORE {
+                    _mm256_store_ps(wp.add(r * ws + k), *w);
+                }
+            }
+            for t in 0..NT {
+                let xv = _mm256_loadu_ps(x.add(t * xs + k));
+                for r in 0..NR {
+                    acc[r][t] = _mm256_fmadd_ps(w[r], xv, acc[r][t]);
+                }
+            }
+        }
+    }
+}
+
 /// Dot products of `NR` weight rows (`row`, `row + rb`, ..) with `NT` token rows (`x`, row
 /// stride `xs`), written to `o[t * os + r]`. One accumulator per (row, token), fed in the same
 /// order whatever the tile: a token's result does not depend on the batch around it.
@@ -336,25 +372,7 @@ unsafe fn tile<F: Fmt, const NR: usize, const NT: usize>(
         for r in 0..NR {
             _mm_prefetch::<_MM_HINT_T0>(row.add(r * rb + b * F::Q.block_bytes()).wrapping_add(PREFETCH) as *const i8);
         }
-        let mut s = [F::scales(row.add(b * F::Q.block_bytes())); NR];
-        for (r, s) in s.iter_mut().enumerate().skip(1) {
-            *s = F::scales(row.add(r * rb + b * F::Q.block_bytes()));
-        }
-        for g in 0..groups(F::Q) {
-            let xo = x.add(b * F::Q.block_weights() + g * 32);
-            for v in 0..4 {
-                let mut w = [_mm256_setzero_ps(); NR];
-                for (r, w) in w.iter_mut().enumerate() {
-                    *w = F::vec(row.add(r * rb + b * F::Q.block_bytes()), &s[r], g, v);
-                }
-                for t in 0..NT {
-                    let xv = _mm256_loadu_ps(xo.add(t * xs + 8 * v));
-                    for r in 0..NR {
-                        acc[r][t] = _mm256_fmadd_ps(w[r], xv, acc[r][t]);
-                    }
-                }
-            }
-        }
+        block_fma::<F, NR, NT, false>(row, rb, b, x, xs, &mut acc, std::ptr::null_mut(), 0);
     }
     for (r, acc) in acc.iter().enumerate() {
         for (t, a) in acc.iter().enumerate() {
@@ -420,6 +438,23 @@ const TB: usize = 32;
 const PANEL_MIN_TOKENS: usize = 16;
 const PANEL_MIN_COLS: usize = 1024;
 
+/// The accumulators of an `MR` x `MT` tile from `acc[r * TB + t]`, and back.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load_acc<const MR: usize, const MT: usize>(acc: *const __m256) -> [[__m256; MT]; MR] {
+    std::array::from_fn(|r| std::array::from_fn(|t| *acc.add(r * TB + t)))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn store_acc<const MR: usize, const MT: usize>(a: &[[__m256; MT]; MR], acc: *mut __m256) {
+    for (r, a) in a.iter().enumerate() {
+        for (t, a) in a.iter().enumerate() {
+            *acc.add(r * TB + t) = *a;
+        }
+    }
+}
+
 /// A micro-tile: `MR` rows of the decoded panel (`wp`, row stride `KC`) against `MT` token
 /// rows (`xp`, stride `xs`) over `nv` 8-lane vectors of K, continuing the accumulators in
 /// `acc[r * TB + t]`. The same accumulator per (row, token) and the same order of products
@@ -427,12 +462,7 @@ const PANEL_MIN_COLS: usize = 1024;
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn micro<const MR: usize, const MT: usize>(wp: *const f32, xp: *const f32, xs: usize, nv: usize, acc: *mut __m256) {
-    let mut a = [[_mm256_setzero_ps(); MT]; MR];
-    for (r, a) in a.iter_mut().enumerate() {
-        for (t, a) in a.iter_mut().enumerate() {
-            *a = *acc.add(r * TB + t);
-        }
-    }
+    let mut a = load_acc::<MR, MT>(acc);
     for v in 0..nv {
         let mut w = [_mm256_setzero_ps(); MR];
         for (r, w) in w.iter_mut().enumerate() {
@@ -445,11 +475,7 @@ unsafe fn micro<const MR: usize, const MT: usize>(wp: *const f32, xp: *const f32
             }
         }
     }
-    for (r, a) in a.iter().enumerate() {
-        for (t, a) in a.iter().enumerate() {
-            *acc.add(r * TB + t) = *a;
-        }
-    }
+    store_acc(&a, acc);
 }
 
 /// `micro` for the first token tile of a chunk: the weights come from their blocks (`row`,
@@ -461,41 +487,11 @@ unsafe fn micro<const MR: usize, const MT: usize>(wp: *const f32, xp: *const f32
 unsafe fn micro_first<F: Fmt, const MR: usize, const MT: usize>(
     row: *const u8, rb: usize, cb: usize, wp: *mut f32, xp: *const f32, xs: usize, acc: *mut __m256,
 ) {
-    let (bw, bb) = (F::Q.block_weights(), F::Q.block_bytes());
-    let mut a = [[_mm256_setzero_ps(); MT]; MR];
-    for (r, a) in a.iter_mut().enumerate() {
-        for (t, a) in a.iter_mut().enumerate() {
-            *a = *acc.add(r * TB + t);
-        }
-    }
+    let mut a = load_acc::<MR, MT>(acc);
     for b in 0..cb {
-        let blk = |r: usize| row.add(r * rb + b * bb);
-        let mut s = [F::scales(blk(0)); MR];
-        for (r, s) in s.iter_mut().enumerate().skip(1) {
-            *s = F::scales(blk(r));
-        }
-        for g in 0..groups(F::Q) {
-            for v in 0..4 {
-                let k = b * bw + g * 32 + 8 * v;
-                let mut w = [_mm256_setzero_ps(); MR];
-                for (r, w) in w.iter_mut().enumerate() {
-                    *w = F::vec(blk(r), &s[r], g, v);
-                    _mm256_store_ps(wp.add(r * KC + k), *w);
-                }
-                for t in 0..MT {
-                    let xv = _mm256_loadu_ps(xp.add(t * xs + k));
-                    for r in 0..MR {
-                        a[r][t] = _mm256_fmadd_ps(w[r], xv, a[r][t]);
-                    }
-                }
-            }
-        }
+        block_fma::<F, MR, MT, true>(row, rb, b, xp, xs, &mut a, wp, KC);
     }
-    for (r, a) in a.iter().enumerate() {
-        for (t, a) in a.iter().enumerate() {
-            *acc.add(r * TB + t) = *a;
-        }
-    }
+    store_acc(&a, acc);
 }
 
 #[repr(align(64))]
