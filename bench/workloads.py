@@ -9,12 +9,19 @@ Classes (prompt tokens, answer tokens, priority) at --scale 1, as a household se
 `scale` multiplies every length (a quick run on a 2-core CPU uses 0.1–0.25).
 
 `max_tokens` is what the client sends, drawn per request from its class's list (None: no
-max_tokens, so the answer may run to the context). The defaults assume smart-home hubs and
-agents send a cap. What real clients send varies more: Home Assistant's Ollama integration
-sends no limit (only num_ctx) and its OpenAI integration 3000 (150 in older releases);
-scripts on the OpenAI SDK or LangChain send none unless their author sets one. `--caps`
-(engine_bench.py, household.py) overrides a class's list, e.g. `agent=none/512`; overrides
-are drawn from a random stream of their own, so the requests themselves stay the same.
+max_tokens, so the answer may run to the context), from what the clients of each class send
+by default (their sources, read 2026-11):
+  home      Home Assistant's Ollama integration sends no limit (only num_ctx); its OpenAI
+            integration sends 3000 (150 in older releases): none / 150 / 3000
+  chat      mostly none (as the issue says: many send none), some 1024: none / none / 1024
+  document  none, or 2048 where a document tool sets a budget: none / 2048
+  agent     scripts on the OpenAI SDK or LangChain send none unless their author sets one;
+            some do (512): none / 512
+Until 2026-11-30 the defaults assumed every hub sent 64 and every agent 512 (`--caps
+home=64,agent=512` gives that workload back; bench/RESULTS.md compares both). `--caps`
+(engine_bench.py, household.py) overrides a class's list. The caps are drawn from a random
+stream of their own, so the requests themselves (lengths, words, order, arrivals) are the
+same whatever the caps.
 
 The answer length a request really gets is drawn from its class; the driver ends the
 answer at that length, which frees the blocks exactly as an end-of-sequence token would.
@@ -29,10 +36,10 @@ from dataclasses import dataclass
 
 CLASSES = {
     #            prompt        answer      priority       share  max_tokens the client sends
-    "home":     ((20, 80),     (10, 40),   "interactive", 0.40, (64,)),
+    "home":     ((20, 80),     (10, 40),   "interactive", 0.40, (None, 150, 3000)),
     "chat":     ((200, 1500),  (50, 300),  "interactive", 0.30, (None, None, 1024)),
     "document": ((3000, 6000), (100, 400), "interactive", 0.10, (None, 2048)),
-    "agent":    ((1000, 4000), (100, 200), "background",  0.20, (512,)),
+    "agent":    ((1000, 4000), (100, 200), "background",  0.20, (None, 512)),
 }
 SYSTEM_CHAT = ("You are the household assistant of the Lindqvist family. Be brief and friendly. "
                "The family: Anna (likes cooking), Jonas (cycles to work), Mia (11, school), Leo (7). "
@@ -78,9 +85,9 @@ def parse_caps(text: str) -> dict:
 def make_item(tok, klass: str, rng: random.Random, scale: float, at: float = 0.0, client: str | None = None,
               context: int = 8192, answer_scale: float | None = None, caps: dict | None = None,
               cap_rng: random.Random | None = None) -> WorkItem:
-    """One request of `klass`. `caps` overrides what a class's clients send as max_tokens;
-    an override is drawn from `cap_rng` (when given), so the requests themselves (lengths,
-    words, order) stay those of the default workload and only the caps change."""
+    """One request of `klass`. `caps` overrides what a class's clients send as max_tokens.
+    The cap is drawn from `cap_rng` when given (as `mix` does), so the requests themselves
+    (lengths, words, order) do not depend on the caps."""
     (p_lo, p_hi), (a_lo, a_hi), priority, _, caps_default = CLASSES[klass]
     n_prompt = max(4, int(rng.randint(p_lo, p_hi) * scale))
     n_answer = max(2, int(rng.randint(a_lo, a_hi) * (scale if answer_scale is None else answer_scale)))
@@ -89,9 +96,9 @@ def make_item(tok, klass: str, rng: random.Random, scale: float, at: float = 0.0
     overhead = len(tok.apply_chat_template(messages + [{"role": "user", "content": ""}]))
     messages.append({"role": "user", "content": _words(max(1, n_prompt - overhead), rng)})
     ids = tok.apply_chat_template(messages)
-    cap = rng.choice(caps_default)
-    if caps and klass in caps:
-        cap = (cap_rng or rng).choice(caps[klass])
+    values = (caps or {}).get(klass, caps_default)
+    u = (cap_rng or rng).random()      # one draw whatever the list: other requests' caps stay put
+    cap = values[min(len(values) - 1, int(u * len(values)))]
     if cap is not None:
         cap = max(n_answer, int(cap * max(scale, 0.25)))
     n_answer = max(1, min(n_answer, context - len(ids) - 1))

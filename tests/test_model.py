@@ -455,7 +455,7 @@ def test_forward_with_triton_kernels_equals_torch_path(tiny_model_dir):
         assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("rust_max", [16384, 50])
+@pytest.mark.parametrize("rust_max", [131072, 50])
 @pytest.mark.parametrize("which", ["tiny", "embedded"])
 def test_fused_cpu_forward_equals_torch_path(which, rust_max, tiny_model_dir, embedded_runner, monkeypatch):
     """The fused CPU forward (Rust operators, fused.py) gives the torch path's logits on

@@ -148,3 +148,39 @@ def test_background_share_and_pause_for_interactive_prefill():
     assert b.requests == [inter], "background waits while an interactive prompt prefills"
     b = step(s)
     assert inter in b.requests and len(b.requests) == 3   # then everyone decodes together
+
+
+def test_background_prefill_is_capped_per_step_not_per_request():
+    """All background prefill together takes at most an eighth of the step budget, so a
+    flood of background prompts makes short steps an interactive arrival waits behind."""
+    s = make(num_blocks=256, max_num_seqs=32, max_num_batched_tokens=256)   # cap: 32 tokens
+    bg = [req(n=100, priority=BACKGROUND, base=i, max_tokens=4, arrival=i) for i in range(12)]
+    for r in bg:
+        s.add(r)
+    for _ in range(40):
+        b = step(s)
+        if b is None:
+            break
+        prefill = sum(n for r, n in zip(b.requests, b.num_new) if n > 1 or not r.output_ids)
+        assert prefill <= 32, f"a background-only step prefilled {prefill} tokens"
+    inter = req(n=60, priority=INTERACTIVE, base=99, arrival=100)
+    s.add(inter)
+    b = step(s)
+    assert b.requests == [inter] and b.num_new == [60]    # the interactive prompt at once
+
+
+def test_a_long_prefill_leaves_room_for_short_prompts():
+    """A document in prefill does not take the whole step while short questions wait: its
+    chunk is cut to a quarter of the budget until they are admitted, then takes what is left."""
+    s = make(num_blocks=256, max_num_batched_tokens=256)
+    doc = req(n=1000, max_tokens=4, base=1)
+    s.add(doc)
+    b = step(s)
+    assert b.num_new == [256]                      # alone: full-budget chunks
+    short = [req(n=30, max_tokens=4, base=100 + 50 * i, client=f"c{i}") for i in range(3)]
+    for r in short:
+        s.add(r)
+    b = step(s)
+    assert set(short) <= set(b.requests), "short prompts wait behind a long prefill"
+    assert [b.num_new[b.requests.index(r)] for r in short] == [30, 30, 30]
+    assert b.num_new[b.requests.index(doc)] == 256 - 90 and b.num_tokens == 256   # nothing of the budget lost

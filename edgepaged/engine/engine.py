@@ -43,6 +43,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     watermark_frac: float = 0.01
     background_share: float = 0.5            # most of max_num_seqs background work may hold
+    long_prefill_tokens: int | None = None   # first cut of a prefill chunk (None: budget / 4; 0: off)
     default_max_tokens: int | None = None    # when a request sends none: up to the context
     trim_memory_when_idle: bool = True       # malloc_trim when the last request ends (glibc)
 
@@ -84,7 +85,8 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, SchedulerConfig(
             max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, watermark_frac=cfg.watermark_frac,
-            contiguous=cfg.contiguous, background_share=cfg.background_share))
+            contiguous=cfg.contiguous, background_share=cfg.background_share,
+            long_prefill_tokens=cfg.long_prefill_tokens))
         path = getattr(runner, "model_path", None)
         self.model_name = getattr(runner, "model_name", None) or (path.stem if hasattr(path, "stem") else "model")
         self.metrics = Metrics(self.model_name)

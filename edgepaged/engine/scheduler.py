@@ -7,6 +7,12 @@ small watermark kept back). When a running sequence cannot get its next block, t
 ranked running sequence (background before interactive, then newest first) is preempted by
 recompute: its blocks are freed and it is requeued at the front with its output kept.
 
+A prefill chunk is first cut at `long_prefill_tokens` (a quarter of the budget), so that a
+long document in prefill does not take the whole step while short questions wait to be
+admitted: every running prefill and every admission of the priority gets its chunk, then the
+budget left over lengthens the chunks again, in order. Alone, a long prompt still prefills in
+full-budget chunks.
+
 Waiting order: preempted interactive, waiting interactive, preempted background, waiting
 background. Within a priority, clients share fairly: the client with the fewest running
 requests goes first (oldest request on ties), so one client's fifty requests never push
@@ -38,6 +44,10 @@ class SchedulerConfig:
     watermark_frac: float = 0.01
     contiguous: bool = False
     background_share: float = 0.5    # at most this fraction of max_num_seqs runs background work
+    # a prefill chunk takes at most this many tokens until every request of its priority had
+    # its turn in the step; what budget is left then lengthens the chunks again (None: a
+    # quarter of max_num_batched_tokens; 0: no such cap)
+    long_prefill_tokens: int | None = None
 
 
 @dataclass
@@ -187,6 +197,7 @@ class Scheduler:
         background work — unless an interactive prefill runs this step: background then
         waits one step, so an interactive request's first token never waits behind it."""
         self._budget = self.config.max_num_batched_tokens
+        self._bg_prefill_left = max(16, self.config.max_num_batched_tokens // 8)
         self._plan: dict[Request, int] = {}
         self._need: dict[Request, int] = {}
         self._preempted: list[Request] = []
@@ -195,6 +206,7 @@ class Scheduler:
         for prio in PRIORITIES:
             self._schedule_running(prio)
             self._admit(prio)
+            self._lengthen_chunks(prio)
             if prio == INTERACTIVE and any(not r.is_decoding for r in self._plan):
                 break
         if not self._plan:
@@ -202,19 +214,51 @@ class Scheduler:
         return self._build(self._plan, self._preempted)
 
     def _chunk_budget(self, prio: str) -> int:
-        """Background prefill goes in small chunks (an eighth of the step budget), so an
-        interactive request arriving meanwhile waits for a short step, not a long one: on a
-        CPU a step costs about its token count, and the chunk sets how long the in-flight
-        background step can hold a new interactive prompt back."""
+        """Background prefill takes at most an eighth of the step budget per step, all
+        background requests together, so an interactive request arriving meanwhile waits for
+        a short step, not a long one: on a CPU a step costs about its token count (about the
+        same per token from 32 tokens to 512 here), so the cap costs background work little
+        throughput and bounds how long the in-flight step holds a new interactive prompt back.
+        (A cap per request was not enough: eight background chunks filled a 512-token step,
+        1.4 s on the 2-core machine, and an interactive prompt arriving then waited for it.)"""
         if prio == BACKGROUND:
-            return min(self._budget, max(16, self.config.max_num_batched_tokens // 8))
+            return min(self._budget, self._bg_prefill_left)
         return self._budget
+
+    def _first_chunk(self, prio: str) -> int:
+        """The most a prefill chunk gets before the leftover pass: the long-prefill cap."""
+        cap = self.config.long_prefill_tokens
+        if cap is None:
+            cap = max(16, self.config.max_num_batched_tokens // 4)
+        return min(self._chunk_budget(prio), cap) if cap > 0 else self._chunk_budget(prio)
+
+    def _lengthen_chunks(self, prio: str) -> None:
+        """Budget left after every running prefill and admission of `prio` got its (cut)
+        chunk goes back to those chunks, in plan order, as far as free blocks allow."""
+        for req in list(self._plan):
+            if req.priority != prio or req.is_decoding or self._chunk_budget(prio) <= 0:
+                continue
+            n = self._plan[req]
+            extra = min(req.num_known - req.num_slots - n, self._chunk_budget(prio))
+            if extra <= 0:
+                continue
+            k = self.alloc.blocks_needed(req.id, n + extra)
+            if k - self._need[req] > self._free() - self.watermark:
+                continue
+            self._plan[req], self._need[req] = n + extra, k
+            self._planned(req, extra)
+
+    def _planned(self, req: Request, n: int) -> None:
+        self._budget -= n
+        if req.priority == BACKGROUND and not req.is_decoding:
+            self._bg_prefill_left -= n
 
     def _free(self) -> int:
         return self.alloc.num_free_blocks - sum(self._need.values())
 
     def _preempt_in_step(self, victim: Request) -> None:
-        self._budget += self._plan.pop(victim, 0)
+        if victim in self._plan:
+            self._planned(victim, -self._plan.pop(victim))
         self._need.pop(victim, None)
         self._preempt(victim)
         self._preempted.append(victim)
@@ -227,7 +271,7 @@ class Scheduler:
                 if (req.priority != prio or req.status is not Status.RUNNING or req in self._plan
                         or req.is_decoding != decoding):
                     continue
-                n = 1 if decoding else min(req.num_known - req.num_slots, self._chunk_budget(prio))
+                n = 1 if decoding else min(req.num_known - req.num_slots, self._first_chunk(prio))
                 if n <= 0:
                     continue
                 k = self.alloc.blocks_needed(req.id, n)
@@ -240,7 +284,7 @@ class Scheduler:
                     k = self.alloc.blocks_needed(req.id, n)
                 if req.status is Status.RUNNING:
                     self._plan[req], self._need[req] = n, k
-                    self._budget -= n
+                    self._planned(req, n)
 
     def _admit(self, prio: str) -> None:
         cfg = self.config
@@ -251,7 +295,7 @@ class Scheduler:
         limit = cfg.max_num_seqs
         if prio == BACKGROUND:   # keep room for interactive arrivals
             limit = max(1, int(cfg.max_num_seqs * cfg.background_share))
-        while self._budget > 0:
+        while self._chunk_budget(prio) > 0:
             req = queue.peek(running_per_client)
             if req is None or req in self._preempted:
                 return
@@ -262,7 +306,7 @@ class Scheduler:
             else:
                 reserve = None
                 cached, free_cached = self.alloc.prefix_match(tokens, req.salt)
-                chunk = min(len(tokens) - cached, self._chunk_budget(prio))
+                chunk = min(len(tokens) - cached, self._first_chunk(prio))
                 k = free_cached + self._blocks_for(cached + chunk) - cached // self.block_size
             same_prio = sum(r.priority == prio for r in self.running)
             full = len(self.running) >= cfg.max_num_seqs or same_prio >= limit
@@ -282,10 +326,10 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             running_per_client[req.client] = running_per_client.get(req.client, 0) + 1
-            n = min(len(tokens) - cached, self._chunk_budget(prio))
+            n = min(len(tokens) - cached, self._first_chunk(prio))
             self._plan[req] = n
             self._need[req] = self.alloc.blocks_needed(req.id, n)
-            self._budget -= n
+            self._planned(req, n)
 
     def _build(self, plan: dict[Request, int], preempted: list[Request]) -> Batch:
         reqs = list(plan)

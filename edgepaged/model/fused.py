@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionMetadata, TorchAttention
-from .quant import DENSE_MIN_TOKENS, _torch_threads as torch_threads, kernel_saved_threads
+from .quant import _torch_threads as torch_threads, kernel_saved_threads
 
 try:
     from edgepaged._rust_alloc import cpu_add_rms_norm, cpu_paged_decode, cpu_rope_write_kv, cpu_silu_mul
@@ -93,8 +93,16 @@ def _final(model, h: torch.Tensor, delta: np.ndarray | None, meta, logits_indice
 
 
 # A prefill chunk of q rows over a context of n positions attends in Rust, row by row, when
-# q * n is at most this (short prompts: a home question, a chat turn); longer ones go to SDPA.
-RUST_ATTENTION_MAX = int(os.environ.get("EDGEPAGED_RUST_ATTENTION_MAX", "16384"))
+# q * n is at most this; longer ones go to SDPA. Measured on the 2-core box (prefill steps of
+# the embedded model, both settings alternated in one process): Rust was 15-33% faster up to
+# q * n = 131072 (mostly because the whole step then runs in one QuantDecoder call), even at
+# 200-260K, and 10-60% slower from 300K on (bench/RESULTS.md, "prefill step paths").
+RUST_ATTENTION_MAX = int(os.environ.get("EDGEPAGED_RUST_ATTENTION_MAX", "131072"))
+# Steps with fewer rows than this run in one QuantDecoder call when every row attends in
+# Rust (the quantized kernels all the way); larger ones go layer by layer, where QuantLinear
+# switches to decode-to-scratch + GEMM from its DENSE_MIN_TOKENS on. Same measurement: the
+# one call was 15% faster at 192 rows, equal at 256, 6% slower at 320.
+FUSED_MAX_TOKENS = int(os.environ.get("EDGEPAGED_FUSED_MAX_TOKENS", "256"))
 
 
 def _attention_rows(meta: AttentionMetadata):
@@ -132,9 +140,8 @@ def forward_fused(model, input_ids: torch.Tensor, positions: torch.Tensor, backe
     cos, sin = _np(model.rotary.cos), _np(model.rotary.sin)
     window = backend.window or 0
     kv = getattr(model, "kv_cache", None)
-    if not sdpa and kv is not None and t < DENSE_MIN_TOKENS and (dec := quant_decoder(model)) is not None:
-        # every row attends in Rust and the token count suits the quantized kernels (from DENSE_MIN_TOKENS on
-        # QuantLinear decodes weights for oneDNN): the whole step is one call
+    if not sdpa and kv is not None and t < FUSED_MAX_TOKENS and (dec := quant_decoder(model)) is not None:
+        # every row attends in Rust and the token count suits the quantized kernels: the whole step is one call
         dec.decode(_np(h), pos, slots, lens, tables, _np(kv), cos, sin, backend.scale, window)
         return _final(model, h, None, meta, logits_indices)
     plan = None
