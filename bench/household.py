@@ -270,8 +270,18 @@ def fit_cost_model(runner) -> tuple[list[float], list]:
             best = min(best, time.perf_counter() - t)
         rows.append([1.0, b * q, b * q * ctx])
         ys.append(best)
-    coef = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)[0]
-    return [float(c) for c in coef], list(zip(shapes, ys))
+    # least squares with no negative cost: a term that fits below zero (the attention term when
+    # the fused path makes attention cheap next to the GEMMs) is dropped and the rest refitted
+    x, y, keep = np.array(rows), np.array(ys), [0, 1, 2]
+    while True:
+        fit = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+        if (fit >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(fit)))
+    coef = [0.0, 0.0, 0.0]
+    for i, c in zip(keep, fit):
+        coef[i] = max(0.0, float(c))
+    return coef, list(zip(shapes, ys))
 
 
 def simulate(items, num_blocks: int, block_size: int, contiguous: bool, coef, window: int, context: int) -> dict:
