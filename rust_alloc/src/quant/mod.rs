@@ -223,7 +223,8 @@ pub fn matmul_stacked(
     let work = rows * cols * tokens;
     let threads = if work < 1 << 16 { 1 } else { pool::num_threads() };
     let per_thread = if tokens == 1 { 2 } else { 4 };
-    let per = (rows.div_ceil(threads * per_thread)).max(16).next_multiple_of(4);
+    // 16-row groups for the broadcast path of 16+ tokens
+    let per = (rows.div_ceil(threads * per_thread)).max(16).next_multiple_of(if tokens >= 16 { 16 } else { 4 });
     // (part, first row, end row, first output column), chunks inside each part
     let mut chunks = Vec::with_capacity(ws.len() + threads * per_thread);
     let mut off = 0;
