@@ -29,9 +29,11 @@ from .layers import Linear
 # GGML type id -> name, for the formats the kernels read
 FORMATS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
 BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}  # weights, bytes
-# token rows from which the fp32 path (decode tiles to scratch + GEMM) beats the kernels;
-# measured on a 2-core AVX2 box (bench/quant_bench.py --crossover), override with the env
-DENSE_MIN_TOKENS = int(os.environ.get("EDGEPAGED_QUANT_DENSE_MIN_TOKENS", "192"))
+# token rows from which the fp32 path (decode tiles to scratch + GEMM) is as fast as the
+# kernels; measured on a 2-core AVX2 box (bench/quant_bench.py --crossover, all linears of
+# the embedded model): since the kernels multiply 16+ tokens by outer products, they are
+# 13-33% faster up to 512 rows and tie at 768-1024. Override with the env
+DENSE_MIN_TOKENS = int(os.environ.get("EDGEPAGED_QUANT_DENSE_MIN_TOKENS", "768"))
 SCRATCH_BYTES = 16 << 20
 
 try:

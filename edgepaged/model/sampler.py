@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -88,6 +89,14 @@ def _filter(logits: torch.Tensor, params) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first index of the maximum). On CPU through numpy: for a batch-32
+    step's [32, 49152] logits 0.14 ms against torch's 1.4-1.9 ms on this 2-core box."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(np.argmax(logits.numpy(), -1).astype(np.int64, copy=False))
+    return logits.argmax(-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None) -> torch.Tensor:
     """logits [B, V] float32 -> token ids int64 [B].
 
@@ -97,7 +106,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None)
     if any(p.repetition_penalty != 1.0 for p in params):
         logits = logits.clone()
         apply_repetition_penalty(logits, params, prev_tokens)
-    out = logits.argmax(-1)
+    out = _argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
