@@ -87,7 +87,9 @@ impl Fmt for Q41 {
     unsafe fn vec(blk: *const u8, s: &(__m256, __m256), _g: usize, v: usize) -> __m256 {
         let b = u8x8(blk.add(4 + 8 * (v % 2)));
         let q = if v < 2 { _mm256_and_si256(b, _mm256_set1_epi32(15)) } else { _mm256_srli_epi32::<4>(b) };
-        _mm256_add_ps(_mm256_mul_ps(s.0, _mm256_cvtepi32_ps(q)), s.1)
+        // d·q is exact in fp32 (an f16 scale times a 4-bit code: at most 15 significant
+        // bits), so one FMA rounds d·q + m exactly as gguf's multiply-then-add does
+        _mm256_fmadd_ps(s.0, _mm256_cvtepi32_ps(q), s.1)
     }
 }
 
@@ -112,7 +114,8 @@ impl Fmt for Q4K {
     unsafe fn vec(blk: *const u8, s: &([f32; 8], [f32; 8]), g: usize, v: usize) -> __m256 {
         let b = u8x8(blk.add(16 + 32 * (g / 2) + 8 * v));
         let q = if g % 2 == 0 { _mm256_and_si256(b, _mm256_set1_epi32(15)) } else { _mm256_srli_epi32::<4>(b) };
-        _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(s.0[g]), _mm256_cvtepi32_ps(q)), _mm256_set1_ps(s.1[g]))
+        // (d·sc)·q is exact (11 + 6 + 4 significant bits): one FMA, the same rounding as gguf's two steps
+        _mm256_fmsub_ps(_mm256_set1_ps(s.0[g]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(s.1[g]))
     }
 }
 
@@ -497,7 +500,7 @@ unsafe fn halves8(p: &[*const u8; 8], off: usize) -> __m256 {
 /// Q4_0, Q4_1 and Q8_0 blocks of 8 rows straight into the K-major panel: the quant bytes are
 /// transposed across the rows first (24 byte unpacks per 16 bytes of 8 rows), so every
 /// 8-lane vector holds one weight of the 8 rows, decoded with the rows' scales side by side,
-/// with the same fp32 operations as `Fmt::vec` (exact weights).
+/// with the same fp32 results as `Fmt::vec` (exact weights).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode_kmajor_small<F: Fmt>(p: &[*const u8; 8], wp: *mut f32) {
@@ -524,7 +527,7 @@ unsafe fn decode_kmajor_small<F: Fmt>(p: &[*const u8; 8], wp: *mut f32) {
             let (m15, e8) = (_mm256_set1_epi32(15), _mm256_set1_epi32(8));
             let w = |n: __m256i| {
                 if q41 {
-                    _mm256_add_ps(_mm256_mul_ps(d, cvt(n)), m)
+                    _mm256_fmadd_ps(d, cvt(n), m) // exact, as in `Q41::vec`
                 } else {
                     _mm256_mul_ps(cvt(_mm256_sub_epi32(n, e8)), d)
                 }
