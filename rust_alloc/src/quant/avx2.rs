@@ -8,7 +8,7 @@
 use std::arch::x86_64::*;
 
 use super::formats::{groups, q4k_scale_min};
-use super::{Mat, QMatrix, QType, MAX_TILE};
+use super::{Mat, QMatrix, QType, BCAST_MIN_TOKENS, BCAST_ROWS, MAX_TILE};
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -421,7 +421,7 @@ unsafe fn rows<F: Fmt>(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize) {
 }
 
 /// Rows per group of the broadcast path: two 8-lane vectors.
-const BR: usize = 16;
+const BR: usize = BCAST_ROWS;
 /// Weights per K chunk of the broadcast path's panel (at most; whole blocks).
 const BKC: usize = 320;
 
@@ -609,10 +609,6 @@ unsafe fn bmicro<const MT: usize, const FIRST: bool>(wp: *const f32, nk: usize, 
 
 #[repr(align(64))]
 struct BPanel([f32; BR * BKC]);
-
-/// Products with at least this many tokens take the broadcast path (`rows_bcast`); fewer
-/// take the register tiles (`rows`), which decode each block once per tile of up to 12.
-pub(crate) const BCAST_MIN_TOKENS: usize = 16;
 
 /// Rows `r0..r1` against 16+ token rows by outer products. Per group of 16 rows and K chunk
 /// (at most 320 weights) the weights are decoded once into a K-major panel in L1 (20 KB):

@@ -189,6 +189,12 @@ fn check_view(len: usize, rows: usize, cols: usize, stride: usize, what: &str) -
 /// Token rows per tile: a block's dequantized weights are reused for this many rows.
 pub const MAX_TILE: usize = 12;
 
+/// Products with at least this many tokens take the AVX2 broadcast path, which works on
+/// groups of `BCAST_ROWS` weight rows (the pool's row chunks are multiples of it then); fewer
+/// take the register tiles, which decode each block once per tile of up to `MAX_TILE`.
+pub(crate) const BCAST_MIN_TOKENS: usize = 16;
+pub(crate) const BCAST_ROWS: usize = 16;
+
 /// `out[t, r] = sum_k x[t, k] * W[r, k]` for `t < tokens`, `r < w.rows`.
 ///
 /// `x` holds `tokens` rows of `w.cols` values, row `t` at `x[t * x_stride..]`; `out` holds
@@ -223,8 +229,8 @@ pub fn matmul_stacked(
     let work = rows * cols * tokens;
     let threads = if work < 1 << 16 { 1 } else { pool::num_threads() };
     let per_thread = if tokens == 1 { 2 } else { 4 };
-    // 16-row groups for the broadcast path of 16+ tokens
-    let per = (rows.div_ceil(threads * per_thread)).max(16).next_multiple_of(if tokens >= 16 { 16 } else { 4 });
+    let group = if tokens >= BCAST_MIN_TOKENS { BCAST_ROWS } else { 4 };
+    let per = (rows.div_ceil(threads * per_thread)).max(16).next_multiple_of(group);
     // (part, first row, end row, first output column), chunks inside each part
     let mut chunks = Vec::with_capacity(ws.len() + threads * per_thread);
     let mut off = 0;
