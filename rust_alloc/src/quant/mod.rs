@@ -223,21 +223,40 @@ pub fn matmul_stacked(
         return Ok(());
     }
     let xm = Mat { ptr: x.as_ptr() as *mut f32, rows: tokens, stride: x_stride };
-    // Chunks of output rows: a few per thread so a busy core does not hold everyone up; one
-    // token reads each row once from memory, and longer runs of rows stream better there
-    // (batch-1 decode step about 4% faster with 2 chunks per thread than with 4).
+    // Chunks of output rows, taken in turn by the pool's threads. One token streams each row
+    // once from memory, and longer runs of rows stream better: two equal chunks per thread
+    // (batch-1 decode step about 4% faster than with four). More tokens are compute-bound:
+    // guided chunks, each 1 / (2 x threads) of the rows not yet handed out (in whole groups
+    // of the kernel's rows), so the last ones are small and the threads finish together.
+    // Measured on a batch-32 decode step (alternated step by step): idle thread time 2.0 ms
+    // per step against 7.5 with eight equal chunks, the step 1.5-3% faster.
     let work = rows * cols * tokens;
     let threads = if work < 1 << 16 { 1 } else { pool::num_threads() };
-    let per_thread = if tokens == 1 { 2 } else { 4 };
     let group = if tokens >= BCAST_MIN_TOKENS { BCAST_ROWS } else { 4 };
-    let per = (rows.div_ceil(threads * per_thread)).max(16).next_multiple_of(group);
     // (part, first row, end row, first output column), chunks inside each part
-    let mut chunks = Vec::with_capacity(ws.len() + threads * per_thread);
+    let mut chunks = Vec::with_capacity(ws.len() + 16 * threads);
     let mut off = 0;
     for (i, w) in ws.iter().enumerate() {
-        let per = if threads == 1 { w.rows.max(1) } else { per };
-        for r0 in (0..w.rows).step_by(per) {
-            chunks.push((i, r0, (r0 + per).min(w.rows), off));
+        let mut r0 = 0;
+        if threads == 1 {
+            chunks.push((i, 0, w.rows, off));
+        } else if tokens == 1 {
+            let n = (2 * threads * w.rows).div_ceil(rows).min(w.rows.div_ceil(16)).max(1);
+            let groups = w.rows.div_ceil(group);
+            for j in 0..n {
+                let r1 = (r0 + (groups / n + usize::from(j < groups % n)) * group).min(w.rows);
+                chunks.push((i, r0, r1, off));
+                r0 = r1;
+            }
+        } else {
+            let mut left = w.rows.div_ceil(group);
+            while left > 0 {
+                let g = left.div_ceil(2 * threads);
+                let r1 = (r0 + g * group).min(w.rows);
+                chunks.push((i, r0, r1, off));
+                r0 = r1;
+                left -= g;
+            }
         }
         off += w.rows;
     }
