@@ -364,18 +364,18 @@ mod x86 {
         }
     }
 
-    /// One (sequence, KV head) item with head_dim = 8 * NV: the G query heads of the KV head
-    /// against every visible K row, softmax on 8 lanes, then the V rows summed into NV
-    /// registers per head. Scores come 8 positions at a time (one accumulator per position,
-    /// the 8 reduced together by `hsum8`), the last `len % 8` one by one. Measured on one
-    /// thread, 32 sequences of 90 positions, cache hot, alternated: 175 µs against 189 with
-    /// every score reduced on its own. The slot offsets took 58 µs of 206 with a division
-    /// per position; computed block by block, 19-36 µs.
+    /// One sequence `b` with head_dim = 8 * NV: every query head against every visible K row
+    /// (a position's K rows of all KV heads are one contiguous run), softmax on 8 lanes,
+    /// then the V rows summed into NV registers per head. Scores come 8 positions at a time
+    /// (one accumulator per position, the 8 reduced together by `hsum8`), the last
+    /// `len % 8` one by one. Measured on one thread, 32 sequences of 90 positions, cache
+    /// hot, alternated: 175 µs against 189 with every score reduced on its own. The slot
+    /// offsets took 58 µs of 206 with a division per position; computed block by block,
+    /// 19-36 µs.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn item<const NV: usize>(a: &DecodeArgs, item: usize, scores: &mut Vec<f32>, slots: &mut Vec<usize>) {
+    pub unsafe fn item<const NV: usize>(a: &DecodeArgs, b: usize, scores: &mut Vec<f32>, slots: &mut Vec<usize>) {
         let Heads { nh, nkv, d } = a.hs;
         let g = nh / nkv;
-        let (b, kh) = (item / nkv, item % nkv);
         let n = a.lens[b] as usize;
         let lo = if a.window > 0 { n.saturating_sub(a.window) } else { 0 };
         let len = n - lo;
@@ -386,47 +386,51 @@ mod x86 {
         for bi in lo / a.bs..n.div_ceil(a.bs) {
             let first = bi * a.bs;
             let base = table[bi] as usize * a.bs;
-            slots.extend((first.max(lo)..(first + a.bs).min(n)).map(|p| (base + p - first) * kvw + kh * d));
+            slots.extend((first.max(lo)..(first + a.bs).min(n)).map(|p| (base + p - first) * kvw));
         }
         let stride = len.next_multiple_of(8);
         scores.clear();
-        scores.resize(g * stride, f32::NEG_INFINITY);
-        let q0 = a.q.0.add(a.rows[b] as usize * a.q_stride + kh * g * d) as *const f32;
+        scores.resize(nh * stride, f32::NEG_INFINITY);
+        let q0 = a.q.0.add(a.rows[b] as usize * a.q_stride) as *const f32;
         let (kp, vp) = (a.k.as_ptr(), a.v.as_ptr());
         let sp = scores.as_mut_ptr();
         let nfull = len / 8 * 8;
         let sc8 = _mm256_set1_ps(a.scale);
         for t0 in (0..nfull).step_by(8) {
-            let ks: [*const f32; 8] = std::array::from_fn(|u| kp.add(slots[t0 + u]));
-            for h in 0..g {
-                let q = q0.add(h * d);
-                let mut acc = [_mm256_setzero_ps(); 8];
-                for j in 0..NV {
-                    let qj = _mm256_loadu_ps(q.add(8 * j));
-                    for (u, r) in acc.iter_mut().enumerate() {
-                        *r = _mm256_fmadd_ps(qj, _mm256_loadu_ps(ks[u].add(8 * j)), *r);
+            for kh in 0..nkv {
+                let ks: [*const f32; 8] = std::array::from_fn(|u| kp.add(slots[t0 + u] + kh * d));
+                for h in kh * g..(kh + 1) * g {
+                    let q = q0.add(h * d);
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    for j in 0..NV {
+                        let qj = _mm256_loadu_ps(q.add(8 * j));
+                        for (u, r) in acc.iter_mut().enumerate() {
+                            *r = _mm256_fmadd_ps(qj, _mm256_loadu_ps(ks[u].add(8 * j)), *r);
+                        }
                     }
+                    _mm256_storeu_ps(sp.add(h * stride + t0), _mm256_mul_ps(hsum8(&acc), sc8));
                 }
-                _mm256_storeu_ps(sp.add(h * stride + t0), _mm256_mul_ps(hsum8(&acc), sc8));
             }
         }
         for (t, &off) in slots.iter().enumerate().skip(nfull) {
-            let k = kp.add(off);
-            let mut kr = [_mm256_setzero_ps(); NV];
-            for (j, r) in kr.iter_mut().enumerate() {
-                *r = _mm256_loadu_ps(k.add(8 * j));
-            }
-            for h in 0..g {
-                let q = q0.add(h * d);
-                let mut acc = _mm256_mul_ps(_mm256_loadu_ps(q), kr[0]);
-                for (j, r) in kr.iter().enumerate().skip(1) {
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(8 * j)), *r, acc);
+            for kh in 0..nkv {
+                let k = kp.add(off + kh * d);
+                let mut kr = [_mm256_setzero_ps(); NV];
+                for (j, r) in kr.iter_mut().enumerate() {
+                    *r = _mm256_loadu_ps(k.add(8 * j));
                 }
-                *sp.add(h * stride + t) = hsum(acc) * a.scale;
+                for h in kh * g..(kh + 1) * g {
+                    let q = q0.add(h * d);
+                    let mut acc = _mm256_mul_ps(_mm256_loadu_ps(q), kr[0]);
+                    for (j, r) in kr.iter().enumerate().skip(1) {
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(8 * j)), *r, acc);
+                    }
+                    *sp.add(h * stride + t) = hsum(acc) * a.scale;
+                }
             }
         }
         let mut inv = [0f32; 64];
-        for h in 0..g {
+        for (h, inv) in inv.iter_mut().enumerate().take(nh) {
             let s = sp.add(h * stride);
             let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
             for c in (0..stride).step_by(8) {
@@ -441,19 +445,20 @@ mod x86 {
                 _mm256_storeu_ps(s.add(c), e);
                 sum = _mm256_add_ps(sum, e);
             }
-            inv[h] = 1.0 / hsum(sum);
+            *inv = 1.0 / hsum(sum);
         }
-        for h in 0..g {
+        for h in 0..nh {
             let s = sp.add(h * stride);
+            let vo = h / g * d;
             let mut acc = [_mm256_setzero_ps(); NV];
             for (t, &off) in slots.iter().enumerate() {
                 let p = _mm256_set1_ps(*s.add(t));
-                let v = vp.add(off);
+                let v = vp.add(off + vo);
                 for (j, r) in acc.iter_mut().enumerate() {
                     *r = _mm256_fmadd_ps(p, _mm256_loadu_ps(v.add(8 * j)), *r);
                 }
             }
-            let o = a.out.0.add(a.rows[b] as usize * a.out_stride + (kh * g + h) * d);
+            let o = a.out.0.add(a.rows[b] as usize * a.out_stride + h * d);
             let iv = _mm256_set1_ps(inv[h]);
             for (j, r) in acc.iter().enumerate() {
                 _mm256_storeu_ps(o.add(8 * j), _mm256_mul_ps(*r, iv));
@@ -487,22 +492,22 @@ mod x86 {
         _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), idx))
     }
 
+    /// Whether `items` runs these heads (else the portable loop does).
+    pub fn supports(hs: Heads) -> bool { hs.d % 8 == 0 && hs.nh <= 64 && matches!(hs.d / 8, 4 | 8 | 16) }
+
+    /// Sequences `i0..i1`, every KV head of each.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn items(a: &DecodeArgs, i0: usize, i1: usize) -> bool {
+    pub unsafe fn items(a: &DecodeArgs, i0: usize, i1: usize) {
         let (mut scores, mut slots) = (Vec::new(), Vec::new());
         let nv = a.hs.d / 8;
-        if a.hs.d % 8 != 0 || a.hs.nh / a.hs.nkv > 64 || !matches!(nv, 4 | 8 | 16) {
-            return false;
-        }
-        for it in i0..i1 {
+        for b in i0..i1 {
             match nv {
-                4 => item::<4>(a, it, &mut scores, &mut slots),
-                8 => item::<8>(a, it, &mut scores, &mut slots),
-                16 => item::<16>(a, it, &mut scores, &mut slots),
-                _ => return false,
+                4 => item::<4>(a, b, &mut scores, &mut slots),
+                8 => item::<8>(a, b, &mut scores, &mut slots),
+                16 => item::<16>(a, b, &mut scores, &mut slots),
+                _ => unreachable!(),
             }
         }
-        true
     }
 }
 
@@ -557,15 +562,23 @@ pub fn paged_decode(
         q: P(q.as_ptr() as *mut f32), q_stride, out: P(out.as_mut_ptr()), out_stride, rows, lens, tables, max_blocks,
         k: k_cache, v: v_cache, bs, hs, scale, window,
     };
-    let items = b * nkv;
-    let work: usize = lens.iter().map(|&n| n as usize).sum::<usize>() * nh * d;
+    // The AVX2 kernel takes a whole sequence per item (the contiguous K/V rows of all its
+    // KV heads: 8% faster than one item per KV head at a batch-32 decode step, the caches
+    // cold); the portable loop takes one (sequence, KV head) per item.
     let avx = has_avx2();
+    #[cfg(target_arch = "x86_64")]
+    let whole = avx && x86::supports(hs);
+    #[cfg(not(target_arch = "x86_64"))]
+    let whole = false;
+    let items = if whole { b } else { b * nkv };
+    let work: usize = lens.iter().map(|&n| n as usize).sum::<usize>() * nh * d;
     let run = |i0: usize, i1: usize| unsafe {
         #[cfg(target_arch = "x86_64")]
+        if whole {
+            return x86::items(&args, i0, i1);
+        }
+        #[cfg(target_arch = "x86_64")]
         if avx {
-            if i0 == i1 || x86::items(&args, i0, i1) {
-                return;
-            }
             return decode_items_avx2(&args, i0, i1);
         }
         decode_items(&args, i0, i1)
