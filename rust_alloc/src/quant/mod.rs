@@ -236,7 +236,7 @@ pub fn matmul_stacked(
     // (part, first row, end row, first output column), chunks inside each part
     let mut chunks = Vec::with_capacity(ws.len() + 16 * threads);
     let mut off = 0;
-    for (i, w) in ws.iter().enumerate() {
+    for (i, w) in ws.iter().enumerate().filter(|(_, w)| w.rows > 0) {
         let mut r0 = 0;
         if threads == 1 {
             chunks.push((i, 0, w.rows, off));
