@@ -96,6 +96,10 @@ class QuantInfo(TypedDict):
     isa: str            # "avx2" or "scalar"
     threads: int        # kernel threads, the caller included (EDGEPAGED_NUM_THREADS)
     formats: QuantFormats  # name -> (ggml type id, weights per block, bytes per block)
+    x8_flag: int        # added to a type id for interleaved weights (quant_interleave)
+    interleavable: list[int]  # type ids that can be interleaved (Q4_0, Q4_1, Q8_0)
+
+# `qtype` below: a GGML type id, plus x8_flag for weights from quant_interleave.
 
 def quant_matmul(
     weight: npt.NDArray[np.uint8], qtype: int, x: npt.NDArray[np.float32], out: npt.NDArray[np.float32],
@@ -114,6 +118,9 @@ def quant_gather_rows(
 ) -> None:
     """out[i] = row rows[i] of W, decoded (an embedding lookup)."""
 def quant_info() -> QuantInfo: ...
+def quant_interleave(weight: npt.NDArray[np.uint8], qtype: int, rows: int) -> npt.NDArray[np.uint8]:
+    """GGUF blocks [rows, row_bytes] re-laid out in groups of 8 rows (each block's bytes spread
+    across the 8 rows): uint8 [ceil(rows / 8), 8 * row_bytes], the last group padded with zeros."""
 
 F32 = npt.NDArray[np.float32]
 

@@ -122,6 +122,42 @@ def test_quant_linear_mixed_segments_bias_and_dense_path():
     assert torch.equal(emb(ids), dense[ids])
 
 
+def test_interleaved_weights_give_the_same_products_lookups_and_dense_path():
+    """Q4_0/Q4_1/Q8_0 weights interleaved in groups of 8 rows (as the loader leaves them):
+    products for 1, 2..15 and 16+ tokens, the decode-to-scratch path and embedding lookups
+    agree with the GGUF row order; a ragged row count is padded and never written past."""
+    rng = np.random.default_rng(11)
+    cols = 96
+    for q, n in [(2, 13), (3, 40), (8, 21)]:
+        w = QuantWeight(q, random_blocks(q, n, cols, rng), n, cols)
+        dense = torch.from_numpy(gguf_dequant(w.data, q))
+        rows_layout = QuantLinear([w], dense_min_tokens=24)
+        wx = QuantWeight(q, w.data.copy(), n, cols)
+        assert wx.interleave() and wx.x8 and wx.data.shape == (-(-n // 8), 8 * w.data.shape[1])
+        assert wx.kind == q | rust.quant_info()["x8_flag"]
+        lin = QuantLinear([wx], dense_min_tokens=24)
+        for t in (1, 2, 7, 15, 16, 23, 24, 40):   # GEMV, tiles, broadcast path, decode-to-scratch + GEMM
+            x = torch.randn(t, cols)
+            got = lin(x)
+            assert got.shape == (t, n)
+            assert rel_err(got, x @ dense.T) <= 1e-5, (q, t)
+            assert rel_err(got, rows_layout(x)) <= 1e-6, (q, t)
+        assert torch.equal(wx.dequantize(), dense)
+        ids = torch.tensor([n - 1, 0, 5, n - 1])
+        assert torch.equal(QuantEmbedding(wx)(ids), dense[ids])
+        out = np.full((2, n + 3), np.nan, np.float32)
+        rust.quant_matmul(wx.data, wx.kind, np.ones((2, cols), np.float32), out[:, :n])
+        assert np.isfinite(out[:, :n]).all() and np.isnan(out[:, n:]).all()
+    k4 = QuantWeight(12, random_blocks(12, 8, 256, rng), 8, 256)
+    assert not k4.interleave() and not k4.x8          # K-quants keep the row order
+    with pytest.raises(ValueError, match="cannot be interleaved"):
+        rust.quant_interleave(k4.data, 12, 8)
+    with pytest.raises(ValueError, match="interleaved already"):
+        rust.quant_interleave(wx.data, wx.kind, n)
+    with pytest.raises(ValueError, match="rows"):         # 8 rows of bytes cannot be 30 output columns
+        rust.quant_matmul(wx.data, wx.kind, np.ones((1, cols), np.float32), np.zeros((1, 30), np.float32))
+
+
 # ---------------------------------------------------------------- the embedded model
 
 @pytest.fixture(scope="module")
@@ -141,6 +177,10 @@ def test_embedded_model_quantized_logits_match_fp32_and_answer_paris(embedded_ru
     assert q.quantized and not fp32_runner.quantized  # auto: GGUF on CPU in fp32 -> quantized
     wb = weight_bytes(q.model)
     assert wb["quantized"] <= q.model_path.stat().st_size and wb["dense"] < 1 << 20
+    # the loader interleaved every Q4_1/Q8_0 weight (the tied embedding and LM head share one)
+    lins = [m for m in q.model.modules() if isinstance(m, QuantLinear)]
+    assert lins and all(s.x8 for m in lins for s in m.segments)
+    assert q.model.embed_tokens.weight is q.model.lm_head.segments[0]
     ids = q.tokenizer.apply_chat_template(CHAT)
     got, ref = _logits(q, ids), _logits(fp32_runner, ids)
     assert (got - ref).abs().max().item() <= 1e-3

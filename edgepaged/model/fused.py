@@ -60,7 +60,7 @@ def quant_decoder(model):
         cfg = model.cfg
 
         def lin(m):
-            segs = [(s.data, s.qtype, s.rows, s.cols) for s in m.segments]
+            segs = [(s.data, s.kind, s.rows, s.cols) for s in m.segments]
             return segs, None if m.bias is None else _np(m.bias.float().contiguous())
         dec = QuantDecoder([(_np(layer.input_layernorm.weight), _np(layer.post_attention_layernorm.weight),
                              [lin(m) for m in ls]) for layer, ls in zip(model.layers, linears)],

@@ -10,6 +10,10 @@ resident weights are about the file's size instead of 4x it in fp32.
   `dense_min_tokens` rows on (long prefills) it decodes row tiles into a reusable fp32
   scratch of at most `SCRATCH_BYTES` and runs oneDNN's GEMM on them.
 - `QuantEmbedding`: rows of the token table decoded on lookup (`quant_gather_rows`).
+- Q4_0, Q4_1 and Q8_0 weights are interleaved at load (`QuantWeight.interleave`): rows in
+  groups of 8, each block's bytes spread across the 8 rows, so the kernels read 8 rows' weight
+  `k` as 8 consecutive bytes (no transposes while decoding: a batch-32 decode step ~5%
+  faster). Same bytes, same results; EDGEPAGED_QUANT_INTERLEAVE=0 keeps the GGUF row order.
 - `quant_weights(files)`: the GGUF tensors as `QuantWeight` (kept) or dense tensors;
   `load_quantized(model, weights)` builds the modules (hooked from `load_weights`).
 """
@@ -35,11 +39,17 @@ BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)} 
 # 13-33% faster up to 512 rows and tie at 768-1024. Override with the env
 DENSE_MIN_TOKENS = int(os.environ.get("EDGEPAGED_QUANT_DENSE_MIN_TOKENS", "768"))
 SCRATCH_BYTES = 16 << 20
+X8_FLAG = 0x100                 # added to a type id for interleaved weights (the Rust side's X8_FLAG)
+INTERLEAVABLE = (2, 3, 8)       # Q4_0, Q4_1, Q8_0
 
 try:
     from edgepaged._rust_alloc import quant_dequantize, quant_gather_rows, quant_info, quant_matmul
 except ImportError:  # an old build without the kernels
     quant_matmul = quant_dequantize = quant_gather_rows = quant_info = None
+try:
+    from edgepaged._rust_alloc import quant_interleave
+except ImportError:  # a build from before the interleaved layout
+    quant_interleave = None
 
 
 def kernels_available() -> bool:
@@ -48,26 +58,43 @@ def kernels_available() -> bool:
 
 @dataclass
 class QuantWeight:
-    """A [rows, cols] weight as GGUF blocks: `data` uint8 [rows, row_bytes], C-contiguous."""
+    """A [rows, cols] weight as GGUF blocks: `data` uint8 [rows, row_bytes], C-contiguous; or,
+    once `interleave`d (`x8`), [ceil(rows / 8), 8 * row_bytes] in groups of 8 rows."""
     qtype: int
     data: np.ndarray
     rows: int
     cols: int
+    x8: bool = False
 
     def __post_init__(self):
         bw, bb = BLOCK[self.qtype]
-        if self.cols % bw or self.data.shape != (self.rows, self.cols // bw * bb):
+        rb = self.cols // bw * bb
+        want = (-(-self.rows // 8), 8 * rb) if self.x8 else (self.rows, rb)
+        if self.cols % bw or self.data.shape != want:
             raise ValueError(f"{FORMATS[self.qtype]} weight [{self.rows}, {self.cols}]: bad block bytes "
                              f"{self.data.shape}")
         self.data = np.ascontiguousarray(self.data, dtype=np.uint8)
 
     @property
+    def kind(self) -> int:
+        """The type id the kernels take: the GGML id, plus X8_FLAG when interleaved."""
+        return self.qtype | X8_FLAG if self.x8 else self.qtype
+
+    @property
     def nbytes(self) -> int:
         return self.data.nbytes
 
+    def interleave(self) -> bool:
+        """Re-lay the blocks out in groups of 8 rows, in place, where the format and the
+        build allow it; True if the weight is interleaved afterwards."""
+        if not self.x8 and self.qtype in INTERLEAVABLE and quant_interleave is not None:
+            self.data = quant_interleave(self.data, self.qtype, self.rows)
+            self.x8 = True
+        return self.x8
+
     def dequantize(self) -> torch.Tensor:
         out = torch.empty(self.rows, self.cols)
-        quant_dequantize(self.data, self.qtype, out.numpy())
+        quant_dequantize(self.data, self.kind, out.numpy())
         return out
 
 
@@ -104,7 +131,7 @@ class QuantLinear(nn.Module):
             raise ValueError("QuantLinear needs segments with one input width")
         merged: list[QuantWeight] = []
         for s in segments:  # neighbours of one format become one matrix: one kernel call
-            if merged and merged[-1].qtype == s.qtype:
+            if merged and merged[-1].qtype == s.qtype and not (s.x8 or merged[-1].x8):
                 p = merged[-1]
                 merged[-1] = QuantWeight(s.qtype, np.concatenate([p.data, s.data]), p.rows + s.rows, s.cols)
             else:
@@ -136,10 +163,10 @@ class QuantLinear(nn.Module):
             if t:
                 xn, on = x.numpy(), out.numpy()
                 if self.single:
-                    quant_matmul(self.single.data, self.single.qtype, xn, on)
+                    quant_matmul(self.single.data, self.single.kind, xn, on)
                 else:
                     for s, a in zip(self.segments, self.offsets):
-                        quant_matmul(s.data, s.qtype, xn, on[:, a: a + s.rows])
+                        quant_matmul(s.data, s.kind, xn, on[:, a: a + s.rows])
         if self.bias is not None:
             out += self.bias
         return out
@@ -153,7 +180,7 @@ class QuantLinear(nn.Module):
             for r0 in range(0, s.rows, tile_rows):
                 n = min(tile_rows, s.rows - r0)
                 w = _scratch(n * k).view(n, k)
-                quant_dequantize(s.data, s.qtype, w.numpy(), r0)
+                quant_dequantize(s.data, s.kind, w.numpy(), r0)
                 y = _gemm(x, w)
                 if n == self.out_features:
                     return y
@@ -233,7 +260,7 @@ class QuantEmbedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(ids.numel(), self.weight.cols)
-        quant_gather_rows(self.weight.data, self.weight.qtype, ids.numpy(), out.numpy())
+        quant_gather_rows(self.weight.data, self.weight.kind, ids.numpy(), out.numpy())
         return out
 
 
@@ -359,6 +386,21 @@ def load_quantized(model, weights) -> None:
     model.lm_head = _linear([head], None, model.lm_head)
     if got:
         raise ValueError(f"unexpected tensors in the checkpoint: {sorted(got)[:5]}")
+    if os.environ.get("EDGEPAGED_QUANT_INTERLEAVE", "1") != "0":
+        interleave_weights(model)
+
+
+def interleave_weights(model) -> int:
+    """Interleave every Q4_0/Q4_1/Q8_0 weight of the model's quantized modules in place
+    (a tied embedding and LM head share theirs); the number interleaved."""
+    seen, n = set(), 0
+    for m in [model.embed_tokens, *model.modules()]:
+        if isinstance(m, (QuantLinear, QuantEmbedding)):
+            for s in (m.segments if isinstance(m, QuantLinear) else [m.weight]):
+                if id(s) not in seen:
+                    seen.add(id(s))
+                    n += s.interleave()
+    return n
 
 
 def weight_bytes(model) -> dict[str, int]:

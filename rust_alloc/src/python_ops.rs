@@ -145,7 +145,7 @@ fn raw_u8(a: &Bound<'_, PyAny>, what: &str) -> PyResult<Raw> {
 }
 
 struct RawLinear {
-    segs: Vec<(crate::quant::QType, Raw, usize, usize)>, // format, blocks, rows, cols
+    segs: Vec<(crate::quant::QType, bool, Raw, usize, usize)>, // format, interleaved, blocks, rows, cols
     bias: Option<Raw>,
 }
 
@@ -172,7 +172,7 @@ pub struct QuantDecoder {
 impl QuantDecoder {
     /// layers: per layer (input_norm, post_norm, [qkv, o, gate_up, down]) with each linear
     /// as (segments, bias or None) and each segment as (uint8 blocks [rows, row_bytes],
-    /// ggml type, rows, cols).
+    /// ggml type (plus the x8 flag for interleaved blocks), rows, cols).
     #[new]
     #[pyo3(signature = (layers, num_heads, num_kv_heads, head_dim, hidden, intermediate, eps))]
     fn new(
@@ -192,12 +192,12 @@ impl QuantDecoder {
                 let (segs, bias): (Vec<(Bound<'_, PyAny>, u32, usize, usize)>, Option<Bound<'_, PyAny>>) = lin.extract()?;
                 let mut rs = Vec::new();
                 for (data, qt, rows, cols) in segs {
-                    let q = crate::quant::QType::from_ggml(qt)
-                        .ok_or_else(|| PyValueError::new_err(format!("QuantDecoder: GGML type {qt} not supported")))?;
+                    let (q, x8) = crate::python_quant::qtype(qt)?;
                     let raw = raw_u8(&data, "weight")?;
-                    crate::quant::QMatrix::new(q, unsafe { raw.u8() }, rows, cols).map_err(|e| PyValueError::new_err(e.0))?;
+                    crate::quant::QMatrix::with_layout(q, x8, unsafe { raw.u8() }, rows, cols)
+                        .map_err(|e| PyValueError::new_err(e.0))?;
                     keep.push(data.unbind());
-                    rs.push((q, raw, rows, cols));
+                    rs.push((q, x8, raw, rows, cols));
                 }
                 let bias = match bias {
                     Some(b) => {
@@ -252,7 +252,11 @@ impl QuantDecoder {
             .iter()
             .map(|l| unsafe {
                 let lin = |r: &RawLinear| QLinear {
-                    segs: r.segs.iter().map(|(q, raw, rows, cols)| QMatrix::new(*q, raw.u8(), *rows, *cols).unwrap()).collect(),
+                    segs: r
+                        .segs
+                        .iter()
+                        .map(|(q, x8, raw, rows, cols)| QMatrix::with_layout(*q, *x8, raw.u8(), *rows, *cols).unwrap())
+                        .collect(),
                     bias: r.bias.map(|b| b.f32()),
                 };
                 QLayer {

@@ -2,19 +2,25 @@
 //! released while they run. Torch CPU tensors pass through `tensor.numpy()`, which shares
 //! their memory; a non-contiguous row stride is fine as long as each row is contiguous.
 
-use numpy::{PyArrayDyn, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::quant::{self, Isa, QMatrix, QType, QuantError};
+use crate::quant::{self, Isa, QMatrix, QType, QuantError, X8_FLAG};
 
 fn verr(e: QuantError) -> PyErr { PyValueError::new_err(e.0) }
 
-fn qtype(id: u32) -> PyResult<QType> {
-    QType::from_ggml(id).ok_or_else(|| {
+/// A GGML type id, plus `X8_FLAG` for interleaved weights -> (format, interleaved).
+pub(crate) fn qtype(id: u32) -> PyResult<(QType, bool)> {
+    let x8 = id & X8_FLAG != 0;
+    let q = QType::from_ggml(id & !X8_FLAG).ok_or_else(|| {
         PyValueError::new_err(format!("GGML type {id} is not supported by the quantized kernels (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)"))
-    })
+    })?;
+    if x8 && !q.interleavable() {
+        return Err(PyValueError::new_err(format!("{} weights cannot be interleaved", q.name())));
+    }
+    Ok((q, x8))
 }
 
 fn isa(scalar: bool) -> Isa { if scalar { Isa::Scalar } else { Isa::best() } }
@@ -48,16 +54,26 @@ fn weight_bytes<'a>(w: &'a PyReadonlyArrayDyn<'_, u8>) -> PyResult<&'a [u8]> {
     w.as_slice().map_err(|_| PyValueError::new_err("weight: expected a C-contiguous uint8 array of GGUF blocks"))
 }
 
-fn matrix<'a>(q: QType, data: &'a [u8], cols: usize) -> PyResult<QMatrix<'a>> {
+/// The matrix in `data`; its rows from the bytes, or `rows` (an interleaved matrix stores
+/// them rounded up to a multiple of 8).
+fn matrix<'a>((q, x8): (QType, bool), data: &'a [u8], cols: usize, rows: Option<usize>) -> PyResult<QMatrix<'a>> {
     let rb = q.row_bytes(cols).map_err(verr)?;
-    if data.len() % rb != 0 {
+    let unit = if x8 { 8 * rb } else { rb };
+    if data.len() % unit != 0 {
         return Err(PyValueError::new_err(format!(
-            "weight: {} bytes are not whole {} rows of {cols} weights ({rb} bytes each)",
+            "weight: {} bytes are not whole {} {} of {cols} weights ({unit} bytes each)",
             data.len(),
-            q.name()
+            q.name(),
+            if x8 { "groups of 8 interleaved rows" } else { "rows" },
         )));
     }
-    QMatrix::new(q, data, data.len() / rb, cols).map_err(verr)
+    let stored = data.len() / rb;
+    let rows = match rows {
+        Some(n) if n <= stored && n + if x8 { 8 } else { 1 } > stored => n,
+        Some(n) => return Err(PyValueError::new_err(format!("weight has {stored} rows but out has {n} columns"))),
+        None => stored,
+    };
+    QMatrix::with_layout(q, x8, data, rows, cols).map_err(verr)
 }
 
 /// out[t, :] = W · x[t, :] for a GGUF-quantized W [N, K] (uint8 blocks, N = out.shape[-1],
@@ -75,10 +91,7 @@ fn quant_matmul(
         return Err(PyValueError::new_err(format!("x has {t} rows but out has {to}")));
     }
     let data = weight_bytes(&weight)?;
-    let w = matrix(q, data, k)?;
-    if w.rows != n {
-        return Err(PyValueError::new_err(format!("weight has {} rows but out has {n} columns", w.rows)));
-    }
+    let w = matrix(q, data, k, Some(n))?;
     // SAFETY: spans computed from the arrays' own shapes and strides; numpy's borrow
     // tracking has refused overlapping x/out.
     let xsl = unsafe { std::slice::from_raw_parts(x.as_array().as_ptr(), span(t, k, xs)) };
@@ -97,7 +110,7 @@ fn quant_dequantize(
     let q = self::qtype(qtype)?;
     let (r, k, os) = geometry(&out, "out")?;
     let data = weight_bytes(&weight)?;
-    let w = matrix(q, data, k)?;
+    let w = matrix(q, data, k, None)?;
     let osl = unsafe { std::slice::from_raw_parts_mut(out.as_array_mut().as_mut_ptr(), span(r, k, os)) };
     let isa = isa(scalar);
     py.detach(move || quant::dequantize(&w, row_start, osl, r, os, isa)).map_err(verr)
@@ -113,7 +126,7 @@ fn quant_gather_rows(
     let q = self::qtype(qtype)?;
     let (r, k, os) = geometry(&out, "out")?;
     let data = weight_bytes(&weight)?;
-    let w = matrix(q, data, k)?;
+    let w = matrix(q, data, k, None)?;
     let ids = rows.as_slice().map_err(|_| PyValueError::new_err("rows: expected a contiguous int64 array"))?;
     if ids.len() != r {
         return Err(PyValueError::new_err(format!("{} rows requested but out has {r}", ids.len())));
@@ -121,6 +134,24 @@ fn quant_gather_rows(
     let osl = unsafe { std::slice::from_raw_parts_mut(out.as_array_mut().as_mut_ptr(), span(r, k, os)) };
     let isa = isa(scalar);
     py.detach(move || quant::gather_rows(&w, ids, osl, os, isa)).map_err(verr)
+}
+
+/// GGUF blocks [rows, row_bytes] of a Q4_0/Q4_1/Q8_0 weight interleaved in groups of 8 rows
+/// for the kernels (pass the type id plus `x8_flag` with it): uint8 [ceil(rows / 8), 8 * row_bytes].
+#[pyfunction]
+fn quant_interleave<'py>(py: Python<'py>, weight: PyReadonlyArrayDyn<'py, u8>, qtype: u32, rows: usize) -> PyResult<Bound<'py, numpy::PyArray2<u8>>> {
+    let (q, x8) = self::qtype(qtype)?;
+    if x8 {
+        return Err(PyValueError::new_err("quant_interleave: the weight is interleaved already"));
+    }
+    let data = weight_bytes(&weight)?;
+    let rb = if rows == 0 { 0 } else { data.len() / rows };
+    if rows == 0 || rb * rows != data.len() || rb % q.block_bytes() != 0 {
+        return Err(PyValueError::new_err(format!("quant_interleave: {} bytes are not {rows} rows of {} blocks", data.len(), q.name())));
+    }
+    let cols = rb / q.block_bytes() * q.block_weights();
+    let out = py.detach(|| quant::interleave(q, data, rows, cols)).map_err(verr)?;
+    numpy::PyArray1::from_vec(py, out).reshape([rows.div_ceil(8), 8 * rb])
 }
 
 /// {"isa": "avx2" | "scalar", "threads": n, "formats": {name: (ggml_type, block_weights, block_bytes)}}
@@ -134,6 +165,8 @@ fn quant_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         f.set_item(q.name(), (q as u32, q.block_weights(), q.block_bytes()))?;
     }
     d.set_item("formats", f)?;
+    d.set_item("x8_flag", X8_FLAG)?;
+    d.set_item("interleavable", QType::ALL.iter().filter(|q| q.interleavable()).map(|q| *q as u32).collect::<Vec<_>>())?;
     Ok(d)
 }
 
@@ -142,5 +175,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant_gather_rows, m)?)?;
     m.add_function(wrap_pyfunction!(quant_info, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_interleave, m)?)?;
     Ok(())
 }

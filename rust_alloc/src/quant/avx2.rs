@@ -3,7 +3,10 @@
 //! tile loop then multiplies them with up to `MAX_TILE` token rows, one FMA per 8 weights
 //! and token, so the decode cost is shared by the whole tile. Batches of 16+ tokens decode
 //! each weight once per call instead, 8 rows side by side into a K-major panel in L1, and
-//! multiply it by outer products with 6-token tiles (`rows_bcast`).
+//! multiply it by outer products with 6-token tiles (`rows_bcast`). Interleaved weights (x8)
+//! need no transposes for that panel (`x8_panel`); with one token they are multiplied 8 rows
+//! per vector, the scales folded in per block (`gemv_x8`), with a few tokens by register
+//! tiles of 8 rows (`rows_x8`), from `X8_BCAST_MIN_TOKENS` on by the broadcast path.
 
 use std::arch::x86_64::*;
 
@@ -420,6 +423,250 @@ unsafe fn rows<F: Fmt>(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize) {
     }
 }
 
+
+// ------------------------------------------------------------ interleaved weights (x8)
+
+/// Scales (and Q4_1 offsets) of the 8 rows of an interleaved group of 8 blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn x8_scales<F: Fmt>(gb: *const u8) -> (__m256, __m256) {
+    let d = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
+    let m = if F::Q == QType::Q4_1 { _mm256_cvtph_ps(_mm_loadu_si128(gb.add(16) as *const __m128i)) } else { _mm256_setzero_ps() };
+    (d, m)
+}
+
+/// Integer codes of weight `k` (0..32) of the 8 rows (Q4_0: minus 8).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn x8_codes<F: Fmt>(gb: *const u8, k: usize) -> __m256i {
+    let c = gb.add(F::Q.x8_codes());
+    match F::Q {
+        QType::Q8_0 => _mm256_cvtepi8_epi32(_mm_loadl_epi64(c.add(8 * k) as *const __m128i)),
+        _ => {
+            let n = u8x8(c.add(8 * (k % 16)));
+            let q = if k < 16 { _mm256_and_si256(n, _mm256_set1_epi32(15)) } else { _mm256_srli_epi32::<4>(n) };
+            if F::Q == QType::Q4_0 { _mm256_sub_epi32(q, _mm256_set1_epi32(8)) } else { q }
+        }
+    }
+}
+
+/// Weight `k` of the 8 rows, exact fp32 (the same operations as `Fmt::vec`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn x8_vec<F: Fmt>(gb: *const u8, d: __m256, m: __m256, k: usize) -> __m256 {
+    let q = cvt(x8_codes::<F>(gb, k));
+    if F::Q == QType::Q4_1 { _mm256_fmadd_ps(d, q, m) } else { _mm256_mul_ps(q, d) }
+}
+
+/// One interleaved group of 8 blocks into the K-major panel: weight `k` of the 8 rows at
+/// `wp[k * 16 ..][..8]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn x8_panel<F: Fmt>(gb: *const u8, wp: *mut f32) {
+    let (d, m) = x8_scales::<F>(gb);
+    let st = |k: usize, v: __m256| _mm256_store_ps(wp.add(k * BR), v);
+    if F::Q == QType::Q8_0 {
+        for k in 0..32 {
+            st(k, x8_vec::<F>(gb, d, m, k));
+        }
+        return;
+    }
+    // one load of 8 bytes gives weights j (low nibbles) and j + 16 (high)
+    let c = gb.add(F::Q.x8_codes());
+    let m15 = _mm256_set1_epi32(15);
+    for j in 0..16 {
+        let n = u8x8(c.add(8 * j));
+        let (lo, hi) = (_mm256_and_si256(n, m15), _mm256_srli_epi32::<4>(n));
+        if F::Q == QType::Q4_1 {
+            st(j, _mm256_fmadd_ps(d, cvt(lo), m));
+            st(16 + j, _mm256_fmadd_ps(d, cvt(hi), m));
+        } else {
+            let e8 = _mm256_set1_epi32(8);
+            st(j, _mm256_mul_ps(cvt(_mm256_sub_epi32(lo, e8)), d));
+            st(16 + j, _mm256_mul_ps(cvt(_mm256_sub_epi32(hi, e8)), d));
+        }
+    }
+}
+
+/// Ask for the interleaved group of 8 blocks at `p` (read once, from memory).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn prefetch_group<F: Fmt>(p: *const u8) {
+    for o in (0..8 * F::Q.block_bytes()).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o) as *const i8);
+    }
+}
+
+/// Store lanes `0..n` of `v` at `o` (all 8 when `n` is 8).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn store_lanes(o: *mut f32, v: __m256, n: usize) {
+    if n == 8 {
+        _mm256_storeu_ps(o, v);
+    } else {
+        let mut t = [0f32; 8];
+        _mm256_storeu_ps(t.as_mut_ptr(), v);
+        std::ptr::copy_nonoverlapping(t.as_ptr(), o, n);
+    }
+}
+
+/// `NG` interleaved groups (8 rows each, from `g`) against one token: per block the integer
+/// codes meet `x` in two sums (weights 0..16 and 16..32), the rows' scales come in once per
+/// block (`acc += d * s`), Q4_1's offsets through the block sums of `x` (`accm += m * Σx`).
+/// The 8 rows of a group are the 8 lanes: no horizontal sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_x8_tile<F: Fmt, const NG: usize>(w: &QMatrix, g: usize, x: *const f32, xsum: &[f32], out: *mut f32, n_last: usize) {
+    let gbytes = 8 * w.row_bytes();
+    let bb8 = 8 * F::Q.block_bytes();
+    let base = w.data.as_ptr().add(g * gbytes);
+    let mut acc = [_mm256_setzero_ps(); NG];
+    let mut accm = [_mm256_setzero_ps(); NG];
+    for (b, &xs) in xsum.iter().enumerate() {
+        let xb = x.add(32 * b);
+        let mut s = [[_mm256_setzero_ps(); 2]; NG];
+        for j in 0..16 {
+            let (xl, xh) = (_mm256_broadcast_ss(&*xb.add(j)), _mm256_broadcast_ss(&*xb.add(j + 16)));
+            for (i, s) in s.iter_mut().enumerate() {
+                let gb = base.add(i * gbytes + b * bb8);
+                let (lo, hi) = if F::Q == QType::Q8_0 {
+                    (x8_codes::<F>(gb, j), x8_codes::<F>(gb, j + 16))
+                } else {
+                    // one load: weight j in the low nibbles, j + 16 in the high ones
+                    let n = u8x8(gb.add(F::Q.x8_codes() + 8 * j));
+                    let (lo, hi) = (_mm256_and_si256(n, _mm256_set1_epi32(15)), _mm256_srli_epi32::<4>(n));
+                    if F::Q == QType::Q4_0 {
+                        let e8 = _mm256_set1_epi32(8);
+                        (_mm256_sub_epi32(lo, e8), _mm256_sub_epi32(hi, e8))
+                    } else {
+                        (lo, hi)
+                    }
+                };
+                s[0] = _mm256_fmadd_ps(cvt(lo), xl, s[0]);
+                s[1] = _mm256_fmadd_ps(cvt(hi), xh, s[1]);
+            }
+        }
+        for i in 0..NG {
+            let gb = base.add(i * gbytes + b * bb8);
+            prefetch_group::<F>(gb.wrapping_add(4 * bb8));
+            let (d, m) = x8_scales::<F>(gb);
+            acc[i] = _mm256_fmadd_ps(d, _mm256_add_ps(s[i][0], s[i][1]), acc[i]);
+            if F::Q == QType::Q4_1 {
+                accm[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs), accm[i]);
+            }
+        }
+    }
+    for i in 0..NG {
+        let n = if i + 1 == NG { n_last } else { 8 };
+        store_lanes(out.add(8 * i), _mm256_add_ps(acc[i], accm[i]), n);
+    }
+}
+
+/// Rows `r0..r1` (`r0` a multiple of 8) of an interleaved matrix against one token.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_x8<F: Fmt>(w: &QMatrix, x: *const f32, out: *mut f32, r0: usize, r1: usize) {
+    let xsum: Vec<f32> = (0..w.cols / 32).map(|b| (0..32).map(|k| *x.add(32 * b + k)).sum()).collect();
+    let mut r = r0;
+    while r + 16 <= r1 {
+        gemv_x8_tile::<F, 2>(w, r / 8, x, &xsum, out.add(r), 8);
+        r += 16;
+    }
+    if r < r1 {
+        gemv_x8_tile::<F, 1>(w, r / 8, x, &xsum, out.add(r), (r1 - r).min(8));
+        r += 8;
+    }
+    if r < r1 {
+        gemv_x8_tile::<F, 1>(w, r / 8, x, &xsum, out.add(r), r1 - r);
+    }
+}
+
+/// One interleaved group (8 rows) against `NT` token rows (`x`, stride `xs`): each output
+/// one FMA chain in K order over the exact weights, as in `bmicro` (same bits as the
+/// broadcast path). Written to `o[t * os ..][..n]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_x8<F: Fmt, const NT: usize>(w: &QMatrix, g: usize, x: *const f32, xs: usize, o: *mut f32, os: usize, n: usize) {
+    let base = w.data.as_ptr().add(g * 8 * w.row_bytes());
+    let bb8 = 8 * F::Q.block_bytes();
+    let mut acc = [_mm256_setzero_ps(); NT];
+    for b in 0..w.cols / 32 {
+        let gb = base.add(b * bb8);
+        prefetch_group::<F>(gb.wrapping_add(2 * bb8));
+        let (d, m) = x8_scales::<F>(gb);
+        for k in 0..32 {
+            let wv = x8_vec::<F>(gb, d, m, k);
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(&*x.add(t * xs + 32 * b + k)), *a);
+            }
+        }
+    }
+    for (t, a) in acc.iter().enumerate() {
+        store_lanes(o.add(t * os), *a, n);
+    }
+}
+
+const X8_TILE: usize = 8;
+
+/// Rows `r0..r1` (`r0` a multiple of 8) of an interleaved matrix against 2 to
+/// `X8_BCAST_MIN_TOKENS - 1` tokens: token tiles of at most 8 outside (their activations stay
+/// in L1), groups inside.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_x8<F: Fmt>(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize) {
+    let ntiles = x.rows.div_ceil(X8_TILE);
+    let mut t0 = 0;
+    for i in 0..ntiles {
+        let mt = (x.rows - t0).div_ceil(ntiles - i);
+        let xp = x.ptr.add(t0 * x.stride);
+        let mut r = r0;
+        while r < r1 {
+            let (n, o) = ((r1 - r).min(8), out.ptr.add(t0 * out.stride + r));
+            macro_rules! go {
+                ($($n:literal),*) => {
+                    match mt {
+                        $($n => tile_x8::<F, $n>(w, r / 8, xp, x.stride, o, out.stride, n),)*
+                        _ => unreachable!(),
+                    }
+                };
+            }
+            go!(1, 2, 3, 4, 5, 6, 7, 8);
+            r += 8;
+        }
+        t0 += mt;
+    }
+}
+
+/// Interleaved group `g` (rows `8g .. 8g + 8`) dequantized, row `8g + i` to `dst[i]` (room
+/// for `w.cols` floats each; several may be the same scratch row).
+///
+/// # Safety
+/// The group lies inside `w`; the CPU has AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dequant_group_x8(w: &QMatrix, g: usize, dst: &[*mut f32; 8]) {
+    match w.qtype {
+        QType::Q8_0 => dequant_x8::<Q80>(w, g, dst),
+        QType::Q4_0 => dequant_x8::<Q40>(w, g, dst),
+        QType::Q4_1 => dequant_x8::<Q41>(w, g, dst),
+        q => unreachable!("{} is not interleavable", q.name()),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant_x8<F: Fmt>(w: &QMatrix, g: usize, dst: &[*mut f32; 8]) {
+    let base = w.data.as_ptr().add(g * 8 * w.row_bytes());
+    let bb8 = 8 * F::Q.block_bytes();
+    for b in 0..w.cols / 32 {
+        let gb = base.add(b * bb8);
+        let (d, m) = x8_scales::<F>(gb);
+        for v in 0..4 {
+            let mut t: [__m256; 8] = std::array::from_fn(|j| x8_vec::<F>(gb, d, m, 8 * v + j));
+            transpose8(&mut t);
+            for (i, t) in t.iter().enumerate() {
+                _mm256_storeu_ps(dst[i].add(32 * b + 8 * v), *t);
+            }
+        }
+    }
+}
+
 /// Rows per group of the broadcast path: two 8-lane vectors.
 const BR: usize = BCAST_ROWS;
 /// Weights per K chunk of the broadcast path's panel (at most; whole blocks).
@@ -544,17 +791,24 @@ unsafe fn decode_kmajor_small<F: Fmt>(p: &[*const u8; 8], wp: *mut f32) {
     }
 }
 
-/// Decode blocks `c0 .. c0 + cb` of rows `row .. row + nr` (`nr` <= 16, row stride `rb`)
-/// into the K-major panel `wp`: weight `k` of row `r` at `wp[k * 16 + r]`. Lanes of rows
+/// Decode blocks `c0 .. c0 + cb` of rows `row .. row + nr` (`nr` <= 16, row stride `rb`;
+/// interleaved groups of 8 rows with `x8`, `row` then a group's start) into the K-major panel `wp`: weight `k` of row `r` at `wp[k * 16 + r]`. Lanes of rows
 /// past `nr` hold finite values that no output reads.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_kmajor<F: Fmt>(row: *const u8, rb: usize, nr: usize, c0: usize, cb: usize, wp: *mut f32) {
+unsafe fn decode_kmajor<F: Fmt>(row: *const u8, rb: usize, nr: usize, c0: usize, cb: usize, wp: *mut f32, x8: bool) {
     let (bw, bb) = (F::Q.block_weights(), F::Q.block_bytes());
     for half in 0..BR / 8 {
         let n = nr.saturating_sub(8 * half).min(8);
         if n == 0 {
             break;
+        }
+        if x8 {
+            // interleaved: each 8 bytes are one weight position of the 8 rows
+            for b in 0..cb {
+                x8_panel::<F>(row.add(8 * half * rb + (c0 + b) * 8 * bb), wp.add(b * bw * BR + 8 * half));
+            }
+            continue;
         }
         for b in 0..cb {
             let blk = |r: usize| row.add((8 * half + if r < n { r } else { 0 }) * rb + (c0 + b) * bb);
@@ -643,13 +897,23 @@ unsafe fn rows_bcast<F: Fmt>(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize
         let mut c0 = 0;
         while c0 < nb {
             let cb = kcb.min(nb - c0);
-            decode_kmajor::<F>(row, rb, nr, c0, cb, wp);
+            decode_kmajor::<F>(row, rb, nr, c0, cb, wp, w.x8);
             let (nrow, nc0, nnr) = if c0 + cb < nb { (row, c0 + cb, nr) } else { (row.add(BR * rb), 0, BR.min(r1 - g0 - nr)) };
             let nbytes = kcb.min(nb - nc0) * bb;
-            for r in 0..nnr {
-                let q = nrow.add(r * rb + nc0 * bb);
-                for o in (0..nbytes).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T1>(q.add(o) as *const i8);
+            if w.x8 {
+                // each group of 8 rows holds the chunk's blocks in one run of 8 x nbytes
+                for h in 0..nnr.div_ceil(8) {
+                    let q = nrow.add(8 * h * rb + nc0 * 8 * bb);
+                    for o in (0..8 * nbytes).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T1>(q.add(o) as *const i8);
+                    }
+                }
+            } else {
+                for r in 0..nnr {
+                    let q = nrow.add(r * rb + nc0 * bb);
+                    for o in (0..nbytes).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T1>(q.add(o) as *const i8);
+                    }
                 }
             }
             let nk = cb * bw;
@@ -691,6 +955,17 @@ unsafe fn rows_bcast<F: Fmt>(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize
 /// # Safety
 /// Views checked by the caller; the CPU has AVX2, FMA and F16C.
 pub(crate) unsafe fn matmul_rows(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize) {
+    if w.x8 && x.rows < super::X8_BCAST_MIN_TOKENS {
+        return match (w.qtype, x.rows) {
+            (QType::Q8_0, 1) => gemv_x8::<Q80>(w, x.ptr, out.ptr, r0, r1),
+            (QType::Q4_0, 1) => gemv_x8::<Q40>(w, x.ptr, out.ptr, r0, r1),
+            (QType::Q4_1, 1) => gemv_x8::<Q41>(w, x.ptr, out.ptr, r0, r1),
+            (QType::Q8_0, _) => rows_x8::<Q80>(w, x, out, r0, r1),
+            (QType::Q4_0, _) => rows_x8::<Q40>(w, x, out, r0, r1),
+            (QType::Q4_1, _) => rows_x8::<Q41>(w, x, out, r0, r1),
+            (q, _) => unreachable!("{} is not interleavable", q.name()),
+        };
+    }
     if x.rows == 1 {
         return match w.qtype {
             QType::Q8_0 => gemv::<Q80>(w, x.ptr, out.ptr, r0, r1),
@@ -700,7 +975,7 @@ pub(crate) unsafe fn matmul_rows(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: u
             QType::Q6_K => gemv::<Q6K>(w, x.ptr, out.ptr, r0, r1),
         };
     }
-    if x.rows >= BCAST_MIN_TOKENS {
+    if x.rows >= BCAST_MIN_TOKENS || w.x8 {
         return match w.qtype {
             QType::Q8_0 => rows_bcast::<Q80>(w, x, out, r0, r1),
             QType::Q4_0 => rows_bcast::<Q40>(w, x, out, r0, r1),
@@ -742,3 +1017,4 @@ pub(crate) unsafe fn dequant_row(q: QType, row: &[u8], out: *mut f32) {
         QType::Q6_K => dequant::<Q6K>(row, out),
     }
 }
+

@@ -106,6 +106,38 @@ pub(crate) fn group(q: QType, blk: &[u8], g: usize, w: &mut [f32; 32]) {
     }
 }
 
+/// The 32 weights of lane `i` (row `8g + i`) of an interleaved group of 8 blocks `gb`
+/// (Q4_0, Q4_1, Q8_0), computed exactly as `group` computes them.
+#[inline]
+pub(crate) fn group_x8(q: QType, gb: &[u8], i: usize, w: &mut [f32; 32]) {
+    let c = q.x8_codes();
+    match q {
+        QType::Q8_0 => {
+            let d = half(gb, 2 * i);
+            for k in 0..32 {
+                w[k] = (gb[c + 8 * k + i] as i8) as f32 * d;
+            }
+        }
+        QType::Q4_0 => {
+            let d = half(gb, 2 * i);
+            for j in 0..16 {
+                let b = gb[c + 8 * j + i];
+                w[j] = ((b & 15) as i32 - 8) as f32 * d;
+                w[j + 16] = ((b >> 4) as i32 - 8) as f32 * d;
+            }
+        }
+        QType::Q4_1 => {
+            let (d, m) = (half(gb, 2 * i), half(gb, 16 + 2 * i));
+            for j in 0..16 {
+                let b = gb[c + 8 * j + i];
+                w[j] = d * (b & 15) as f32 + m;
+                w[j + 16] = d * (b >> 4) as f32 + m;
+            }
+        }
+        _ => unreachable!("{} is not interleavable", q.name()),
+    }
+}
+
 /// Reference decoder of one row (tests): GGML's dequantize_row loops, element by element.
 pub fn dequantize_ref(q: QType, row: &[u8]) -> Vec<f32> {
     let nb = row.len() / q.block_bytes();

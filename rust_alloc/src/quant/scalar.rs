@@ -1,7 +1,7 @@
 //! Portable path: the same group decode and tile loop as `avx2.rs`, in plain Rust with eight
 //! accumulator lanes per token, summed in the order the SIMD path sums its register.
 
-use super::formats::{group, groups};
+use super::formats::{group, group_x8, groups};
 use super::{Mat, QMatrix, QType, MAX_TILE};
 
 #[inline]
@@ -17,15 +17,18 @@ pub(crate) unsafe fn matmul_rows(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: u
     let nb = w.cols / bw;
     let mut wg = [0f32; 32];
     for r in r0..r1 {
-        let row = &w.data[r * w.row_bytes()..(r + 1) * w.row_bytes()];
+        let row = if w.x8 { &[][..] } else { &w.data[r * w.row_bytes()..(r + 1) * w.row_bytes()] };
         let mut t0 = 0;
         while t0 < x.rows {
             let nt = (x.rows - t0).min(MAX_TILE);
             let mut acc = [[0f32; 8]; MAX_TILE];
             for b in 0..nb {
-                let blk = &row[b * bb..(b + 1) * bb];
                 for g in 0..groups(q) {
-                    group(q, blk, g, &mut wg);
+                    if w.x8 {
+                        group_x8(q, w.x8_group(r, b), r % 8, &mut wg);
+                    } else {
+                        group(q, &row[b * bb..(b + 1) * bb], g, &mut wg);
+                    }
                     let k0 = b * bw + g * 32;
                     for (t, acc) in acc.iter_mut().enumerate().take(nt) {
                         let xr = std::slice::from_raw_parts(x.ptr.add((t0 + t) * x.stride + k0), 32);
@@ -54,5 +57,17 @@ pub(crate) unsafe fn dequant_row(q: QType, row: &[u8], out: *mut f32) {
             group(q, blk, g, &mut wg);
             std::ptr::copy_nonoverlapping(wg.as_ptr(), out.add(b * q.block_weights() + g * 32), 32);
         }
+    }
+}
+
+/// Dequantize row `r` of an interleaved matrix into `out[..w.cols]`.
+///
+/// # Safety
+/// `out` must have room for the row; `r < w.rows`.
+pub(crate) unsafe fn dequant_row_x8(w: &QMatrix, r: usize, out: *mut f32) {
+    let mut wg = [0f32; 32];
+    for b in 0..w.cols / 32 {
+        group_x8(w.qtype, w.x8_group(r, b), r % 8, &mut wg);
+        std::ptr::copy_nonoverlapping(wg.as_ptr(), out.add(b * 32), 32);
     }
 }

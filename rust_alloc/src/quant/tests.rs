@@ -365,3 +365,101 @@ fn pool_speedup_probe() {
     }
     eprintln!("pool of {}: {:?} per call", pool::num_threads(), t.elapsed() / 20);
 }
+
+const X8_FORMATS: [QType; 3] = [QType::Q4_0, QType::Q4_1, QType::Q8_0];
+
+#[test]
+fn interleaved_weights_dequantize_to_the_same_bits() {
+    let mut rng = Rng(0x51ed);
+    for q in X8_FORMATS {
+        for rows in [1, 7, 8, 13, 40] {
+            let cols = 96;
+            let data = random_rows(q, rows, cols, &mut rng);
+            let x8 = interleave(q, &data, rows, cols).unwrap();
+            assert_eq!(x8.len(), rows.div_ceil(8) * 8 * q.row_bytes(cols).unwrap());
+            let (w, wx) = (QMatrix::new(q, &data, rows, cols).unwrap(), QMatrix::with_layout(q, true, &x8, rows, cols).unwrap());
+            let reference: Vec<f32> = data.chunks_exact(w.row_bytes()).flat_map(|r| dequantize_ref(q, r)).collect();
+            for isa in isas() {
+                let mut out = vec![f32::NAN; rows * cols];
+                dequantize(&wx, 0, &mut out, rows, cols, isa).unwrap();
+                assert!(out.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{} {isa:?} rows {rows}", q.name());
+                // a range that starts and ends inside groups, into a strided view
+                if rows > 4 {
+                    let (r0, n) = (3, rows - 4);
+                    let mut part = vec![f32::NAN; n * (cols + 5)];
+                    dequantize(&wx, r0, &mut part, n, cols + 5, isa).unwrap();
+                    for i in 0..n {
+                        assert_eq!(part[i * (cols + 5)..i * (cols + 5) + cols], reference[(r0 + i) * cols..(r0 + i + 1) * cols]);
+                        if i + 1 < n {
+                            assert!(part[i * (cols + 5) + cols..(i + 1) * (cols + 5)].iter().all(|v| v.is_nan()), "wrote past a row");
+                        }
+                    }
+                }
+                let ids: Vec<i64> = (0..rows as i64).rev().collect();
+                let mut g = vec![0f32; rows * cols];
+                gather_rows(&wx, &ids, &mut g, cols, isa).unwrap();
+                for (i, &r) in ids.iter().enumerate() {
+                    assert_eq!(g[i * cols..(i + 1) * cols], reference[r as usize * cols..(r as usize + 1) * cols]);
+                }
+            }
+        }
+    }
+    assert!(interleave(QType::Q4_K, &[0u8; 144], 1, 256).is_err());
+    assert!(QMatrix::with_layout(QType::Q4_1, true, &[0u8; 7 * 20], 7, 32).is_err()); // needs 8 rows of bytes
+}
+
+#[test]
+fn interleaved_products_match_and_are_batch_invariant() {
+    // every path on interleaved weights (1 token, 2..15, 16+), ragged row counts and
+    // strided views: right against f64, equal to rounding to the row layout, and from two
+    // tokens on a token's bits do not depend on its batch (one FMA chain in K order over
+    // the exact weights in both the tiles and the broadcast path)
+    let mut rng = Rng(0xface);
+    for q in X8_FORMATS {
+        for (rows, cols) in [(5, 64), (29, 576), (70, 1536), (1000, 576)] {
+            let data = random_rows(q, rows, cols, &mut rng);
+            let x8 = interleave(q, &data, rows, cols).unwrap();
+            let (w, wx) = (QMatrix::new(q, &data, rows, cols).unwrap(), QMatrix::with_layout(q, true, &x8, rows, cols).unwrap());
+            let wf: Vec<f32> = data.chunks_exact(w.row_bytes()).flat_map(|r| dequantize_ref(q, r)).collect();
+            let tokens = 35;
+            let (xs, os) = (cols + 3, rows + 5);
+            let x: Vec<f32> = (0..tokens * xs).map(|_| rng.unit()).collect();
+            let mag = |t: usize, r: usize| -> f64 { (0..cols).map(|k| (wf[r * cols + k] as f64 * x[t * xs + k] as f64).abs()).sum() };
+            for isa in isas() {
+                let run = |m: &QMatrix, t0: usize, n: usize| {
+                    let mut out = vec![f32::NAN; n * os];
+                    matmul(m, &x[t0 * xs..], xs, n, &mut out, os, isa).unwrap();
+                    for t in 0..n {
+                        assert!(out[t * os + rows..(t + 1) * os].iter().all(|v| v.is_nan()), "wrote past a row");
+                    }
+                    out
+                };
+                let all = run(&wx, 0, tokens);
+                let rows_layout = run(&w, 0, tokens);
+                for t in 0..tokens {
+                    let reference: Vec<f64> =
+                        (0..rows).map(|r| (0..cols).map(|k| wf[r * cols + k] as f64 * x[t * xs + k] as f64).sum()).collect();
+                    let e = rel_err(&all[t * os..t * os + rows], &reference);
+                    assert!(e <= 1e-5, "{} {isa:?} [{rows}x{cols}] token {t}: rel err {e}", q.name());
+                    if isa == Isa::Avx2 {
+                        // the same exact weights and FMA chain as the row layout's broadcast path
+                        assert_eq!(all[t * os..t * os + rows], rows_layout[t * os..t * os + rows]);
+                    }
+                }
+                for (t0, n) in [(0, 1), (4, 1), (0, 2), (3, 5), (1, 8), (2, 9), (6, 15), (9, 16), (10, 21)] {
+                    let part = run(&wx, t0, n);
+                    for t in 0..n {
+                        for r in 0..rows {
+                            let (a, b) = (part[t * os + r], all[(t0 + t) * os + r]);
+                            if n == 1 || isa == Isa::Scalar {
+                                assert!(((a - b) as f64).abs() <= 1e-6 * mag(t0 + t, r), "{} {isa:?} n={n}: {a} vs {b}", q.name());
+                            } else {
+                                assert_eq!(a.to_bits(), b.to_bits(), "{} {isa:?} [{rows}x{cols}] tokens {t0}..{}: token {t} row {r}: {a} vs {b}", q.name(), t0 + n);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
