@@ -85,8 +85,10 @@ class QuantWeight:
         return self.data.nbytes
 
     def interleave(self) -> bool:
-        """Re-lay the blocks out in groups of 8 rows, in place, where the format and the
-        build allow it; True if the weight is interleaved afterwards."""
+        """Re-lay the blocks out in groups of 8 rows where the format and the build allow it;
+        True if the weight is interleaved afterwards. The array is rewritten in place when
+        its rows are a multiple of 8 (no second copy of the weights while loading): nothing
+        else may hold it."""
         if not self.x8 and self.qtype in INTERLEAVABLE and quant_interleave is not None:
             self.data = quant_interleave(self.data, self.qtype, self.rows)
             self.x8 = True
@@ -393,13 +395,21 @@ def load_quantized(model, weights) -> None:
 def interleave_weights(model) -> int:
     """Interleave every Q4_0/Q4_1/Q8_0 weight of the model's quantized modules in place
     (a tied embedding and LM head share theirs); the number interleaved."""
-    seen, n = set(), 0
+    done: dict[int, QuantWeight] = {}   # id of a weight's original array -> the weight that interleaved it
+    n = 0
     for m in [model.embed_tokens, *model.modules()]:
         if isinstance(m, (QuantLinear, QuantEmbedding)):
             for s in (m.segments if isinstance(m, QuantLinear) else [m.weight]):
-                if id(s) not in seen:
-                    seen.add(id(s))
-                    n += s.interleave()
+                if s.x8:
+                    continue
+                first = done.get(id(s.data))
+                if first is not None:        # another weight over the same array: share its result
+                    s.data, s.x8 = first.data, first.x8
+                    continue
+                key = id(s.data)
+                if s.interleave():
+                    done[key] = s
+                    n += 1
     return n
 
 

@@ -138,20 +138,34 @@ fn quant_gather_rows(
 
 /// GGUF blocks [rows, row_bytes] of a Q4_0/Q4_1/Q8_0 weight interleaved in groups of 8 rows
 /// for the kernels (pass the type id plus `x8_flag` with it): uint8 [ceil(rows / 8), 8 * row_bytes].
+/// A writable C-contiguous array whose rows are a multiple of 8 is rewritten in place (the
+/// result is a view of it); others are copied.
 #[pyfunction]
-fn quant_interleave<'py>(py: Python<'py>, weight: PyReadonlyArrayDyn<'py, u8>, qtype: u32, rows: usize) -> PyResult<Bound<'py, numpy::PyArray2<u8>>> {
+fn quant_interleave<'py>(py: Python<'py>, weight: Bound<'py, numpy::PyArrayDyn<u8>>, qtype: u32, rows: usize) -> PyResult<Bound<'py, PyAny>> {
     let (q, x8) = self::qtype(qtype)?;
     if x8 {
         return Err(PyValueError::new_err("quant_interleave: the weight is interleaved already"));
     }
-    let data = weight_bytes(&weight)?;
-    let rb = if rows == 0 { 0 } else { data.len() / rows };
-    if rows == 0 || rb * rows != data.len() || rb % q.block_bytes() != 0 {
-        return Err(PyValueError::new_err(format!("quant_interleave: {} bytes are not {rows} rows of {} blocks", data.len(), q.name())));
+    let len = weight.len();
+    let rb = if rows == 0 { 0 } else { len / rows };
+    if rows == 0 || rb * rows != len || rb % q.block_bytes() != 0 {
+        return Err(PyValueError::new_err(format!("quant_interleave: {len} bytes are not {rows} rows of {} blocks", q.name())));
     }
     let cols = rb / q.block_bytes() * q.block_weights();
+    let shape = [rows.div_ceil(8), 8 * rb];
+    if rows % 8 == 0 && weight.is_c_contiguous() {
+        // (not writeable, or borrowed elsewhere: copied below)
+        if let Ok(mut rw) = weight.try_readwrite() {
+            let data = rw.as_slice_mut().map_err(|_| PyValueError::new_err("quant_interleave: not contiguous"))?;
+            py.detach(|| quant::interleave_in_place(q, data, rows, cols)).map_err(verr)?;
+            drop(rw);
+            return Ok(weight.reshape(shape)?.into_any());
+        }
+    }
+    let ro = weight.readonly();
+    let data = weight_bytes(&ro)?;
     let out = py.detach(|| quant::interleave(q, data, rows, cols)).map_err(verr)?;
-    numpy::PyArray1::from_vec(py, out).reshape([rows.div_ceil(8), 8 * rb])
+    Ok(numpy::PyArray1::from_vec(py, out).reshape(shape)?.into_any())
 }
 
 /// {"isa": "avx2" | "scalar", "threads": n, "formats": {name: (ggml_type, block_weights, block_bytes)}}

@@ -201,15 +201,38 @@ pub fn interleave(qtype: QType, data: &[u8], rows: usize, cols: usize) -> Result
     if !qtype.interleavable() {
         return bad(format!("{} weights cannot be interleaved", qtype.name()));
     }
-    let (bb, rb, nb) = (qtype.block_bytes(), w.row_bytes, cols / qtype.block_weights());
+    let rb = w.row_bytes;
+    let mut out = vec![0u8; rows.div_ceil(8) * 8 * rb];
+    for (g, dst) in out.chunks_exact_mut(8 * rb).enumerate() {
+        let n = (rows - 8 * g).min(8);
+        interleave_group(qtype, &data[8 * g * rb..(8 * g + n) * rb], rb, dst);
+    }
+    Ok(out)
+}
+
+/// `interleave` in place, for a row count that is a multiple of 8 (a group of 8 rows takes
+/// the same bytes in both layouts): no second copy of the weights, even for a moment.
+pub fn interleave_in_place(qtype: QType, data: &mut [u8], rows: usize, cols: usize) -> Result<(), QuantError> {
+    let rb = QMatrix::new(qtype, data, rows, cols)?.row_bytes;
+    if !qtype.interleavable() || rows % 8 != 0 {
+        return bad(format!("{} weights of {rows} rows cannot be interleaved in place", qtype.name()));
+    }
+    let mut tmp = vec![0u8; 8 * rb];
+    for group in data.chunks_exact_mut(8 * rb) {
+        tmp.copy_from_slice(group);
+        interleave_group(qtype, &tmp, rb, group);
+    }
+    Ok(())
+}
+
+/// Rows `src` (up to 8, `rb` bytes each, row by row) into one interleaved group `dst` (8 rows
+/// of bytes; lanes past the rows given stay as they are, zero in a fresh buffer).
+fn interleave_group(qtype: QType, src: &[u8], rb: usize, dst: &mut [u8]) {
+    let bb = qtype.block_bytes();
     let codes = qtype.x8_codes();
     let scales = if qtype == QType::Q4_1 { 2 } else { 1 };
-    let mut out = vec![0u8; rows.div_ceil(8) * 8 * rb];
-    for r in 0..rows {
-        let (g, i) = (r / 8, r % 8);
-        for b in 0..nb {
-            let blk = &data[r * rb + b * bb..][..bb];
-            let o = &mut out[g * 8 * rb + b * 8 * bb..][..8 * bb];
+    for (i, row) in src.chunks_exact(rb).enumerate() {
+        for (blk, o) in row.chunks_exact(bb).zip(dst.chunks_exact_mut(8 * bb)) {
             for s in 0..scales {
                 o[16 * s + 2 * i..16 * s + 2 * i + 2].copy_from_slice(&blk[2 * s..2 * s + 2]);
             }
@@ -218,7 +241,6 @@ pub fn interleave(qtype: QType, data: &[u8], rows: usize, cols: usize) -> Result
             }
         }
     }
-    Ok(out)
 }
 
 /// A raw fp32 matrix view with a row stride (elements); rows are contiguous.

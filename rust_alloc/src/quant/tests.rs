@@ -463,3 +463,16 @@ fn interleaved_products_match_and_are_batch_invariant() {
         }
     }
 }
+
+#[test]
+fn interleaving_in_place_equals_the_copy() {
+    let mut rng = Rng(0xbeef);
+    for q in X8_FORMATS {
+        let (rows, cols) = (24, 64);
+        let data = random_rows(q, rows, cols, &mut rng);
+        let mut inplace = data.clone();
+        interleave_in_place(q, &mut inplace, rows, cols).unwrap();
+        assert_eq!(inplace, interleave(q, &data, rows, cols).unwrap());
+        assert!(interleave_in_place(q, &mut inplace[..(rows - 1) * q.row_bytes(cols).unwrap()], rows - 1, cols).is_err());
+    }
+}
