@@ -423,7 +423,6 @@ unsafe fn rows<F: Fmt>(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize) {
     }
 }
 
-
 // ------------------------------------------------------------ interleaved weights (x8)
 
 /// Scales (and Q4_1 offsets) of the 8 rows of an interleaved group of 8 blocks.
@@ -458,33 +457,40 @@ unsafe fn x8_vec<F: Fmt>(gb: *const u8, d: __m256, m: __m256, k: usize) -> __m25
     if F::Q == QType::Q4_1 { _mm256_fmadd_ps(d, q, m) } else { _mm256_mul_ps(q, d) }
 }
 
+/// Integer codes of weights `j` and `j + 16` (0..16) of the 8 rows: for Q4_0/Q4_1 one load
+/// of 8 bytes, the low nibbles and the high ones.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn x8_pair<F: Fmt>(gb: *const u8, j: usize) -> (__m256i, __m256i) {
+    if F::Q == QType::Q8_0 {
+        return (x8_codes::<F>(gb, j), x8_codes::<F>(gb, j + 16));
+    }
+    let n = u8x8(gb.add(F::Q.x8_codes() + 8 * j));
+    let (lo, hi) = (_mm256_and_si256(n, _mm256_set1_epi32(15)), _mm256_srli_epi32::<4>(n));
+    if F::Q == QType::Q4_0 {
+        let e8 = _mm256_set1_epi32(8);
+        (_mm256_sub_epi32(lo, e8), _mm256_sub_epi32(hi, e8))
+    } else {
+        (lo, hi)
+    }
+}
+
 /// One interleaved group of 8 blocks into the K-major panel: weight `k` of the 8 rows at
 /// `wp[k * 16 ..][..8]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn x8_panel<F: Fmt>(gb: *const u8, wp: *mut f32) {
     let (d, m) = x8_scales::<F>(gb);
-    let st = |k: usize, v: __m256| _mm256_store_ps(wp.add(k * BR), v);
-    if F::Q == QType::Q8_0 {
-        for k in 0..32 {
-            st(k, x8_vec::<F>(gb, d, m, k));
-        }
-        return;
-    }
-    // one load of 8 bytes gives weights j (low nibbles) and j + 16 (high)
-    let c = gb.add(F::Q.x8_codes());
-    let m15 = _mm256_set1_epi32(15);
+    let st = |k: usize, q: __m256i| {
+        let q = cvt(q);
+        // the same operations as `Fmt::vec` (and `x8_vec`)
+        let w = if F::Q == QType::Q4_1 { _mm256_fmadd_ps(d, q, m) } else { _mm256_mul_ps(q, d) };
+        _mm256_store_ps(wp.add(k * BR), w)
+    };
     for j in 0..16 {
-        let n = u8x8(c.add(8 * j));
-        let (lo, hi) = (_mm256_and_si256(n, m15), _mm256_srli_epi32::<4>(n));
-        if F::Q == QType::Q4_1 {
-            st(j, _mm256_fmadd_ps(d, cvt(lo), m));
-            st(16 + j, _mm256_fmadd_ps(d, cvt(hi), m));
-        } else {
-            let e8 = _mm256_set1_epi32(8);
-            st(j, _mm256_mul_ps(cvt(_mm256_sub_epi32(lo, e8)), d));
-            st(16 + j, _mm256_mul_ps(cvt(_mm256_sub_epi32(hi, e8)), d));
-        }
+        let (lo, hi) = x8_pair::<F>(gb, j);
+        st(j, lo);
+        st(16 + j, hi);
     }
 }
 
@@ -528,20 +534,7 @@ unsafe fn gemv_x8_tile<F: Fmt, const NG: usize>(w: &QMatrix, g: usize, x: *const
         for j in 0..16 {
             let (xl, xh) = (_mm256_broadcast_ss(&*xb.add(j)), _mm256_broadcast_ss(&*xb.add(j + 16)));
             for (i, s) in s.iter_mut().enumerate() {
-                let gb = base.add(i * gbytes + b * bb8);
-                let (lo, hi) = if F::Q == QType::Q8_0 {
-                    (x8_codes::<F>(gb, j), x8_codes::<F>(gb, j + 16))
-                } else {
-                    // one load: weight j in the low nibbles, j + 16 in the high ones
-                    let n = u8x8(gb.add(F::Q.x8_codes() + 8 * j));
-                    let (lo, hi) = (_mm256_and_si256(n, _mm256_set1_epi32(15)), _mm256_srli_epi32::<4>(n));
-                    if F::Q == QType::Q4_0 {
-                        let e8 = _mm256_set1_epi32(8);
-                        (_mm256_sub_epi32(lo, e8), _mm256_sub_epi32(hi, e8))
-                    } else {
-                        (lo, hi)
-                    }
-                };
+                let (lo, hi) = x8_pair::<F>(base.add(i * gbytes + b * bb8), j);
                 s[0] = _mm256_fmadd_ps(cvt(lo), xl, s[0]);
                 s[1] = _mm256_fmadd_ps(cvt(hi), xh, s[1]);
             }
@@ -792,8 +785,9 @@ unsafe fn decode_kmajor_small<F: Fmt>(p: &[*const u8; 8], wp: *mut f32) {
 }
 
 /// Decode blocks `c0 .. c0 + cb` of rows `row .. row + nr` (`nr` <= 16, row stride `rb`;
-/// interleaved groups of 8 rows with `x8`, `row` then a group's start) into the K-major panel `wp`: weight `k` of row `r` at `wp[k * 16 + r]`. Lanes of rows
-/// past `nr` hold finite values that no output reads.
+/// with `x8` interleaved groups of 8 rows, `row` a group's start) into the K-major panel
+/// `wp`: weight `k` of row `r` at `wp[k * 16 + r]`. Lanes of rows past `nr` hold finite
+/// values that no output reads.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode_kmajor<F: Fmt>(row: *const u8, rb: usize, nr: usize, c0: usize, cb: usize, wp: *mut f32, x8: bool) {
@@ -1017,4 +1011,3 @@ pub(crate) unsafe fn dequant_row(q: QType, row: &[u8], out: *mut f32) {
         QType::Q6_K => dequant::<Q6K>(row, out),
     }
 }
-
