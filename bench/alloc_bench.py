@@ -19,15 +19,13 @@ import json
 import os
 import platform
 import random
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from alloc_reference import RefAllocator  # noqa: E402
+from edgepaged.testing.alloc_reference import RefAllocator  # noqa: E402
 
-from edgepaged._rust_alloc import BlockAllocator, NoFreeBlocksError  # noqa: E402
+from edgepaged._native.blocks import BlockAllocator, NoFreeBlocksError  # noqa: E402
 
 BLOCK_SIZE = 16
 

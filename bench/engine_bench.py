@@ -19,16 +19,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import sys
 import time
 
 import trio
 
-sys.path.insert(0, os.path.dirname(__file__))
-from workloads import make_item, mix, parse_caps, poisson  # noqa: E402
+from edgepaged.testing.workloads import make_item, mix, parse_caps, poisson  # noqa: E402
 
-from edgepaged.engine import Engine, EngineConfig, TokenEvent  # noqa: E402
+from edgepaged.engine import Engine, EngineConfig, Request, TokenEvent  # noqa: E402
 from edgepaged.model import ModelRunner, SamplingParams  # noqa: E402
 
 
@@ -41,8 +38,9 @@ def pct(values, q):
 
 async def drive(engine: Engine, item, out: list) -> None:
     """One client: send, read until the answer's drawn length, then end it."""
-    req = engine.make_request(prompt_ids=item.prompt_ids, params=SamplingParams(temperature=0, ignore_eos=True),
-                              max_tokens=item.max_tokens, priority=item.priority, client=item.client)
+    room = engine.max_model_len - len(item.prompt_ids)   # no max_tokens sent: up to the context, as the front end does
+    req = Request(prompt_ids=item.prompt_ids, priority=item.priority, client=item.client,
+                  params=SamplingParams(temperature=0, ignore_eos=True, max_tokens=item.max_tokens or room))
     t0 = time.monotonic()
     first, n = None, 0
     async with engine.stream(req) as events:

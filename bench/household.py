@@ -36,8 +36,7 @@ from pathlib import Path
 
 import trio
 
-sys.path.insert(0, os.path.dirname(__file__))
-from workloads import CLASSES, burst, make_item, mix, parse_caps, poisson  # noqa: E402
+from edgepaged.testing.workloads import CLASSES, burst, make_item, mix, parse_caps, poisson  # noqa: E402
 
 from edgepaged.client import ServerError, open_client  # noqa: E402
 
@@ -246,7 +245,7 @@ def fit_cost_model(runner) -> tuple[list[float], list]:
     """Least-squares fit of step seconds = a + b * tokens + c * attention (sum of q_len x
     context), from forward passes of this machine at several batch shapes."""
     import numpy as np
-    from edgepaged._rust_alloc import BlockAllocator
+    from edgepaged._native.blocks import BlockAllocator
     shapes = [(b, 1, ctx) for b in (1, 8, 32) for ctx in (64, 512)] + [(1, n, n) for n in (32, 128, 512)] + \
              [(4, 128, 128)]
     rows, ys = [], []
@@ -259,7 +258,7 @@ def fit_cost_model(runner) -> tuple[list[float], list]:
             a.add_sequence(i, [5 + i] * ctx)
         if ctx > q:
             a.prepare_step(ids, np.full(b, ctx - q))
-        sm, bt, sl, _ = a.prepare_step(ids, np.full(b, q))
+        sm, bt, sl, _, _ = a.prepare_step(ids, np.full(b, q))
         meta = dict(query_start_loc=np.arange(0, b * q + 1, q, dtype=np.int32), seq_lens=sl, block_tables=bt,
                     slot_mapping=sm)
         pos = np.concatenate([np.arange(ctx - q, ctx)] * b)
@@ -285,10 +284,10 @@ def fit_cost_model(runner) -> tuple[list[float], list]:
 
 
 def simulate(items, num_blocks: int, block_size: int, contiguous: bool, coef, window: int, context: int) -> dict:
-    from edgepaged._rust_alloc import BlockAllocator
+    from edgepaged._native.blocks import BlockAllocator
     from edgepaged.engine.request import Request
     from edgepaged.engine.scheduler import Scheduler, SchedulerConfig
-    from edgepaged.model.sampler import SamplingParams
+    from edgepaged.model.params import SamplingParams
     alloc = BlockAllocator(num_blocks, block_size, contiguous=contiguous)
     usable = num_blocks - (0 if contiguous else max(1, num_blocks // 100))
     max_len = min(context, usable * block_size)
@@ -328,7 +327,7 @@ def simulate(items, num_blocks: int, block_size: int, contiguous: bool, coef, wi
         for r in batch.sampled:
             r.output_ids.append(7)
             if len(r.output_ids) >= min(reqs[r].answer_tokens, r.params.max_tokens):
-                sched.finish(r)
+                sched.free(r, cache=True)
         running = sched.running
         max_active = max(max_active, len(running))
         window_blocks.append(sum(-(-min(r.num_slots, window) // block_size) for r in running))

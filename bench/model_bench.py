@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import sys
 import time
 
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 
 from edgepaged.model import ModelRunner, default_model_path
+from edgepaged.testing.decode import make_allocator, run_batch
 
 QUESTIONS = [
     "What is the capital of France?", "How do I boil an egg?", "Name three primary colors.",
@@ -55,70 +55,6 @@ QUESTIONS = [
     "Why do leaves change color?", "How do I make tea?", "What is gravity?", "List two uses of copper.",
     "What is the speed of light?", "How do bees make honey?", "What is an atom?", "Tell me a fun fact.",
 ]
-
-
-class PyBlocks:
-    """Plain-Python stand-in for the Rust allocator's prepare_step (scattered free blocks)."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        self.free = list(range(num_blocks))
-        random.Random(0).shuffle(self.free)
-        self.bs, self.tables, self.lens = block_size, {}, {}
-
-    def add_sequence(self, seq_id, prompt):
-        self.tables[seq_id], self.lens[seq_id] = [], 0
-        return 0
-
-    def prepare_step(self, seq_ids, num_new, new_tokens=None):
-        slots = []
-        for s, n in zip(seq_ids, num_new):
-            t, start = self.tables[s], self.lens[s]
-            while len(t) * self.bs < start + n:
-                t.append(self.free.pop())
-            slots += [t[p // self.bs] * self.bs + p % self.bs for p in range(start, start + n)]
-            self.lens[s] = start + n
-        width = max(len(self.tables[s]) for s in seq_ids)
-        tables = np.array([self.tables[s] + [0] * (width - len(self.tables[s])) for s in seq_ids], np.int32)
-        return (np.array(slots, np.int64), tables, np.array([self.lens[s] for s in seq_ids], np.int32),
-                np.zeros((0, 2), np.int32))
-
-    def free_sequence(self, seq_id, cache=True):
-        self.free += self.tables.pop(seq_id)
-        del self.lens[seq_id]
-
-
-def make_allocator(runner):
-    try:
-        from edgepaged._rust_alloc import BlockAllocator
-        return BlockAllocator(runner.num_blocks, runner.block_size, enable_prefix_caching=False), "rust"
-    except ImportError:
-        return PyBlocks(runner.num_blocks, runner.block_size), "python"
-
-
-def run_batch(runner, alloc, prompts, new_tokens, seq_base=0):
-    """Prefill all prompts in one flat batch, then greedy decode. Returns (outputs, t_prefill, t_decode)."""
-    ids = list(range(seq_base, seq_base + len(prompts)))
-    for s, p in zip(ids, prompts):
-        alloc.add_sequence(s, p)
-    t0 = time.perf_counter()
-    slots, tables, lens, _ = alloc.prepare_step(ids, [len(p) for p in prompts])
-    qsl = np.cumsum([0] + [len(p) for p in prompts])
-    meta = dict(query_start_loc=qsl, seq_lens=lens, block_tables=tables, slot_mapping=slots)
-    positions = np.concatenate([np.arange(len(p)) for p in prompts])
-    toks = runner.step(np.concatenate(prompts), positions, meta)
-    t1 = time.perf_counter()
-    out = [[t] for t in toks]
-    arange = np.arange(len(prompts) + 1)
-    for _ in range(new_tokens - 1):
-        slots, tables, lens, _ = alloc.prepare_step(ids, [1] * len(ids), toks)
-        meta = dict(query_start_loc=arange, seq_lens=lens, block_tables=tables, slot_mapping=slots)
-        toks = runner.step(toks, lens.astype(np.int64) - 1, meta)
-        for o, t in zip(out, toks):
-            o.append(t)
-    t2 = time.perf_counter()
-    for s in ids:
-        alloc.free_sequence(s, cache=False)
-    return out, t1 - t0, t2 - t1
 
 
 def median_s(f, reps: int) -> float:
@@ -221,10 +157,10 @@ def main():
     tk = runner.tokenizer
     texts = [tk.apply_chat_template([{"role": "user", "content": q}], tokenize=False) for q in QUESTIONS]
     prompts = [np.array(tk.encode(x, add_special_tokens=False), np.int64) for x in texts]
-    alloc, alloc_kind = make_allocator(runner)
+    alloc = make_allocator(runner)
     res = {"model": runner.model_path.name, "quantized": getattr(runner, "quantized", False),
            "params": runner.config.num_params, "threads": torch.get_num_threads(),
-           "new_tokens": args.new_tokens, "allocator": alloc_kind, "load_s": round(load_s, 2),
+           "new_tokens": args.new_tokens, "load_s": round(load_s, 2),
            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
     run_batch(runner, alloc, prompts[:2], 4, seq_base=90_000)  # warm-up
     gemm = [gemm_gflops()]

@@ -15,7 +15,7 @@ All in one run, same GGUF, same prompt(s), greedy, EOS ignored (every sequence y
   size; runner_rss_mb: what a whole ModelRunner adds (tokenizer, 16-block KV cache and
   what the GGUF reader leaves behind included); fp32_* the same for the fp32 path
 - --crossover: per token count, time of every linear layer of the model with the kernels
-  and with decode-to-scratch + GEMM (how DENSE_MIN_TOKENS in edgepaged/model/quant.py is chosen)
+  and with decode-to-scratch + GEMM (how EDGEPAGED_QUANT_DENSE_MIN_TOKENS, edgepaged/model/settings.py, is chosen)
 
     python bench/quant_bench.py [--json] [--new-tokens 64] [--batch 32] [--no-llama-cpp] [--crossover]
 """
@@ -33,9 +33,7 @@ import numpy as np
 import torch
 
 from edgepaged.model import ModelRunner, default_model_path
-
-sys.path.insert(0, os.path.dirname(__file__))
-import model_bench  # noqa: E402  (bench/model_bench.py: the same batch runner)
+from edgepaged.testing import decode
 
 QUESTION = "What is the capital of France?"
 QUESTIONS = [
@@ -61,7 +59,7 @@ import torch
 from edgepaged.model import ModelRunner
 from edgepaged.model.llama import LlamaForCausalLM
 from edgepaged.model.loader import ModelFiles
-from edgepaged.model.quant import quant_weights, weight_bytes
+from edgepaged.model.quant import weight_bytes
 from edgepaged.model.tokenizer import Tokenizer
 quantized, what = sys.argv[1] == "1", sys.argv[2]
 if what == "runner":                      # the whole runner: tokenizer, 16-block KV cache, ...
@@ -79,8 +77,7 @@ gc.collect()
 base = rss()
 with torch.inference_mode():              # then the runner's own loading steps
     model = LlamaForCausalLM(files.config)
-    model.quantized = quantized
-    model.load_weights(quant_weights(files) if quantized else files.weights(torch.float32))
+    model.load_weights(files.weights(torch.float32, keep_quantized=quantized))
     model.pack()
 gc.collect()
 print(json.dumps({"weights_rss": rss() - base}))
@@ -115,7 +112,7 @@ def chat_ids(tok, question: str) -> np.ndarray:
 
 def run_batch(runner, alloc, prompts, new_tokens, seq_base):
     """model_bench's run (one flat prefill, then greedy decode) -> (outputs, seconds in all)."""
-    out, t_prefill, t_decode = model_bench.run_batch(runner, alloc, prompts, new_tokens, seq_base)
+    out, t_prefill, t_decode = decode.run_batch(runner, alloc, prompts, new_tokens, seq_base)
     return out, t_prefill + t_decode
 
 
@@ -124,7 +121,7 @@ def paired_tok_s(batch: int, new_tokens: int, reps: int, llama_once=None) -> dic
     interleaved (quantized, fp32, llama.cpp, quantized, ...) so that a slow spell of the
     shared machine hits all of them; the best of `reps` runs counts for each, at batch 1 and
     at `batch`. -> {True: {...}, False: {...}, "llama_cpp": tok/s or None}"""
-    from edgepaged._rust_alloc import BlockAllocator
+    from edgepaged._native.blocks import BlockAllocator
     sides = {}
     for quantized in (True, False):
         runner = ModelRunner(quantized=quantized)
@@ -208,11 +205,11 @@ def main():
     ap.add_argument("--crossover", action="store_true", help="also time kernels vs GEMM per token count")
     args = ap.parse_args()
 
-    from edgepaged._rust_alloc import quant_info
+    from edgepaged._native import quant
     path = default_model_path()
+    info = quant.info()
     res = {"model": path.name, "gguf_mb": round(path.stat().st_size / 2**20, 1),
-           "threads": torch.get_num_threads(), "kernel": quant_info()["isa"],
-           "kernel_threads": quant_info()["threads"], "new_tokens": args.new_tokens,
+           "threads": torch.get_num_threads(), "kernel": info["isa"], "kernel_threads": info["threads"], "new_tokens": args.new_tokens,
            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "cpu_idle_at_start": round(cpu_idle(), 2)}
     q = weights_rss(True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import socket
@@ -29,7 +28,7 @@ import time
 import trio
 
 from edgepaged.client import ServerError, open_client
-from edgepaged.server.protocol import encode
+from edgepaged.protocol import encode
 
 QUESTIONS = ["Turn on the kitchen light?", "Is it going to rain tomorrow?", "What is 12 times 7?",
              "Name a green vegetable.", "What is the capital of France?", "Say good night."]

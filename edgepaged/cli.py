@@ -132,9 +132,10 @@ def serve(model_path, device, host, port, kv_memory, block_size, max_batched_tok
     tame_malloc()
 
     from .engine import EngineConfig
+    from .frontend import FrontEndConfig, load_users
     from .server.app import AppConfig, run
     from .server.httpd import HttpConfig
-    from .server.tcp import ServerConfig, load_users
+    from .server.tcp import ServerConfig
     try:
         users = load_users(users_file) if users_file else None
     except (OSError, ValueError) as e:
@@ -147,8 +148,9 @@ def serve(model_path, device, host, port, kv_memory, block_size, max_batched_tok
     except KeyboardInterrupt:
         fail("interrupted while loading the model", 130)
     cfg = AppConfig(
-        server=ServerConfig(host=host, port=port, token=token or None, users=users, max_connections=max_connections,
-                            max_inflight=max_inflight, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens),
+        server=ServerConfig(host=host, port=port, max_connections=max_connections, max_inflight=max_inflight),
+        front=FrontEndConfig(token=token or None, users=users, max_prompt_tokens=max_prompt_tokens,
+                             max_tokens=max_tokens),
         engine=EngineConfig(max_num_batched_tokens=max_batched_tokens, contiguous=contiguous),
         http=None if no_http else HttpConfig(port=http_port),
         mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)

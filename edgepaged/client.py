@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import trio
 
-from .server.protocol import PROTOCOL_VERSION, ConnectionClosed, FrameReader, ProtocolError, encode
+from .protocol import PROTOCOL_VERSION, ConnectionClosed, FrameReader, ProtocolError, encode
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random llama (safetensors + tokenizer.json) shared by the engine and server tests."""
-    from tiny_models import make_tiny_model
+    from edgepaged.testing.tiny_models import make_tiny_model
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 

@@ -6,10 +6,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from edgepaged._rust_alloc import (AllocatorError, BlockAllocator, NoFreeBlocksError,
+from edgepaged._native.blocks import (AllocatorError, BlockAllocator, NoFreeBlocksError,
                                    SequenceError)
 
-from alloc_reference import RefAllocator
+from edgepaged.testing.alloc_reference import RefAllocator
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 4
 # a few shared "system prompts" so prefix hits, evictions and deduplication happen often
@@ -91,7 +91,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         kind, out = self._both("prepare_step", *args)
         if kind != "ok":
             return
-        slots, tables, seq_lens, copies = out
+        slots, tables, seq_lens, copies, num_free = out
+        assert num_free == self.ref.num_free_blocks
         for src, dst in copies:  # copy-on-write first, as the runner does
             self.content[dst * BLOCK_SIZE:(dst + 1) * BLOCK_SIZE] = self.content[src * BLOCK_SIZE:(src + 1) * BLOCK_SIZE]
         k = 0
@@ -188,7 +189,8 @@ def test_prepare_step_arrays():
     a = BlockAllocator(64, 16)
     a.add_sequence(7, np.arange(40, dtype=np.int64))
     a.add_sequence(8, np.arange(3, dtype=np.int32))
-    slots, tables, lens, copies = a.prepare_step(np.array([7, 8]), np.array([40, 3], dtype=np.int32))
+    slots, tables, lens, copies, num_free = a.prepare_step(np.array([7, 8]), np.array([40, 3], dtype=np.int32))
+    assert num_free == 64 - 4 == a.num_free_blocks
     assert slots.dtype == np.int64 and slots.shape == (43,)
     assert tables.dtype == np.int32 and tables.shape == (2, 3)
     assert lens.tolist() == [40, 3] and copies.shape == (0, 2)

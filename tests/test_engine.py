@@ -1,15 +1,22 @@
 """The Trio engine end to end with a tiny real model (safetensors + tokenizer.json)."""
 import random
-import statistics
+import threading
 import time
 
 import pytest
 import trio
 
-from edgepaged.engine import BACKGROUND, INTERACTIVE, DoneEvent, Engine, EngineConfig, RequestRejected, TokenEvent
+from edgepaged.engine import (BACKGROUND, INTERACTIVE, DoneEvent, Engine, EngineConfig, Request, RequestRejected,
+                              TokenEvent)
 from edgepaged.model import ModelRunner, SamplingParams
 
 GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def request(prompt_ids, max_tokens=16, priority=INTERACTIVE, client="", **sampling) -> Request:
+    """An engine request as the front end builds it: token ids, sampling, max_tokens."""
+    return Request(prompt_ids=list(prompt_ids), params=SamplingParams(**{**GREEDY, **sampling}, max_tokens=max_tokens),
+                   priority=priority, client=client)
 
 
 def make_engine(model_dir, num_blocks=256, **cfg) -> Engine:
@@ -42,8 +49,7 @@ async def run_together(engine, ps, max_tokens, priorities=None):
     results = [None] * len(ps)
 
     async def one(i):
-        r = engine.make_request(prompt_ids=ps[i], params=SamplingParams(**GREEDY), max_tokens=max_tokens,
-                                priority=(priorities or {}).get(i, INTERACTIVE))
+        r = request(ps[i], max_tokens, priority=(priorities or {}).get(i, INTERACTIVE))
         results[i] = await collect(engine, r)
 
     async with trio.open_nursery() as n:
@@ -57,8 +63,7 @@ async def test_concurrent_equals_alone_also_under_preemption(tiny_model_dir):
     alone = []
     async with make_engine(tiny_model_dir) as eng:
         for p in ps:
-            alone.append((await collect(eng, eng.make_request(prompt_ids=p, params=SamplingParams(**GREEDY),
-                                                              max_tokens=24)))[0])
+            alone.append((await collect(eng, request(p, 24)))[0])
     async with make_engine(tiny_model_dir) as eng:
         together = await run_together(eng, ps, 24)
         assert [ids for ids, _ in together] == alone
@@ -85,9 +90,8 @@ async def test_500_random_requests_with_cancels_leave_nothing_behind(tiny_model_
         async def one(i):
             await trio.sleep(rng.random() * 0.5)
             p = [rng.randrange(3, 300) for _ in range(rng.randrange(1, 60))]
-            r = eng.make_request(prompt_ids=p, params=SamplingParams(temperature=rng.choice([0, 0.8]), seed=i),
-                                 max_tokens=rng.randrange(1, 12), priority=rng.choice([INTERACTIVE, BACKGROUND]),
-                                 client=f"c{rng.randrange(5)}")
+            r = request(p, rng.randrange(1, 12), priority=rng.choice([INTERACTIVE, BACKGROUND]),
+                        client=f"c{rng.randrange(5)}", temperature=rng.choice([0, 0.8]), seed=i, ignore_eos=False)
             cancel_after = rng.choice([None, None, 0, 1, 3])
             async with eng.stream(r) as events:
                 seen = 0
@@ -112,28 +116,28 @@ async def test_500_random_requests_with_cancels_leave_nothing_behind(tiny_model_
 
 
 async def test_background_flood_does_not_starve_interactive(tiny_model_dir):
-    async def ttft(eng):
-        r = eng.make_request(prompt_ids=list(range(3, 43)), params=SamplingParams(**GREEDY), max_tokens=2)
-        _, done = await collect(eng, r)
-        return done.timings["ttft_s"]
+    """Counted in engine steps, not seconds: while background agents flood the engine, an
+    interactive prompt's first token comes at the end of the first step that starts after it
+    arrived (at most the step in flight, then its own). The seconds figure is engine_bench's
+    interactive_ttft_ratio."""
+    async def steps_to_first_token(eng):
+        before = eng.metrics.counts["num_steps"]
+        async with eng.stream(request(range(3, 43), 1)) as events:
+            async for ev in events:
+                assert isinstance(ev, TokenEvent)
+                return eng.metrics.counts["num_steps"] - before
 
-    ratios = []
-    for attempt in range(3):   # a timing test on a shared machine: the best of three attempts
-        async with make_engine(tiny_model_dir, num_blocks=400, max_num_seqs=32) as eng:
-            alone = statistics.median([await ttft(eng) for _ in range(7)])
-            async with trio.open_nursery() as n:
-                for i in range(60):   # more background work than fits at once
-                    r = eng.make_request(prompt_ids=[5 + i % 200] * 50, params=SamplingParams(**GREEDY),
-                                         max_tokens=200, priority=BACKGROUND, client="agent")
-                    n.start_soon(collect, eng, r)
-                await trio.sleep(0.3)
-                assert eng.scheduler.num_running == 16 and eng.scheduler.num_waiting > 0
-                flooded = statistics.median([await ttft(eng) for _ in range(7)])
-                n.cancel_scope.cancel()
-        ratios.append(flooded / alone)
-        if ratios[-1] <= 3:
-            break
-    assert min(ratios) <= 3, ratios
+    async with make_engine(tiny_model_dir, num_blocks=400, max_num_seqs=32) as eng:
+        alone = [await steps_to_first_token(eng) for _ in range(3)]
+        async with trio.open_nursery() as n:
+            for i in range(60):   # more background work than fits at once
+                n.start_soon(collect, eng, request([5 + i % 200] * 50, 200, priority=BACKGROUND, client="agent"))
+            await trio.sleep(0.3)
+            assert eng.scheduler.num_running == 16 and eng.scheduler.num_waiting > 0
+            flooded = [await steps_to_first_token(eng) for _ in range(7)]
+            n.cancel_scope.cancel()
+    assert max(alone) <= 1, alone
+    assert max(flooded) <= 2, flooded
 
 
 async def test_loop_stays_responsive_during_a_long_prefill(tiny_model_dir):
@@ -150,8 +154,7 @@ async def test_loop_stays_responsive_during_a_long_prefill(tiny_model_dir):
         async with trio.open_nursery() as n:
             n.start_soon(pinger, stop)
             for k in range(3):
-                r = eng.make_request(prompt_ids=[7 + (k + i) % 250 for i in range(1000)],
-                                     params=SamplingParams(**GREEDY), max_tokens=1)
+                r = request([7 + (k + i) % 250 for i in range(1000)], 1)
                 await collect(eng, r)
             stop.set()
     lat.sort()
@@ -161,15 +164,14 @@ async def test_loop_stays_responsive_during_a_long_prefill(tiny_model_dir):
 async def test_rejections_are_clear(tiny_model_dir):
     async with make_engine(tiny_model_dir, num_blocks=64) as eng:
         with pytest.raises(RequestRejected) as e:
-            eng.make_request(prompt_ids=[5] * 100, max_tokens=1000)
+            async with eng.stream(request([5] * 100, 1000)):
+                pass
         assert e.value.code == "context_exceeded" and "1000" in str(e.value)
-        with pytest.raises(ValueError):
-            eng.make_request(prompt_ids=[5], priority="urgent")
-        with pytest.raises(ValueError):
-            eng.make_request(prompt_ids=[5], params=SamplingParams(temperature=-1))
-        # no max_tokens: up to the context
-        r = eng.make_request(prompt_ids=[5] * 10)
-        assert r.params.max_tokens == eng.max_model_len - 10
+        with pytest.raises(RequestRejected) as e:
+            async with eng.stream(request([5] * 2000, 1)):
+                pass
+        assert e.value.code == "prompt_too_long"
+        assert eng.allocator.num_used_blocks == 0 and not eng.scheduler.has_work()
 
 
 async def test_a_failing_step_fails_only_its_requests(tiny_model_dir):
@@ -181,10 +183,10 @@ async def test_a_failing_step_fails_only_its_requests(tiny_model_dir):
                 raise RuntimeError("injected fault")
 
         eng.step_hook = hook
-        bad = eng.make_request(prompt_ids=[poison, 5, 6], params=SamplingParams(**GREEDY), max_tokens=4)
+        bad = request([poison, 5, 6], 4)
         _, done = await collect(eng, bad)
         assert done.finish_reason == "error" and done.error["code"] == "internal_error"
-        good = eng.make_request(prompt_ids=[4, 5, 6], params=SamplingParams(**GREEDY), max_tokens=4)
+        good = request([4, 5, 6], 4)
         ids, done = await collect(eng, good)
         assert done.finish_reason == "length" and len(ids) == 4
         assert eng.allocator.num_used_blocks == 0
@@ -194,7 +196,7 @@ async def test_a_failing_step_fails_only_its_requests(tiny_model_dir):
 async def test_stop_strings_and_metrics(tiny_model_dir):
     async def streamed_text(prompt, **kw):
         parts, done = [], None
-        r = eng.make_request(prompt_ids=prompt, params=SamplingParams(**GREEDY, **kw), max_tokens=16)
+        r = request(prompt, 16, **kw)
         async with eng.stream(r) as events:
             async for ev in events:
                 if isinstance(ev, TokenEvent):
@@ -210,7 +212,7 @@ async def test_stop_strings_and_metrics(tiny_model_dir):
             if len(text) >= 8 and text[:8].isprintable() and "\ufffd" not in text:
                 break
         stop = text[3:6]
-        r = eng.make_request(prompt_ids=prompt, params=SamplingParams(**GREEDY, stop=[stop]), max_tokens=16)
+        r = request(prompt, 16, stop=[stop])
         parts = []
         async with eng.stream(r) as events:
             async for ev in events:
@@ -224,3 +226,41 @@ async def test_stop_strings_and_metrics(tiny_model_dir):
         assert s["finished"]["stop"] == 1 and s["finished"]["length"] == k + 1
         assert s["ttft_s"]["p50"] > 0 and s["kv_blocks_total"] == 256
         assert b"edgepaged:time_to_first_token_seconds_bucket" in eng.metrics.prometheus_text()
+
+
+async def test_a_cancel_during_a_failing_step_leaves_no_garbage_in_the_prefix_cache(tiny_model_dir):
+    """A request cancelled while the step computing its prompt runs, when that step then
+    fails: its blocks hold no valid K/V and must not be registered in the prefix cache, or
+    the same prompt later attends to garbage. Blocks are freed after the step, cached only
+    if it succeeded."""
+    prompt = [3 + (7 * i) % 290 for i in range(40)]        # two full blocks of 16 and a rest
+    async with make_engine(tiny_model_dir) as eng:
+        fresh, _ = await collect(eng, request(prompt, 8))
+    async with make_engine(tiny_model_dir) as eng:
+        cancelled, release = trio.Event(), threading.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def hook(batch):
+            if any(r.prompt_ids == prompt for r in batch.requests):
+                token.run_sync_soon(cancelled.set)           # the step is running: cancel now
+                assert release.wait(10), "the cancel never came"
+                eng.step_hook = None
+                raise RuntimeError("injected fault after the cancel")
+
+        eng.step_hook = hook
+        async with trio.open_nursery() as n:
+            async def victim(task_status=trio.TASK_STATUS_IGNORED):
+                with trio.CancelScope() as scope:
+                    task_status.started(scope)
+                    await collect(eng, request(prompt, 8))
+            scope = await n.start(victim)
+            await cancelled.wait()
+            scope.cancel()                                   # leaving the stream ends the request
+            await trio.sleep(0.05)
+            assert eng.allocator.num_used_blocks > 0, "its blocks are still in the running step"
+            release.set()
+        await trio.sleep(0.05)
+        assert eng.allocator.num_used_blocks == 0
+        again, done = await collect(eng, request(prompt, 8))
+        assert done.usage["cached_tokens"] == 0, "nothing of the failed step may come from the prefix cache"
+        assert again == fresh

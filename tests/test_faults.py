@@ -8,7 +8,7 @@ import sys
 import trio
 
 from edgepaged.client import SyncClient
-from edgepaged.engine import Engine, EngineConfig, TokenEvent
+from edgepaged.engine import Engine, EngineConfig, Request, TokenEvent
 from edgepaged.model import ModelRunner, SamplingParams
 
 from test_cli import ServeProcess
@@ -19,8 +19,8 @@ async def test_burst_beyond_the_kv_pool_waits_never_fails(tiny_model_dir):
     done = []
     async with Engine(runner, EngineConfig(max_num_seqs=16)) as eng:
         async def one(i):
-            r = eng.make_request(prompt_ids=[3 + (i * 7 + k) % 290 for k in range(60)],
-                                 params=SamplingParams(temperature=0, ignore_eos=True), max_tokens=40)
+            r = Request(prompt_ids=[3 + (i * 7 + k) % 290 for k in range(60)],
+                        params=SamplingParams(temperature=0, ignore_eos=True, max_tokens=40))
             n = 0
             async with eng.stream(r) as events:
                 async for ev in events:

@@ -11,10 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgepaged.client import open_client
-from edgepaged.engine import Engine, EngineConfig
 from edgepaged.model import ModelRunner, SamplingParams
-from edgepaged.server.protocol import CODES, GenerateRequest, ProtocolError, decode_body, encode, parse
-from edgepaged.server.tcp import Server, ServerConfig
+from edgepaged.protocol import CODES, GenerateRequest, ProtocolError, decode_body, encode, parse
+from edgepaged.testing.serving import serving
 
 CORPUS = sorted((pathlib.Path(__file__).parent / "corpus").glob("*.bin"))
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -95,7 +94,7 @@ def tiny_runner(tiny_model_dir):
 async def _replay(server, data: bytes) -> list[dict]:
     """Hello, send `data` then a marker (stats with id "end"); read frames until the marker's
     reply or the server closes the connection (bounded)."""
-    from edgepaged.server.protocol import ConnectionClosed, FrameReader
+    from edgepaged.protocol import ConnectionClosed, FrameReader
     stream = await trio.open_tcp_stream("127.0.0.1", server.port)
     reader = FrameReader(stream, 1 << 24)
     await stream.send_all(encode({"type": "hello", "version": 1, "client": "fuzz"}))
@@ -113,26 +112,23 @@ async def _replay(server, data: bytes) -> list[dict]:
 
 @pytest.mark.parametrize("path", CORPUS, ids=[p.stem for p in CORPUS])
 async def test_corpus_replay(path, tiny_runner):
-    async with Engine(tiny_runner, EngineConfig()) as engine:
-        server = Server(engine, ServerConfig(host="127.0.0.1", port=0, max_tokens=64))
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
+    async with serving(tiny_runner, max_tokens=64) as server:
+        engine = server.engine
+        with trio.fail_after(20):
+            frames = await _replay(server, path.read_bytes())
+        assert frames[0]["type"] == "hello"
+        for f in frames[1:]:
+            assert f["type"] in ("error", "token", "done", "stats", "models"), f
+            if f["type"] == "error":
+                assert f["code"] in CODES and f["message"]
+        # the server still serves, and nothing is held
+        async with open_client(f"127.0.0.1:{server.port}") as c:
             with trio.fail_after(20):
-                frames = await _replay(server, path.read_bytes())
-            assert frames[0]["type"] == "hello"
-            for f in frames[1:]:
-                assert f["type"] in ("error", "token", "done", "stats", "models"), f
-                if f["type"] == "error":
-                    assert f["code"] in CODES and f["message"]
-            # the server still serves, and nothing is held
-            async with open_client(f"127.0.0.1:{server.port}") as c:
-                with trio.fail_after(20):
-                    text, done = await c.generate("hello world", max_tokens=3, ignore_eos=True).collect()
-                assert done["finish_reason"] == "length"
-                with trio.fail_after(10):
-                    while (s := await c.stats())["kv_blocks_used"] or s["num_requests_running"]:
-                        await trio.sleep(0.02)
-            nursery.cancel_scope.cancel()
+                text, done = await c.generate("hello world", max_tokens=3, ignore_eos=True).collect()
+            assert done["finish_reason"] == "length"
+            with trio.fail_after(10):
+                while (s := await c.stats())["kv_blocks_used"] or s["num_requests_running"]:
+                    await trio.sleep(0.02)
     assert engine.allocator.num_used_blocks == 0 and not engine.requests
 
 
@@ -141,23 +137,19 @@ def test_corpus_is_present():
 
 
 async def test_idle_and_stalled_connections_are_closed(tiny_runner):
-    from edgepaged.server.protocol import ConnectionClosed, FrameReader
-    async with Engine(tiny_runner, EngineConfig()) as engine:
-        server = Server(engine, ServerConfig(host="127.0.0.1", port=0, idle_timeout_s=0.5))
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
-            for tail in (b"", b"\x00\x00\x10\x00partial"):   # idle, then half a frame
-                stream = await trio.open_tcp_stream("127.0.0.1", server.port)
-                reader = FrameReader(stream)
-                await stream.send_all(encode({"type": "hello", "version": 1}) + tail)
-                assert (await reader.read())["type"] == "hello"
-                with trio.fail_after(5):
-                    err = await reader.read()
-                    assert err["code"] == "idle_timeout"
-                    with pytest.raises((ConnectionClosed, trio.BrokenResourceError)):
-                        await reader.read()
-            # a long answer in flight is not idle: the connection stays while it streams
-            async with open_client(f"127.0.0.1:{server.port}") as c:
-                text, done = await c.generate("hi", max_tokens=60, ignore_eos=True).collect()
-                assert done["finish_reason"] == "length"
-            nursery.cancel_scope.cancel()
+    from edgepaged.protocol import ConnectionClosed, FrameReader
+    async with serving(tiny_runner, idle_timeout_s=0.5) as server:
+        for tail in (b"", b"\x00\x00\x10\x00partial"):   # idle, then half a frame
+            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            reader = FrameReader(stream)
+            await stream.send_all(encode({"type": "hello", "version": 1}) + tail)
+            assert (await reader.read())["type"] == "hello"
+            with trio.fail_after(5):
+                err = await reader.read()
+                assert err["code"] == "idle_timeout"
+                with pytest.raises((ConnectionClosed, trio.BrokenResourceError)):
+                    await reader.read()
+        # a long answer in flight is not idle: the connection stays while it streams
+        async with open_client(f"127.0.0.1:{server.port}") as c:
+            text, done = await c.generate("hi", max_tokens=60, ignore_eos=True).collect()
+            assert done["finish_reason"] == "length"

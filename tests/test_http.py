@@ -9,9 +9,9 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from edgepaged.engine import Engine, EngineConfig
-from edgepaged.server.httpd import HttpConfig, HttpServer
-from edgepaged.server.tcp import Server, ServerConfig
+from edgepaged.server.httpd import HttpConfig
+from edgepaged.server.tcp import ServerConfig
+from edgepaged.testing import serving as box
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = [{"role": "user", "content": "Write a very long story about a dragon who learns to cook."}]
@@ -19,15 +19,10 @@ STORY = [{"role": "user", "content": "Write a very long story about a dragon who
 
 @asynccontextmanager
 async def serving(runner, http_config=None, **config):
-    async with Engine(runner, EngineConfig(max_num_seqs=32)) as engine:
-        server = Server(engine, ServerConfig(host="127.0.0.1", port=0, **config))
-        http = HttpServer(server, http_config or HttpConfig(port=0))
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
-            await nursery.start(http.serve)
-            http.base = f"http://127.0.0.1:{http.port}"
-            yield http
-            nursery.cancel_scope.cancel()
+    """The box with its HTTP port; yields the HttpServer (`.base` is its URL)."""
+    async with box.serving(runner, http=http_config or True, **config) as server:
+        server.http.msgpack_port = server.port
+        yield server.http
 
 
 def fetch(url, body=None, headers=None, method=None, timeout=60):
@@ -322,7 +317,7 @@ async def test_per_user_tokens_share_one_identity_across_tcp_and_http(embedded_r
 
     letter = ("Dear neighbours, the garden party moves to Sunday because of the rain. " * 40).strip()
     async with serving(embedded_runner, users={"tok-anna": "anna", "tok-jonas": "jonas"}) as http:
-        async with open_client(f"127.0.0.1:{http.server.port}", token="tok-anna") as c:   # msgpack first
+        async with open_client(f"127.0.0.1:{http.msgpack_port}", token="tok-anna") as c:   # msgpack first
             await c.generate(letter, max_tokens=1).collect()
 
         async def cached(token):

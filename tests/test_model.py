@@ -9,12 +9,13 @@ import random
 
 import numpy as np
 import pytest
-from tiny_models import randomize, tiny_tokenizer
 import torch
 
 from edgepaged.model import (AttentionMetadata, IncrementalDetokenizer, ModelFiles, ModelRunner, SamplingParams,
                              default_model_path, sample)
 from edgepaged.model.loader import unpermute_rope
+from edgepaged.model.forward import TorchForward
+from edgepaged.testing.tiny_models import randomize, tiny_tokenizer
 
 BLOCK = 16
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -79,7 +80,8 @@ def generate(runner, prompts, max_new, chunk=None, stagger=False, params=None, s
         ids, pos, meta = paged.batch(items)
         ps = [params or SamplingParams(temperature=0)] * len(sampled)
         prev = [list(prompts[i]) + out[i] for i, _ in sampled]
-        toks = runner.step(ids, pos, meta, [r for _, r in sampled], ps, prev)
+        logits = runner.execute(ids, pos, meta, [r for _, r in sampled])
+        toks = sample(logits, ps, prev).tolist()
         for (i, _), t in zip(sampled, toks):
             out[i].append(t)
         step += 1
@@ -443,8 +445,8 @@ def test_forward_with_triton_kernels_equals_torch_path(tiny_model_dir):
     cfg_runner = ModelRunner(tiny_model_dir, num_blocks=16)
     tri_runner = ModelRunner(tiny_model_dir, num_blocks=16)
     c = tri_runner.config
-    tri_runner.backend = TritonAttention(c.num_heads, c.num_kv_heads, c.head_dim, tri_runner.block_size,
-                                         c.sliding_window)
+    backend = TritonAttention(c.num_heads, c.num_kv_heads, c.head_dim, tri_runner.block_size, c.sliding_window)
+    tri_runner.forward = TorchForward(tri_runner.model, backend, tri_runner.kv_cache)   # the GPU path's pieces
     paged = {name: Paged(16) for name in ("torch", "triton")}
     steps = [[(0, list(range(3, 40))), (1, list(range(50, 61)))], [(0, [7]), (1, [9])], [(0, [11]), (1, [13])]]
     for items in steps:
@@ -457,18 +459,21 @@ def test_forward_with_triton_kernels_equals_torch_path(tiny_model_dir):
 
 @pytest.mark.parametrize("rust_max", [131072, 50])
 @pytest.mark.parametrize("which", ["tiny", "embedded"])
-def test_fused_cpu_forward_equals_torch_path(which, rust_max, tiny_model_dir, embedded_runner, monkeypatch):
-    """The fused CPU forward (Rust operators, fused.py) gives the torch path's logits on
+def test_fused_cpu_forward_equals_torch_path(which, rust_max, tiny_model_dir, embedded_runner):
+    """The fused CPU forward (Rust operators, cpu_forward.py) gives the torch path's logits on
     batches that mix prefill chunks and decodes in any order (a prefill ahead of decodes
     too), and every row equals the same sequence computed alone. rust_max=50 sends the
     longer prefill chunks to SDPA and keeps the short ones in Rust."""
-    from edgepaged.model import fused
-    monkeypatch.setattr(fused, "RUST_ATTENTION_MAX", rust_max)
+    import dataclasses
+
+    from edgepaged.model.cpu_forward import FusedCpuForward
     runner = embedded_runner if which == "embedded" else ModelRunner(tiny_model_dir, num_blocks=32)
-    assert runner.model.fused, "the fused CPU forward should be the default on CPU float32"
+    assert isinstance(runner.forward, FusedCpuForward), "the fused CPU forward should be the default on CPU float32"
     if which == "embedded":   # quantized weights: the decode-only step runs in one Rust call
-        from edgepaged.model.fused import quant_decoder
-        assert runner.quantized and quant_decoder(runner.model) is not None
+        assert runner.quantized and runner.forward.decoder is not None
+    settings = dataclasses.replace(runner.settings, rust_attention_max=rust_max)
+    paths = {False: TorchForward(runner.model, runner.backend, runner.kv_cache, kernel_threads=runner.quantized),
+             True: FusedCpuForward(runner.model, runner.backend, runner.kv_cache, settings, runner.quantized)}
     tol = 1e-3 if which == "embedded" else 1e-4
     toks = [list(range(40, 60)), list(range(70, 79)), list(range(90, 102))]
     steps = [[(0, toks[0]), (1, toks[1][:5])],
@@ -476,9 +481,10 @@ def test_fused_cpu_forward_equals_torch_path(which, rust_max, tiny_model_dir, em
              [(1, [8]), (0, [9]), (2, [10])],                      # decodes only
              [(2, [11]), (0, [12]), (1, [13, 14, 15])]]            # decodes ahead of a prefill chunk
     results = {}
+    chosen = runner.forward
     try:
         for fused in (False, True):
-            runner.model.fused = fused
+            runner.forward = paths[fused]
             runner.kv_cache.zero_()
             paged, outs = Paged(runner.num_blocks, runner.block_size, seed=3), []
             for items in steps:
@@ -486,7 +492,7 @@ def test_fused_cpu_forward_equals_torch_path(which, rust_max, tiny_model_dir, em
                 outs.append(runner.execute(ids, pos, meta))
             results[fused] = outs
     finally:
-        runner.model.fused = True
+        runner.forward = chosen
     for a, b in zip(results[False], results[True]):
         assert (a - b).abs().max().item() <= tol
     # every row against its sequence computed alone, in one prefill

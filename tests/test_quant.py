@@ -1,4 +1,4 @@
-"""Quantized weights kept quantized (rust_alloc/src/quant, edgepaged/model/quant.py).
+"""Quantized weights kept quantized (rust_alloc/cpu_kernels/src/quant, edgepaged/model/quant/).
 
 Ground truth: llama.cpp's own `gguf.quants.dequantize` followed by an fp32 matmul."""
 from __future__ import annotations
@@ -7,14 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from edgepaged._native import quant as kernels
 from edgepaged.model import ModelRunner
 from edgepaged.model.quant import BLOCK, FORMATS, QuantEmbedding, QuantLinear, QuantWeight, weight_bytes
-
-rust = pytest.importorskip("edgepaged._rust_alloc")
-if not hasattr(rust, "quant_matmul"):
-    pytest.skip("the Rust extension predates the quantized kernels (runs once ./run.sh setup has rebuilt it, as CI does)", allow_module_level=True)
-
-from gguf_models import random_blocks, write_random_gguf  # noqa: E402
+from edgepaged.testing.gguf_models import random_blocks, write_random_gguf
 
 
 def gguf_dequant(data: np.ndarray, qtype: int) -> np.ndarray:
@@ -38,13 +34,13 @@ def test_dequantize_is_gguf_bit_for_bit(qtype):
     want = gguf_dequant(data, qtype)
     for scalar in (False, True):
         out = np.full((9, 3 * bw), np.nan, np.float32)
-        rust.quant_dequantize(data, qtype, out, scalar=scalar)
+        kernels.dequantize(data, qtype, out, scalar=scalar)
         assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
         part = np.empty((4, 3 * bw), np.float32)
-        rust.quant_dequantize(data, qtype, part, 5, scalar=scalar)  # a row range
+        kernels.dequantize(data, qtype, part, 5, scalar=scalar)  # a row range
         assert np.array_equal(part, want[5:9])
         rows = np.array([8, 0, 8, 3], np.int64)
-        rust.quant_gather_rows(data, qtype, rows, part, scalar=scalar)
+        kernels.gather_rows(data, qtype, rows, part, scalar=scalar)
         assert np.array_equal(part, want[rows])
 
 
@@ -62,46 +58,49 @@ def test_matmul_matches_gguf_dequant_then_fp32_matmul(qtype):
         outs = []
         for scalar in (False, True):
             out = torch.full((tokens, rows), float("nan"))
-            rust.quant_matmul(data, qtype, x.numpy(), out.numpy(), scalar=scalar)
+            kernels.matmul(data, qtype, x.numpy(), out.numpy(), scalar=scalar)
             assert rel_err(out, ref) <= 1e-5, (rows, cols, tokens, scalar)
             outs.append(out)
         # SIMD (FMA) and scalar (multiply, add) paths agree to fp32 rounding
         assert ((outs[0] - outs[1]).abs() <= 1e-6 * scale).all()
 
 
-def test_strided_views_and_one_dimensional_inputs():
+def test_column_bands_and_one_dimensional_inputs():
     rng = np.random.default_rng(7)
     data = random_blocks(3, 20, 64, rng)
     w = torch.from_numpy(gguf_dequant(data, 3))
-    big = torch.randn(5, 100)
-    x = big[:, 10:74]                        # rows strided by 100
+    x = torch.randn(5, 64)
     out = torch.full((5, 50), float("nan"))
-    rust.quant_matmul(data, 3, x.numpy(), out[:, 20:40].numpy())  # columns 20..40 of a wider output
+    kernels.matmul(data, 3, x.numpy(), out.numpy(), col=20, rows=20)  # columns 20..40 of a wider output
     assert rel_err(out[:, 20:40], x @ w.T) <= 1e-5
     assert out[:, :20].isnan().all() and out[:, 40:].isnan().all()
     v = torch.randn(64)
     o = torch.empty(20)
-    rust.quant_matmul(data, 3, v.numpy(), o.numpy())
+    kernels.matmul(data, 3, v.numpy(), o.numpy())
     assert rel_err(o, w @ v) <= 1e-5
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.matmul(data, 3, torch.randn(5, 100)[:, 10:74].numpy(), out[:, :20].contiguous().numpy())
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.matmul(data, 3, x.numpy(), out.numpy(), col=40, rows=20)
 
 
 def test_bad_arguments_raise_value_error():
     data = random_blocks(2, 4, 64, np.random.default_rng(0))
     x, out = np.zeros((2, 64), np.float32), np.zeros((2, 4), np.float32)
     with pytest.raises(ValueError, match="not supported"):
-        rust.quant_matmul(data, 0, x, out)           # F32 is not a block format
+        kernels.matmul(data, 0, x, out)           # F32 is not a block format
     with pytest.raises(ValueError):
-        rust.quant_matmul(data, 2, np.zeros((2, 48), np.float32), out)   # 48 is not a multiple of 32
+        kernels.matmul(data, 2, np.zeros((2, 48), np.float32), out)   # 48 is not a multiple of 32
     with pytest.raises(ValueError, match="rows"):
-        rust.quant_matmul(data, 2, x, np.zeros((2, 5), np.float32))
+        kernels.matmul(data, 2, x, np.zeros((2, 5), np.float32))
     with pytest.raises(ValueError, match="rows"):
-        rust.quant_matmul(data, 2, x, np.zeros((3, 4), np.float32))
+        kernels.matmul(data, 2, x, np.zeros((3, 4), np.float32))
     with pytest.raises(ValueError, match="out of range"):
-        rust.quant_gather_rows(data, 2, np.array([4]), np.zeros((1, 64), np.float32))
+        kernels.gather_rows(data, 2, np.array([4]), np.zeros((1, 64), np.float32))
     with pytest.raises(TypeError):
-        rust.quant_matmul(data, 2, x.astype(np.float64), out)
-    with pytest.raises((ValueError, TypeError)):       # numpy refuses x and out sharing memory
-        rust.quant_matmul(data, 2, x, x[:, :4])
+        kernels.matmul(data, 2, x.astype(np.float64), out)
+    with pytest.raises((ValueError, TypeError)):       # x and out sharing memory, out not contiguous
+        kernels.matmul(data, 2, x, x[:, :4])
 
 
 def test_quant_linear_mixed_segments_bias_and_dense_path():
@@ -134,7 +133,7 @@ def test_interleaved_weights_give_the_same_products_lookups_and_dense_path():
         rows_layout = QuantLinear([w], dense_min_tokens=24)
         wx = QuantWeight(q, w.data.copy(), n, cols)
         assert wx.interleave() and wx.x8 and wx.data.shape == (-(-n // 8), 8 * w.data.shape[1])
-        assert wx.kind == q | rust.quant_info()["x8_flag"]
+        assert wx.kind == q | kernels.info()["x8_flag"]
         lin = QuantLinear([wx], dense_min_tokens=24)
         for t in (1, 2, 7, 15, 16, 23, 24, 40):   # GEMV, tiles, broadcast path, decode-to-scratch + GEMM
             x = torch.randn(t, cols)
@@ -142,20 +141,20 @@ def test_interleaved_weights_give_the_same_products_lookups_and_dense_path():
             assert got.shape == (t, n)
             assert rel_err(got, x @ dense.T) <= 1e-5, (q, t)
             assert rel_err(got, rows_layout(x)) <= 1e-6, (q, t)
-        assert torch.equal(wx.dequantize(), dense)
+        assert torch.equal(torch.from_numpy(wx.dequantize()), dense)
         ids = torch.tensor([n - 1, 0, 5, n - 1])
         assert torch.equal(QuantEmbedding(wx)(ids), dense[ids])
         out = np.full((2, n + 3), np.nan, np.float32)
-        rust.quant_matmul(wx.data, wx.kind, np.ones((2, cols), np.float32), out[:, :n])
+        kernels.matmul(wx.data, wx.kind, np.ones((2, cols), np.float32), out, rows=n)
         assert np.isfinite(out[:, :n]).all() and np.isnan(out[:, n:]).all()
     k4 = QuantWeight(12, random_blocks(12, 8, 256, rng), 8, 256)
     assert not k4.interleave() and not k4.x8          # K-quants keep the row order
     with pytest.raises(ValueError, match="cannot be interleaved"):
-        rust.quant_interleave(k4.data, 12, 8)
+        kernels.interleave(k4.data, 12, 8)
     with pytest.raises(ValueError, match="interleaved already"):
-        rust.quant_interleave(wx.data, wx.kind, n)
+        kernels.interleave(wx.data, wx.kind, n)
     with pytest.raises(ValueError, match="rows"):         # 8 rows of bytes cannot be 30 output columns
-        rust.quant_matmul(wx.data, wx.kind, np.ones((1, cols), np.float32), np.zeros((1, 30), np.float32))
+        kernels.matmul(wx.data, wx.kind, np.ones((1, cols), np.float32), np.zeros((1, 30), np.float32))
 
 
 # ---------------------------------------------------------------- the embedded model
@@ -191,18 +190,19 @@ def test_embedded_model_quantized_logits_match_fp32_and_answer_paris(embedded_ru
 def test_quantized_option_resolution():
     from types import SimpleNamespace as NS
 
-    from edgepaged.model.quant import wants_quantized
-    gguf = NS(reader=NS(tensors=[NS(tensor_type=0), NS(tensor_type=3)]))
-    assert wants_quantized(gguf, "cpu", torch.float32, None)
-    assert not wants_quantized(gguf, "cpu", torch.float32, False)
-    assert not wants_quantized(gguf, "cpu", torch.bfloat16, None)
-    assert not wants_quantized(gguf, "cuda", torch.float32, None)
+    from edgepaged.model.runner import keeps_quantized
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    gguf = NS(reader=object(), has_quantized=True)
+    assert keeps_quantized(gguf, cpu, torch.float32, None)
+    assert not keeps_quantized(gguf, cpu, torch.float32, False)
+    assert not keeps_quantized(gguf, cpu, torch.bfloat16, None)
+    assert not keeps_quantized(gguf, cuda, torch.float32, None)
     with pytest.raises(ValueError, match="dtype"):
-        wants_quantized(gguf, "cpu", torch.bfloat16, True)
+        keeps_quantized(gguf, cpu, torch.bfloat16, True)
     with pytest.raises(ValueError, match="not a GGUF"):
-        wants_quantized(NS(reader=None), "cpu", torch.float32, True)
+        keeps_quantized(NS(reader=None, has_quantized=False), cpu, torch.float32, True)
     with pytest.raises(ValueError, match="no tensor"):
-        wants_quantized(NS(reader=NS(tensors=[NS(tensor_type=1)])), "cpu", torch.float32, True)
+        keeps_quantized(NS(reader=object(), has_quantized=False), cpu, torch.float32, True)
 
 
 # ---------------------------------------------------------------- GGUF files written here
@@ -238,9 +238,8 @@ before = rss()
 r = ModelRunner(sys.argv[1], num_blocks=16)
 loaded = rss()
 ids = r.tokenizer.encode("Hello")
-out, paged = [], None
-from test_model import generate
-toks = generate(r, [ids], 4)[0]
+from edgepaged.testing.decode import make_allocator, run_batch
+toks = run_batch(r, make_allocator(r), [ids], 4)[0][0]
 print(json.dumps({"before": before, "loaded": loaded, "after": rss(), "peak": rss("VmHWM:"),
                   "tokens": toks, "is_quantized": r.quantized, "params": r.config.num_params, **weight_bytes(r.model)}))
 """
@@ -250,16 +249,13 @@ def test_billion_parameter_q4_model_answers_within_memory_budget(tmp_path):
     """The README's budget: resident weights <= 1.3 x the GGUF file (here 1.03 B parameters
     in Q4_0, ~580 MB), measured in a fresh process; the fp32 path would need ~4 GB."""
     import json
-    import os
     import subprocess
     import sys
     path = write_random_gguf(tmp_path / "1b.gguf", hidden=2048, layers=17, heads=16, kv_heads=4, inter=8192,
                              qtypes=dict(token_embd=2, attn_q=2, attn_k=2, attn_v=2, attn_output=2, ffn_gate=2,
                                          ffn_up=2, ffn_down=2))
     size = path.stat().st_size
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", BILLION_PROBE, str(path)], capture_output=True, text=True, env=env,
-                         timeout=300)
+    run = subprocess.run([sys.executable, "-c", BILLION_PROBE, str(path)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     m = json.loads(run.stdout.strip().splitlines()[-1])
     assert m["is_quantized"] and m["params"] >= 1_000_000_000

@@ -1,10 +1,10 @@
 """The scheduling policy on its own: no Trio, no model; the real Rust allocator."""
 import pytest
 
-from edgepaged._rust_alloc import BlockAllocator
+from edgepaged._native.blocks import BlockAllocator
 from edgepaged.engine.request import BACKGROUND, INTERACTIVE, Request, Status
 from edgepaged.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
-from edgepaged.model.sampler import SamplingParams
+from edgepaged.model.params import SamplingParams
 
 BS = 16
 
@@ -33,7 +33,7 @@ def step(s: Scheduler, token=7):
     for r in b.sampled:
         r.output_ids.append(token)
         if len(r.output_ids) >= r.params.max_tokens:
-            s.finish(r)
+            s.free(r, cache=True)
     return b
 
 
@@ -106,7 +106,7 @@ def test_out_of_blocks_preempts_newest_and_resumes_with_output_kept():
             break
         preempted += batch.preempted
     assert preempted and preempted[0] is b_, "the newest request is the victim"
-    assert a.finished and b_.finished
+    assert a.status is Status.FREED and b_.status is Status.FREED
     assert len(a.output_ids) == len(b_.output_ids) == 40
     assert s.alloc.num_used_blocks == 0
 
@@ -119,18 +119,18 @@ def test_contiguous_reserves_prompt_plus_max_tokens():
     assert s.alloc.num_used_blocks == -(-120 // BS)
     while step(s):
         pass
-    assert s.alloc.num_used_blocks == 0 and r.finished
+    assert s.alloc.num_used_blocks == 0 and r.status is Status.FREED
 
 
-def test_abort_frees_blocks_wherever_the_request_is():
+def test_free_takes_a_request_out_wherever_it_is():
     s = make(max_num_seqs=1)
     r1, r2 = req(base=1), req(base=2)
     s.add(r1)
     s.add(r2)
     step(s)
     assert r1.status is Status.RUNNING and r2.status is Status.WAITING
-    s.abort(r2)
-    s.abort(r1)
+    s.free(r2, cache=True)
+    s.free(r1, cache=False)
     assert s.alloc.num_used_blocks == 0 and not s.has_work()
 
 
@@ -184,3 +184,41 @@ def test_a_long_prefill_leaves_room_for_short_prompts():
     assert set(short) <= set(b.requests), "short prompts wait behind a long prefill"
     assert [b.num_new[b.requests.index(r)] for r in short] == [30, 30, 30]
     assert b.num_new[b.requests.index(doc)] == 256 - 90 and b.num_tokens == 256   # nothing of the budget lost
+
+
+def test_the_scheduler_knows_the_blocks_a_step_needs_without_asking():
+    """The scheduler computes the blocks a request needs from its own copy of the request's
+    block count (one crossing into Rust per step): it must agree with the allocator's own
+    answer at every step, through prefix hits, chunked prefill, decoding and preemption."""
+    s = make(num_blocks=20, max_num_batched_tokens=48, max_num_seqs=6)
+    reqs = [req(n=20 + 13 * i, max_tokens=30, base=1 if i % 2 else 7, client=f"c{i}") for i in range(8)]
+    for r in reqs:
+        s.add(r)
+    steps = 0
+    while s.has_work():
+        for r in s.running:
+            for n in (1, 5, 16, 17, 40):
+                assert s.blocks_needed(r, n) == s.alloc.blocks_needed(r.id, n), (r.id, r.num_slots, n)
+        b = step(s)
+        if b is not None:   # what prepare_step said is free is what is free
+            assert s.free_blocks == s.alloc.num_free_blocks
+        steps += 1
+        assert steps < 2000
+    assert s.alloc.num_used_blocks == 0 and s.num_preemptions > 0
+
+
+def test_a_shared_tail_block_counts_its_copy():
+    """After a fork the last, partly filled block is shared: the first write copies it."""
+    a = BlockAllocator(16, BS)
+    s = Scheduler(a, SchedulerConfig(max_model_len=256))
+    parent = req(n=20)
+    a.add_sequence(parent.id, parent.prompt_ids)
+    a.prepare_step([parent.id], [20])
+    child = Request(prompt_ids=parent.prompt_ids, params=parent.params)
+    a.fork(parent.id, child.id)
+    for r in (parent, child):
+        r.num_known = r.num_slots = 20
+        r.num_blocks, r.tail_shared = 2, True
+        a.append_tokens(r.id, [5])
+        r.output_ids.append(5)
+        assert s.blocks_needed(r, 1) == a.blocks_needed(r.id, 1) == 1

@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from edgepaged.engine import Engine, EngineConfig
-from edgepaged.server.httpd import HttpConfig, HttpServer
-from edgepaged.server.tcp import Server, ServerConfig
+from edgepaged.testing import serving as box
 
 ROOT = Path(__file__).resolve().parent.parent
 SCREENSHOT = ROOT / "bench" / "out" / "webchat-phone.png"
@@ -37,14 +35,8 @@ def browser_problem() -> tuple[str | None, str | None, str | None]:
 
 @asynccontextmanager
 async def serving(runner):
-    async with Engine(runner, EngineConfig(max_num_seqs=8)) as engine:
-        server = Server(engine, ServerConfig(host="127.0.0.1", port=0))
-        http = HttpServer(server, HttpConfig(port=0))
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
-            await nursery.start(http.serve)
-            yield http
-            nursery.cancel_scope.cancel()
+    async with box.serving(runner, http=True, max_num_seqs=8) as server:
+        yield server.http
 
 
 def open_phone_browser(chromium: str, driver_path: str):

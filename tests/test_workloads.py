@@ -3,13 +3,10 @@
 sensitivity run compares the same requests."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from workloads import CLASSES, mix, parse_caps, poisson  # noqa: E402
+from edgepaged.testing.workloads import CLASSES, mix, parse_caps, poisson
 
 
 @pytest.fixture(scope="module")

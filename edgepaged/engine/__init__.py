@@ -1,7 +1,8 @@
-"""The engine: requests, the scheduling policy, the Trio loop, metrics."""
+"""The engine: requests, the scheduling policy, the Trio loop, metrics. No torch here: the
+model step runs behind `runner.step`."""
 from .engine import Engine, EngineClosed, EngineConfig
-from .request import BACKGROUND, INTERACTIVE, DoneEvent, Request, TokenEvent
-from .scheduler import RequestRejected, Scheduler, SchedulerConfig
+from .request import BACKGROUND, INTERACTIVE, DoneEvent, Request, RequestRejected, TokenEvent
+from .scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["Engine", "EngineClosed", "EngineConfig", "Request", "TokenEvent", "DoneEvent", "RequestRejected",
            "Scheduler", "SchedulerConfig", "INTERACTIVE", "BACKGROUND"]

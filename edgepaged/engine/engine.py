@@ -1,16 +1,17 @@
 """The Trio engine: one loop task doing continuous batching over the scheduler and the model.
 
     async with Engine(runner, EngineConfig()) as engine:
-        req = engine.make_request(messages=[{"role": "user", "content": "Hi"}],
-                                  params=SamplingParams(temperature=0, max_tokens=32))
+        req = Request(prompt_ids=ids, params=SamplingParams(temperature=0, max_tokens=32))
         async with engine.stream(req) as events:
             async for event in events:      # TokenEvent ..., then one DoneEvent
                 ...
 
-The loop is the only place that touches Trio and the model at once; each step's forward
-runs in a worker thread so the event loop keeps serving. Leaving `stream()` early (cancel,
-disconnect, a cancelled scope) aborts the request: it leaves the batch and its blocks return
-to the pool at once.
+Requests arrive as token ids (the front end renders and tokenizes). The loop is the only
+place that touches Trio and the model at once; each step runs in a worker thread
+(`runner.step`: copy-on-write, forward, sampling) so the event loop keeps serving. Leaving
+`stream()` early (cancel, disconnect, a cancelled scope) ends the request for its client at
+once; its blocks go back to the pool then too, or, when the step running at that moment
+uses them, right after that step, cached only if the step succeeded.
 """
 from __future__ import annotations
 
@@ -21,15 +22,13 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-import numpy as np
 import trio
 
-from .._rust_alloc import BlockAllocator
-from ..model.sampler import SamplingParams, sample
+from .._native.blocks import BlockAllocator
 from ..model.tokenizer import IncrementalDetokenizer
 from .metrics import Metrics
-from .request import INTERACTIVE, PRIORITIES, DoneEvent, Request, Status, TokenEvent
-from .scheduler import Batch, RequestRejected, Scheduler, SchedulerConfig
+from .request import DoneEvent, Request, Status, TokenEvent
+from .scheduler import Batch, Scheduler, SchedulerConfig
 
 log = logging.getLogger("edgepaged.engine")
 
@@ -44,7 +43,6 @@ class EngineConfig:
     watermark_frac: float = 0.01
     background_share: float = 0.5            # most of max_num_seqs background work may hold
     long_prefill_tokens: int | None = None   # first cut of a prefill chunk (None: budget / 4; 0: off)
-    default_max_tokens: int | None = None    # when a request sends none: up to the context
     trim_memory_when_idle: bool = True       # malloc_trim when the last request ends (glibc)
 
 
@@ -93,6 +91,7 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.accepting = False
         self.step_hook: Callable[[Batch], None] | None = None   # called in the worker before each forward (tests)
+        self._in_step: frozenset[Request] = frozenset()          # requests whose blocks the running step uses
         self._wake = trio.Event()
         self._stack: AsyncExitStack | None = None
         self._idle = trio.Event()
@@ -127,47 +126,18 @@ class Engine:
         return len(left)
 
     # -- requests -----------------------------------------------------------------------------
-    def make_request(self, *, messages: list[dict] | None = None, prompt: str | None = None,
-                     prompt_ids: list[int] | None = None, params: SamplingParams | None = None,
-                     max_tokens: int | None = None, priority: str = INTERACTIVE, client: str = "",
-                     salt: int = 0) -> Request:
-        """Build and validate a request (raises RequestRejected or ValueError with a clear
-        message). Exactly one of messages (chat template), prompt (raw text), prompt_ids.
-        `max_tokens` replaces params.max_tokens; None means up to the context length."""
-        if sum(x is not None for x in (messages, prompt, prompt_ids)) != 1:
-            raise ValueError("give exactly one of messages, prompt or prompt_ids")
-        if priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
-        if messages is not None:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        elif prompt is not None:
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt_ids]
-            if any(t < 0 or t >= self.tokenizer.vocab_size for t in ids):
-                raise RequestRejected("bad_token", f"token ids must be in 0..{self.tokenizer.vocab_size - 1}")
-        params = params or SamplingParams()
-        room = self.max_model_len - len(ids)
-        if max_tokens is None:   # none sent: up to the context, as chat clients expect
-            max_tokens = max(1, min(room, self.config.default_max_tokens or room))
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        params.max_tokens = max_tokens
-        req = Request(prompt_ids=ids, params=params, priority=priority, client=client, salt=salt)
-        self.scheduler.check(req)
-        return req
-
     @asynccontextmanager
     async def stream(self, req: Request) -> AsyncIterator[trio.MemoryReceiveChannel]:
-        """Submit `req` and yield the channel of its events. Leaving early aborts it."""
+        """Submit `req` and yield the channel of its events. Leaving early cancels it.
+        Raises RequestRejected (it could never run here) or EngineClosed before anything runs."""
         if not self.accepting:
             raise EngineClosed("the engine is not accepting requests (shutting down)")
         if req.finished or req.send is not None:
             raise ValueError(f"request {req.id} was already submitted or has ended")
+        self.scheduler.add(req)
         send, recv = trio.open_memory_channel(math.inf)
         req.send = send
         req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, stop=req.params.stop)
-        self.scheduler.add(req)
         self.requests[req.id] = req
         self._idle = trio.Event()
         self._wake.set()
@@ -179,23 +149,12 @@ class Engine:
                 self._end(req, "cancelled")
             self.requests.pop(req.id, None)
 
-    async def generate(self, **kwargs) -> tuple[str, DoneEvent]:
-        """Convenience: run one request to the end; returns (text, done event)."""
-        req = self.make_request(**kwargs)
-        parts: list[str] = []
-        async with self.stream(req) as events:
-            async for ev in events:
-                if isinstance(ev, TokenEvent):
-                    parts.append(ev.text)
-                else:
-                    return "".join(parts), ev
-        raise RuntimeError("the event stream ended without a done event")
-
     @property
     def kv_capacity_blocks(self) -> int:
         return self.allocator.num_blocks
 
-    def abort(self, req: Request) -> None:
+    def cancel(self, req: Request) -> None:
+        """End a request now (finish_reason `cancelled`); its done event follows."""
         if not req.finished:
             self._end(req, "cancelled")
 
@@ -231,40 +190,51 @@ class Engine:
                 if req.first_scheduled is None:
                     req.first_scheduled = now
                     self.metrics.on_admit(len(req.prompt_ids), req.num_cached, self.allocator.enable_prefix_caching)
-            prev = [r.all_ids if (r.params.repetition_penalty != 1.0 or r.params.seed is not None) else []
-                    for r in batch.sampled]
+            prev = [r.all_ids if r.params.needs_history else [] for r in batch.sampled]
             params = [r.params for r in batch.sampled]
+            tokens, ok = None, False
+            self._in_step = frozenset(batch.requests)
             try:
                 tokens = await trio.to_thread.run_sync(self._execute, batch, params, prev)
+                ok = True
             except Exception as e:  # a failed step fails only its own requests
                 log.exception("model step failed")
                 for req in batch.requests:
-                    self._end(req, "error", cache=False,
-                              error={"code": "internal_error", "message": f"model step failed: {type(e).__name__}: {e}"})
-                continue
-            self._process(batch, tokens)
+                    self._end(req, "error", error={"code": "internal_error",
+                                                   "message": f"model step failed: {type(e).__name__}: {e}"})
+            finally:
+                self._free_after_step(batch, cache=ok)
+            if ok:
+                self._process(batch, tokens)
             self._steps_since_trim += 1
             await trio.lowlevel.checkpoint()
 
-    def _execute(self, batch: Batch, params, prev) -> list[int]:
+    def _free_after_step(self, batch: Batch, cache: bool) -> None:
+        """The step is over: requests of the batch that ended while it ran (cancel,
+        disconnect, shutdown, its failure) free their blocks now, cached only if it succeeded."""
+        self._in_step = frozenset()
+        for req in batch.requests:
+            if req.finished and req.status is Status.RUNNING:
+                self.scheduler.free(req, cache=cache)
+        if not self.scheduler.has_work():
+            self._idle.set()
+
+    def _execute(self, batch: Batch, params, prev) -> list:
         """In the worker thread: copy-on-write, the forward, sampling."""
         if self.step_hook is not None:
             self.step_hook(batch)
-        if len(batch.copies):
-            self.runner.copy_blocks(batch.copies)
-        meta = dict(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-                    block_tables=batch.block_tables, slot_mapping=batch.slot_mapping)
-        logits = self.runner.execute(batch.input_ids, batch.positions, meta, batch.logits_indices)
-        if not len(batch.sampled):
-            return []
-        return sample(logits, params, prev).tolist()
+        return self.runner.step(batch, params, prev)
 
-    def _process(self, batch: Batch, tokens: list[int]) -> None:
+    def _process(self, batch: Batch, tokens: list) -> None:
         now = time.monotonic()
         eos = self.tokenizer.stop_token_ids
         generated = 0
         for req, tok in zip(batch.sampled, tokens):
-            if req.finished:   # aborted while the step ran
+            if req.finished:   # ended while the step ran
+                continue
+            if isinstance(tok, BaseException):   # this row alone failed (its sampling)
+                self._end(req, "error", error={"code": "internal_error",
+                                               "message": f"sampling failed: {type(tok).__name__}: {tok}"})
                 continue
             generated += 1
             if req.first_token is None:
@@ -303,16 +273,15 @@ class Engine:
             if not req.finished:
                 self._end(req, "cancelled")
 
-    def _end(self, req: Request, reason: str, cache: bool = True, error: dict | None = None) -> None:
-        """The one place a request ends: its blocks go back, its last events go out."""
+    def _end(self, req: Request, reason: str, error: dict | None = None) -> None:
+        """The one place a request ends for its client: its last events go out; its blocks go
+        back to the pool now, or after the running step if that step uses them."""
         if req.finished:
             return
-        if reason == "cancelled":
-            self.scheduler.abort(req)
-        else:
-            self.scheduler.finish(req, cache=cache)
         req.finish_reason, req.error = reason, error
         req.finished_at = time.monotonic()
+        if req not in self._in_step:
+            self.scheduler.free(req, cache=reason != "error")
         tail = req.detok.finish() if req.detok is not None and reason != "error" else ""
         if tail:
             self._send_quiet(req, TokenEvent([], tail))

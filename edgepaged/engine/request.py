@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..model.sampler import SamplingParams
+from ..model.params import SamplingParams
 
 INTERACTIVE, BACKGROUND = "interactive", "background"
 PRIORITIES = (INTERACTIVE, BACKGROUND)
@@ -15,10 +15,21 @@ PRIORITIES = (INTERACTIVE, BACKGROUND)
 _ids = itertools.count(1)
 
 
+class RequestRejected(ValueError):
+    """A request refused before it runs, with a machine-readable code (the protocol's error
+    codes: prompt_too_long, context_exceeded, kv_capacity, invalid_params, ...). Raised by
+    the front end and by the scheduler's admission check; every door answers it in its
+    transport's error shape."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 class Status(enum.Enum):
     WAITING = "waiting"        # not admitted yet, or preempted and requeued
     RUNNING = "running"        # holds blocks in the allocator
-    FINISHED = "finished"
+    FREED = "freed"            # out of the scheduler, its blocks back in the pool
 
 
 @dataclass
@@ -38,9 +49,6 @@ class DoneEvent:
     error: dict[str, str] | None = None  # {"code", "message"} when finish_reason == "error"
 
 
-Event = TokenEvent | DoneEvent
-
-
 @dataclass(eq=False)
 class Request:
     prompt_ids: list[int]
@@ -57,6 +65,10 @@ class Request:
     # how many have KV slots (computed or being computed this step)
     num_known: int = 0
     num_slots: int = 0
+    # the scheduler's copy of what the allocator holds for it: blocks in its table, and
+    # whether its last block is shared (a fork's first write into it copies it first)
+    num_blocks: int = 0
+    tail_shared: bool = False
     num_cached: int = 0            # prompt tokens found in the prefix cache (first admission)
     num_preemptions: int = 0
     admitted: bool = False         # admitted at least once
@@ -90,7 +102,9 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status is Status.FINISHED
+        """Ended for its client (stop, length, cancel, error). Its blocks may still be in use
+        by the model step that is running; the engine frees them after that step."""
+        return self.finish_reason is not None
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.output_ids),

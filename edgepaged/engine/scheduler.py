@@ -25,15 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .request import BACKGROUND, INTERACTIVE, PRIORITIES, Request, Status
-
-
-class RequestRejected(ValueError):
-    """A request that can never run here (too long for the context or the KV pool)."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
+from .request import BACKGROUND, INTERACTIVE, PRIORITIES, Request, RequestRejected, Status
 
 
 @dataclass
@@ -117,7 +109,22 @@ class _Queue:
         return False
 
 
+@dataclass
+class _Step:
+    """One `schedule()` call's working state."""
+    budget: int                        # tokens left in the step
+    bg_prefill_left: int               # background prefill tokens left in the step
+    plan: dict = field(default_factory=dict)        # request -> tokens this step
+    need: dict = field(default_factory=dict)        # request -> blocks it takes from the pool
+    preempted: list = field(default_factory=list)
+
+
 class Scheduler:
+    """The policy. Crosses into Rust once per step in the steady state (`prepare_step`, which
+    also says how many blocks are free afterwards); blocks a request needs are computed here
+    from the scheduler's copy of its block count. Admissions (`prefix_match`,
+    `add_sequence`) and frees cross once per request."""
+
     def __init__(self, allocator, config: SchedulerConfig):
         self.alloc = allocator
         self.config = config
@@ -126,6 +133,7 @@ class Scheduler:
         self.queues = {p: _Queue() for p in PRIORITIES}
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._free_blocks: int | None = None   # known free blocks; None: ask the allocator
 
     # -- queue state ------------------------------------------------------------------------
     @property
@@ -141,6 +149,24 @@ class Scheduler:
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    def blocks_needed(self, req: Request, n: int) -> int:
+        """Blocks `prepare_step` takes from the pool for `n` more tokens of a running request:
+        new blocks past its table, plus a copy of its last block if that is shared and
+        written into (the allocator's `blocks_needed`, from the scheduler's own copy)."""
+        if n <= 0:
+            return 0
+        bs = self.block_size
+        first, last = req.num_slots // bs, (req.num_slots + n - 1) // bs
+        have = min(req.num_blocks, last + 1)
+        shared = 1 if req.tail_shared and first < have else 0
+        return shared + max(0, last + 1 - max(have, first))
+
+    @property
+    def free_blocks(self) -> int:
+        if self._free_blocks is None:
+            self._free_blocks = self.alloc.num_free_blocks
+        return self._free_blocks
 
     def check(self, req: Request) -> None:
         """Reject up front a request that could never run; raise RequestRejected."""
@@ -160,33 +186,30 @@ class Scheduler:
                                   f"blocks; the pool has {usable}")
 
     def add(self, req: Request) -> None:
+        """Queue a request (checked: RequestRejected if it could never run)."""
         self.check(req)
         req.status = Status.WAITING
         self.queues[req.priority].push(req)
 
-    def abort(self, req: Request) -> None:
-        """Take a request out wherever it is; its blocks return to the pool at once."""
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
-            self.alloc.free_sequence(req.id)
-        elif req.status is Status.WAITING:
-            self.queues[req.priority].remove(req)
-        req.status = Status.FINISHED
-
-    def finish(self, req: Request, cache: bool = True) -> None:
-        """A running request ended (stop, length, or a failed step with cache=False)."""
+    def free(self, req: Request, cache: bool) -> None:
+        """Take a request out wherever it is. A running one's blocks return to the pool; with
+        `cache`, its computed full blocks enter the prefix cache first (pass False when the
+        step that was to compute them failed). Call it only while no step uses its blocks."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
             self.alloc.free_sequence(req.id, cache)
+            self._free_blocks = None
         elif req.status is Status.WAITING:
             self.queues[req.priority].remove(req)
-        req.status = Status.FINISHED
+        req.status = Status.FREED
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.alloc.free_sequence(req.id)
+        self._free_blocks = None
         req.status = Status.WAITING
-        req.num_known = req.num_slots = 0
+        req.num_known = req.num_slots = req.num_blocks = 0
+        req.tail_shared = False
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.queues[req.priority].push_front(req)
@@ -196,97 +219,93 @@ class Scheduler:
         """Plan one step: interactive work first (decodes, prefill chunks, admissions), then
         background work — unless an interactive prefill runs this step: background then
         waits one step, so an interactive request's first token never waits behind it."""
-        self._budget = self.config.max_num_batched_tokens
-        self._bg_prefill_left = max(16, self.config.max_num_batched_tokens // 8)
-        self._plan: dict[Request, int] = {}
-        self._need: dict[Request, int] = {}
-        self._preempted: list[Request] = []
+        budget = self.config.max_num_batched_tokens
+        step = _Step(budget=budget, bg_prefill_left=max(16, budget // 8))
         rank = {INTERACTIVE: 0, BACKGROUND: 1}
         self.running.sort(key=lambda r: (rank[r.priority], r.arrival))
         for prio in PRIORITIES:
-            self._schedule_running(prio)
-            self._admit(prio)
-            self._lengthen_chunks(prio)
-            if prio == INTERACTIVE and any(not r.is_decoding for r in self._plan):
+            self._schedule_running(step, prio)
+            self._admit(step, prio)
+            self._lengthen_chunks(step, prio)
+            if prio == INTERACTIVE and any(not r.is_decoding for r in step.plan):
                 break
-        if not self._plan:
+        if not step.plan:
             return None
-        return self._build(self._plan, self._preempted)
+        return self._build(step)
 
-    def _chunk_budget(self, prio: str) -> int:
+    def _chunk_budget(self, step: _Step, prio: str) -> int:
         """Background prefill takes at most an eighth of the step budget per step, all
         background requests together, so an interactive request arriving meanwhile waits for
-        a short step, not a long one: on a CPU a step costs about its token count (about the
-        same per token from 32 tokens to 512 here), so the cap costs background work little
-        throughput and bounds how long the in-flight step holds a new interactive prompt back.
-        (A cap per request was not enough: eight background chunks filled a 512-token step,
-        1.4 s on the 2-core machine, and an interactive prompt arriving then waited for it.)"""
+        a short step, not a long one: on a CPU a step costs about its token count, so the cap
+        costs background work little throughput and bounds how long the in-flight step holds
+        a new interactive prompt back. (A cap per request was not enough: eight background
+        chunks filled a whole step, and an interactive prompt arriving then waited for it.)"""
         if prio == BACKGROUND:
-            return min(self._budget, self._bg_prefill_left)
-        return self._budget
+            return min(step.budget, step.bg_prefill_left)
+        return step.budget
 
-    def _first_chunk(self, prio: str) -> int:
+    def _first_chunk(self, step: _Step, prio: str) -> int:
         """The most a prefill chunk gets before the leftover pass: the long-prefill cap."""
         cap = self.config.long_prefill_tokens
         if cap is None:
             cap = max(16, self.config.max_num_batched_tokens // 4)
-        return min(self._chunk_budget(prio), cap) if cap > 0 else self._chunk_budget(prio)
+        return min(self._chunk_budget(step, prio), cap) if cap > 0 else self._chunk_budget(step, prio)
 
-    def _lengthen_chunks(self, prio: str) -> None:
+    def _lengthen_chunks(self, step: _Step, prio: str) -> None:
         """Budget left after every running prefill and admission of `prio` got its (cut)
         chunk goes back to those chunks, in plan order, as far as free blocks allow."""
-        for req in list(self._plan):
-            if req.priority != prio or req.is_decoding or self._chunk_budget(prio) <= 0:
+        for req in list(step.plan):
+            if req.priority != prio or req.is_decoding or self._chunk_budget(step, prio) <= 0:
                 continue
-            n = self._plan[req]
-            extra = min(req.num_known - req.num_slots - n, self._chunk_budget(prio))
+            n = step.plan[req]
+            extra = min(req.num_known - req.num_slots - n, self._chunk_budget(step, prio))
             if extra <= 0:
                 continue
-            k = self.alloc.blocks_needed(req.id, n + extra)
-            if k - self._need[req] > self._free() - self.watermark:
+            k = self.blocks_needed(req, n + extra)
+            if k - step.need[req] > self._free(step) - self.watermark:
                 continue
-            self._plan[req], self._need[req] = n + extra, k
-            self._planned(req, extra)
+            step.plan[req], step.need[req] = n + extra, k
+            self._planned(step, req, extra)
 
-    def _planned(self, req: Request, n: int) -> None:
-        self._budget -= n
+    @staticmethod
+    def _planned(step: _Step, req: Request, n: int) -> None:
+        step.budget -= n
         if req.priority == BACKGROUND and not req.is_decoding:
-            self._bg_prefill_left -= n
+            step.bg_prefill_left -= n
 
-    def _free(self) -> int:
-        return self.alloc.num_free_blocks - sum(self._need.values())
+    def _free(self, step: _Step) -> int:
+        return self.free_blocks - sum(step.need.values())
 
-    def _preempt_in_step(self, victim: Request) -> None:
-        if victim in self._plan:
-            self._planned(victim, -self._plan.pop(victim))
-        self._need.pop(victim, None)
+    def _preempt_in_step(self, step: _Step, victim: Request) -> None:
+        if victim in step.plan:
+            self._planned(step, victim, -step.plan.pop(victim))
+        step.need.pop(victim, None)
         self._preempt(victim)
-        self._preempted.append(victim)
+        step.preempted.append(victim)
 
-    def _schedule_running(self, prio: str) -> None:
+    def _schedule_running(self, step: _Step, prio: str) -> None:
         """Running sequences of one priority: decodes first, then prefill chunks. A sequence
         that cannot get its blocks preempts the lowest ranked running one not yet planned."""
         for decoding in (True, False):
             for req in list(self.running):
-                if (req.priority != prio or req.status is not Status.RUNNING or req in self._plan
+                if (req.priority != prio or req.status is not Status.RUNNING or req in step.plan
                         or req.is_decoding != decoding):
                     continue
-                n = 1 if decoding else min(req.num_known - req.num_slots, self._first_chunk(prio))
+                n = 1 if decoding else min(req.num_known - req.num_slots, self._first_chunk(step, prio))
                 if n <= 0:
                     continue
-                k = self.alloc.blocks_needed(req.id, n)
-                while k > self._free():
-                    victims = [r for r in self.running if r is not req and r not in self._plan]
+                k = self.blocks_needed(req, n)
+                while k > self._free(step):
+                    victims = [r for r in self.running if r is not req and r not in step.plan]
                     victim = victims[-1] if victims else req
-                    self._preempt_in_step(victim)
+                    self._preempt_in_step(step, victim)
                     if victim is req:
                         break
-                    k = self.alloc.blocks_needed(req.id, n)
                 if req.status is Status.RUNNING:
-                    self._plan[req], self._need[req] = n, k
-                    self._planned(req, n)
+                    step.plan[req], step.need[req] = n, k
+                    self._planned(step, req, n)
 
-    def _admit(self, prio: str) -> None:
+    def _admit(self, step: _Step, prio: str) -> None:
         cfg = self.config
         queue = self.queues[prio]
         running_per_client: dict[str, int] = {}
@@ -295,9 +314,9 @@ class Scheduler:
         limit = cfg.max_num_seqs
         if prio == BACKGROUND:   # keep room for interactive arrivals
             limit = max(1, int(cfg.max_num_seqs * cfg.background_share))
-        while self._chunk_budget(prio) > 0:
+        while self._chunk_budget(step, prio) > 0:
             req = queue.peek(running_per_client)
-            if req is None or req in self._preempted:
+            if req is None or req in step.preempted:
                 return
             tokens = req.all_ids
             if cfg.contiguous:
@@ -306,36 +325,39 @@ class Scheduler:
             else:
                 reserve = None
                 cached, free_cached = self.alloc.prefix_match(tokens, req.salt)
-                chunk = min(len(tokens) - cached, self._first_chunk(prio))
+                chunk = min(len(tokens) - cached, self._first_chunk(step, prio))
                 k = free_cached + self._blocks_for(cached + chunk) - cached // self.block_size
             same_prio = sum(r.priority == prio for r in self.running)
             full = len(self.running) >= cfg.max_num_seqs or same_prio >= limit
-            if full or k > self._free() - self.watermark:
+            if full or k > self._free(step) - self.watermark:
                 # an interactive request may take the place of running background work
                 victims = [r for r in self.running if r.priority == BACKGROUND] if prio == INTERACTIVE else []
                 if victims:
-                    self._preempt_in_step(victims[-1])
+                    self._preempt_in_step(step, victims[-1])
                     continue
                 return
             queue.pop(req)
             cached = self.alloc.add_sequence(req.id, tokens, req.salt, reserve)
+            self._free_blocks = None
             if not req.admitted:
                 req.num_cached = cached
                 req.admitted = True
             req.num_known, req.num_slots = len(tokens), cached
+            req.num_blocks = self._blocks_for(reserve) if reserve is not None else cached // self.block_size
+            req.tail_shared = False
             req.status = Status.RUNNING
             self.running.append(req)
             running_per_client[req.client] = running_per_client.get(req.client, 0) + 1
-            n = min(len(tokens) - cached, self._first_chunk(prio))
-            self._plan[req] = n
-            self._need[req] = self.alloc.blocks_needed(req.id, n)
-            self._planned(req, n)
+            n = min(len(tokens) - cached, self._first_chunk(step, prio))
+            step.plan[req] = n
+            step.need[req] = self.blocks_needed(req, n)
+            self._planned(step, req, n)
 
-    def _build(self, plan: dict[Request, int], preempted: list[Request]) -> Batch:
-        reqs = list(plan)
-        num_new = [plan[r] for r in reqs]
+    def _build(self, step: _Step) -> Batch:
+        reqs = list(step.plan)
+        num_new = [step.plan[r] for r in reqs]
         new_tokens = [r.output_ids[-1] if r.num_known == r.num_tokens - 1 else -1 for r in reqs]
-        slot_mapping, block_tables, seq_lens, copies = self.alloc.prepare_step(
+        slot_mapping, block_tables, seq_lens, copies, self._free_blocks = self.alloc.prepare_step(
             np.array([r.id for r in reqs], dtype=np.int64), np.array(num_new, dtype=np.int64),
             np.array(new_tokens, dtype=np.int64))
         total = sum(num_new)
@@ -354,10 +376,13 @@ class Scheduler:
                 input_ids[t:t + n] = r.all_ids[start:start + n]
             positions[t:t + n] = np.arange(start, start + n)
             r.num_slots += n
+            if n:
+                r.num_blocks = max(r.num_blocks, self._blocks_for(r.num_slots))
+                r.tail_shared = False
             t += n
             qsl[i + 1] = t
             if r.num_slots == r.num_tokens:
                 logits_indices.append(t - 1)
                 sampled.append(r)
         return Batch(reqs, num_new, input_ids, positions, qsl, seq_lens, block_tables, slot_mapping, copies,
-                     np.array(logits_indices, dtype=np.int64), sampled, preempted)
+                     np.array(logits_indices, dtype=np.int64), sampled, step.preempted)

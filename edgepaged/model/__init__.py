@@ -1,9 +1,20 @@
-"""The model runtime: loading, the transformer forward over a paged KV cache, sampling."""
-from .attention import AttentionMetadata
-from .loader import ModelConfig, ModelFiles, default_model_path
-from .runner import ModelRunner
-from .sampler import SamplingParams, sample
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+"""The model runtime: loading, the forward paths over a paged KV cache, sampling.
 
-__all__ = ["AttentionMetadata", "IncrementalDetokenizer", "ModelConfig", "ModelFiles", "ModelRunner",
-           "SamplingParams", "Tokenizer", "default_model_path", "sample"]
+Names are imported on first use, so `edgepaged.model.params` (plain data) can be imported
+without torch.
+"""
+import importlib
+
+_NAMES = {
+    "AttentionMetadata": "attention", "ModelConfig": "loader", "ModelFiles": "loader",
+    "default_model_path": "loader", "ModelRunner": "runner", "SamplingParams": "params", "sample": "sampler",
+    "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer", "CpuConfig": "settings",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name):
+    if name in _NAMES:
+        return getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

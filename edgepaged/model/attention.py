@@ -88,12 +88,11 @@ class TorchAttention:
         self.h, self.hkv, self.d, self.block_size = num_heads, num_kv_heads, head_dim, block_size
         self.group, self.window, self.scale = num_heads // num_kv_heads, sliding_window, head_dim ** -0.5
 
-    def plan(self, meta: AttentionMetadata, with_decode: bool = True) -> _TorchPlan:
-        """with_decode=False: plan the prefill chunks only (a caller that attends the decode
-        rows itself, like the fused CPU forward)."""
+    def plan(self, meta: AttentionMetadata) -> _TorchPlan:
+        """Once per forward: the decode group, the prefill chunks and the KV write."""
         bs, dev = self.block_size, meta.block_tables.device
         starts = np.cumsum([0] + meta.q_lens_host)
-        dec = [i for i, q in enumerate(meta.q_lens_host) if q == 1] if with_decode else []
+        dec = [i for i, q in enumerate(meta.q_lens_host) if q == 1]
         decode = None
         if dec:
             lens = [meta.seq_lens_host[i] for i in dec]
@@ -111,11 +110,21 @@ class TorchAttention:
                 visible &= pos >= lens_t - self.window
             bias = torch.zeros(visible.shape, dtype=torch.float32, device=dev).masked_fill_(~visible, float("-inf"))
             decode = _DecodeGroup(tokens, blocks, bias[:, None, None, :].to(self.dtype), len(dec))
+        prefills = self.prefill_plan(meta, [i for i, q in enumerate(meta.q_lens_host) if q > 1])
+        write = None
+        if len(meta.slot_mapping) and int(meta.slot_mapping.min()) < 0:
+            rows = (meta.slot_mapping >= 0).nonzero().squeeze(1)
+            write = rows, meta.slot_mapping[rows]
+        return _TorchPlan(meta, decode, prefills, write)
+
+    def prefill_plan(self, meta: AttentionMetadata, seqs: list[int]) -> list:
+        """The prefill chunks of sequences `seqs` (indices into the batch), as
+        `attend_prefills` takes them: (token rows, block ids, context length, mask or None)."""
+        bs, dev = self.block_size, meta.block_tables.device
+        starts = np.cumsum([0] + meta.q_lens_host)
         prefills = []
-        for i, q in enumerate(meta.q_lens_host):
-            if q == 1:
-                continue
-            n = meta.seq_lens_host[i]
+        for i in seqs:
+            q, n = meta.q_lens_host[i], meta.seq_lens_host[i]
             blocks = meta.block_tables[i, : -(-n // bs)].long()
             mask = None
             if q != n or self.window:
@@ -125,11 +134,7 @@ class TorchAttention:
                 if self.window:
                     mask &= kpos > qpos - self.window
             prefills.append((slice(int(starts[i]), int(starts[i]) + q), blocks, n, mask))
-        write = None
-        if with_decode and len(meta.slot_mapping) and int(meta.slot_mapping.min()) < 0:
-            rows = (meta.slot_mapping >= 0).nonzero().squeeze(1)
-            write = rows, meta.slot_mapping[rows]
-        return _TorchPlan(meta, decode, prefills, write)
+        return prefills
 
     def forward(self, q, k, v, k_cache, v_cache, plan: _TorchPlan) -> torch.Tensor:
         slots = plan.meta.slot_mapping

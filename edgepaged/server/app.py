@@ -16,9 +16,10 @@ from typing import Callable
 import trio
 
 from ..engine import Engine, EngineConfig
+from ..frontend import FrontEnd, FrontEndConfig
+from ..protocol import PROTOCOL_VERSION
 from . import mdns
 from .httpd import HttpConfig, HttpServer
-from .protocol import PROTOCOL_VERSION
 from .tcp import Server, ServerConfig
 
 log = logging.getLogger("edgepaged.server")
@@ -27,6 +28,7 @@ log = logging.getLogger("edgepaged.server")
 @dataclass
 class AppConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
+    front: FrontEndConfig = field(default_factory=FrontEndConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     http: HttpConfig | None = field(default_factory=HttpConfig)   # None: no HTTP server
     mdns: bool = True
@@ -48,16 +50,17 @@ def http_url(http: HttpServer) -> str:
 
 def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig,
            http: HttpServer | None = None) -> str:
-    e, sc = server.engine, server.config
+    e, sc, front = server.engine, server.config, server.front
     host = sc.host or "0.0.0.0"
     where = (f"{host}:{server.port} (all interfaces: reachable from the local network)"
              if host in ("0.0.0.0", "::") else f"{host}:{server.port}")
     capacity = e.kv_capacity_blocks * e.block_size
-    parts = [f"edgepaged ready on {where}", f"model {server.model}", f"context {e.max_model_len} tokens",
+    parts = [f"edgepaged ready on {where}", f"model {front.model}", f"context {e.max_model_len} tokens",
              f"KV capacity {capacity} tokens ({e.kv_capacity_blocks} blocks of {e.block_size})",
              f"HTTP (OpenAI API, chat page) {http_url(http)}" if http else "HTTP off",
              f"mDNS {adv.name!r}" if adv else "mDNS off"]
-    access = (f"per-user tokens ({len(sc.users)} users)" if sc.users else "token required" if sc.token is not None
+    fc = front.config
+    access = (f"per-user tokens ({len(fc.users)} users)" if fc.users else "token required" if fc.token is not None
               else "no --token: open to anyone on the local network")
     return ", ".join(parts) + f"; {access}"
 
@@ -81,19 +84,21 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
     """Serve until SIGINT/SIGTERM; returns the number of requests cancelled at shutdown."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with Engine(runner, cfg.engine) as engine:
-            server = Server(engine, cfg.server)
+            front = FrontEnd(engine, cfg.front)
+            server = Server(front, cfg.server)
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.serve)
                 http = None
                 if cfg.http is not None:   # the same engine over HTTP: OpenAI API, metrics, chat page
-                    http = HttpServer(server, cfg.http)
+                    if cfg.http.host is None:
+                        cfg.http.host = cfg.server.host
+                    http = HttpServer(front, cfg.http, stats=server.stats)
                     await nursery.start(http.serve)
                 async with AsyncExitStack() as stack:
                     adv = None
                     if cfg.mdns:
-                        props = mdns.txt_properties(version=PROTOCOL_VERSION, model=server.model,
-                                                    context_length=engine.max_model_len,
-                                                    auth=cfg.server.token is not None or bool(cfg.server.users),
+                        props = mdns.txt_properties(version=PROTOCOL_VERSION, model=front.model,
+                                                    context_length=engine.max_model_len, auth=front.auth_required,
                                                     http_port=http.port if http else None)
                         try:
                             addresses = await trio.to_thread.run_sync(

@@ -8,14 +8,14 @@ cancelled and leaving `Engine.stream` frees their blocks at once.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import TYPE_CHECKING
 
 import trio
 
 from ..engine import DoneEvent, EngineClosed, RequestRejected, TokenEvent
-from .protocol import (CODES, SUPPORTED_VERSIONS, ConnectionClosed, FrameReader, GenerateRequest, Hello,
+from ..frontend import AuthFailed, Caller
+from ..protocol import (CODES, SUPPORTED_VERSIONS, ConnectionClosed, FrameReader, GenerateRequest, Hello,
                        ProtocolError, encode, parse, with_id)
 
 if TYPE_CHECKING:
@@ -33,6 +33,11 @@ def event_frame(rid, ev: TokenEvent | DoneEvent) -> dict:
     if ev.error:
         frame["error"] = ev.error
     return frame
+
+
+def rejected(e: RequestRejected, rid) -> ProtocolError:
+    """A refusal from the front end or the engine as the protocol's error frame."""
+    return ProtocolError(e.code if e.code in CODES else "bad_request", str(e), rid)
 
 
 async def close_gracefully(stream, timeout_s: float = 1.0) -> None:
@@ -55,8 +60,7 @@ class Connection:
             self.peer = str(stream.socket.getpeername()[0])
         except OSError:
             self.peer = "?"
-        self.client = self.peer                  # the fairness identity: hello's client name, else the peer
-        self.identity: str | None = None         # whose prefix cache: the authenticated user, else the client
+        self.caller: Caller | None = None        # who is asking, known after hello
         self.idle_scope: trio.CancelScope | None = None
         self.hello: Hello | None = None
         self.inflight: dict = {}                 # request id -> engine Request
@@ -149,11 +153,11 @@ class Connection:
             req = self.inflight.get(item.id)
             if req is None:
                 raise ProtocolError("unknown_request", f"no request {item.id!r} in flight", item.id)
-            self.engine.abort(req)      # its done frame (finish_reason cancelled) follows
+            self.engine.cancel(req)     # its done frame (finish_reason cancelled) follows
         elif item.kind == "stats":
             await self.send(with_id({"type": "stats", "stats": self.server.stats()}, item.id))
         elif item.kind == "models":
-            await self.send(with_id({"type": "models", "models": self.server.models()}, item.id))
+            await self.send(with_id({"type": "models", "models": self.server.front.models()}, item.id))
 
     async def _hello(self, item: Hello) -> None:
         if self.hello is not None:
@@ -161,23 +165,12 @@ class Connection:
         if item.version not in SUPPORTED_VERSIONS:
             raise ProtocolError("unsupported_version", f"protocol version {item.version} is not supported; this "
                                 f"server speaks {', '.join(map(str, SUPPORTED_VERSIONS))}", item.id)
-        token, users = self.config.token, self.config.users
-        given = (item.token or "").encode()
-        if users:
-            # compare against every user's token, in constant time each
-            matches = [name for t, name in users.items() if hmac.compare_digest(given, t.encode())]
-            if item.token is None or not matches:
-                raise ProtocolError("auth_failed", "a wrong or missing token", item.id)
-            self.identity = matches[0]
-        elif token is not None and (item.token is None or not hmac.compare_digest(given, token.encode())):
-            raise ProtocolError("auth_failed", "a wrong or missing token", item.id)
+        try:
+            user = self.server.front.authenticate(item.token)
+        except AuthFailed as e:
+            raise ProtocolError("auth_failed", str(e), item.id) from None
         self.hello = item
-        if item.client:
-            self.client = item.client
-        if self.identity is None:
-            self.identity = self.client
-        else:
-            self.client = self.identity if not item.client else f"{self.identity}/{item.client}"
+        self.caller = self.server.front.caller(user, item.client, self.peer)
         await self.send(with_id(self.server.info(), item.id))
 
     async def _start(self, item: GenerateRequest) -> None:
@@ -189,14 +182,17 @@ class Connection:
                                 "per connection", rid)
         if not self.engine.accepting:
             raise ProtocolError("shutdown", "the server is shutting down", rid)
-        req = await self.server.build_request(item, self.client, self.identity)
+        try:
+            req = await self.server.front.build(item, self.caller)
+        except RequestRejected as e:
+            raise rejected(e, rid) from None
         self.inflight[rid] = req
         try:
             await self._requests.start(self._stream, rid, req)
         except EngineClosed:
             raise ProtocolError("shutdown", "the server is shutting down", rid) from None
         except RequestRejected as e:
-            raise ProtocolError(e.code if e.code in CODES else "bad_request", str(e), rid) from None
+            raise rejected(e, rid) from None
 
     async def _stream(self, rid, req, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:

@@ -1,22 +1,21 @@
 """HTTP on the same process and the same engine: the OpenAI-compatible API, the metrics,
 the health check and the web chat page, as a Starlette app served by hypercorn's Trio worker.
 
-    http = HttpServer(server, HttpConfig(port=0))   # server: the tcp.Server (limits, token)
+    http = HttpServer(front, HttpConfig(port=0))    # front: the FrontEnd (auth, limits, requests)
     async with trio.open_nursery() as n:
         await n.start(http.serve)        # listening; http.port is the bound port
         ...
         http.stop_accepting()            # at shutdown: no new connections, idle ones close
         await http.wait_closed(2.0)      # after the engine drained: the last answers go out
 
-Requests are built by the TCP server's `build_request` (same limits, same fairness identity:
-the OpenAI `user` field, else the peer's address). Each generation runs inside
+Requests are built by the front end, as for the msgpack door (same auth, same limits, same
+fairness identity: the OpenAI `user` field, else the peer's address). Each generation runs inside
 `engine.stream(req)` in the ASGI task, beside a watcher of the client's `http.disconnect`:
 a client that goes away cancels the scope, leaving the stream aborts the request and its
 KV blocks return to the pool at once.
 """
 from __future__ import annotations
 
-import hmac
 import importlib.resources
 import json
 import logging
@@ -34,9 +33,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine import EngineClosed, RequestRejected, TokenEvent
+from ..frontend import AuthFailed, FrontEnd
 from .openai_api import (ApiError, Generation, Shaper, done_error, error_body, model_card, models_list, new_id,
                          parse_chat, parse_completion)
-from .protocol import CODES, ProtocolError
 
 log = logging.getLogger("edgepaged.http")
 DEFAULT_HTTP_PORT = 7879
@@ -47,11 +46,11 @@ PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-i
 
 
 class HttpConfig:
-    """Settings of the HTTP side (the token and the request limits are the TCP server's)."""
+    """Settings of the HTTP side (the token and the request limits are the front end's)."""
 
     def __init__(self, host: str | None = None, port: int = DEFAULT_HTTP_PORT, max_body_bytes: int = 1 << 20,
                  max_inflight: int = 64, keep_alive_s: float = 5.0, page: bool = True):
-        self.host = host                    # None: the TCP server's host
+        self.host = host                    # None: every interface (0.0.0.0)
         self.port = port
         self.max_body_bytes = max_body_bytes
         self.max_inflight = max_inflight    # generations in flight over HTTP, all clients together
@@ -69,10 +68,12 @@ def api_error_response(e: ApiError) -> JSONResponse:
 
 
 class HttpServer:
-    def __init__(self, server, config: HttpConfig | None = None):
-        self.server, self.engine = server, server.engine
+    def __init__(self, front: FrontEnd, config: HttpConfig | None = None, stats=None):
+        """stats: what /stats shows (default: the engine's stats)."""
+        self.front, self.engine = front, front.engine
         self.config = config or HttpConfig()
-        self.host = self.config.host or server.config.host or "0.0.0.0"
+        self.host = self.config.host or "0.0.0.0"
+        self._stats = stats or self.engine.stats
         self.port: int | None = None
         self.inflight = 0
         self.created = int(time.time())
@@ -154,22 +155,15 @@ class HttpServer:
         return JSONResponse(error_body(500, f"{type(e).__name__}: {e}", "internal_error"), status_code=500)
 
     def _authorize(self, request: HttpRequest) -> str | None:
-        """Check the bearer token as the TCP server checks hello's (constant-time compares);
-        returns the authenticated user's name with per-user tokens, else None."""
-        cfg = self.server.config
-        token, users = cfg.token, getattr(cfg, "users", None)
-        if token is None and not users:
+        """Check the bearer token through the front end; returns the authenticated user's
+        name with per-user tokens, else None."""
+        if not self.front.auth_required:
             return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        given_b = given.strip().encode("utf-8", "surrogateescape")
-        ok = scheme.lower() == "bearer" and bool(given_b)
-        if users:
-            matches = [name for t, name in users.items() if hmac.compare_digest(given_b, t.encode())]
-            if ok and matches:
-                return matches[0]
-        elif ok and hmac.compare_digest(given_b, token.encode()):
-            return None
-        raise ApiError(401, "a wrong or missing token: send Authorization: Bearer <token>", "auth_failed")
+        try:
+            return self.front.authenticate(given.strip() if scheme.lower() == "bearer" else None)
+        except AuthFailed:
+            raise ApiError(401, "a wrong or missing token: send Authorization: Bearer <token>", "auth_failed") from None
 
     async def _json_body(self, request: HttpRequest) -> dict:
         limit = self.config.max_body_bytes
@@ -197,7 +191,7 @@ class HttpServer:
 
     async def health(self, request: HttpRequest) -> Response:
         ok = self.engine.accepting
-        return JSONResponse({"status": "ok" if ok else "shutting_down", "model": self.server.model},
+        return JSONResponse({"status": "ok" if ok else "shutting_down", "model": self.front.model},
                             status_code=200 if ok else 503)
 
     async def metrics(self, request: HttpRequest) -> Response:
@@ -206,20 +200,20 @@ class HttpServer:
 
     async def stats(self, request: HttpRequest) -> Response:
         self._authorize(request)
-        s = self.server.stats()
+        s = self._stats()
         s["http"] = {"requests_inflight": self.inflight}
-        s["model"] = self.server.model
+        s["model"] = self.front.model
         return JSONResponse(s)
 
     async def models(self, request: HttpRequest) -> Response:
         self._authorize(request)
-        return JSONResponse(models_list(self.server.model, self.engine.max_model_len, self.created))
+        return JSONResponse(models_list(self.front.model, self.engine.max_model_len, self.created))
 
     async def model(self, request: HttpRequest) -> Response:
         self._authorize(request)
         name = request.path_params["model"]
-        if name != self.server.model:
-            raise ApiError(404, f"no model {name!r} here; this server has {self.server.model!r}", "model_not_found")
+        if name != self.front.model:
+            raise ApiError(404, f"no model {name!r} here; this server has {self.front.model!r}", "model_not_found")
         return JSONResponse(model_card(name, self.engine.max_model_len, self.created))
 
     async def chat_completions(self, request: HttpRequest) -> Response:
@@ -237,16 +231,14 @@ class HttpServer:
             raise ApiError(429, f"the server has {self.config.max_inflight} HTTP requests in flight; try again "
                            "shortly", "too_many_requests")
         # the fairness identity: the OpenAI `user` field, else the peer's address (as over TCP)
-        client = gen.user or (request.client.host if request.client else "http")
-        if user is not None:   # an authenticated user: their own prefix cache, as over TCP
-            client = f"{user}/{gen.user}" if gen.user else user
+        caller = self.front.caller(user, gen.user, request.client.host if request.client else "http")
         self.inflight += 1   # held from here; the response gives it back when it ends
         try:
-            req = await self.server.build_request(gen.item, client, user)
+            req = await self.front.build(gen.item, caller)
         except BaseException as e:
             self.inflight -= 1
-            if isinstance(e, ProtocolError):
-                raise ApiError.from_protocol(e) from None
+            if isinstance(e, RequestRejected):
+                raise ApiError.from_rejected(e) from None
             raise
         return GenerationResponse(self, gen, req)
 
@@ -273,7 +265,7 @@ class GenerationResponse:
 
     def __init__(self, http: HttpServer, gen: Generation, req):
         self.http, self.gen, self.req = http, gen, req
-        self.shaper = Shaper(gen, http.server.model)
+        self.shaper = Shaper(gen, http.front.model)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -302,7 +294,8 @@ class GenerationResponse:
         except EngineClosed:   # entering the stream: nothing was sent yet
             await self._send_json(send, 503, error_body(503, "the server is shutting down", "shutdown"))
         except RequestRejected as e:
-            await self._send_json(send, 400, error_body(400, str(e), e.code if e.code in CODES else "bad_request"))
+            err = ApiError.from_rejected(e)
+            await self._send_json(send, err.status, err.body())
 
     async def _answer(self, events, send) -> None:
         parts = []

@@ -1,8 +1,8 @@
 """The OpenAI-compatible API, as plain data: request bodies in, response bodies out.
 
 Bodies of `POST /v1/chat/completions` and `POST /v1/completions` become the protocol's
-`GenerateRequest` (so the HTTP server builds engine requests exactly as the TCP server does,
-`tcp.Server.build_request`), and engine events become OpenAI's response objects and
+`GenerateRequest` (so the front end builds engine requests from them exactly as from the
+msgpack protocol's frames), and engine events become OpenAI's response objects and
 stream chunks. No HTTP here: `httpd.py` does the serving.
 
 Fields this server cannot honour (n > 1, tools, logprobs, JSON mode, penalties other than
@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .protocol import MAX_MESSAGES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, GenerateRequest
+from ..protocol import MAX_MESSAGES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, GenerateRequest
 
 # protocol error code -> HTTP status (the code itself goes to the client as error.code)
 STATUS = {
@@ -38,9 +38,9 @@ class ApiError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
     @classmethod
-    def from_protocol(cls, e) -> "ApiError":
-        """From a `ProtocolError` raised while building the request."""
-        return cls(STATUS.get(e.code, 400), e.message, e.code)
+    def from_rejected(cls, e) -> "ApiError":
+        """From a `RequestRejected` of the front end or the engine."""
+        return cls(STATUS.get(e.code, 400), str(e), e.code)
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.code, self.param)

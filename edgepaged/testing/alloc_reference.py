@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgepaged._rust_alloc import NoFreeBlocksError, SequenceError
+from edgepaged._native.blocks import NoFreeBlocksError, SequenceError
 
 
 @dataclass
@@ -268,4 +268,4 @@ class RefAllocator:
             blocks = self.seqs[sid].blocks
             tables[row, :len(blocks)] = blocks
         return (np.array(slots, dtype=np.int64), tables, np.array(seq_lens, dtype=np.int32),
-                np.array(copies, dtype=np.int32).reshape(-1, 2))
+                np.array(copies, dtype=np.int32).reshape(-1, 2), len(self.free))

@@ -134,7 +134,8 @@ pub(crate) fn parallel_for(n: usize, f: &(dyn Fn(usize) + Sync)) {
     }
     let _one = p.submit.lock().unwrap_or_else(|e| e.into_inner());
     let s = p.shared;
-    // SAFETY (lifetime erasure): the job and `f` outlive every helper's use, see below.
+    // SAFETY: a lifetime erasure only; the job and `f` outlive every helper's use of them:
+    // this call waits below until no helper holds the job.
     let f: *const (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
     let job = Job { f, n, next: AtomicUsize::new(0), done: AtomicUsize::new(0) };
     s.job.store(&job as *const Job as *mut Job, SeqCst);

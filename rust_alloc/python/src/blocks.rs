@@ -1,5 +1,6 @@
-//! The PyO3 binding. Errors become Python exceptions; no panic crosses into Python
-//! (PyO3 turns one into `PanicException`, and the core validates before it acts).
+//! `edgepaged._native.blocks`: the block pool as `BlockAllocator`. Errors become Python
+//! exceptions; no panic crosses into Python (PyO3 turns one into `PanicException`, and the
+//! core validates before it acts).
 
 use numpy::{IntoPyArray, PyArrayMethods, PyReadonlyArray1};
 use pyo3::create_exception;
@@ -7,11 +8,11 @@ use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::pool::{AllocError, BlockPool};
+use block_pool::{AllocError, BlockPool};
 
-create_exception!(_rust_alloc, AllocatorError, PyException, "Base class of the allocator's errors.");
-create_exception!(_rust_alloc, NoFreeBlocksError, AllocatorError, "Not enough free KV blocks; nothing changed.");
-create_exception!(_rust_alloc, SequenceError, AllocatorError, "Unknown or duplicate sequence id, or a request the sequence cannot honour.");
+create_exception!(blocks, AllocatorError, PyException, "Base class of the allocator's errors.");
+create_exception!(blocks, NoFreeBlocksError, AllocatorError, "Not enough free KV blocks; nothing changed.");
+create_exception!(blocks, SequenceError, AllocatorError, "Unknown or duplicate sequence id, or a request the sequence cannot honour.");
 
 fn err(e: AllocError) -> PyErr {
     let msg = e.to_string();
@@ -50,7 +51,7 @@ fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 
 /// A fixed pool of KV-cache blocks with refcounts, copy-on-write, a prefix cache and
 /// per-sequence block tables. See docs/INTERNALS.md.
-#[pyclass(module = "edgepaged._rust_alloc")]
+#[pyclass(module = "edgepaged._native.blocks")]
 pub struct BlockAllocator {
     pool: BlockPool,
 }
@@ -118,7 +119,9 @@ impl BlockAllocator {
         Ok(self.pool.prefix_match(&token_ids(prompt)?, salt).0)
     }
 
-    /// Reserve slots for this step; returns (slot_mapping, block_tables, seq_lens, copies).
+    /// Reserve slots for this step; returns (slot_mapping, block_tables, seq_lens, copies,
+    /// num_free_blocks): the step's arrays and the free blocks left after it, so a scheduler
+    /// needs no other call to plan the next step.
     #[allow(clippy::type_complexity)]
     #[pyo3(signature = (seq_ids, num_new_tokens, new_tokens = None))]
     fn prepare_step<'py>(
@@ -127,7 +130,7 @@ impl BlockAllocator {
         seq_ids: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
         new_tokens: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>, usize)> {
         let ids = ints(seq_ids)?;
         let n = ints(num_new_tokens)?;
         let new_tokens = new_tokens.map(ints).transpose()?;
@@ -140,6 +143,7 @@ impl BlockAllocator {
             plan.block_tables.into_pyarray(py).reshape([b, plan.width])?.into_any(),
             plan.seq_lens.into_pyarray(py).into_any(),
             copies.into_pyarray(py).reshape([k, 2])?.into_any(),
+            self.pool.num_free_blocks(),
         ))
     }
 
@@ -193,14 +197,11 @@ impl BlockAllocator {
     }
 }
 
-#[pymodule]
-fn _rust_alloc(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
+pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
+    let m = PyModule::new(py, "blocks")?;
     m.add_class::<BlockAllocator>()?;
     m.add("AllocatorError", py.get_type::<AllocatorError>())?;
     m.add("NoFreeBlocksError", py.get_type::<NoFreeBlocksError>())?;
     m.add("SequenceError", py.get_type::<SequenceError>())?;
-    crate::python_quant::register(m)?; // quantized matmul kernels (python_quant.rs)
-    crate::python_ops::register(m)?; // fused CPU operators (python_ops.rs)
-    Ok(())
+    Ok(m)
 }

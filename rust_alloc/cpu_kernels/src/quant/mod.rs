@@ -11,15 +11,13 @@
 //! the quant bytes byte by byte across the rows (byte `j` of rows 0..8, byte `j + 1` of rows
 //! 0..8, ...). Same bytes in all, no extra memory; every 8 consecutive bytes are one weight
 //! position of 8 rows, which is what the batched kernels multiply (8 rows side by side in a
-//! vector), so they need no byte transposes or scale gathers (a batch-32 decode step ~5%
-//! faster). `QMatrix::x8` says which layout a matrix is in; all kernels read both.
+//! vector), so they need no byte transposes or scale gathers. `QMatrix::x8` says which layout a matrix is in; all kernels read both.
 //!
 //! Two code paths give the same results up to fp32 rounding order: AVX2 + FMA + F16C
 //! (`avx2.rs`, chosen at run time when the CPU has them) and portable scalar Rust
-//! (`scalar.rs`). Work is split over output rows on a small persistent pool (`pool.rs`).
+//! (`scalar.rs`). Work is split over output rows on a small persistent pool (`threads.rs`).
 
 mod formats;
-mod pool;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
@@ -27,8 +25,8 @@ pub(crate) mod avx2;
 mod tests;
 
 pub use formats::{dequantize_ref, f16_to_f32};
-pub use pool::num_threads;
-pub(crate) use pool::parallel_for;
+
+use crate::threads as pool;
 
 use std::fmt;
 
@@ -250,8 +248,10 @@ pub(crate) struct Mat {
     pub rows: usize,
     pub stride: usize,
 }
-// The kernels write disjoint parts of an output from several threads.
+// SAFETY: a Mat is a view the kernels hand to the pool's threads, which write disjoint parts
+// of it while the caller keeps the buffer borrowed until `parallel_for` returns.
 unsafe impl Send for Mat {}
+// SAFETY: as for Send; shared references only read the pointer and the geometry.
 unsafe impl Sync for Mat {}
 
 impl Mat {
@@ -283,9 +283,7 @@ pub(crate) const BCAST_MIN_TOKENS: usize = 16;
 pub(crate) const BCAST_ROWS: usize = 16;
 /// Interleaved weights take the broadcast path from this many tokens, their register tiles
 /// below (same bits either way). Decoding them is cheap enough that the panel pays off early:
-/// measured on the 2-core box (decode steps of the embedded model, both settings alternated
-/// in one process), the broadcast path was 18% faster at 10 tokens, 4% at 8, 1.5% at 6, and
-/// 5-7% slower at 4 and 5.
+/// from 6 tokens on it was faster, below slower (bench/RESULTS.md, "Eighth session").
 pub(crate) const X8_BCAST_MIN_TOKENS: usize = 6;
 
 /// `out[t, r] = sum_k x[t, k] * W[r, k]` for `t < tokens`, `r < w.rows`.
@@ -317,12 +315,10 @@ pub fn matmul_stacked(
     }
     let xm = Mat { ptr: x.as_ptr() as *mut f32, rows: tokens, stride: x_stride };
     // Chunks of output rows, taken in turn by the pool's threads. One token streams each row
-    // once from memory, and longer runs of rows stream better: two equal chunks per thread
-    // (batch-1 decode step about 4% faster than with four). More tokens are compute-bound:
-    // guided chunks, each 1 / (2 x threads) of the rows not yet handed out (in whole groups
-    // of the kernel's rows), so the last ones are small and the threads finish together.
-    // Measured on a batch-32 decode step (alternated step by step): idle thread time 2.0 ms
-    // per step against 7.5 with eight equal chunks, the step 1.5-3% faster.
+    // once from memory, and longer runs of rows stream better: two equal chunks per thread.
+    // More tokens are compute-bound: guided chunks, each 1 / (2 x threads) of the rows not
+    // yet handed out (in whole groups of the kernel's rows), so the last ones are small and
+    // the threads finish together (bench/RESULTS.md, "Seventh session").
     let work = rows * cols * tokens;
     let threads = if work < 1 << 16 { 1 } else { pool::num_threads() };
     // (interleaved matrices: whole groups of 8 rows per chunk)

@@ -866,10 +866,8 @@ struct BPanel([f32; BR * BKC]);
 /// keep 8 partial sums per output instead: equal to rounding). The output rows hold the
 /// partial sums between chunks, written as whole 16-float runs. The next chunk's weight
 /// bytes are prefetched into L2 while a chunk is multiplied.
-///
-/// Measured against the earlier 3 x 4 dot-product panel and 1 x 12 register tiles (one
-/// thread, hot weights, 32 tokens, 768 x 576 Q4_1): 79 GFLOP/s against 55; inside the model
-/// a batch-32 decode step 89 ms against 106 (p10, alternated step by step in one process).
+/// Faster than the earlier dot-product panel and register tiles at 16+ tokens (bench/RESULTS.md, "Sixth
+/// session").
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_bcast<F: Fmt>(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize) {
     let (bw, bb) = (F::Q.block_weights(), F::Q.block_bytes());

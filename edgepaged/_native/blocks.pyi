@@ -1,0 +1,87 @@
+"""`edgepaged._native.blocks`: the KV block pool (crate rust_alloc/block_pool, bound in
+rust_alloc/python/src/blocks.rs)."""
+
+from typing import Sequence, TypedDict
+
+import numpy as np
+import numpy.typing as npt
+
+_Ints = Sequence[int] | npt.NDArray[np.int64] | npt.NDArray[np.int32]
+
+class AllocatorError(Exception): ...
+class NoFreeBlocksError(AllocatorError): ...
+class SequenceError(AllocatorError): ...
+
+class AllocatorStats(TypedDict):
+    num_blocks: int
+    block_size: int
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    num_sequences: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    evictions: int
+
+class BlockAllocator:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        contiguous: bool = False,
+    ) -> None: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with refcount 0 (cached ones included: they are evicted on demand)."""
+    @property
+    def num_used_blocks(self) -> int: ...
+    @property
+    def num_cached_blocks(self) -> int: ...
+    @property
+    def num_sequences(self) -> int: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def contiguous(self) -> bool: ...
+    def add_sequence(
+        self, seq_id: int, prompt: _Ints, salt: int = 0, reserve_tokens: int | None = None
+    ) -> int:
+        """Register a sequence; returns how many prompt tokens the prefix cache held."""
+    def append_tokens(self, seq_id: int, tokens: _Ints) -> None: ...
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares all the parent's blocks (refcounts up); the first write into a
+        shared block copies it (a `copies` pair of prepare_step)."""
+    def free_sequence(self, seq_id: int, cache: bool = True) -> None:
+        """Release the sequence's blocks, tail first; with `cache`, its computed full blocks
+        enter the prefix cache first (pass False when the step computing them failed)."""
+    def has_sequence(self, seq_id: int) -> bool: ...
+    def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
+        """Blocks prepare_step would take from the pool for that many more tokens."""
+    def can_allocate(self, num_blocks: int) -> bool: ...
+    def prefix_match(self, prompt: _Ints, salt: int = 0) -> tuple[int, int]:
+        """(cached tokens, how many of those blocks sit in the free list); changes nothing."""
+    def num_cached_prefix_tokens(self, prompt: _Ints, salt: int = 0) -> int: ...
+    def prepare_step(
+        self, seq_ids: _Ints, num_new_tokens: _Ints, new_tokens: _Ints | None = None
+    ) -> tuple[
+        npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32], int
+    ]:
+        """Reserve this step's slots: (slot_mapping [T], block_tables [B, M], seq_lens [B],
+        copies [K, 2], num_free_blocks after the step). `new_tokens[i]` (or -1) is appended
+        to sequence i first. All or nothing."""
+    def block_table(self, seq_id: int) -> list[int]: ...
+    def seq_num_slots(self, seq_id: int) -> int: ...
+    def seq_num_tokens(self, seq_id: int) -> int: ...
+    def seq_tokens(self, seq_id: int) -> list[int]: ...
+    def seq_ids(self) -> list[int]: ...
+    def refcount(self, block_id: int) -> int: ...
+    def is_cached(self, block_id: int) -> bool: ...
+    def free_list(self) -> list[int]: ...
+    def check_invariants(self) -> None:
+        """Raise AssertionError if an internal invariant does not hold (tests)."""
+    def stats(self) -> AllocatorStats: ...

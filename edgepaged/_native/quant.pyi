@@ -1,0 +1,48 @@
+"""`edgepaged._native.quant`: products on GGUF-quantized weights (crate rust_alloc/cpu_kernels,
+bound in rust_alloc/python/src/quant.rs).
+
+`weight`: the GGUF block bytes of a [N, K] matrix, C-contiguous uint8 (any shape); `qtype`:
+the GGML type id (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K), plus `info()["x8_flag"]` for
+weights from `interleave`. Activations and outputs are C-contiguous float32 arrays used in
+place (torch CPU tensors through `.numpy()`). The GIL is released while they run;
+`scalar=True` forces the portable path.
+"""
+
+from typing import TypedDict
+
+import numpy as np
+import numpy.typing as npt
+
+F32 = npt.NDArray[np.float32]
+U8 = npt.NDArray[np.uint8]
+
+class Formats(TypedDict, total=False):
+    Q4_0: tuple[int, int, int]
+    Q4_1: tuple[int, int, int]
+    Q8_0: tuple[int, int, int]
+    Q4_K: tuple[int, int, int]
+    Q6_K: tuple[int, int, int]
+
+class Info(TypedDict):
+    isa: str            # "avx2" or "scalar"
+    threads: int        # kernel threads, the caller included (EDGEPAGED_NUM_THREADS)
+    formats: Formats    # name -> (ggml type id, weights per block, bytes per block)
+    x8_flag: int        # added to a type id for interleaved weights
+    interleavable: list[int]  # type ids that can be interleaved (Q4_0, Q4_1, Q8_0)
+
+def matmul(
+    weight: U8, qtype: int, x: F32, out: F32, *, col: int = 0, rows: int | None = None, scalar: bool = False
+) -> None:
+    """out[t, col:col + N] = W x[t] for x [T, K] (or [K]) into out [T, M] (or [M]); N is
+    `rows`, or the rest of out's width. fp32 accumulation; blocks decoded in registers exactly
+    as gguf.quants.dequantize does."""
+def dequantize(weight: U8, qtype: int, out: F32, row_start: int = 0, *, scalar: bool = False) -> None:
+    """Rows row_start .. row_start + out.shape[0] of W, decoded into out [R, K]."""
+def gather_rows(weight: U8, qtype: int, rows: npt.NDArray[np.int64], out: F32, *, scalar: bool = False) -> None:
+    """out[i] = row rows[i] of W, decoded (an embedding lookup)."""
+def interleave(weight: U8, qtype: int, rows: int) -> U8:
+    """GGUF blocks [rows, row_bytes] re-laid out in groups of 8 rows (each block's bytes spread
+    across the 8 rows): uint8 [ceil(rows / 8), 8 * row_bytes], the last group padded with
+    zeros. A writable C-contiguous array whose rows are a multiple of 8 is rewritten in
+    place (the result is a view of it)."""
+def info() -> Info: ...

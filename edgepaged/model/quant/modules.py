@@ -1,0 +1,162 @@
+"""The modules a model with quantized weights is built from.
+
+- `QuantLinear`: y = x W^T (+ b) with W as one or more row segments of GGUF blocks (a fused
+  QKV or gate/up may mix formats, as Q4_K_M files do). Below `dense_min_tokens` token rows
+  it runs the kernels' product (blocks decoded in registers, read once per call); from
+  there on (long prefills) it decodes row tiles into a reusable fp32 scratch of at most
+  `SCRATCH_BYTES` and runs oneDNN's GEMM on them.
+- `QuantEmbedding`: rows of the token table decoded on lookup.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..._native import quant as kernels
+from .formats import FORMATS, QuantWeight
+from .threads import gemm, scratch
+
+SCRATCH_BYTES = 16 << 20
+
+
+def _f32_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    x = x.reshape(-1, k)
+    if x.dtype != torch.float32:
+        x = x.float()
+    return x.contiguous()
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b, W kept as GGUF blocks (row segments stacked along the output)."""
+
+    def __init__(self, segments: list[QuantWeight], bias: torch.Tensor | None = None, dense_min_tokens: int = 768):
+        super().__init__()
+        if not segments or len({s.cols for s in segments}) != 1:
+            raise ValueError("QuantLinear needs segments with one input width")
+        merged: list[QuantWeight] = []
+        for s in segments:  # neighbours of one format become one matrix: one kernel call
+            if merged and merged[-1].qtype == s.qtype and not (s.x8 or merged[-1].x8):
+                p = merged[-1]
+                merged[-1] = QuantWeight(s.qtype, np.concatenate([p.data, s.data]), p.rows + s.rows, s.cols)
+            else:
+                merged.append(s)
+        self.segments = merged
+        self.offsets = np.cumsum([0] + [s.rows for s in merged]).tolist()
+        self.in_features, self.out_features = segments[0].cols, self.offsets[-1]
+        self.bias = bias
+        self.dense_min_tokens = dense_min_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def extra_repr(self) -> str:
+        fmts = "+".join(f"{FORMATS[s.qtype]}[{s.rows}]" for s in self.segments)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {fmts}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
+            lead = x.shape[:-1]
+            return self.forward(_f32_rows(x, self.in_features)).view(*lead, self.out_features)
+        t = x.shape[0]
+        if t >= self.dense_min_tokens:
+            out = self._dense(x)
+        else:
+            out = torch.empty(t, self.out_features)
+            if t:
+                xn, on = x.numpy(), out.numpy()
+                for s, a in zip(self.segments, self.offsets):
+                    kernels.matmul(s.data, s.kind, xn, on, col=a, rows=s.rows)
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """Decode row tiles into the scratch and multiply with oneDNN (large token counts)."""
+        k = self.in_features
+        tile_rows = max(1, SCRATCH_BYTES // 4 // k)
+        out = None
+        for s, a in zip(self.segments, self.offsets):
+            for r0 in range(0, s.rows, tile_rows):
+                n = min(tile_rows, s.rows - r0)
+                w = scratch(n * k).view(n, k)
+                s.dequantize_into(w.numpy(), r0)
+                y = gemm(x, w)
+                if n == self.out_features:
+                    return y
+                if out is None:
+                    out = torch.empty(x.shape[0], self.out_features)
+                out[:, a + r0: a + r0 + n] = y
+        return out
+
+
+class QuantEmbedding:
+    """Token embedding table kept as GGUF blocks; rows are decoded on lookup."""
+
+    def __init__(self, weight: QuantWeight):
+        self.weight = weight
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), self.weight.cols)
+        kernels.gather_rows(self.weight.data, self.weight.kind, ids.numpy(), out.numpy())
+        return out
+
+
+def quant_weights_of(m) -> list[QuantWeight]:
+    if isinstance(m, QuantLinear):
+        return m.segments
+    if isinstance(m, QuantEmbedding):
+        return [m.weight]
+    return []
+
+
+def interleave_weights(modules) -> int:
+    """Interleave every Q4_0/Q4_1/Q8_0 weight of these modules in place (a tied embedding
+    and LM head share theirs); the number interleaved."""
+    done: dict[int, QuantWeight] = {}   # id of a weight's original array -> the weight that interleaved it
+    n = 0
+    for m in modules:
+        for s in quant_weights_of(m):
+            if s.x8:
+                continue
+            first = done.get(id(s.data))
+            if first is not None:        # another weight over the same array: share its result
+                s.data, s.x8 = first.data, first.x8
+                continue
+            key = id(s.data)
+            if s.interleave():
+                done[key] = s
+                n += 1
+    return n
+
+
+def weight_bytes(model) -> dict[str, int]:
+    """Bytes of the model's weights: GGUF blocks kept quantized, and dense tensors (fp32
+    linears, packed or not, norms, a dense embedding table; rotary tables excluded)."""
+    from ..layers import Linear, RMSNorm
+    seen, q, dense = set(), 0, 0
+    for m in [model.embed_tokens, *model.modules()]:
+        tensors = []
+        if isinstance(m, (QuantLinear, QuantEmbedding)):
+            for s in quant_weights_of(m):
+                if id(s.data) not in seen:
+                    seen.add(id(s.data))
+                    q += s.nbytes
+            tensors = [getattr(m, "bias", None)]
+        elif isinstance(m, Linear):
+            tensors = [m.weight, m.packed, m.bias]
+        elif isinstance(m, torch.Tensor):
+            tensors = [m]
+        elif isinstance(m, RMSNorm):
+            tensors = [m.weight]
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                dense += t.numel() * t.element_size()
+    return {"quantized": q, "dense": dense}

@@ -1,0 +1,62 @@
+"""The runtime's knobs, read once into one object (`CpuConfig.from_env()`), never at import.
+
+| variable                          | default | what                                                         |
+|-----------------------------------|---------|--------------------------------------------------------------|
+| `EDGEPAGED_NUM_THREADS`           | CPUs    | threads of the kernels' pool and of torch (read by Rust too) |
+| `EDGEPAGED_SPIN_US`               | 200     | µs an idle kernel thread spins before it sleeps (Rust)       |
+| `EDGEPAGED_FUSED`                 | 1       | 0: the plain torch forward on CPU instead of the fused one   |
+| `EDGEPAGED_QUANT_INTERLEAVE`      | 1       | 0: keep GGUF's row order for Q4_0/Q4_1/Q8_0 weights          |
+| `EDGEPAGED_QUANT_DENSE_MIN_TOKENS`| 768     | token rows from which quantized products decode to fp32 + GEMM |
+| `EDGEPAGED_QUANT_TORCH_THREADS`   | 1       | 0: let torch keep all its threads beside the kernels' pool   |
+| `EDGEPAGED_RUST_ATTENTION_MAX`    | 131072  | a prefill chunk of q rows over n positions attends in Rust while q * n is at most this |
+| `EDGEPAGED_FUSED_MAX_TOKENS`      | 256     | steps with fewer rows run all layers in one Rust call        |
+
+Why each default: bench/RESULTS.md.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name)
+    if text is None or not text.strip():
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected an integer") from None
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    text = env.get(name)
+    if text is None or not text.strip():
+        return default
+    return text.strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class CpuConfig:
+    num_threads: int | None = None     # None: every CPU this process may use
+    fused: bool = True
+    quant_interleave: bool = True
+    dense_min_tokens: int = 768
+    torch_single_thread: bool = True
+    rust_attention_max: int = 131072
+    fused_max_tokens: int = 256
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "CpuConfig":
+        env = os.environ if env is None else env
+        threads = _int(env, "EDGEPAGED_NUM_THREADS", 0)
+        return cls(
+            num_threads=threads if threads > 0 else None,
+            fused=_flag(env, "EDGEPAGED_FUSED", True),
+            quant_interleave=_flag(env, "EDGEPAGED_QUANT_INTERLEAVE", True),
+            dense_min_tokens=_int(env, "EDGEPAGED_QUANT_DENSE_MIN_TOKENS", 768),
+            torch_single_thread=_flag(env, "EDGEPAGED_QUANT_TORCH_THREADS", True),
+            rust_attention_max=_int(env, "EDGEPAGED_RUST_ATTENTION_MAX", 131072),
+            fused_max_tokens=_int(env, "EDGEPAGED_FUSED_MAX_TOKENS", 256),
+        )

@@ -1,0 +1,37 @@
+"""A whole box in process for tests: engine, front end, the msgpack port and (optionally) the
+HTTP port, all on loopback with ports the system picks."""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from dataclasses import fields
+
+import trio
+
+from ..engine import Engine, EngineConfig
+from ..frontend import FrontEnd, FrontEndConfig
+from ..server.httpd import HttpConfig, HttpServer
+from ..server.tcp import Server, ServerConfig
+
+_FRONT = {f.name for f in fields(FrontEndConfig)}
+
+
+@asynccontextmanager
+async def serving(runner, *, http: HttpConfig | bool = False, max_num_seqs: int = 32, **config):
+    """Serve `runner` until the block ends. `config` holds ServerConfig and FrontEndConfig
+    fields (token, users, max_tokens, idle_timeout_s, ...). Yields the msgpack Server, with
+    `.address` ("127.0.0.1:PORT"), `.http` (the HttpServer or None) and `.http_base`."""
+    front_cfg = FrontEndConfig(**{k: config.pop(k) for k in list(config) if k in _FRONT})
+    async with Engine(runner, EngineConfig(max_num_seqs=max_num_seqs)) as engine:
+        server = Server(FrontEnd(engine, front_cfg), ServerConfig(host="127.0.0.1", port=0, **config))
+        server.http = None
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            server.address = f"127.0.0.1:{server.port}"
+            if http:
+                hc = http if isinstance(http, HttpConfig) else HttpConfig(port=0)
+                hc.host = hc.host or "127.0.0.1"
+                server.http = HttpServer(server.front, hc, stats=server.stats)
+                await nursery.start(server.http.serve)
+                server.http.base = server.http_base = f"http://127.0.0.1:{server.http.port}"
+            yield server
+            nursery.cancel_scope.cancel()

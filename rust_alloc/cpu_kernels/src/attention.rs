@@ -1,0 +1,373 @@
+//! Paged decode attention on the CPU: one query token per sequence over its context,
+//! read through the block table straight from the paged K/V cache.
+
+use crate::ops::{bad, dot, exp, has_avx2, Heads, OpError, P};
+use crate::threads::{num_threads, parallel_for};
+
+
+/// One decode sequence: its query row in the batch, context length, block table row.
+struct DecodeArgs<'a> {
+    q: P,
+    q_stride: usize,
+    out: P,
+    out_stride: usize,
+    rows: &'a [i64],
+    lens: &'a [i32],
+    tables: &'a [i32],
+    max_blocks: usize,
+    k: &'a [f32],
+    v: &'a [f32],
+    bs: usize,
+    hs: Heads,
+    scale: f32,
+    window: usize,
+}
+
+#[inline(always)]
+unsafe fn decode_item(a: &DecodeArgs, item: usize, scores: &mut Vec<f32>, acc: &mut Vec<f32>) {
+    let Heads { nh, nkv, d } = a.hs;
+    let g = nh / nkv;
+    let (b, kh) = (item / nkv, item % nkv);
+    let n = a.lens[b] as usize;
+    let lo = if a.window > 0 { n.saturating_sub(a.window) } else { 0 };
+    let len = n - lo;
+    let row = a.rows[b] as usize;
+    let table = &a.tables[b * a.max_blocks..(b + 1) * a.max_blocks];
+    let kvw = nkv * d;
+    scores.clear();
+    scores.resize(g * len, 0.0);
+    let q0 = a.q.0.add(row * a.q_stride + kh * g * d) as *const f32;
+    // scores[h, t] = q_h · k_t · scale
+    for t in 0..len {
+        let pos = lo + t;
+        let slot = table[pos / a.bs] as usize * a.bs + pos % a.bs;
+        let kr = &a.k[slot * kvw + kh * d..slot * kvw + kh * d + d];
+        for h in 0..g {
+            let q = std::slice::from_raw_parts(q0.add(h * d), d);
+            scores[h * len + t] = dot(q, kr) * a.scale;
+        }
+    }
+    // softmax per head
+    let mut inv = [0f32; 64];
+    for h in 0..g {
+        let s = &mut scores[h * len..(h + 1) * len];
+        let m = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let mut sum = 0f32;
+        for x in s.iter_mut() {
+            *x = exp(*x - m);
+            sum += *x;
+        }
+        inv[h] = 1.0 / sum;
+    }
+    // out_h = Σ_t p[h, t] v_t
+    acc.clear();
+    acc.resize(g * d, 0.0);
+    for t in 0..len {
+        let pos = lo + t;
+        let slot = table[pos / a.bs] as usize * a.bs + pos % a.bs;
+        let vr = &a.v[slot * kvw + kh * d..slot * kvw + kh * d + d];
+        for h in 0..g {
+            let p = scores[h * len + t];
+            let o = &mut acc[h * d..(h + 1) * d];
+            for i in 0..d {
+                o[i] += p * vr[i];
+            }
+        }
+    }
+    for h in 0..g {
+        let o = std::slice::from_raw_parts_mut(a.out.0.add(row * a.out_stride + (kh * g + h) * d), d);
+        for i in 0..d {
+            o[i] = acc[h * d + i] * inv[h];
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{DecodeArgs, Heads};
+    use crate::ops::x86::exp8;
+    use crate::quant::avx2::hsum;
+    use std::arch::x86_64::*;
+
+    /// One sequence `b` with head_dim = 8 * NV: every query head against every visible K row
+    /// (a position's K rows of all KV heads are one contiguous run), softmax on 8 lanes,
+    /// then the V rows summed into NV registers per head. Scores come 8 positions at a time
+    /// (one accumulator per position, the 8 reduced together by `hsum8`), the last
+    /// `len % 8` one by one, and the slot offsets are computed block by block, with no
+    /// division per position (both measured: bench/RESULTS.md, "Seventh session").
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn item<const NV: usize>(a: &DecodeArgs, b: usize, scores: &mut Vec<f32>, slots: &mut Vec<usize>) {
+        let Heads { nh, nkv, d } = a.hs;
+        let g = nh / nkv;
+        let n = a.lens[b] as usize;
+        let lo = if a.window > 0 { n.saturating_sub(a.window) } else { 0 };
+        let len = n - lo;
+        let table = &a.tables[b * a.max_blocks..(b + 1) * a.max_blocks];
+        let kvw = nkv * d;
+        slots.clear();
+        // block by block: no division per position (it was a quarter of the kernel's time)
+        for bi in lo / a.bs..n.div_ceil(a.bs) {
+            let first = bi * a.bs;
+            let base = table[bi] as usize * a.bs;
+            slots.extend((first.max(lo)..(first + a.bs).min(n)).map(|p| (base + p - first) * kvw));
+        }
+        let stride = len.next_multiple_of(8);
+        scores.clear();
+        scores.resize(nh * stride, f32::NEG_INFINITY);
+        let q0 = a.q.0.add(a.rows[b] as usize * a.q_stride) as *const f32;
+        let (kp, vp) = (a.k.as_ptr(), a.v.as_ptr());
+        let sp = scores.as_mut_ptr();
+        let nfull = len / 8 * 8;
+        let sc8 = _mm256_set1_ps(a.scale);
+        for t0 in (0..nfull).step_by(8) {
+            for kh in 0..nkv {
+                let ks: [*const f32; 8] = std::array::from_fn(|u| kp.add(slots[t0 + u] + kh * d));
+                for h in kh * g..(kh + 1) * g {
+                    let q = q0.add(h * d);
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    for j in 0..NV {
+                        let qj = _mm256_loadu_ps(q.add(8 * j));
+                        for (u, r) in acc.iter_mut().enumerate() {
+                            *r = _mm256_fmadd_ps(qj, _mm256_loadu_ps(ks[u].add(8 * j)), *r);
+                        }
+                    }
+                    _mm256_storeu_ps(sp.add(h * stride + t0), _mm256_mul_ps(hsum8(&acc), sc8));
+                }
+            }
+        }
+        for (t, &off) in slots.iter().enumerate().skip(nfull) {
+            for kh in 0..nkv {
+                let k = kp.add(off + kh * d);
+                let mut kr = [_mm256_setzero_ps(); NV];
+                for (j, r) in kr.iter_mut().enumerate() {
+                    *r = _mm256_loadu_ps(k.add(8 * j));
+                }
+                for h in kh * g..(kh + 1) * g {
+                    let q = q0.add(h * d);
+                    let mut acc = _mm256_mul_ps(_mm256_loadu_ps(q), kr[0]);
+                    for (j, r) in kr.iter().enumerate().skip(1) {
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(8 * j)), *r, acc);
+                    }
+                    *sp.add(h * stride + t) = hsum(acc) * a.scale;
+                }
+            }
+        }
+        let mut inv = [0f32; 64];
+        for (h, inv) in inv.iter_mut().enumerate().take(nh) {
+            let s = sp.add(h * stride);
+            let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+            for c in (0..stride).step_by(8) {
+                m = _mm256_max_ps(m, _mm256_loadu_ps(s.add(c)));
+            }
+            let m = _mm256_set1_ps(-hmax(m));
+            let mut sum = _mm256_setzero_ps();
+            for c in (0..stride).step_by(8) {
+                let e = exp8(_mm256_add_ps(_mm256_loadu_ps(s.add(c)), m));
+                // padding lanes hold -inf: exp8 clamps to e^-87, zero them
+                let e = if c + 8 > len { _mm256_and_ps(e, tail_mask(len - c)) } else { e };
+                _mm256_storeu_ps(s.add(c), e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            *inv = 1.0 / hsum(sum);
+        }
+        for h in 0..nh {
+            let s = sp.add(h * stride);
+            let vo = h / g * d;
+            let mut acc = [_mm256_setzero_ps(); NV];
+            for (t, &off) in slots.iter().enumerate() {
+                let p = _mm256_set1_ps(*s.add(t));
+                let v = vp.add(off + vo);
+                for (j, r) in acc.iter_mut().enumerate() {
+                    *r = _mm256_fmadd_ps(p, _mm256_loadu_ps(v.add(8 * j)), *r);
+                }
+            }
+            let o = a.out.0.add(a.rows[b] as usize * a.out_stride + h * d);
+            let iv = _mm256_set1_ps(inv[h]);
+            for (j, r) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.add(8 * j), _mm256_mul_ps(*r, iv));
+            }
+        }
+    }
+
+    /// Lane `u` of the result: the sum of the 8 lanes of `a[u]`.
+    #[inline(always)]
+    unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
+        let h01 = _mm256_hadd_ps(a[0], a[1]);
+        let h23 = _mm256_hadd_ps(a[2], a[3]);
+        let h45 = _mm256_hadd_ps(a[4], a[5]);
+        let h67 = _mm256_hadd_ps(a[6], a[7]);
+        let h03 = _mm256_hadd_ps(h01, h23);
+        let h47 = _mm256_hadd_ps(h45, h67);
+        _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(h03, h47), _mm256_permute2f128_ps::<0x31>(h03, h47))
+    }
+
+    #[inline(always)]
+    unsafe fn hmax(v: __m256) -> f32 {
+        let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps::<1>(s, s)))
+    }
+
+    /// All-ones in the first `n` (< 8) lanes.
+    #[inline(always)]
+    unsafe fn tail_mask(n: usize) -> __m256 {
+        let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), idx))
+    }
+
+    /// Whether `items` runs these heads (else the portable loop does).
+    pub fn supports(hs: Heads) -> bool { hs.d % 8 == 0 && hs.nh <= 64 && matches!(hs.d / 8, 4 | 8 | 16) }
+
+    /// Sequences `i0..i1`, every KV head of each.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn items(a: &DecodeArgs, i0: usize, i1: usize) {
+        let (mut scores, mut slots) = (Vec::new(), Vec::new());
+        let nv = a.hs.d / 8;
+        for b in i0..i1 {
+            match nv {
+                4 => item::<4>(a, b, &mut scores, &mut slots),
+                8 => item::<8>(a, b, &mut scores, &mut slots),
+                16 => item::<16>(a, b, &mut scores, &mut slots),
+                _ => unreachable!(),
+            }
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn decode_items(a: &DecodeArgs, i0: usize, i1: usize) {
+    let (mut scores, mut acc) = (Vec::new(), Vec::new());
+    for it in i0..i1 {
+        decode_item(a, it, &mut scores, &mut acc);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+dispatch!(decode_items_avx2, decode_items, (a: &DecodeArgs, i0: usize, i1: usize));
+
+/// Attention of one query token per sequence over its paged context (positions
+/// `0 .. lens[b]`, the last `window` of them when `window > 0`).
+///
+/// `q` holds the query heads of row `rows[b]` at `q[rows[b] * q_stride ..]` (`nh * d`
+/// values, e.g. the Q part of a fused QKV row); the result goes to
+/// `out[rows[b] * out_stride ..]`. `tables` is `[B, max_blocks]` block ids, caches are
+/// `[num_blocks * bs, nkv, d]`.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode(
+    q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, rows: &[i64], lens: &[i32], tables: &[i32],
+    k_cache: &[f32], v_cache: &[f32], bs: usize, hs: Heads, scale: f32, window: usize,
+) -> Result<(), OpError> {
+    let Heads { nh, nkv, d } = hs;
+    let b = rows.len();
+    if nkv == 0 || nh % nkv != 0 || nh / nkv > 64 || d == 0 || bs == 0 {
+        return bad(format!("paged_decode: unsupported heads {nh}/{nkv} x {d}"));
+    }
+    if lens.len() != b || (b > 0 && tables.len() % b != 0) {
+        return bad("paged_decode: rows, lens and tables disagree on the number of sequences");
+    }
+    let max_blocks = if b > 0 { tables.len() / b } else { 0 };
+    let kvw = nkv * d;
+    let num_blocks = k_cache.len().min(v_cache.len()) / kvw / bs;
+    for i in 0..b {
+        let (r, n) = (rows[i], lens[i]);
+        if r < 0 || (r as usize) * q_stride + nh * d > q.len() || (r as usize) * out_stride + nh * d > out.len() {
+            return bad(format!("paged_decode: row {r} outside q/out"));
+        }
+        if n < 1 || n as usize > max_blocks * bs {
+            return bad(format!("paged_decode: context length {n} does not fit the block table"));
+        }
+        let used = (n as usize).div_ceil(bs);
+        if let Some(&blk) = tables[i * max_blocks..i * max_blocks + used].iter().find(|&&x| x < 0 || x as usize >= num_blocks) {
+            return bad(format!("paged_decode: block {blk} outside the cache of {num_blocks} blocks"));
+        }
+    }
+    let args = DecodeArgs {
+        q: P(q.as_ptr() as *mut f32), q_stride, out: P(out.as_mut_ptr()), out_stride, rows, lens, tables, max_blocks,
+        k: k_cache, v: v_cache, bs, hs, scale, window,
+    };
+    // The AVX2 kernel takes a whole sequence per item (the contiguous K/V rows of all its
+    // KV heads, read in one pass); the portable loop takes one (sequence, KV head) per item.
+    let avx = has_avx2();
+    #[cfg(target_arch = "x86_64")]
+    let whole = avx && x86::supports(hs);
+    #[cfg(not(target_arch = "x86_64"))]
+    let whole = false;
+    let items = if whole { b } else { b * nkv };
+    let work: usize = lens.iter().map(|&n| n as usize).sum::<usize>() * nh * d;
+    // SAFETY: every row, length and block id was checked against q, out and the caches
+    // above; items write disjoint rows of `out`; the AVX2 paths run only when the CPU has it.
+    let run = |i0: usize, i1: usize| unsafe {
+        #[cfg(target_arch = "x86_64")]
+        if whole {
+            return x86::items(&args, i0, i1);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if avx {
+            return decode_items_avx2(&args, i0, i1);
+        }
+        decode_items(&args, i0, i1)
+    };
+    if work < 1 << 16 || items < 2 {
+        run(0, items);
+    } else {
+        // items of very different lengths: many small chunks taken in turn
+        let per = items.div_ceil(num_threads() * 4).max(1);
+        parallel_for(items.div_ceil(per), &|c| run(c * per, ((c + 1) * per).min(items)));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_matches_naive() {
+        for d in [16, 64] {
+            decode_case(Heads { nh: 6, nkv: 2, d });
+        }
+    }
+
+    fn decode_case(hs: Heads) {
+        let (bs, nblocks) = (4usize, 10usize);
+        let kvw = hs.nkv * hs.d;
+        let mut seed = 7u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        };
+        let k: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd()).collect();
+        let v: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd()).collect();
+        let q: Vec<f32> = (0..3 * hs.nh * hs.d).map(|_| rnd()).collect();
+        let tables = [3, 1, 7, 0, 2, 5, 9, 8, 4, 6, 0, 0];
+        let lens = [13, 2, 9];
+        for window in [0usize, 5] {
+            let mut out = vec![0f32; 3 * hs.nh * hs.d];
+            paged_decode(&q, hs.nh * hs.d, &mut out, hs.nh * hs.d, &[0, 1, 2], &lens, &tables, &k, &v, bs, hs, 0.25, window)
+                .unwrap();
+            for b in 0..3 {
+                for h in 0..hs.nh {
+                    let kh = h / (hs.nh / hs.nkv);
+                    let n = lens[b] as usize;
+                    let lo = if window > 0 { n.saturating_sub(window) } else { 0 };
+                    let qv = &q[(b * hs.nh + h) * hs.d..(b * hs.nh + h + 1) * hs.d];
+                    let slot = |p: usize| tables[b * 4 + p / bs] as usize * bs + p % bs;
+                    let s: Vec<f64> = (lo..n)
+                        .map(|p| {
+                            let kr = &k[slot(p) * kvw + kh * hs.d..][..hs.d];
+                            qv.iter().zip(kr).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() * 0.25
+                        })
+                        .collect();
+                    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for i in 0..hs.d {
+                        let want: f64 = (lo..n).zip(&e).map(|(p, w)| w * v[slot(p) * kvw + kh * hs.d + i] as f64).sum::<f64>() / z;
+                        let got = out[(b * hs.nh + h) * hs.d + i] as f64;
+                        assert!((want - got).abs() < 1e-5, "b{b} h{h} i{i}: {got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+}

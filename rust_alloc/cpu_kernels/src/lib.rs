@@ -1,0 +1,31 @@
+//! edgepaged's CPU kernels: matrix products on GGUF-quantized weights (`quant`), the fused
+//! operators around them (`ops`: norms, rotary + KV write, SiLU), paged decode attention
+//! (`attention`), a whole decode step in one call (`decoder`) and the small thread pool they
+//! share (`threads`).
+//!
+//! Every kernel picks its instruction set at run time (`quant::Isa::best`) and has a
+//! portable path. All of edgepaged's `unsafe` code lives in this crate; each block says why
+//! it is sound in a `SAFETY:` comment.
+
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+/// Compile `$body` (an `#[inline(always)]` fn) once more with AVX2+FMA+F16C enabled, as
+/// `$name`; callers pick it when `ops::has_avx2()` says the CPU has them.
+macro_rules! dispatch {
+    ($name:ident, $body:ident, ($($arg:ident : $ty:ty),*)) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $name($($arg: $ty),*) { $body($($arg),*) }
+    };
+}
+
+pub mod attention;
+pub mod decoder;
+pub mod ops;
+pub mod quant;
+pub mod threads;
+
+pub use attention::paged_decode;
+pub use decoder::{decode_layers, DecodeStep, QLayer, QLinear};
+pub use ops::{add_rms_norm, rope_write_kv, silu_mul, Heads, OpError};
+pub use quant::{Isa, QMatrix, QType, QuantError};

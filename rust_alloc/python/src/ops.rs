@@ -1,0 +1,256 @@
+//! `edgepaged._native.ops`: the fused CPU operators and the whole-step decoder on
+//! C-contiguous numpy arrays (torch CPU tensors through `tensor.numpy()`, which shares their
+//! memory), written in place, the GIL released while they run.
+
+use numpy::{PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use cpu_kernels::decoder::{decode_layers, DecodeStep, QLayer, QLinear};
+use cpu_kernels::ops::{self, Heads, OpError};
+use cpu_kernels::{attention, QMatrix, QType};
+
+use crate::quant::{contiguous, contiguous_mut, qtype, rows_cols};
+
+fn verr(e: OpError) -> PyErr { PyValueError::new_err(e.0) }
+
+/// h += delta (if not None), out = rms_norm(h) * weight; h, delta, out [T, D] float32.
+#[pyfunction]
+#[pyo3(signature = (h, delta, weight, eps, out))]
+fn add_rms_norm(
+    py: Python<'_>, mut h: PyReadwriteArrayDyn<'_, f32>, delta: Option<PyReadonlyArrayDyn<'_, f32>>,
+    weight: PyReadonlyArrayDyn<'_, f32>, eps: f32, mut out: PyReadwriteArrayDyn<'_, f32>,
+) -> PyResult<()> {
+    let (rows, dim) = rows_cols(h.shape());
+    if out.shape() != h.shape() || delta.as_ref().is_some_and(|d| d.shape() != h.shape()) {
+        return Err(PyValueError::new_err("add_rms_norm: h, delta and out must have one shape"));
+    }
+    let hs = contiguous_mut(&mut h, "h")?;
+    let ds = match &delta {
+        Some(d) => Some(contiguous(d, "delta")?),
+        None => None,
+    };
+    let w = contiguous(&weight, "weight")?;
+    let os = contiguous_mut(&mut out, "out")?;
+    py.detach(|| ops::add_rms_norm(hs, ds, w, eps, os, rows, dim)).map_err(verr)
+}
+
+/// out[t, i] = silu(gu[t, i]) * gu[t, I + i]; gu [T, 2I], out [T, I] float32.
+#[pyfunction]
+fn silu_mul(py: Python<'_>, gu: PyReadonlyArrayDyn<'_, f32>, mut out: PyReadwriteArrayDyn<'_, f32>) -> PyResult<()> {
+    let (rows, w) = rows_cols(gu.shape());
+    let (orows, inter) = rows_cols(out.shape());
+    if rows != orows || w != 2 * inter {
+        return Err(PyValueError::new_err("silu_mul: gu must be [T, 2I] and out [T, I]"));
+    }
+    let g = contiguous(&gu, "gu")?;
+    let o = contiguous_mut(&mut out, "out")?;
+    py.detach(|| ops::silu_mul(g, o, rows, inter)).map_err(verr)
+}
+
+/// Rotary embedding of the Q and K heads of fused QKV rows [T, (H + 2 Hkv) D] in place, then
+/// K and V written to their cache slots (int64 [T], -1: skip). cos/sin [P, D] tables,
+/// positions int64 [T]; caches [num_blocks, block_size, Hkv, D] float32.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn rope_write_kv(
+    py: Python<'_>, mut qkv: PyReadwriteArrayDyn<'_, f32>, positions: PyReadonlyArrayDyn<'_, i64>,
+    cos: PyReadonlyArrayDyn<'_, f32>, sin: PyReadonlyArrayDyn<'_, f32>, slots: PyReadonlyArrayDyn<'_, i64>,
+    mut k_cache: PyReadwriteArrayDyn<'_, f32>, mut v_cache: PyReadwriteArrayDyn<'_, f32>, num_heads: usize,
+    num_kv_heads: usize,
+) -> PyResult<()> {
+    let (rows, width) = rows_cols(qkv.shape());
+    let (_, d) = rows_cols(cos.shape());
+    let hs = Heads { nh: num_heads, nkv: num_kv_heads, d };
+    if width != hs.width() {
+        return Err(PyValueError::new_err(format!("rope_write_kv: QKV rows of {width}, heads need {}", hs.width())));
+    }
+    let q = contiguous_mut(&mut qkv, "qkv")?;
+    let (p, c, s, sl) = (contiguous(&positions, "positions")?, contiguous(&cos, "cos")?, contiguous(&sin, "sin")?, contiguous(&slots, "slots")?);
+    let kc = contiguous_mut(&mut k_cache, "k_cache")?;
+    let vc = contiguous_mut(&mut v_cache, "v_cache")?;
+    py.detach(|| ops::rope_write_kv(q, rows, hs, p, c, s, sl, kc, vc)).map_err(verr)
+}
+
+/// Paged attention of one query token per sequence. q [T, >= H D] (the first H D values of
+/// row rows[b] are sequence b's query heads, e.g. a fused QKV batch), out [T, H D];
+/// rows int64 [B], seq_lens int32 [B], block_tables int32 [B, M]; caches as above.
+#[pyfunction]
+#[pyo3(signature = (q, out, rows, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads, scale, window = 0))]
+#[allow(clippy::too_many_arguments)]
+fn paged_decode(
+    py: Python<'_>, q: PyReadonlyArrayDyn<'_, f32>, mut out: PyReadwriteArrayDyn<'_, f32>,
+    rows: PyReadonlyArrayDyn<'_, i64>, seq_lens: PyReadonlyArrayDyn<'_, i32>, block_tables: PyReadonlyArrayDyn<'_, i32>,
+    k_cache: PyReadonlyArrayDyn<'_, f32>, v_cache: PyReadonlyArrayDyn<'_, f32>, num_heads: usize, num_kv_heads: usize,
+    scale: f32, window: usize,
+) -> PyResult<()> {
+    let kshape = k_cache.shape();
+    if kshape.len() != 4 || v_cache.shape() != kshape || kshape[2] != num_kv_heads {
+        return Err(PyValueError::new_err("paged_decode: caches must be [num_blocks, block_size, Hkv, D]"));
+    }
+    let (bs, d) = (kshape[1], kshape[3]);
+    let hs = Heads { nh: num_heads, nkv: num_kv_heads, d };
+    let (_, q_stride) = rows_cols(q.shape());
+    let (_, out_stride) = rows_cols(out.shape());
+    let (qs, r, l, t) = (contiguous(&q, "q")?, contiguous(&rows, "rows")?, contiguous(&seq_lens, "seq_lens")?, contiguous(&block_tables, "block_tables")?);
+    let (kc, vc) = (contiguous(&k_cache, "k_cache")?, contiguous(&v_cache, "v_cache")?);
+    let os = contiguous_mut(&mut out, "out")?;
+    py.detach(|| attention::paged_decode(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window)).map_err(verr)
+}
+
+/// One linear layer of the decoder: its weight segments (format, interleaved, blocks, rows,
+/// cols) and its bias.
+struct Linear {
+    segs: Vec<(QType, bool, Py<PyArrayDyn<u8>>, usize, usize)>,
+    bias: Option<Py<PyArrayDyn<f32>>>,
+}
+
+struct Layer {
+    in_norm: Py<PyArrayDyn<f32>>,
+    post_norm: Py<PyArrayDyn<f32>>,
+    lin: [Linear; 4], // qkv, o, gate_up, down
+}
+
+/// The weights of one decode call, borrowed read-only from their arrays for the call.
+struct Borrowed<'py> {
+    bytes: Vec<PyReadonlyArrayDyn<'py, u8>>,
+    floats: Vec<PyReadonlyArrayDyn<'py, f32>>,
+}
+
+fn f32_array<'py>(a: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+    let arr = a.cast::<PyArrayDyn<f32>>().map_err(|_| PyValueError::new_err(format!("{what}: expected a float32 array")))?;
+    if !arr.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!("{what}: expected a C-contiguous array")));
+    }
+    Ok(arr.clone())
+}
+
+/// Every decoder layer of a quantized model for decode-only steps, in one call per step
+/// (`cpu_kernels::decoder::decode_layers`). Holds the weight arrays it was given (the
+/// model's own) and borrows them read-only for each call.
+#[pyclass(module = "edgepaged._native.ops")]
+pub struct QuantDecoder {
+    layers: Vec<Layer>,
+    hs: Heads,
+    hidden: usize,
+    inter: usize,
+    eps: f32,
+}
+
+#[pymethods]
+impl QuantDecoder {
+    /// layers: per layer (input_norm, post_norm, [qkv, o, gate_up, down]) with each linear
+    /// as (segments, bias or None) and each segment as (uint8 blocks [rows, row_bytes],
+    /// ggml type (plus the x8 flag for interleaved blocks), rows, cols).
+    #[new]
+    #[pyo3(signature = (layers, num_heads, num_kv_heads, head_dim, hidden, intermediate, eps))]
+    fn new(
+        layers: &Bound<'_, PyAny>, num_heads: usize, num_kv_heads: usize, head_dim: usize, hidden: usize,
+        intermediate: usize, eps: f32,
+    ) -> PyResult<Self> {
+        let mut out = Vec::new();
+        for layer in layers.try_iter()? {
+            let (inn, post, lins): (Bound<'_, PyAny>, Bound<'_, PyAny>, Vec<Bound<'_, PyAny>>) = layer?.extract()?;
+            if lins.len() != 4 {
+                return Err(PyValueError::new_err("QuantDecoder: each layer needs [qkv, o, gate_up, down]"));
+            }
+            let mut linears = Vec::new();
+            for lin in lins {
+                let (segs, bias): (Vec<(Bound<'_, PyAny>, u32, usize, usize)>, Option<Bound<'_, PyAny>>) = lin.extract()?;
+                let mut kept = Vec::new();
+                for (data, qt, rows, cols) in segs {
+                    let (q, x8) = qtype(qt)?;
+                    let arr = data.cast::<PyArrayDyn<u8>>()
+                        .map_err(|_| PyValueError::new_err("QuantDecoder: a weight must be a uint8 array"))?;
+                    QMatrix::with_layout(q, x8, contiguous(&arr.readonly(), "weight")?, rows, cols)
+                        .map_err(|e| PyValueError::new_err(e.0))?;
+                    kept.push((q, x8, arr.clone().unbind(), rows, cols));
+                }
+                let bias = bias.map(|b| f32_array(&b, "bias").map(Bound::unbind)).transpose()?;
+                linears.push(Linear { segs: kept, bias });
+            }
+            let lin: [Linear; 4] = linears.try_into().map_err(|_| PyValueError::new_err("4 linears"))?;
+            out.push(Layer {
+                in_norm: f32_array(&inn, "input norm")?.unbind(),
+                post_norm: f32_array(&post, "post norm")?.unbind(),
+                lin,
+            });
+        }
+        Ok(QuantDecoder {
+            layers: out, hs: Heads { nh: num_heads, nkv: num_kv_heads, d: head_dim }, hidden,
+            inter: intermediate, eps,
+        })
+    }
+
+    /// h [T, hidden] (embeddings in, residual stream after the last layer out), positions and
+    /// slots int64 [T], seq_lens int32 [T], block_tables int32 [T, M], kv_cache the runner's
+    /// [layers, 2, num_blocks, block_size, Hkv, D], cos/sin [P, D].
+    #[pyo3(signature = (h, positions, slots, seq_lens, block_tables, kv_cache, cos, sin, scale, window = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn decode(
+        &self, py: Python<'_>, mut h: PyReadwriteArrayDyn<'_, f32>, positions: PyReadonlyArrayDyn<'_, i64>,
+        slots: PyReadonlyArrayDyn<'_, i64>, seq_lens: PyReadonlyArrayDyn<'_, i32>,
+        block_tables: PyReadonlyArrayDyn<'_, i32>, mut kv_cache: PyReadwriteArrayDyn<'_, f32>,
+        cos: PyReadonlyArrayDyn<'_, f32>, sin: PyReadonlyArrayDyn<'_, f32>, scale: f32, window: usize,
+    ) -> PyResult<()> {
+        let kshape = kv_cache.shape().to_vec();
+        if kshape.len() != 6 || kshape[0] != self.layers.len() || kshape[1] != 2 || kshape[4] != self.hs.nkv
+            || kshape[5] != self.hs.d
+        {
+            return Err(PyValueError::new_err("QuantDecoder.decode: kv_cache must be [layers, 2, blocks, block_size, Hkv, D]"));
+        }
+        let (t, hidden) = rows_cols(h.shape());
+        if hidden != self.hidden {
+            return Err(PyValueError::new_err(format!("QuantDecoder.decode: h rows of {hidden}, model hidden {}", self.hidden)));
+        }
+        // borrow every weight read-only for the call (the arrays are the model's; nobody
+        // writes them, and numpy's borrow tracking would refuse it if somebody did)
+        let mut held = Borrowed { bytes: Vec::new(), floats: Vec::new() };
+        for l in &self.layers {
+            held.floats.push(l.in_norm.bind(py).readonly());
+            held.floats.push(l.post_norm.bind(py).readonly());
+            for lin in &l.lin {
+                held.bytes.extend(lin.segs.iter().map(|s| s.2.bind(py).readonly()));
+                held.floats.extend(lin.bias.iter().map(|b| b.bind(py).readonly()));
+            }
+        }
+        let (mut bytes, mut floats) = (held.bytes.iter(), held.floats.iter());
+        let mut next_f32 = || contiguous(floats.next().expect("borrowed above"), "weight");
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let (in_norm, post_norm) = (next_f32()?, next_f32()?);
+            let mut lins = Vec::with_capacity(4);
+            for lin in &l.lin {
+                let mut segs = Vec::with_capacity(lin.segs.len());
+                for &(q, x8, _, rows, cols) in &lin.segs {
+                    let data = contiguous(bytes.next().expect("borrowed above"), "weight")?;
+                    segs.push(QMatrix::with_layout(q, x8, data, rows, cols).map_err(|e| PyValueError::new_err(e.0))?);
+                }
+                let bias = if lin.bias.is_some() { Some(next_f32()?) } else { None };
+                lins.push(QLinear { segs, bias });
+            }
+            let [qkv, o, gate_up, down]: [QLinear; 4] = lins.try_into().map_err(|_| PyValueError::new_err("4 linears"))?;
+            layers.push(QLayer { in_norm, post_norm, qkv, o, gate_up, down });
+        }
+        let hsl = contiguous_mut(&mut h, "h")?;
+        let (p, s) = (contiguous(&positions, "positions")?, contiguous(&slots, "slots")?);
+        let (l, bt) = (contiguous(&seq_lens, "seq_lens")?, contiguous(&block_tables, "block_tables")?);
+        let (c, sn) = (contiguous(&cos, "cos")?, contiguous(&sin, "sin")?);
+        let kv = contiguous_mut(&mut kv_cache, "kv_cache")?;
+        let step = DecodeStep {
+            positions: p, slots: s, lens: l, tables: bt, cos: c, sin: sn, block_size: kshape[3], scale, window,
+        };
+        let (hs, inter, eps) = (self.hs, self.inter, self.eps);
+        py.detach(|| decode_layers(&layers, hs, hidden, inter, eps, hsl, t, &step, kv)).map_err(verr)
+    }
+}
+
+pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
+    let m = PyModule::new(py, "ops")?;
+    m.add_function(wrap_pyfunction!(add_rms_norm, &m)?)?;
+    m.add_function(wrap_pyfunction!(silu_mul, &m)?)?;
+    m.add_function(wrap_pyfunction!(rope_write_kv, &m)?)?;
+    m.add_function(wrap_pyfunction!(paged_decode, &m)?)?;
+    m.add_class::<QuantDecoder>()?;
+    Ok(m)
+}

@@ -1,0 +1,186 @@
+//! `edgepaged._native.quant`: the quantized kernels on numpy arrays, no copies, the GIL
+//! released while they run. Torch CPU tensors pass through `tensor.numpy()`, which shares
+//! their memory. Activations and outputs are C-contiguous; a product may write a band of
+//! the output's columns (`col`), so the parts of a fused weight fill one output.
+
+use numpy::{PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use cpu_kernels::quant::{self, Isa, QMatrix, QType, QuantError, X8_FLAG};
+
+fn verr(e: QuantError) -> PyErr { PyValueError::new_err(e.0) }
+
+/// A GGML type id, plus `X8_FLAG` for interleaved weights -> (format, interleaved).
+pub(crate) fn qtype(id: u32) -> PyResult<(QType, bool)> {
+    let x8 = id & X8_FLAG != 0;
+    let q = QType::from_ggml(id & !X8_FLAG).ok_or_else(|| {
+        let names: Vec<&str> = QType::ALL.iter().map(|q| q.name()).collect();
+        PyValueError::new_err(format!("GGML type {id} is not supported by the quantized kernels ({})", names.join(", ")))
+    })?;
+    if x8 && !q.interleavable() {
+        return Err(PyValueError::new_err(format!("{} weights cannot be interleaved", q.name())));
+    }
+    Ok((q, x8))
+}
+
+fn isa(scalar: bool) -> Isa { if scalar { Isa::Scalar } else { Isa::best() } }
+
+/// (rows, last dim) of an array seen as 2-D (a 1-D array is one row).
+pub(crate) fn rows_cols(shape: &[usize]) -> (usize, usize) {
+    match shape.split_last() {
+        Some((&c, lead)) => (lead.iter().product(), c),
+        None => (1, 1),
+    }
+}
+
+pub(crate) fn contiguous<'a, T: numpy::Element>(a: &'a PyReadonlyArrayDyn<'_, T>, what: &str) -> PyResult<&'a [T]> {
+    a.as_slice().map_err(|_| PyValueError::new_err(format!("{what}: expected a C-contiguous array")))
+}
+
+pub(crate) fn contiguous_mut<'a, T: numpy::Element>(a: &'a mut PyReadwriteArrayDyn<'_, T>, what: &str) -> PyResult<&'a mut [T]> {
+    a.as_slice_mut().map_err(|_| PyValueError::new_err(format!("{what}: expected a C-contiguous array")))
+}
+
+/// The matrix in `data`; its rows from the bytes, or `rows` (an interleaved matrix stores
+/// them rounded up to a multiple of 8).
+pub(crate) fn matrix<'a>((q, x8): (QType, bool), data: &'a [u8], cols: usize, rows: Option<usize>) -> PyResult<QMatrix<'a>> {
+    let rb = q.row_bytes(cols).map_err(verr)?;
+    let unit = if x8 { 8 * rb } else { rb };
+    if data.len() % unit != 0 {
+        return Err(PyValueError::new_err(format!(
+            "weight: {} bytes are not whole {} {} of {cols} weights ({unit} bytes each)",
+            data.len(),
+            q.name(),
+            if x8 { "groups of 8 interleaved rows" } else { "rows" },
+        )));
+    }
+    let stored = data.len() / rb;
+    let rows = match rows {
+        Some(n) if n <= stored && n + if x8 { 8 } else { 1 } > stored => n,
+        Some(n) => return Err(PyValueError::new_err(format!("weight has {stored} rows but {n} are asked for"))),
+        None => stored,
+    };
+    QMatrix::with_layout(q, x8, data, rows, cols).map_err(verr)
+}
+
+/// out[t, col:col + N] = W · x[t] for a GGUF-quantized W [N, K] (uint8 blocks); x [T, K] or
+/// [K] float32; out [T, M] or [M] float32 (M >= col + N), written in place. N is `rows`, or
+/// the rest of out's width.
+#[pyfunction]
+#[pyo3(signature = (weight, qtype, x, out, *, col = 0, rows = None, scalar = false))]
+#[allow(clippy::too_many_arguments)]
+fn matmul(
+    py: Python<'_>, weight: PyReadonlyArrayDyn<'_, u8>, qtype: u32, x: PyReadonlyArrayDyn<'_, f32>,
+    mut out: PyReadwriteArrayDyn<'_, f32>, col: usize, rows: Option<usize>, scalar: bool,
+) -> PyResult<()> {
+    let q = self::qtype(qtype)?;
+    let (t, k) = rows_cols(x.shape());
+    let (to, m) = rows_cols(out.shape());
+    if t != to {
+        return Err(PyValueError::new_err(format!("x has {t} rows but out has {to}")));
+    }
+    let n = rows.unwrap_or(m.saturating_sub(col));
+    if col + n > m {
+        return Err(PyValueError::new_err(format!("columns {col}..{} do not fit out's {m}", col + n)));
+    }
+    let w = matrix(q, contiguous(&weight, "weight")?, k, Some(n))?;
+    let xs = contiguous(&x, "x")?;
+    let os = &mut contiguous_mut(&mut out, "out")?[col..];
+    let isa = isa(scalar);
+    py.detach(move || quant::matmul(&w, xs, k, t, os, m, isa)).map_err(verr)
+}
+
+/// Dequantize weight rows row_start .. row_start + out.shape[0] into out [R, K] float32.
+#[pyfunction]
+#[pyo3(signature = (weight, qtype, out, row_start = 0, *, scalar = false))]
+fn dequantize(
+    py: Python<'_>, weight: PyReadonlyArrayDyn<'_, u8>, qtype: u32, mut out: PyReadwriteArrayDyn<'_, f32>,
+    row_start: usize, scalar: bool,
+) -> PyResult<()> {
+    let q = self::qtype(qtype)?;
+    let (r, k) = rows_cols(out.shape());
+    let w = matrix(q, contiguous(&weight, "weight")?, k, None)?;
+    let os = contiguous_mut(&mut out, "out")?;
+    let isa = isa(scalar);
+    py.detach(move || quant::dequantize(&w, row_start, os, r, k, isa)).map_err(verr)
+}
+
+/// out[i] = dequantized weight row rows[i] (an embedding lookup); rows int64 [R], out [R, K].
+#[pyfunction]
+#[pyo3(signature = (weight, qtype, rows, out, *, scalar = false))]
+fn gather_rows(
+    py: Python<'_>, weight: PyReadonlyArrayDyn<'_, u8>, qtype: u32, rows: PyReadonlyArrayDyn<'_, i64>,
+    mut out: PyReadwriteArrayDyn<'_, f32>, scalar: bool,
+) -> PyResult<()> {
+    let q = self::qtype(qtype)?;
+    let (r, k) = rows_cols(out.shape());
+    let w = matrix(q, contiguous(&weight, "weight")?, k, None)?;
+    let ids = contiguous(&rows, "rows")?;
+    if ids.len() != r {
+        return Err(PyValueError::new_err(format!("{} rows requested but out has {r}", ids.len())));
+    }
+    let os = contiguous_mut(&mut out, "out")?;
+    let isa = isa(scalar);
+    py.detach(move || quant::gather_rows(&w, ids, os, k, isa)).map_err(verr)
+}
+
+/// GGUF blocks [rows, row_bytes] of a Q4_0/Q4_1/Q8_0 weight interleaved in groups of 8 rows
+/// for the kernels (pass the type id plus `x8_flag` with it): uint8 [ceil(rows / 8), 8 * row_bytes].
+/// A writable C-contiguous array whose rows are a multiple of 8 is rewritten in place (the
+/// result is a view of it); others are copied.
+#[pyfunction]
+fn interleave<'py>(py: Python<'py>, weight: Bound<'py, PyArrayDyn<u8>>, qtype: u32, rows: usize) -> PyResult<Bound<'py, PyAny>> {
+    let (q, x8) = self::qtype(qtype)?;
+    if x8 {
+        return Err(PyValueError::new_err("interleave: the weight is interleaved already"));
+    }
+    let len = weight.len();
+    let rb = if rows == 0 { 0 } else { len / rows };
+    if rows == 0 || rb * rows != len || rb % q.block_bytes() != 0 {
+        return Err(PyValueError::new_err(format!("interleave: {len} bytes are not {rows} rows of {} blocks", q.name())));
+    }
+    let cols = rb / q.block_bytes() * q.block_weights();
+    let shape = [rows.div_ceil(8), 8 * rb];
+    if rows % 8 == 0 && weight.is_c_contiguous() {
+        // (not writeable, or borrowed elsewhere: copied below)
+        if let Ok(mut rw) = weight.try_readwrite() {
+            let data = contiguous_mut(&mut rw, "weight")?;
+            py.detach(|| quant::interleave_in_place(q, data, rows, cols)).map_err(verr)?;
+            drop(rw);
+            return Ok(weight.reshape(shape)?.into_any());
+        }
+    }
+    let ro = weight.readonly();
+    let data = contiguous(&ro, "weight")?;
+    let out = py.detach(|| quant::interleave(q, data, rows, cols)).map_err(verr)?;
+    Ok(numpy::PyArray1::from_vec(py, out).reshape(shape)?.into_any())
+}
+
+/// {"isa": "avx2" | "scalar", "threads": n, "formats": {name: (ggml_type, block_weights,
+/// block_bytes)}, "x8_flag": 0x100, "interleavable": [ggml_type, ...]}
+#[pyfunction]
+fn info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("isa", Isa::best().name())?;
+    d.set_item("threads", cpu_kernels::threads::num_threads())?;
+    let f = PyDict::new(py);
+    for q in QType::ALL {
+        f.set_item(q.name(), (q as u32, q.block_weights(), q.block_bytes()))?;
+    }
+    d.set_item("formats", f)?;
+    d.set_item("x8_flag", X8_FLAG)?;
+    d.set_item("interleavable", QType::ALL.iter().filter(|q| q.interleavable()).map(|q| *q as u32).collect::<Vec<_>>())?;
+    Ok(d)
+}
+
+pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
+    let m = PyModule::new(py, "quant")?;
+    m.add_function(wrap_pyfunction!(matmul, &m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize, &m)?)?;
+    m.add_function(wrap_pyfunction!(gather_rows, &m)?)?;
+    m.add_function(wrap_pyfunction!(interleave, &m)?)?;
+    m.add_function(wrap_pyfunction!(info, &m)?)?;
+    Ok(m)
+}
