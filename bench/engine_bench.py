@@ -23,7 +23,7 @@ import time
 
 import trio
 
-from edgepaged.testing.workloads import make_item, mix, parse_caps, poisson  # noqa: E402
+from edgepaged.testing.workloads import drive_arrivals, make_item, mix, parse_caps, poisson  # noqa: E402
 
 from edgepaged.engine import Engine, EngineConfig, Request, TokenEvent  # noqa: E402
 from edgepaged.model import ModelRunner, SamplingParams  # noqa: E402
@@ -62,23 +62,14 @@ async def run_mix(runner, items, contiguous: bool, cfg: dict) -> dict:
     results: list[dict] = []
     trace = []
     async with engine:
-        t0, start = time.monotonic(), trio.current_time()
-
-        async def sampler():
+        async def sampler(t0):
             while True:
                 s = engine.scheduler
                 trace.append((round(time.monotonic() - t0, 3), s.num_running, s.num_waiting,
                               engine.allocator.num_used_blocks))
                 await trio.sleep(0.25)
 
-        async with trio.open_nursery() as n:
-            n.start_soon(sampler)
-            async with trio.open_nursery() as clients:
-                for it in items:
-                    await trio.sleep_until(start + it.at)   # Trio's clock, not time.monotonic()
-                    clients.start_soon(drive, engine, it, results)
-            n.cancel_scope.cancel()
-        wall = time.monotonic() - t0
+        wall = await drive_arrivals(items, lambda it: drive(engine, it, results), sampler)
         st = engine.stats()
     toks = sum(r["tokens"] for r in results)
     ttfts = [r["ttft"] for r in results]

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import trio
 
-from edgepaged.testing.workloads import CLASSES, burst, make_item, mix, parse_caps, poisson  # noqa: E402
+from edgepaged.testing.workloads import CLASSES, burst, drive_arrivals, make_item, mix, parse_caps, poisson  # noqa: E402
 
 from edgepaged.client import ServerError, open_client  # noqa: E402
 
@@ -118,9 +118,8 @@ async def client(addr: str, item, out: list) -> None:
 async def run_e2e(addr: str, items) -> dict:
     results: list[dict] = []
     samples = []
-    t0, start = time.monotonic(), trio.current_time()
 
-    async def sampler():
+    async def sampler(t0):
         async with open_client(addr, name="bench-observer") as c:
             while True:
                 s = await c.stats()
@@ -128,16 +127,9 @@ async def run_e2e(addr: str, items) -> dict:
                                 s["kv_blocks_used"], s["tokens_per_s"]))
                 await trio.sleep(0.5)
 
-    async with trio.open_nursery() as n:
-        n.start_soon(sampler)
-        async with trio.open_nursery() as clients:
-            for it in items:
-                await trio.sleep_until(start + it.at)   # Trio's clock, not time.monotonic()
-                clients.start_soon(client, addr, it, results)
-        wall = time.monotonic() - t0
-        async with open_client(addr, name="bench-observer") as c:
-            final = await c.stats()
-        n.cancel_scope.cancel()
+    wall = await drive_arrivals(items, lambda it: client(addr, it, results), sampler)
+    async with open_client(addr, name="bench-observer") as c:
+        final = await c.stats()
     return summarize(results, wall, final, samples)
 
 

@@ -32,7 +32,11 @@ Arrival patterns: `poisson(rate)`, `burst(at)` (everyone at once after dinner), 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import trio
 
 CLASSES = {
     #            prompt        answer      priority       share  max_tokens the client sends
@@ -129,3 +133,21 @@ def burst(items: list[WorkItem], at: float = 0.0, spread_s: float = 0.5, seed: i
     for it in items:
         it.at = at + rng.random() * spread_s
     return items
+
+
+async def drive_arrivals(items: list[WorkItem], send: Callable[[WorkItem], Awaitable[None]],
+                         sampler: Callable[[float], Awaitable[None]] | None = None) -> float:
+    """The arrival driver: start `send(item)` in a task of its own at each item's arrival
+    time (Trio's clock), and `sampler(t0)` beside them until the last send returns.
+    Returns the wall time in seconds from the start to the last answer."""
+    t0, start = time.monotonic(), trio.current_time()
+    async with trio.open_nursery() as nursery:
+        if sampler is not None:
+            nursery.start_soon(sampler, t0)
+        async with trio.open_nursery() as clients:
+            for it in items:
+                await trio.sleep_until(start + it.at)   # Trio's clock, not time.monotonic()
+                clients.start_soon(send, it)
+        wall = time.monotonic() - t0
+        nursery.cancel_scope.cancel()
+    return wall
