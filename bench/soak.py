@@ -2,14 +2,21 @@
 concurrent clients for a bounded time, most of them misbehaving.
 
 Each client loops until the deadline, picking a behaviour each round:
-  normal     50%  chat, read everything: must finish with its full answer
-  cancel     20%  cancel mid-stream (a cancel frame)
-  vanish     10%  drop the socket mid-stream without a word
-  noread      8%  send a request and never read the stream, then drop the socket
-  garbage     6%  send bytes that are not a frame: must get an error frame and a close
-  reconnect   6%  connect, hello, disconnect, a few times in a row
+  normal     44%  chat, read everything: must finish with its full answer
+  cancel     18%  cancel mid-stream (a cancel frame)
+  vanish      9%  drop the socket mid-stream without a word
+  noread      7%  send a request and never read the stream, then drop the socket
+  garbage     5%  send bytes that are not a frame: must get an error frame and a close
+  reconnect   5%  connect, hello, disconnect, a few times in a row
+  badparams   5%  a request with top_k past the vocabulary or an infinite temperature: refused
+  pest        4%  connections from another loopback address (127.0.0.2) that never say hello
+  upload      3%  an HTTP POST that stops halfway through its body, then hangs up
 At the end: every normal request completed, zero blocks leaked (nothing used once idle),
-the server's RSS back near where it started after warm-up, and its task count back.
+the server's RSS back near where it started after warm-up, and its task count back. `failed`
+counts only the requests of well-behaved (normal) clients. The household's clients share one
+loopback address here, so the server gets a per-address allowance of connections before
+hello as large as the client count; the pests' address has the same allowance and must not
+crowd them out.
 
     python bench/soak.py [--quick] [--json] [--clients N] [--seconds S]
 """
@@ -50,15 +57,43 @@ def rss_mb(pid: int) -> float:
 
 class Tally:
     def __init__(self):
-        self.counts = {k: 0 for k in ("normal", "cancel", "vanish", "noread", "garbage", "reconnect")}
+        self.counts = {k: 0 for k in ("normal", "cancel", "vanish", "noread", "garbage", "reconnect", "badparams",
+                                      "pest", "upload")}
         self.completed = 0
         self.failed: list[str] = []
         self.requests = 0
 
 
-async def behave(addr: str, host: str, port: int, kind: str, rng: random.Random, t: Tally) -> None:
+async def behave(addr: str, host: str, port: int, http_port: int, kind: str, rng: random.Random, t: Tally) -> None:
     q = [{"role": "user", "content": rng.choice(QUESTIONS)}]
     n = rng.randint(4, 16)
+    if kind == "badparams":
+        bad = rng.choice([dict(top_k=10**6), dict(temperature=float("inf")), dict(stop_token_ids=[10**7])])
+        async with open_client(addr, name="soak-bad") as c:
+            try:
+                await c.chat(q, max_tokens=n, **bad).collect()
+                t.failed.append(f"a request with {bad} was not refused")
+            except ServerError as e:
+                if e.code != "invalid_params":
+                    t.failed.append(f"a request with {bad} got {e.code}, not invalid_params")
+        return
+    if kind == "pest":
+        held = []
+        try:
+            for _ in range(rng.randint(5, 20)):
+                held.append(await trio.open_tcp_stream(host, port, local_address="127.0.0.2"))
+            await trio.sleep(rng.random() * 2)
+        finally:
+            for s in held:
+                await s.aclose()
+        return
+    if kind == "upload":
+        s = await trio.open_tcp_stream(host, http_port)
+        async with s:
+            await s.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                             b"application/json\r\nContent-Length: 65536\r\n\r\n{\"messages\": [{\"role\": ")
+            await trio.sleep(rng.random() * 0.3)
+        return
     if kind in ("normal", "cancel"):
         t.requests += 1
         async with open_client(addr, name=f"soak-{rng.randrange(20)}") as c:
@@ -103,9 +138,9 @@ async def behave(addr: str, host: str, port: int, kind: str, rng: random.Random,
         await s.aclose()
 
 
-async def soak(addr: str, clients: int, seconds: float, seed: int, t: Tally) -> None:
+async def soak(addr: str, http_port: int, clients: int, seconds: float, seed: int, t: Tally) -> None:
     host, port = addr.rsplit(":", 1)
-    kinds, weights = list(t.counts), [50, 20, 10, 8, 6, 6]
+    kinds, weights = list(t.counts), [44, 18, 9, 7, 5, 5, 5, 4, 3]
     deadline = trio.current_time() + seconds
 
     async def client(i: int) -> None:
@@ -115,7 +150,7 @@ async def soak(addr: str, clients: int, seconds: float, seed: int, t: Tally) -> 
             t.counts[kind] += 1
             try:
                 with trio.fail_after(120):
-                    await behave(addr, host, int(port), kind, rng, t)
+                    await behave(addr, host, int(port), http_port, kind, rng, t)
             except (ServerError, OSError, trio.BrokenResourceError) as e:
                 if kind == "normal":
                     t.failed.append(f"normal request: {type(e).__name__}: {e}")
@@ -154,10 +189,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.clients, args.seconds = 120, 75
-    port = free_port()
+    port, http_port = free_port(), free_port()
     addr = f"127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--no-mdns",
-           "--kv-memory", "256MiB", "--max-connections", str(args.clients + 64), "--grace", "5"]
+           "--http-port", str(http_port), "--kv-memory", "256MiB", "--max-connections", str(args.clients + 64),
+           "--max-unauthenticated", str(2 * args.clients), "--max-unauthenticated-per-address", str(args.clients),
+           "--grace", "5"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
@@ -166,8 +203,10 @@ def main() -> None:
                 break
         else:
             sys.exit(f"the server did not start (exit {proc.wait()})")
+        log_lines: list[str] = []       # what the server says from here on (the log-flooding check)
+        threading.Thread(target=lambda: log_lines.extend(proc.stdout), daemon=True).start()
         # warm up at full concurrency (allocator caches reach their working size), then the baseline
-        trio.run(soak, addr, args.clients, max(10.0, args.seconds / 8), args.seed + 99, Tally())
+        trio.run(soak, addr, http_port, args.clients, max(10.0, args.seconds / 8), args.seed + 99, Tally())
         base = trio.run(wait_idle, addr)
         rss0 = rss_mb(proc.pid)
         t = Tally()
@@ -178,7 +217,7 @@ def main() -> None:
             while not stop.wait(10):
                 rss_trace.append((round(time.monotonic() - t0), round(rss_mb(proc.pid), 1)))
         threading.Thread(target=sample_rss, daemon=True).start()
-        trio.run(soak, addr, args.clients, args.seconds, args.seed, t)
+        trio.run(soak, addr, http_port, args.clients, args.seconds, args.seed, t)
         stop.set()
         wall = time.monotonic() - t0
         end = trio.run(wait_idle, addr)
@@ -196,7 +235,8 @@ def main() -> None:
         "tasks_end": end["server"]["tasks_living"], "behaviours": t.counts, "clients": args.clients,
         "seconds": round(wall, 1), "generation_tokens": end["generation_tokens"], "finished": end["finished"],
         "free_plus_cached_equals_total": end["kv_blocks_free"] == end["kv_blocks_total"], "exit_code": rc,
-        "rss_trace_mb": rss_trace,
+        "rss_trace_mb": rss_trace, "server_log_lines": len(log_lines),
+        "tracebacks_in_log": sum("Traceback" in x for x in log_lines),
     }
     for f in t.failed[:10]:
         print("FAILED:", f)
@@ -205,7 +245,7 @@ def main() -> None:
           f"tasks {out['tasks_start']} -> {out['tasks_end']}; max active {out['max_active']}; server exit {rc}")
     if args.json:
         print(json.dumps(out))
-    ok = not t.failed and out["leaked_blocks"] == 0 and rc == 0
+    ok = not t.failed and out["leaked_blocks"] == 0 and rc == 0 and out["tracebacks_in_log"] == 0
     sys.exit(0 if ok else 1)
 
 

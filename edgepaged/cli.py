@@ -26,10 +26,10 @@ MDNS_ENV = "EDGEPAGED_MDNS_INTERFACE"
 
 
 def parse_bytes(text: str) -> int:
-    """'1073741824', '512M', '1G', '1.5GiB' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    """'1073741824', '512M', '1G', '1.5GiB' -> bytes; ValueError for anything else."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b)?\s*", text.lower())
     if not m:
-        raise click.BadParameter(f"not a size: {text!r} (e.g. 1073741824, 512M, 2G)")
+        raise ValueError("not a size (e.g. 512M, 4G, 1.5G or a number of bytes)")
     return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
 
 
@@ -111,20 +111,34 @@ def main(verbose):
 @click.option("--no-http", is_flag=True, help="Do not serve HTTP (the msgpack port only).")
 @click.option("--no-mdns", is_flag=True, help="Do not advertise on the local network.")
 @click.option("--mdns-interface", default=None, metavar="ADDR", help="Advertise on this interface address only.")
-@click.option("--max-connections", type=int, default=64, show_default=True)
+@click.option("--max-connections", type=int, default=64, show_default=True,
+              help="Most msgpack connections past hello. Connections still before hello have an allowance of their "
+                   "own (--max-unauthenticated), so clients without a token cannot take these places.")
+@click.option("--max-unauthenticated", type=int, default=16, show_default=True,
+              help="Most msgpack connections that have not finished hello, from all addresses together.")
+@click.option("--max-unauthenticated-per-address", type=int, default=4, show_default=True,
+              help="Most msgpack connections before hello from one address.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="A name the HTTP port may be reached by besides its addresses, its host name, localhost and "
+                   ".local names (repeatable; '*.example.org' for a domain). Other Host headers get 421.")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="A web origin whose pages may call the HTTP API, e.g. http://tools.local:8080 (repeatable; "
+                   "'*' for any). None by default.")
 @click.option("--max-inflight", type=int, default=16, show_default=True, help="Requests in flight per connection.")
 @click.option("--max-prompt-tokens", type=int, default=None, help="Longest prompt taken (default: the context).")
 @click.option("--max-tokens", type=int, default=None, help="Cap on a request's max_tokens (default: the context).")
 @click.option("--grace", type=float, default=10.0, show_default=True,
               help="Seconds running requests get to finish at shutdown.")
 @click.option("--users", "users_file", default=None, metavar="FILE", type=click.Path(exists=True, dir_okay=False),
-              help="Per-user tokens, one 'name token' per line: each user gets a prefix cache of their own.")
+              help="Per-user tokens, one 'name token' per line ('name token admin' for a user who may see "
+                   "everyone's figures in /stats and /metrics): each user gets a prefix cache of their own.")
 @click.option("--contiguous", is_flag=True,
               help="Reserve prompt + max_tokens of KV up front (the naive scheme, for benchmarks).")
 @click.option("--mdns-refresh", type=float, default=5.0, hidden=True)
 def serve(model_path, device, host, port, kv_memory, block_size, max_batched_tokens, token, http_port, no_http,
-          no_mdns, mdns_interface, max_connections, max_inflight, max_prompt_tokens, max_tokens, grace, users_file,
-          contiguous, mdns_refresh):
+          no_mdns, mdns_interface, max_connections, max_unauthenticated, max_unauthenticated_per_address,
+          allowed_hosts, cors_origins, max_inflight, max_prompt_tokens, max_tokens, grace, users_file, contiguous,
+          mdns_refresh):
     """Serve a model on the network (msgpack over TCP and HTTP, advertised by mDNS)."""
     import trio
 
@@ -140,19 +154,27 @@ def serve(model_path, device, host, port, kv_memory, block_size, max_batched_tok
         users = load_users(users_file) if users_file else None
     except (OSError, ValueError) as e:
         fail(f"--users: {e}")
-    kv_bytes = parse_bytes(kv_memory) if kv_memory else None
+    try:
+        kv_bytes = parse_bytes(kv_memory) if kv_memory else None
+    except ValueError as e:
+        fail(f"--kv-memory {kv_memory}: {e}", 2)
+    from .model.runner import KvBudgetError
     try:
         runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens)
+    except KvBudgetError as e:
+        fail(f"--kv-memory {kv_memory}: {e}" if kv_memory else str(e))
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted while loading the model", 130)
     cfg = AppConfig(
-        server=ServerConfig(host=host, port=port, max_connections=max_connections, max_inflight=max_inflight),
+        server=ServerConfig(host=host, port=port, max_connections=max_connections, max_inflight=max_inflight,
+                            max_unauthenticated=max_unauthenticated,
+                            max_unauthenticated_per_address=max_unauthenticated_per_address),
         front=FrontEndConfig(token=token or None, users=users, max_prompt_tokens=max_prompt_tokens,
                              max_tokens=max_tokens),
         engine=EngineConfig(max_num_batched_tokens=max_batched_tokens, contiguous=contiguous),
-        http=None if no_http else HttpConfig(port=http_port),
+        http=None if no_http else HttpConfig(port=http_port, allowed_hosts=allowed_hosts, cors_origins=cors_origins),
         mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
     try:
         trio.run(partial(run, runner, cfg, say=lambda line: click.echo(line) or sys.stdout.flush()))

@@ -4,7 +4,7 @@ A door (a msgpack connection, the OpenAI API, later the Ollama API) parses its t
 shape into a `GenerateRequest` (edgepaged/protocol.py) and hands it here with the caller:
 
     front = FrontEnd(engine, FrontEndConfig(token=..., users=...))
-    user = front.authenticate(token)                 # AuthFailed, or the user's name (None: no users)
+    user = await front.authenticate(token, peer)     # AuthFailed, or the user's name (None: no users)
     caller = front.caller(user, client_name, peer)   # fairness identity + prefix-cache identity
     req = await front.build(item, caller)            # RequestRejected(code, message), or an engine Request
     async with engine.stream(req) as events: ...
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -29,15 +31,25 @@ from .engine.request import PRIORITIES, Request, RequestRejected
 from .model.params import SamplingParams
 from .protocol import GenerateRequest
 
+log = logging.getLogger("edgepaged.frontend")
+
 
 class AuthFailed(Exception):
     """A wrong or missing token."""
 
 
+class Users(dict):
+    """Per-user tokens: token -> name, and the names marked admin (`admins`)."""
+
+    def __init__(self, tokens: dict[str, str] | None = None, admins=()):
+        super().__init__(tokens or {})
+        self.admins = frozenset(admins)
+
+
 @dataclass
 class FrontEndConfig:
     token: str | None = None             # shared secret; None = open to the network
-    users: dict[str, str] | None = None  # per-user tokens (token -> name): each user's own prefix cache
+    users: dict[str, str] | None = None  # per-user tokens (token -> name, a `Users` for admins): own prefix caches
     max_prompt_tokens: int | None = None  # default: the context length - 1
     max_tokens: int | None = None        # cap on a request's max_tokens; default: the context length
 
@@ -45,9 +57,53 @@ class FrontEndConfig:
 @dataclass(frozen=True)
 class Caller:
     """Who is asking: `client` is the fairness identity (clients share the engine fairly),
-    `identity` whose prefix cache the request uses (the authenticated user, else the client)."""
+    `identity` whose prefix cache the request uses (the authenticated user, else the client);
+    `sees_all`: may see every caller's figures (no per-user tokens, or an admin)."""
     client: str
     identity: str
+    sees_all: bool = True
+
+
+@dataclass
+class _Failures:
+    count: int = 0
+    last: float = 0.0
+    lock: trio.Lock = field(default_factory=trio.Lock)
+
+
+class AuthThrottle:
+    """Failed authentication slowed per address. After `free` failures each further attempt
+    from that address waits `step_s` × (failures − free) seconds (at most `max_delay_s`)
+    before its token is checked, and attempts from one address are checked one at a time,
+    so guessing in parallel gains nothing; a right token clears the address, and so do
+    `forget_s` quiet seconds. The first failure of a burst is logged with the address."""
+
+    def __init__(self, free: int = 3, step_s: float = 0.01, max_delay_s: float = 2.0, forget_s: float = 600.0,
+                 burst_gap_s: float = 60.0, max_addresses: int = 4096):
+        self.free, self.step_s, self.max_delay_s = free, step_s, max_delay_s
+        self.forget_s, self.burst_gap_s, self.max_addresses = forget_s, burst_gap_s, max_addresses
+        self.by_address: dict[str, _Failures] = {}
+
+    def state(self, peer: str) -> _Failures:
+        s = self.by_address.get(peer)
+        now = time.monotonic()
+        if s is None or (s.count and now - s.last > self.forget_s and not s.lock.locked()):
+            if len(self.by_address) >= self.max_addresses:   # drop what is quiet
+                for a in [a for a, f in self.by_address.items() if not f.lock.locked()][: self.max_addresses // 4]:
+                    del self.by_address[a]
+            s = self.by_address[peer] = _Failures()
+        return s
+
+    def delay(self, s: _Failures) -> float:
+        return min(self.max_delay_s, self.step_s * max(0, s.count - self.free + 1)) if s.count >= self.free else 0.0
+
+    def failed(self, s: _Failures, peer: str) -> None:
+        now = time.monotonic()
+        if not s.count or now - s.last > self.burst_gap_s:
+            log.warning("failed authentication from %s (a wrong or missing token); further failures from this "
+                        "address are slowed down", peer)
+        s.count += 1
+        s.last = now
 
 
 def cache_salt(identity: str, shared: bool = False) -> int:
@@ -61,23 +117,27 @@ def cache_salt(identity: str, shared: bool = False) -> int:
     return int.from_bytes(digest, "big") >> 1 or 1
 
 
-def load_users(path) -> dict[str, str]:
-    """A users file: one `name token` per line ('#' comments). Returns token -> name."""
+def load_users(path) -> Users:
+    """A users file: one `name token` per line, `name token admin` for a user who may see
+    every user's figures ('#' comments). Returns token -> name (`Users`, with `.admins`)."""
     users: dict[str, str] = {}
+    admins = set()
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
-        if len(parts) != 2:
-            raise ValueError(f"{path}:{n}: expected 'name token'")
-        name, token = parts
+        if len(parts) not in (2, 3) or len(parts) == 3 and parts[2] != "admin":
+            raise ValueError(f"{path}:{n}: expected 'name token' or 'name token admin'")
+        name, token = parts[:2]
         if token in users:
             raise ValueError(f"{path}:{n}: the token of {name!r} is already used by {users[token]!r}")
         users[token] = name
+        if len(parts) == 3:
+            admins.add(name)
     if not users:
         raise ValueError(f"{path}: no users")
-    return users
+    return Users(users, admins)
 
 
 def model_display_name(engine) -> str:
@@ -86,9 +146,10 @@ def model_display_name(engine) -> str:
 
 
 class FrontEnd:
-    def __init__(self, engine, config: FrontEndConfig | None = None):
+    def __init__(self, engine, config: FrontEndConfig | None = None, throttle: AuthThrottle | None = None):
         self.engine = engine
         self.config = cfg = config or FrontEndConfig()
+        self.throttle = throttle or AuthThrottle()
         self.tokenizer = engine.tokenizer
         ctx = engine.max_model_len
         self.max_prompt_tokens = min(cfg.max_prompt_tokens or ctx - 1, ctx - 1)
@@ -100,13 +161,27 @@ class FrontEnd:
     def auth_required(self) -> bool:
         return self.config.token is not None or bool(self.config.users)
 
-    def authenticate(self, token: str | None) -> str | None:
-        """Check a token (constant-time compares against every known one). Returns the
-        user's name with per-user tokens, None when no users are configured; raises
-        AuthFailed for a wrong or missing token where one is required."""
-        cfg = self.config
+    async def authenticate(self, token: str | None, peer: str) -> str | None:
+        """Check a token from the address `peer` (constant-time compares against every known
+        one; failures slowed per address, `AuthThrottle`). Returns the user's name with
+        per-user tokens, None when no users are configured; raises AuthFailed for a wrong or
+        missing token where one is required."""
         if not self.auth_required:
             return None
+        s = self.throttle.state(peer)
+        async with s.lock:
+            if delay := self.throttle.delay(s):
+                await trio.sleep(delay)
+            try:
+                user = self._check(token)
+            except AuthFailed:
+                self.throttle.failed(s, peer)
+                raise
+            s.count = 0
+            return user
+
+    def _check(self, token: str | None) -> str | None:
+        cfg = self.config
         given = (token or "").encode("utf-8", "surrogateescape")
         if cfg.users:
             matches = [name for t, name in cfg.users.items() if hmac.compare_digest(given, t.encode())]
@@ -116,14 +191,14 @@ class FrontEnd:
             return None
         raise AuthFailed("a wrong or missing token")
 
-    @staticmethod
-    def caller(user: str | None, client_name: str | None, peer: str) -> Caller:
+    def caller(self, user: str | None, client_name: str | None, peer: str) -> Caller:
         """The caller of a connection or HTTP request: `client_name` is what the client calls
         itself (hello's `client`, OpenAI's `user`), `peer` its address."""
         client = client_name or peer
         if user is None:
-            return Caller(client, client)
-        return Caller(f"{user}/{client_name}" if client_name else user, user)
+            return Caller(client, client, sees_all=not self.config.users)
+        admins = getattr(self.config.users, "admins", ())
+        return Caller(f"{user}/{client_name}" if client_name else user, user, sees_all=user in admins)
 
     # -- requests -------------------------------------------------------------------------------
     async def build(self, item: GenerateRequest, caller: Caller) -> Request:
@@ -154,8 +229,20 @@ class FrontEnd:
                                   f"got {max_tokens}")
         params.max_tokens = max_tokens
         return Request(prompt_ids=ids, params=params, priority=item.priority, client=caller.client,
-                       salt=cache_salt(caller.identity, item.share_prefix_cache))
+                       salt=cache_salt(caller.identity, item.share_prefix_cache), owner=caller.identity)
 
     # -- what the box says about itself ---------------------------------------------------------
+    def stats(self, caller: Caller, full: dict) -> dict:
+        """What `caller` may see of the box's stats (`full`, the engine's and the doors'):
+        everything without per-user tokens or for an admin; else its own figures and the
+        box's load at a coarse grain (nothing that moves with another user's prompt)."""
+        if caller.sees_all:
+            return full
+        return {"model": self.model, "max_model_len": full.get("max_model_len"),
+                "num_requests_running": full["num_requests_running"],
+                "num_requests_waiting": full["num_requests_waiting"],
+                "kv_cache_usage_perc": round(full["kv_cache_usage_perc"], 1), "scope": "own",
+                "own": self.engine.metrics.owner_snapshot(caller.identity)}
+
     def models(self) -> list[dict]:
         return [{"name": self.model, "context_length": self.engine.max_model_len, "default": True}]

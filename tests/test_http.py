@@ -147,7 +147,8 @@ async def test_metrics_health_stats_and_error_bodies(embedded_runner):
         assert (await error("/v1/completions", {"prompt": ["a", "b"]}))["param"] == "prompt"
         # a body over the limit is refused from its Content-Length, before it is read
         s = await trio.open_tcp_stream("127.0.0.1", http.port)
-        await s.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: box\r\nContent-Length: 2000000\r\n\r\n")
+        await s.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 2000000\r\n\r\n")
         reply = b""
         with trio.fail_after(10):
             while b"}}" not in reply:
@@ -184,7 +185,7 @@ async def test_a_client_that_disconnects_mid_answer_frees_its_blocks(embedded_ru
         async def post(body: dict) -> trio.SocketStream:
             s = await trio.open_tcp_stream("127.0.0.1", http.port)
             data = json.dumps(body).encode()
-            await s.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: box\r\nContent-Type: application/json\r\n"
+            await s.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\n\r\n" % len(data) + data)
             return s
 
@@ -264,14 +265,15 @@ def test_chat_body_becomes_a_protocol_request():
 
 async def test_serve_runs_http_beside_tcp_and_ends_its_answers_at_shutdown(embedded_runner):
     """app.run (what `edgepaged serve` runs): HTTP on its own port; SIGTERM ends a streaming
-    answer with a `shutdown` error event, then [DONE], and the HTTP port closes."""
+    answer with a `shutdown` error event, then [DONE]; while the server drains, /health says
+    503 and new requests get 503; then the HTTP port closes."""
     import os
     import signal
 
     from edgepaged.server.app import AppConfig, run
 
     lines = []
-    cfg = AppConfig(server=ServerConfig(host="127.0.0.1", port=0), http=HttpConfig(port=0), mdns=False, grace_s=0.3)
+    cfg = AppConfig(server=ServerConfig(host="127.0.0.1", port=0), http=HttpConfig(port=0), mdns=False, grace_s=1.5)
     async with trio.open_nursery() as nursery:
         result = {}
 
@@ -304,6 +306,13 @@ async def test_serve_runs_http_beside_tcp_and_ends_its_answers_at_shutdown(embed
         with trio.fail_after(60):
             await started.wait()
         os.kill(os.getpid(), signal.SIGTERM)
+        with trio.fail_after(10):
+            while not any("SIGTERM: stopping" in x for x in lines):
+                await trio.sleep(0.01)
+        status, _, body = await afetch(base + "/health")      # draining: still answering, with 503
+        assert status == 503 and json.loads(body)["status"] == "shutting_down"
+        status, _, body = await afetch(base + "/v1/chat/completions", {"messages": FRANCE, "max_tokens": 2})
+        assert status == 503 and json.loads(body)["error"]["code"] == "shutdown"
     events = result["events"]
     assert events[-1] == b"[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "shutdown", events[-3:]

@@ -246,8 +246,8 @@ async def test_hello_timeout_and_max_connections(embedded_runner):
             while server.connections:
                 await trio.sleep(0.01)
         a, b = await Raw.open(server), await Raw.open(server)
-        third = await Raw.open(server, hello=False)
-        assert (await third.read())["code"] == "server_busy"
+        third = await Raw.open(server, hello=False)      # before hello: an allowance of its own
+        assert (await third.ask({"type": "hello", "version": 1}))["code"] == "server_busy"
         assert await third.closed()
         await a.stream.aclose()
         with trio.fail_after(5):

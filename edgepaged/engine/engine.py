@@ -286,7 +286,8 @@ class Engine:
         if tail:
             self._send_quiet(req, TokenEvent([], tail))
         timings = req.timings()
-        self.metrics.on_finish(reason, len(req.prompt_ids), timings, req.first_token is not None)
+        self.metrics.on_finish(reason, len(req.prompt_ids), timings, req.first_token is not None, req.owner,
+                               len(req.output_ids))
         self._send_quiet(req, DoneEvent(reason, req.usage(), timings, req.stop_reason, error))
         if req.send is not None:
             req.send.close()

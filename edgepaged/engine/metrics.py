@@ -7,7 +7,7 @@ is the exposition format for `GET /metrics`.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -55,6 +55,7 @@ class Metrics:
         self._tok_window: deque = deque()   # (time, tokens) of recent steps, for tokens/s
         self.max_running = 0
         self.waste_sum, self.waste_steps = 0.0, 0   # reserved-but-unused KV slot fraction, summed over steps
+        self.owners: OrderedDict[str, dict] = OrderedDict()   # per caller (request.owner), most recent last
 
     def _inc(self, name: str, n: int) -> None:
         if n:
@@ -85,7 +86,9 @@ class Metrics:
             self._inc("prefix_cache_queries", prompt_tokens)
             self._inc("prefix_cache_hits", cached_tokens)
 
-    def on_finish(self, reason: str, prompt_tokens: int, timings: dict[str, float], first_token: bool) -> None:
+    def on_finish(self, reason: str, prompt_tokens: int, timings: dict[str, float], first_token: bool,
+                  owner: str = "", completion_tokens: int = 0) -> None:
+        self._on_owner(owner, reason, prompt_tokens, completion_tokens, timings if first_token else None)
         self.request_success.labels(self.model_name, reason).inc()
         self.finished[reason] = self.finished.get(reason, 0) + 1
         self._inc("prompt_tokens", prompt_tokens)
@@ -99,6 +102,30 @@ class Metrics:
             if timings["tpot_s"]:
                 self.tpot.observe(timings["tpot_s"])
                 self.recent["tpot_s"].append(timings["tpot_s"])
+
+    MAX_OWNERS = 256
+
+    def _on_owner(self, owner: str, reason: str, prompt_tokens: int, completion_tokens: int, timings) -> None:
+        """A caller's own figures (its requests only), for the stats it may see."""
+        o = self.owners.pop(owner, None) or {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0,
+                                             "finished": {}, "ttft_s": deque(maxlen=256)}
+        o["requests"] += 1
+        o["prompt_tokens"] += prompt_tokens
+        o["completion_tokens"] += completion_tokens
+        o["finished"][reason] = o["finished"].get(reason, 0) + 1
+        if timings is not None:
+            o["ttft_s"].append(timings["ttft_s"])
+        self.owners[owner] = o
+        while len(self.owners) > self.MAX_OWNERS:
+            self.owners.popitem(last=False)
+
+    def owner_snapshot(self, owner: str) -> dict:
+        o = self.owners.get(owner)
+        if o is None:
+            return {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "finished": {},
+                    "ttft_s": _quantiles([])}
+        return {**{k: v for k, v in o.items() if k != "ttft_s"}, "finished": dict(o["finished"]),
+                "ttft_s": _quantiles(o["ttft_s"])}
 
     def tokens_per_s(self) -> float:
         w = self._tok_window

@@ -56,6 +56,7 @@ class Request:
     priority: str = INTERACTIVE
     client: str = ""
     salt: int = 0
+    owner: str = ""                # whose request it is (the front end's cache identity): per-caller stats
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
 

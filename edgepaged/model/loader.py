@@ -109,8 +109,7 @@ class ModelFiles:
             raise FileNotFoundError(f"model not found: {path}{hint}")
         self.path = path
         if is_gguf(path):
-            from gguf import GGUFReader
-            self.reader = GGUFReader(str(path))
+            self.reader = open_gguf(path)
             self.config = _gguf_config(self.reader)
         elif path.is_dir() and (path / "config.json").is_file():
             self.reader = None
@@ -148,6 +147,32 @@ _GGUF_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+
+
+class ModelFileError(ValueError):
+    """A model file that cannot be used: the message names the file, what is wrong, and what
+    would work."""
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def open_gguf(path: Path):
+    """GGUFReader over `path`, or ModelFileError saying why not (a truncated download, a file
+    that only starts like GGUF): checked before any tensor is read."""
+    from gguf import GGUFReader
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # the reader parses with numpy: a short file fails anywhere inside it
+        raise ModelFileError(f"{path}: not a readable GGUF file ({size} bytes; the reader says: "
+                             f"{type(e).__name__}: {str(e)[:120]}); it may be truncated: download it again") from None
+    need = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if need > size:
+        raise ModelFileError(f"{path}: truncated: the file has {size} bytes ({_size(size)}) but its tensors need "
+                             f"{need} ({_size(need)}); download it again")
+    return reader
 
 
 def gguf_field(reader, key, default=None):

@@ -37,6 +37,14 @@ def _as_tensor(x, dtype, device) -> torch.Tensor:
     return torch.as_tensor(x, dtype=dtype).to(device)
 
 
+class KvBudgetError(ValueError):
+    """A KV cache budget this machine cannot hold (or too small for one block)."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n < 2**40 else f"{n / 2**40:.1f} TiB"
+
+
 def keeps_quantized(files: ModelFiles, device: torch.device, dtype: torch.dtype, quantized: bool | None) -> bool:
     """Resolve the runner's `quantized` option: None = whenever it applies (a GGUF file with
     a tensor in a kernel format, on the CPU in float32)."""
@@ -74,8 +82,12 @@ class ModelRunner:
         self.block_size = block_size
         files = ModelFiles(model_path)
         self.model_path, self.config = files.path, files.config
-        self.tokenizer = Tokenizer.load(files.path, reader=files.reader)
         cfg = self.config
+        self.block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
+                            * torch.empty((), dtype=self.dtype).element_size())
+        if num_blocks is None and kv_memory_bytes is not None:   # say so before loading gigabytes of weights
+            self._check_budget(kv_memory_bytes, files.path)
+        self.tokenizer = Tokenizer.load(files.path, reader=files.reader)
         self.quantized = keeps_quantized(files, self.device, self.dtype, quantized)
         with torch.inference_mode():
             self.model = LlamaForCausalLM(cfg, device=self.device, dtype=self.dtype)
@@ -86,15 +98,14 @@ class ModelRunner:
         del files
         self.backend = make_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
                                     cfg.sliding_window, self.dtype)
-        self.block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
-                            * torch.empty((), dtype=self.dtype).element_size())
         if num_blocks is None:
             if kv_memory_bytes is None:
                 kv_memory_bytes = (self._gpu_kv_budget(gpu_memory_utilization, max_num_batched_tokens) if on_gpu
                                    else min(CPU_KV_MAX_BYTES, int(CPU_KV_RAM_FRACTION * available_ram())))
             num_blocks = int(kv_memory_bytes // self.block_bytes)
         if num_blocks < 1:
-            raise ValueError(f"KV cache budget too small: {kv_memory_bytes} bytes, one block is {self.block_bytes}")
+            raise KvBudgetError(f"KV cache budget too small: {kv_memory_bytes} bytes, one block of this model is "
+                                f"{self.block_bytes} (e.g. 256M or more)")
         self.num_blocks = num_blocks
         self.kv_cache = self._new_kv(num_blocks)
         self.max_model_len = min(cfg.context_length, num_blocks * block_size)
@@ -104,6 +115,24 @@ class ModelRunner:
                                       self.quantized)
 
     # ------------------------------------------------------------ KV cache
+
+    def _check_budget(self, kv_bytes: int, path) -> None:
+        """KvBudgetError for a budget the device's free memory cannot hold, next to the weights."""
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            where = "free GPU memory"
+        else:
+            free = available_ram()
+            where = "available memory"
+        weights = path.stat().st_size if path.is_file() else 0
+        room = free - weights
+        if kv_bytes > room:
+            hint = f"at most about {_gib(max(room, 0) * 0.9)}" if room > 2**28 else "a smaller model or more memory"
+            raise KvBudgetError(f"{_gib(kv_bytes)} of KV cache does not fit: this machine has {_gib(free)} of "
+                                f"{where}, and the weights take about {_gib(weights)} of it (try {hint})")
+        if kv_bytes < self.block_bytes:
+            raise KvBudgetError(f"{kv_bytes} bytes of KV cache is less than one block of this model "
+                                f"({self.block_bytes} bytes; e.g. 256M)")
 
     def _new_kv(self, num_blocks: int) -> torch.Tensor:
         cfg = self.config
@@ -168,4 +197,16 @@ class ModelRunner:
         if len(logits) == 0:
             return []
         with torch.inference_mode():
-            return sample(logits, params, prev_tokens).tolist()
+            try:
+                return sample(logits, params, prev_tokens).tolist()
+            except Exception:
+                if len(params) == 1:
+                    raise
+            # one row's sampling failed: sample row by row, so the failure stays that row's
+            out: list = []
+            for i, p in enumerate(params):
+                try:
+                    out.append(int(sample(logits[i:i + 1], [p], None if prev_tokens is None else [prev_tokens[i]])[0]))
+                except Exception as e:
+                    out.append(e)
+            return out

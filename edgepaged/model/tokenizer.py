@@ -115,6 +115,10 @@ class Tokenizer:
         stops = {self.eos_token_id, *extra_stop_ids, *(tok.token_to_id(t) for t in _STOP_TOKENS)}
         self.stop_token_ids = frozenset(i for i in stops if i is not None)
         self._template = None
+        # the control tokens' texts, and a twin tokenizer that reads them as plain text
+        self.control_strings = tuple(sorted({t.content for t in tok.get_added_tokens_decoder().values()
+                                             if t.special and t.content}, key=len, reverse=True))
+        self._plain = None
 
     @classmethod
     def load(cls, path, reader=None) -> "Tokenizer":
@@ -139,12 +143,25 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as text only: control-token strings in it ("<|im_start|>") become ordinary
+        tokens, never the control token."""
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self.tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
+
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = True, **kwargs) -> list[int] | str:
-        """Render the model's chat template as transformers does; token ids unless tokenize=False."""
+        """Render the model's chat template as transformers does; token ids unless tokenize=False.
+
+        Token ids: only the template's own markup yields control tokens. A message whose text
+        contains a control string ("<|im_start|>system" pasted from an e-mail) has that text
+        tokenized as text, so it can neither close its own turn nor forge another."""
         if self._template is None:
             if not self.chat_template:
                 raise ValueError("this model has no chat template; send a raw prompt instead")
@@ -153,7 +170,37 @@ class Tokenizer:
                                          unk_token=self.unk_token, pad_token=self.pad_token).items() if v}
         text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      **{**special, **kwargs})
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        return self._encode_rendered(text, messages) if tokenize else text
+
+    def _encode_rendered(self, text: str, messages: list[dict]) -> list[int]:
+        """Tokenize a rendered chat: the template's text with control tokens parsed, every
+        message text that holds a control string as plain text. Messages without one are
+        tokenized exactly as the whole rendered text would be."""
+        risky = [isinstance(m.get("content"), str) and any(c in m["content"] for c in self.control_strings)
+                 for m in messages]
+        if not any(risky):
+            return self.encode(text, add_special_tokens=False)
+        cuts, pos = [], 0      # (start, end) of each risky message's text in `text`, in order
+        for i, (m, r) in enumerate(zip(messages, risky)):
+            content = m.get("content")
+            if not isinstance(content, str) or not content:
+                continue
+            at = text.find(content, pos)
+            if at < 0:
+                if r:
+                    hit = next(c for c in self.control_strings if c in content)
+                    raise ValueError(f"message {i} contains the control string {hit!r}, which this model's chat "
+                                     "template does not keep as plain text")
+                continue
+            if r:
+                cuts.append((at, at + len(content)))
+            pos = at + len(content)
+        ids, pos = [], 0
+        for start, end in cuts:
+            ids += self.encode(text[pos:start], add_special_tokens=False) if start > pos else []
+            ids += self.encode_plain(text[start:end])
+            pos = end
+        return ids + (self.encode(text[pos:], add_special_tokens=False) if pos < len(text) else [])
 
 
 def _compile(source: str):

@@ -1,9 +1,10 @@
 """`edgepaged serve`: the engine, the TCP server, the HTTP server (OpenAI-compatible API,
 metrics, chat page) and the mDNS record, tied to the signals.
 
-SIGINT/SIGTERM: stop accepting (TCP and HTTP), withdraw the mDNS record (goodbye), let
-running requests finish within the grace period, cancel the rest with reason `shutdown`,
-deliver the last answers, return. A second signal cuts the grace period short.
+SIGINT/SIGTERM: stop accepting TCP connections, withdraw the mDNS record (goodbye), let
+running requests finish within the grace period (meanwhile HTTP stays up and answers new
+requests and `/health` with 503), cancel the rest with reason `shutdown`, deliver the last
+answers, close the HTTP port, return. A second signal cuts the grace period short.
 """
 from __future__ import annotations
 
@@ -120,8 +121,6 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
                     task_status.started(server)
                     signum = await _next_signal(signals)
                     server.stop_accepting()
-                    if http:
-                        http.stop_accepting()
                     say(f"{signal.Signals(signum).name}: stopping (no new connections, "
                         + ("withdrawing the mDNS record, " if adv else "")
                         + f"up to {cfg.grace_s:g} s for running requests; signal again to stop now)")
@@ -132,7 +131,8 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
                     server.hurry()
                 nursery.start_soon(hurry)
                 cancelled = await server.shutdown(cfg.grace_s)
-                if http:   # the drain ended every HTTP answer too: let the last ones go out
+                if http:   # the drain ended every HTTP answer too: close the port, let the last ones go out
+                    http.stop_accepting()
                     await http.wait_closed(cfg.server.flush_s)
                 say(f"stopped ({cancelled} request(s) cancelled)" if cancelled else "stopped")
                 nursery.cancel_scope.cancel()

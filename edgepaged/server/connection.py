@@ -53,13 +53,14 @@ async def close_gracefully(stream, timeout_s: float = 1.0) -> None:
 
 
 class Connection:
-    def __init__(self, server: Server, stream):
+    def __init__(self, server: Server, stream, peer: str):
         self.server, self.engine, self.stream = server, server.engine, stream
         cfg = self.config = server.config
-        try:
-            self.peer = str(stream.socket.getpeername()[0])
-        except OSError:
-            self.peer = "?"
+        self.peer = peer
+        self.greeted = False                     # counted among the server's authenticated connections
+        self.hello_scope: trio.CancelScope | None = None   # set while waiting for the hello frame
+        self.opened = trio.current_time()
+        self.evicted = False
         self.caller: Caller | None = None        # who is asking, known after hello
         self.idle_scope: trio.CancelScope | None = None
         self.hello: Hello | None = None
@@ -68,6 +69,15 @@ class Connection:
         self.read_scope = trio.CancelScope()     # cancelled at shutdown: read no more, finish what runs
         self._outer: trio.Nursery | None = None
         self._requests: trio.Nursery | None = None
+
+    def evict(self) -> bool:
+        """Give up this connection's place while it waits for its hello frame (it gets
+        server_busy and is closed); False when it is past that point."""
+        if self.hello_scope is None or self.evicted:
+            return False
+        self.evicted = True
+        self.hello_scope.cancel()
+        return True
 
     async def send(self, frame: dict) -> None:
         await self.out_send.send(encode(frame))
@@ -113,7 +123,12 @@ class Connection:
             try:
                 if self.hello is None:
                     with trio.move_on_after(self.config.hello_timeout_s) as scope:
+                        self.hello_scope = scope
                         msg = await reader.read()
+                    self.hello_scope = None
+                    if scope.cancelled_caught and self.evicted:
+                        raise ProtocolError("server_busy", "too many connections are waiting to say hello; this one "
+                                            "waited longest")
                     if scope.cancelled_caught:
                         raise ProtocolError("hello_timeout", f"no hello within {self.config.hello_timeout_s} s")
                 else:
@@ -155,7 +170,8 @@ class Connection:
                 raise ProtocolError("unknown_request", f"no request {item.id!r} in flight", item.id)
             self.engine.cancel(req)     # its done frame (finish_reason cancelled) follows
         elif item.kind == "stats":
-            await self.send(with_id({"type": "stats", "stats": self.server.stats()}, item.id))
+            await self.send(with_id({"type": "stats", "stats": self.server.front.stats(self.caller, self.server.stats())},
+                                    item.id))
         elif item.kind == "models":
             await self.send(with_id({"type": "models", "models": self.server.front.models()}, item.id))
 
@@ -166,9 +182,10 @@ class Connection:
             raise ProtocolError("unsupported_version", f"protocol version {item.version} is not supported; this "
                                 f"server speaks {', '.join(map(str, SUPPORTED_VERSIONS))}", item.id)
         try:
-            user = self.server.front.authenticate(item.token)
+            user = await self.server.front.authenticate(item.token, self.peer)
         except AuthFailed as e:
             raise ProtocolError("auth_failed", str(e), item.id) from None
+        self.server.admit(self)      # server_busy when the authenticated connections are all taken
         self.hello = item
         self.caller = self.server.front.caller(user, item.client, self.peer)
         await self.send(with_id(self.server.info(), item.id))

@@ -28,12 +28,14 @@ from hypercorn.trio import serve as hypercorn_serve
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine import EngineClosed, RequestRejected, TokenEvent
 from ..frontend import AuthFailed, FrontEnd
+from .guard import Guard
 from .openai_api import (ApiError, Generation, Shaper, done_error, error_body, model_card, models_list, new_id,
                          parse_chat, parse_completion)
 
@@ -49,8 +51,11 @@ class HttpConfig:
     """Settings of the HTTP side (the token and the request limits are the front end's)."""
 
     def __init__(self, host: str | None = None, port: int = DEFAULT_HTTP_PORT, max_body_bytes: int = 1 << 20,
-                 max_inflight: int = 64, keep_alive_s: float = 5.0, page: bool = True):
+                 max_inflight: int = 64, keep_alive_s: float = 5.0, page: bool = True,
+                 allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = ()):
         self.host = host                    # None: every interface (0.0.0.0)
+        self.allowed_hosts = tuple(allowed_hosts)   # names besides the box's own (guard.py)
+        self.cors_origins = tuple(cors_origins)     # origins whose pages may call the API ("*": any)
         self.port = port
         self.max_body_bytes = max_body_bytes
         self.max_inflight = max_inflight    # generations in flight over HTTP, all clients together
@@ -79,7 +84,7 @@ class HttpServer:
         self.created = int(time.time())
         self._stop = trio.Event()
         self._page = _page() if self.config.page else None
-        self.app = self._build_app()
+        self.app = Guard(self._build_app(), self.config.allowed_hosts, self.config.cors_origins)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _listen(self) -> socket.socket:
@@ -136,6 +141,7 @@ class HttpServer:
         return Starlette(routes=routes, exception_handlers={
             ApiError: self._api_error,
             HTTPException: self._http_error,
+            ClientDisconnect: self._client_gone,
             Exception: self._internal_error,
         })
 
@@ -150,18 +156,30 @@ class HttpServer:
                             status_code=e.status_code, headers=e.headers)
 
     @staticmethod
+    async def _client_gone(request, e: ClientDisconnect) -> Response:
+        """A client that leaves while sending its body: expected, one line at info."""
+        log.info("%s left while sending its request to %s", request.client.host if request.client else "a client",
+                 request.url.path)
+        return Response(status_code=400)
+
+    @staticmethod
     async def _internal_error(request, e: Exception) -> Response:
         log.exception("HTTP %s %s failed", request.method, request.url.path)
         return JSONResponse(error_body(500, f"{type(e).__name__}: {e}", "internal_error"), status_code=500)
 
-    def _authorize(self, request: HttpRequest) -> str | None:
+    @staticmethod
+    def _peer(request: HttpRequest) -> str:
+        return request.client.host if request.client else "http"
+
+    async def _authorize(self, request: HttpRequest) -> str | None:
         """Check the bearer token through the front end; returns the authenticated user's
         name with per-user tokens, else None."""
         if not self.front.auth_required:
             return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         try:
-            return self.front.authenticate(given.strip() if scheme.lower() == "bearer" else None)
+            return await self.front.authenticate(given.strip() if scheme.lower() == "bearer" else None,
+                                                 self._peer(request))
         except AuthFailed:
             raise ApiError(401, "a wrong or missing token: send Authorization: Bearer <token>", "auth_failed") from None
 
@@ -195,22 +213,25 @@ class HttpServer:
                             status_code=200 if ok else 503)
 
     async def metrics(self, request: HttpRequest) -> Response:
-        self._authorize(request)
+        caller = self.front.caller(await self._authorize(request), None, self._peer(request))
+        if not caller.sees_all:   # per-user tokens, not an admin: the box's load, coarsely
+            return Response(coarse_prometheus_text(self.front.stats(caller, self.engine.stats())),
+                            media_type=CONTENT_TYPE_LATEST)
         return Response(prometheus_text(self.engine), media_type=CONTENT_TYPE_LATEST)
 
     async def stats(self, request: HttpRequest) -> Response:
-        self._authorize(request)
+        caller = self.front.caller(await self._authorize(request), None, self._peer(request))
         s = self._stats()
         s["http"] = {"requests_inflight": self.inflight}
         s["model"] = self.front.model
-        return JSONResponse(s)
+        return JSONResponse(self.front.stats(caller, s))
 
     async def models(self, request: HttpRequest) -> Response:
-        self._authorize(request)
+        await self._authorize(request)
         return JSONResponse(models_list(self.front.model, self.engine.max_model_len, self.created))
 
     async def model(self, request: HttpRequest) -> Response:
-        self._authorize(request)
+        await self._authorize(request)
         name = request.path_params["model"]
         if name != self.front.model:
             raise ApiError(404, f"no model {name!r} here; this server has {self.front.model!r}", "model_not_found")
@@ -223,7 +244,7 @@ class HttpServer:
         return await self._generation(request, parse_completion, chat=False)
 
     async def _generation(self, request: HttpRequest, parse, chat: bool) -> Response:
-        user = self._authorize(request)
+        user = await self._authorize(request)
         gen = parse(await self._json_body(request), new_id(chat))
         if not self.engine.accepting:
             raise ApiError(503, "the server is shutting down", "shutdown")
@@ -231,7 +252,7 @@ class HttpServer:
             raise ApiError(429, f"the server has {self.config.max_inflight} HTTP requests in flight; try again "
                            "shortly", "too_many_requests")
         # the fairness identity: the OpenAI `user` field, else the peer's address (as over TCP)
-        caller = self.front.caller(user, gen.user, request.client.host if request.client else "http")
+        caller = self.front.caller(user, gen.user, self._peer(request))
         self.inflight += 1   # held from here; the response gives it back when it ends
         try:
             req = await self.front.build(gen.item, caller)
@@ -253,6 +274,16 @@ def prometheus_text(engine) -> bytes:
     m.kv_blocks_total.set(s["kv_blocks_total"])
     m.kv_cache_usage_perc.set(s["kv_cache_usage_perc"])
     return m.prometheus_text()
+
+
+def coarse_prometheus_text(s: dict) -> bytes:
+    """The load gauges an ordinary user may see (FrontEnd.stats), in the exposition format."""
+    lines = []
+    for name, doc in (("num_requests_running", "Requests holding KV blocks"),
+                      ("num_requests_waiting", "Requests waiting for admission"),
+                      ("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1), to a tenth")):
+        lines += [f"# HELP edgepaged:{name} {doc}", f"# TYPE edgepaged:{name} gauge", f"edgepaged:{name} {s[name]}"]
+    return ("\n".join(lines) + "\n").encode()
 
 
 def _sse(obj) -> bytes:

@@ -32,7 +32,11 @@ except importlib.metadata.PackageNotFoundError:
 class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 7878
-    max_connections: int = 64
+    max_connections: int = 64            # connections past hello (authenticated ones, with a token)
+    # connections that have not finished hello, from all addresses and from one: past these
+    # the one waiting longest for its hello gives its place up; they never take the places above
+    max_unauthenticated: int = 16
+    max_unauthenticated_per_address: int = 4
     max_inflight: int = 16               # requests in flight per connection
     max_frame_bytes: int = MAX_FRAME_BYTES
     max_pending_frames: int = 256        # per connection: frames waiting for the socket
@@ -47,6 +51,8 @@ class Server:
         self.front, self.engine = front, front.engine
         self.config = config or ServerConfig()
         self.connections: set[Connection] = set()
+        self.greeted = 0                               # connections past hello
+        self.pending: dict[Connection, str] = {}       # connections before hello -> peer, oldest first
         self.listeners: list = []
         self._accept_scope = trio.CancelScope()
         self._grace_scope = trio.CancelScope()
@@ -67,7 +73,7 @@ class Server:
 
     def stats(self) -> dict:
         s = self.engine.stats()
-        s["server"] = {"connections": len(self.connections),
+        s["server"] = {"connections": len(self.connections), "connections_before_hello": len(self.pending),
                        "requests_inflight": sum(len(c.inflight) for c in self.connections),
                        "tasks_living": trio.lowlevel.current_statistics().tasks_living}
         return s
@@ -108,15 +114,59 @@ class Server:
         """Cut the shutdown's grace period short."""
         self._grace_scope.cancel()
 
-    async def _handle(self, stream) -> None:
-        if len(self.connections) >= self.config.max_connections:
-            try:
-                await stream.send_all(encode(ProtocolError("server_busy", "too many connections; try later").frame()))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return
-            await close_gracefully(stream)
+    def admit(self, conn: Connection) -> None:
+        """After a successful hello: the connection moves from the allowance of connections
+        before hello to the authenticated ones (ProtocolError server_busy when they are all
+        taken). Connections still before hello never compete with these."""
+        if self.greeted >= self.config.max_connections:
+            raise ProtocolError("server_busy", f"the server has its {self.config.max_connections} connections; try "
+                                "later")
+        self.pending.pop(conn, None)
+        conn.greeted = True
+        self.greeted += 1
+
+    EVICT_AFTER_S = 0.5   # a connection still without hello after this long may give its place up
+
+    def _make_room(self, peer: str) -> bool:
+        """Room for one more connection before hello from `peer`: past the per-address
+        allowance, that address's connection waiting longest for its hello gives its place
+        up; past the total allowance, the longest waiting one of the address holding the
+        most. Only connections that waited `EVICT_AFTER_S` without a hello frame give way (a
+        client's hello follows its connect at once). False when none can."""
+        cfg = self.config
+        mine = [c for c, p in self.pending.items() if p == peer]
+        if len(mine) >= cfg.max_unauthenticated_per_address:
+            candidates = mine
+        elif len(self.pending) >= cfg.max_unauthenticated:
+            by_peer: dict[str, list] = {}
+            for c, p in self.pending.items():
+                by_peer.setdefault(p, []).append(c)
+            candidates = max(by_peer.values(), key=len)
+        else:
+            return True
+        old = trio.current_time() - self.EVICT_AFTER_S
+        for c in candidates:          # oldest first
+            if c.opened <= old and c.evict():
+                del self.pending[c]
+                return True
+        return False
+
+    async def _refuse(self, stream, message: str) -> None:
+        try:
+            await stream.send_all(encode(ProtocolError("server_busy", message).frame()))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
-        conn = Connection(self, stream)
+        await close_gracefully(stream)
+
+    async def _handle(self, stream) -> None:
+        try:
+            peer = str(stream.socket.getpeername()[0])
+        except OSError:
+            peer = "?"
+        if not self._make_room(peer):
+            return await self._refuse(stream, "too many connections are saying hello right now; try again")
+        conn = Connection(self, stream, peer)
+        self.pending[conn] = peer
         self.connections.add(conn)
         try:
             await conn.run()
@@ -124,3 +174,6 @@ class Server:
             log.exception("connection from %s failed", conn.peer)
         finally:
             self.connections.discard(conn)
+            if conn.greeted:
+                self.greeted -= 1
+            self.pending.pop(conn, None)
