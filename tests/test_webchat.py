@@ -146,7 +146,7 @@ async def test_the_chat_page_on_a_phone(embedded_runner):
         base = f"http://127.0.0.1:{http.port}"
         with trio.fail_after(150):
             out = await trio.to_thread.run_sync(phone_scenario, base, chromium, driver_path)
-        stats = http.server.stats()
+        stats = http.engine.stats()
     print(json.dumps({k: v for k, v in out.items() if k != "console"}, indent=1)[:3000])
     assert out["viewport"] == [PHONE["width"], PHONE["height"]]
     first = out["first"]
