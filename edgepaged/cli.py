@@ -103,6 +103,9 @@ def main(verbose):
               help="KV cache budget, e.g. 512M or 4G (default: min(1 GiB, 25% of free RAM) on CPU, "
                    "90% of what the GPU has left).")
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block.")
+@click.option("--kv-dtype", type=click.Choice(["auto", "f16", "f32"]), default="auto", show_default=True,
+              help="The KV cache's element type: auto is f16 on CPU (twice the tokens of f32 in the same memory) "
+                   "and the model's dtype on a GPU.")
 @click.option("--max-batched-tokens", type=int, default=512, show_default=True, help="Token budget of one step.")
 @click.option("--token", envvar=TOKEN_ENV, default=None,
               help=f"Shared token clients must send (env {TOKEN_ENV}); none: open to the local network.")
@@ -135,7 +138,7 @@ def main(verbose):
 @click.option("--contiguous", is_flag=True,
               help="Reserve prompt + max_tokens of KV up front (the naive scheme, for benchmarks).")
 @click.option("--mdns-refresh", type=float, default=5.0, hidden=True)
-def serve(model_path, device, host, port, kv_memory, block_size, max_batched_tokens, token, http_port, no_http,
+def serve(model_path, device, host, port, kv_memory, block_size, kv_dtype, max_batched_tokens, token, http_port, no_http,
           no_mdns, mdns_interface, max_connections, max_unauthenticated, max_unauthenticated_per_address,
           allowed_hosts, cors_origins, max_inflight, max_prompt_tokens, max_tokens, grace, users_file, contiguous,
           mdns_refresh):
@@ -160,7 +163,8 @@ def serve(model_path, device, host, port, kv_memory, block_size, max_batched_tok
         fail(f"--kv-memory {kv_memory}: {e}", 2)
     from .model.runner import KvBudgetError
     try:
-        runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens)
+        runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens,
+                             None if kv_dtype == "auto" else kv_dtype)
     except KvBudgetError as e:
         fail(f"--kv-memory {kv_memory}: {e}" if kv_memory else str(e))
     except (FileNotFoundError, ValueError) as e:
@@ -190,7 +194,7 @@ def _leaves(group) -> list[BaseException]:
     return [x for e in group.exceptions for x in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])]
 
 
-def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens):
+def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_dtype=None):
     import torch
 
     from .model import ModelRunner
@@ -199,7 +203,7 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens):
     t0 = time.monotonic()
     click.echo(f"loading {model_path or 'the embedded model (SmolLM2-135M-Instruct)'} on {device}...", err=True)
     runner = ModelRunner(model_path, device=device, kv_memory_bytes=kv_bytes, block_size=block_size,
-                         max_num_batched_tokens=max_batched_tokens)
+                         max_num_batched_tokens=max_batched_tokens, kv_dtype=kv_dtype)
     click.echo(f"loaded {runner.model_path.name} in {time.monotonic() - t0:.1f} s", err=True)
     return runner
 

@@ -92,8 +92,9 @@ def generate(runner, prompts, max_new, chunk=None, stagger=False, params=None, s
 
 @pytest.fixture(scope="session")
 def runner():
-    """The embedded model on the fp32 path (tests/test_quant.py covers the quantized one)."""
-    return ModelRunner(num_blocks=256, quantized=False)
+    """The embedded model on the fp32 path with an fp32 KV cache: the reference against
+    transformers (tests/test_quant.py covers the quantized weights, test_kv_cache the f16 cache)."""
+    return ModelRunner(num_blocks=256, quantized=False, kv_dtype="f32")
 
 
 @pytest.fixture(scope="session")
@@ -136,7 +137,7 @@ def test_tiny_hf_folder_matches_transformers(arch, tmp_path):
     randomize(hf, 0)
     hf.save_pretrained(tmp_path)
     tiny_tokenizer(tmp_path)
-    r = ModelRunner(tmp_path, num_blocks=32)
+    r = ModelRunner(tmp_path, num_blocks=32, kv_dtype="f32")
     assert r.config.arch == arch and r.config.attention_bias == (arch == "qwen2")
     assert r.config.tie_word_embeddings == (arch == "llama") and r.config.head_dim == (16 if arch == "qwen2" else 32)
     tokens = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -442,8 +443,8 @@ def test_forward_with_triton_kernels_equals_torch_path(tiny_model_dir):
     from edgepaged.model.attention import TritonAttention
     if not kernels.is_available():
         pytest.skip("Triton has neither a GPU nor the interpreter here (runs in CI: conftest.py sets TRITON_INTERPRET=1)")
-    cfg_runner = ModelRunner(tiny_model_dir, num_blocks=16)
-    tri_runner = ModelRunner(tiny_model_dir, num_blocks=16)
+    cfg_runner = ModelRunner(tiny_model_dir, num_blocks=16, kv_dtype="f32")
+    tri_runner = ModelRunner(tiny_model_dir, num_blocks=16, kv_dtype="f32")
     c = tri_runner.config
     backend = TritonAttention(c.num_heads, c.num_kv_heads, c.head_dim, tri_runner.block_size, c.sliding_window)
     tri_runner.forward = TorchForward(tri_runner.model, backend, tri_runner.kv_cache)   # the GPU path's pieces
@@ -459,7 +460,7 @@ def test_forward_with_triton_kernels_equals_torch_path(tiny_model_dir):
 
 @pytest.mark.parametrize("rust_max", [131072, 50])
 @pytest.mark.parametrize("which", ["tiny", "embedded"])
-def test_fused_cpu_forward_equals_torch_path(which, rust_max, tiny_model_dir, embedded_runner):
+def test_fused_cpu_forward_equals_torch_path(which, rust_max, tiny_model_dir):
     """The fused CPU forward (Rust operators, cpu_forward.py) gives the torch path's logits on
     batches that mix prefill chunks and decodes in any order (a prefill ahead of decodes
     too), and every row equals the same sequence computed alone. rust_max=50 sends the
@@ -467,7 +468,8 @@ def test_fused_cpu_forward_equals_torch_path(which, rust_max, tiny_model_dir, em
     import dataclasses
 
     from edgepaged.model.cpu_forward import FusedCpuForward
-    runner = embedded_runner if which == "embedded" else ModelRunner(tiny_model_dir, num_blocks=32)
+    # fp32 K/V: this compares the forward paths (test_kv_cache.py covers the f16 cache)
+    runner = ModelRunner(None if which == "embedded" else tiny_model_dir, num_blocks=32, kv_dtype="f32")
     assert isinstance(runner.forward, FusedCpuForward), "the fused CPU forward should be the default on CPU float32"
     if which == "embedded":   # quantized weights: the decode-only step runs in one Rust call
         assert runner.quantized and runner.forward.decoder is not None

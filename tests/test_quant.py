@@ -161,7 +161,12 @@ def test_interleaved_weights_give_the_same_products_lookups_and_dense_path():
 
 @pytest.fixture(scope="module")
 def fp32_runner():
-    return ModelRunner(num_blocks=64, quantized=False)
+    return ModelRunner(num_blocks=64, quantized=False, kv_dtype="f32")
+
+
+@pytest.fixture(scope="module")
+def quant_f32kv_runner():
+    return ModelRunner(num_blocks=64, kv_dtype="f32")
 
 
 def _logits(runner, ids):
@@ -170,9 +175,9 @@ def _logits(runner, ids):
     return runner.execute(i, p, m, list(range(len(ids))))
 
 
-def test_embedded_model_quantized_logits_match_fp32_and_answer_paris(embedded_runner, fp32_runner):
+def test_embedded_model_quantized_logits_match_fp32_and_answer_paris(quant_f32kv_runner, fp32_runner):
     from test_model import CHAT, generate
-    q = embedded_runner
+    q = quant_f32kv_runner
     assert q.quantized and not fp32_runner.quantized  # auto: GGUF on CPU in fp32 -> quantized
     wb = weight_bytes(q.model)
     assert wb["quantized"] <= q.model_path.stat().st_size and wb["dense"] < 1 << 20
@@ -213,8 +218,8 @@ def test_kquant_model_quantized_matches_fp32(tmp_path):
     path = write_random_gguf(tmp_path / "kq.gguf", hidden=256, layers=2, heads=4, kv_heads=2, inter=512, tied=False,
                              qtypes=dict(token_embd=14, output=8, attn_q=12, attn_k=12, attn_v=14, attn_output=12,
                                          ffn_gate=12, ffn_up=14, ffn_down=12))
-    q = ModelRunner(path, num_blocks=8)
-    f = ModelRunner(path, num_blocks=8, quantized=False)
+    q = ModelRunner(path, num_blocks=8, kv_dtype="f32")
+    f = ModelRunner(path, num_blocks=8, quantized=False, kv_dtype="f32")
     assert q.quantized
     qkv = q.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantLinear) and [s.qtype for s in qkv.segments] == [12, 14]

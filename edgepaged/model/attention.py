@@ -155,8 +155,8 @@ class TorchAttention:
         """Prefill chunks (K/V already in the cache): SDPA of q[rows] [q, H, D] over each
         sequence's gathered context, written to out[rows]."""
         for rows, blocks, n, mask in prefills:
-            kc = _gather(k_cache, blocks).view(-1, self.hkv, self.d)[:n].transpose(0, 1)
-            vc = _gather(v_cache, blocks).view(-1, self.hkv, self.d)[:n].transpose(0, 1)
+            kc = _gather(k_cache, blocks).view(-1, self.hkv, self.d)[:n].transpose(0, 1).to(q.dtype)
+            vc = _gather(v_cache, blocks).view(-1, self.hkv, self.d)[:n].transpose(0, 1).to(q.dtype)
             o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), kc, vc, attn_mask=mask,
                                                is_causal=mask is None, scale=self.scale, enable_gqa=True)
             out[rows] = o.transpose(0, 1)
@@ -164,8 +164,8 @@ class TorchAttention:
     def _decode(self, q, k_cache, v_cache, g: _DecodeGroup) -> torch.Tensor:
         b, hkv, d = g.num_seqs, self.hkv, self.d
         # [B * nb, block_size * Hkv * D] -> [B, Hkv, L, D], a view
-        kc = _gather(k_cache, g.blocks).view(b, -1, hkv, d).transpose(1, 2)
-        vc = _gather(v_cache, g.blocks).view(b, -1, hkv, d).transpose(1, 2)
+        kc = _gather(k_cache, g.blocks).view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
+        vc = _gather(v_cache, g.blocks).view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
         # GQA folded into the query length: the G query heads of a KV head are G "positions"
         o = F.scaled_dot_product_attention(q.reshape(b, hkv, self.group, d), kc, vc, attn_mask=g.bias,
                                            scale=self.scale)

@@ -45,6 +45,24 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n < 2**40 else f"{n / 2**40:.1f} TiB"
 
 
+KV_DTYPES = {"f16": torch.float16, "f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def kv_torch_dtype(name: str | None, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype from its name ("f16", "f32"; None: f16 on CPU, the model's dtype on
+    a GPU); ValueError for a name it does not know or a GPU cache unlike the model."""
+    if name is None:
+        return dtype if device.type == "cuda" else torch.float16
+    if name not in KV_DTYPES:
+        raise ValueError(f"KV cache dtype {name!r}: use one of {', '.join(KV_DTYPES)}")
+    kv = KV_DTYPES[name]
+    if device.type == "cuda" and kv != dtype:
+        raise ValueError(f"on a GPU the KV cache takes the model's dtype ({str(dtype).replace('torch.', '')})")
+    if device.type == "cpu" and kv == torch.bfloat16:
+        raise ValueError("a bf16 KV cache is not supported on CPU: use f16 (half the memory of f32) or f32")
+    return kv
+
+
 def keeps_quantized(files: ModelFiles, device: torch.device, dtype: torch.dtype, quantized: bool | None) -> bool:
     """Resolve the runner's `quantized` option: None = whenever it applies (a GGUF file with
     a tensor in a kernel format, on the CPU in float32)."""
@@ -69,22 +87,26 @@ class ModelRunner:
 
     def __init__(self, model_path=None, device="cpu", dtype=None, kv_memory_bytes=None, block_size=16,
                  num_blocks=None, *, gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
-                 progress=None, quantized: bool | None = None, settings: CpuConfig | None = None):
+                 progress=None, quantized: bool | None = None, settings: CpuConfig | None = None,
+                 kv_dtype: str | None = None):
         """quantized: keep a GGUF file's quantized weights as they are and multiply with the
         Rust kernels; None = whenever it applies (`keeps_quantized`). settings: the CPU knobs,
-        `CpuConfig.from_env()` by default."""
+        `CpuConfig.from_env()` by default. kv_dtype: the KV cache's element type, "f16" or
+        "f32" (None: f16 on CPU, twice the tokens of f32 in the same memory; the model's dtype
+        on a GPU, which the Triton kernels need)."""
         self.settings = settings = settings or CpuConfig.from_env()
         if settings.num_threads:
             torch.set_num_threads(settings.num_threads)
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
         self.dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+        self.kv_dtype = kv_torch_dtype(kv_dtype, self.device, self.dtype)
         self.block_size = block_size
         files = ModelFiles(model_path)
         self.model_path, self.config = files.path, files.config
         cfg = self.config
         self.block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
-                            * torch.empty((), dtype=self.dtype).element_size())
+                            * torch.empty((), dtype=self.kv_dtype).element_size())
         if num_blocks is None and kv_memory_bytes is not None:   # say so before loading gigabytes of weights
             self._check_budget(kv_memory_bytes, files.path)
         self.tokenizer = Tokenizer.load(files.path, reader=files.reader)
@@ -116,6 +138,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------ KV cache
 
+    @property
+    def kv_dtype_name(self) -> str:
+        """"f16", "f32" or "bf16": the KV cache's element type."""
+        return next(k for k, v in KV_DTYPES.items() if v == self.kv_dtype)
+
     def _check_budget(self, kv_bytes: int, path) -> None:
         """KvBudgetError for a budget the device's free memory cannot hold, next to the weights."""
         if self.device.type == "cuda":
@@ -137,7 +164,7 @@ class ModelRunner:
     def _new_kv(self, num_blocks: int) -> torch.Tensor:
         cfg = self.config
         return torch.zeros(cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                           device=self.device, dtype=self.dtype)
+                           device=self.device, dtype=self.kv_dtype)
 
     def _gpu_kv_budget(self, utilization: float, max_tokens: int) -> int:
         """Like vLLM: total * utilization - (memory of others + weights + activation peak of a

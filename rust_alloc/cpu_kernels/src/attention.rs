@@ -1,12 +1,12 @@
 //! Paged decode attention on the CPU: one query token per sequence over its context,
 //! read through the block table straight from the paged K/V cache.
 
+use crate::kv::KvElem;
 use crate::ops::{bad, dot, exp, has_avx2, Heads, OpError, P};
 use crate::threads::{num_threads, parallel_for};
 
-
 /// One decode sequence: its query row in the batch, context length, block table row.
-struct DecodeArgs<'a> {
+struct DecodeArgs<'a, E> {
     q: P,
     q_stride: usize,
     out: P,
@@ -15,8 +15,8 @@ struct DecodeArgs<'a> {
     lens: &'a [i32],
     tables: &'a [i32],
     max_blocks: usize,
-    k: &'a [f32],
-    v: &'a [f32],
+    k: &'a [E],
+    v: &'a [E],
     bs: usize,
     hs: Heads,
     scale: f32,
@@ -24,7 +24,7 @@ struct DecodeArgs<'a> {
 }
 
 #[inline(always)]
-unsafe fn decode_item(a: &DecodeArgs, item: usize, scores: &mut Vec<f32>, acc: &mut Vec<f32>) {
+unsafe fn decode_item<E: KvElem>(a: &DecodeArgs<E>, item: usize, scores: &mut Vec<f32>, acc: &mut Vec<f32>) {
     let Heads { nh, nkv, d } = a.hs;
     let g = nh / nkv;
     let (b, kh) = (item / nkv, item % nkv);
@@ -37,11 +37,15 @@ unsafe fn decode_item(a: &DecodeArgs, item: usize, scores: &mut Vec<f32>, acc: &
     scores.clear();
     scores.resize(g * len, 0.0);
     let q0 = a.q.0.add(row * a.q_stride + kh * g * d) as *const f32;
+    let mut row_f32 = [0f32; 512];
+    let kr = &mut row_f32[..d];
     // scores[h, t] = q_h · k_t · scale
     for t in 0..len {
         let pos = lo + t;
         let slot = table[pos / a.bs] as usize * a.bs + pos % a.bs;
-        let kr = &a.k[slot * kvw + kh * d..slot * kvw + kh * d + d];
+        for (x, e) in kr.iter_mut().zip(&a.k[slot * kvw + kh * d..slot * kvw + kh * d + d]) {
+            *x = e.to_f32();
+        }
         for h in 0..g {
             let q = std::slice::from_raw_parts(q0.add(h * d), d);
             scores[h * len + t] = dot(q, kr) * a.scale;
@@ -65,7 +69,10 @@ unsafe fn decode_item(a: &DecodeArgs, item: usize, scores: &mut Vec<f32>, acc: &
     for t in 0..len {
         let pos = lo + t;
         let slot = table[pos / a.bs] as usize * a.bs + pos % a.bs;
-        let vr = &a.v[slot * kvw + kh * d..slot * kvw + kh * d + d];
+        let vr = &mut row_f32[..d];
+        for (x, e) in vr.iter_mut().zip(&a.v[slot * kvw + kh * d..slot * kvw + kh * d + d]) {
+            *x = e.to_f32();
+        }
         for h in 0..g {
             let p = scores[h * len + t];
             let o = &mut acc[h * d..(h + 1) * d];
@@ -84,7 +91,7 @@ unsafe fn decode_item(a: &DecodeArgs, item: usize, scores: &mut Vec<f32>, acc: &
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{DecodeArgs, Heads};
+    use super::{DecodeArgs, Heads, KvElem};
     use crate::ops::x86::exp8;
     use crate::quant::avx2::hsum;
     use std::arch::x86_64::*;
@@ -96,7 +103,9 @@ mod x86 {
     /// `len % 8` one by one, and the slot offsets are computed block by block, with no
     /// division per position (both measured: bench/RESULTS.md, "Seventh session").
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn item<const NV: usize>(a: &DecodeArgs, b: usize, scores: &mut Vec<f32>, slots: &mut Vec<usize>) {
+    pub unsafe fn item<E: KvElem, const NV: usize>(
+        a: &DecodeArgs<E>, b: usize, scores: &mut Vec<f32>, slots: &mut Vec<usize>,
+    ) {
         let Heads { nh, nkv, d } = a.hs;
         let g = nh / nkv;
         let n = a.lens[b] as usize;
@@ -121,14 +130,14 @@ mod x86 {
         let sc8 = _mm256_set1_ps(a.scale);
         for t0 in (0..nfull).step_by(8) {
             for kh in 0..nkv {
-                let ks: [*const f32; 8] = std::array::from_fn(|u| kp.add(slots[t0 + u] + kh * d));
+                let ks: [*const E; 8] = std::array::from_fn(|u| kp.add(slots[t0 + u] + kh * d));
                 for h in kh * g..(kh + 1) * g {
                     let q = q0.add(h * d);
                     let mut acc = [_mm256_setzero_ps(); 8];
                     for j in 0..NV {
                         let qj = _mm256_loadu_ps(q.add(8 * j));
                         for (u, r) in acc.iter_mut().enumerate() {
-                            *r = _mm256_fmadd_ps(qj, _mm256_loadu_ps(ks[u].add(8 * j)), *r);
+                            *r = _mm256_fmadd_ps(qj, E::load8(ks[u].add(8 * j)), *r);
                         }
                     }
                     _mm256_storeu_ps(sp.add(h * stride + t0), _mm256_mul_ps(hsum8(&acc), sc8));
@@ -140,7 +149,7 @@ mod x86 {
                 let k = kp.add(off + kh * d);
                 let mut kr = [_mm256_setzero_ps(); NV];
                 for (j, r) in kr.iter_mut().enumerate() {
-                    *r = _mm256_loadu_ps(k.add(8 * j));
+                    *r = E::load8(k.add(8 * j));
                 }
                 for h in kh * g..(kh + 1) * g {
                     let q = q0.add(h * d);
@@ -178,7 +187,7 @@ mod x86 {
                 let p = _mm256_set1_ps(*s.add(t));
                 let v = vp.add(off + vo);
                 for (j, r) in acc.iter_mut().enumerate() {
-                    *r = _mm256_fmadd_ps(p, _mm256_loadu_ps(v.add(8 * j)), *r);
+                    *r = _mm256_fmadd_ps(p, E::load8(v.add(8 * j)), *r);
                 }
             }
             let o = a.out.0.add(a.rows[b] as usize * a.out_stride + h * d);
@@ -220,14 +229,14 @@ mod x86 {
 
     /// Sequences `i0..i1`, every KV head of each.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn items(a: &DecodeArgs, i0: usize, i1: usize) {
+    pub unsafe fn items<E: KvElem>(a: &DecodeArgs<E>, i0: usize, i1: usize) {
         let (mut scores, mut slots) = (Vec::new(), Vec::new());
         let nv = a.hs.d / 8;
         for b in i0..i1 {
             match nv {
-                4 => item::<4>(a, b, &mut scores, &mut slots),
-                8 => item::<8>(a, b, &mut scores, &mut slots),
-                16 => item::<16>(a, b, &mut scores, &mut slots),
+                4 => item::<E, 4>(a, b, &mut scores, &mut slots),
+                8 => item::<E, 8>(a, b, &mut scores, &mut slots),
+                16 => item::<E, 16>(a, b, &mut scores, &mut slots),
                 _ => unreachable!(),
             }
         }
@@ -235,7 +244,7 @@ mod x86 {
 }
 
 #[inline(always)]
-unsafe fn decode_items(a: &DecodeArgs, i0: usize, i1: usize) {
+unsafe fn decode_items<E: KvElem>(a: &DecodeArgs<E>, i0: usize, i1: usize) {
     let (mut scores, mut acc) = (Vec::new(), Vec::new());
     for it in i0..i1 {
         decode_item(a, it, &mut scores, &mut acc);
@@ -243,7 +252,9 @@ unsafe fn decode_items(a: &DecodeArgs, i0: usize, i1: usize) {
 }
 
 #[cfg(target_arch = "x86_64")]
-dispatch!(decode_items_avx2, decode_items, (a: &DecodeArgs, i0: usize, i1: usize));
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_items_avx2<E: KvElem>(a: &DecodeArgs<E>, i0: usize, i1: usize) { decode_items(a, i0, i1) }
 
 /// Attention of one query token per sequence over its paged context (positions
 /// `0 .. lens[b]`, the last `window` of them when `window > 0`).
@@ -253,13 +264,13 @@ dispatch!(decode_items_avx2, decode_items, (a: &DecodeArgs, i0: usize, i1: usize
 /// `out[rows[b] * out_stride ..]`. `tables` is `[B, max_blocks]` block ids, caches are
 /// `[num_blocks * bs, nkv, d]`.
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode(
+pub fn paged_decode<E: KvElem>(
     q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, rows: &[i64], lens: &[i32], tables: &[i32],
-    k_cache: &[f32], v_cache: &[f32], bs: usize, hs: Heads, scale: f32, window: usize,
+    k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize,
 ) -> Result<(), OpError> {
     let Heads { nh, nkv, d } = hs;
     let b = rows.len();
-    if nkv == 0 || nh % nkv != 0 || nh / nkv > 64 || d == 0 || bs == 0 {
+    if nkv == 0 || nh % nkv != 0 || nh / nkv > 64 || d == 0 || d > 512 || bs == 0 {
         return bad(format!("paged_decode: unsupported heads {nh}/{nkv} x {d}"));
     }
     if lens.len() != b || (b > 0 && tables.len() % b != 0) {

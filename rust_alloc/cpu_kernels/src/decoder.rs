@@ -3,6 +3,7 @@
 //! the operators.
 
 use crate::attention::paged_decode;
+use crate::kv::KvElem;
 use crate::ops::{add_rms_norm, bad, rope_write_kv, silu_mul, Heads, OpError};
 
 
@@ -86,9 +87,9 @@ pub struct DecodeStep<'a> {
 /// embeddings) becomes the residual stream after the last layer (final norm not applied).
 /// `kv` is the runner's whole cache `[layers, 2, num_blocks, block_size, nkv, d]`.
 #[allow(clippy::too_many_arguments)]
-pub fn decode_layers(
+pub fn decode_layers<E: KvElem>(
     layers: &[QLayer], hs: Heads, hidden: usize, inter: usize, eps: f32, h: &mut [f32], t: usize, step: &DecodeStep,
-    kv: &mut [f32],
+    kv: &mut [E],
 ) -> Result<(), OpError> {
     let (w, q) = (hs.width(), hs.nh * hs.d);
     if h.len() != t * hidden || step.positions.len() != t || step.slots.len() != t || step.lens.len() != t {

@@ -21,6 +21,7 @@ macro_rules! dispatch {
 
 pub mod attention;
 pub mod decoder;
+pub mod kv;
 pub mod ops;
 pub mod quant;
 pub mod threads;

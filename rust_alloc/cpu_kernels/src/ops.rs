@@ -9,6 +9,7 @@
 //! enabled (picked at run time) and once for the baseline CPU, so LLVM vectorises both.
 //! Work is split over the kernels' thread pool only when it is large enough to pay for it.
 
+use crate::kv::{store_row, KvElem};
 use crate::threads::{num_threads, parallel_for};
 
 /// Raw pointer that may cross to the pool's threads (they write disjoint parts).
@@ -193,11 +194,12 @@ dispatch!(rope_avx2, rope_rows,
 
 /// Rotate the Q and K heads of every fused QKV row in place (tables as `Rotary` builds them:
 /// `cat(cos, cos)` and `cat(-sin, sin)`, `[positions, d]`), then write each row's K and V
-/// into its cache slot (`slots[r] < 0`: not written). Caches are `[num_slots, nkv, d]`.
+/// into its cache slot (`slots[r] < 0`: not written), converted to the cache's element type.
+/// Caches are `[num_slots, nkv, d]`.
 #[allow(clippy::too_many_arguments)]
-pub fn rope_write_kv(
+pub fn rope_write_kv<E: KvElem>(
     qkv: &mut [f32], rows: usize, hs: Heads, positions: &[i64], cos: &[f32], sin: &[f32], slots: &[i64],
-    k_cache: &mut [f32], v_cache: &mut [f32],
+    k_cache: &mut [E], v_cache: &mut [E],
 ) -> Result<(), OpError> {
     let (w, d) = (hs.width(), hs.d);
     if d % 2 != 0 || d > 512 || qkv.len() < rows * w || positions.len() != rows || slots.len() != rows {
@@ -235,8 +237,8 @@ pub fn rope_write_kv(
             continue;
         }
         let s = s as usize;
-        k_cache[s * kvw..(s + 1) * kvw].copy_from_slice(&qkv[r * w + qo..r * w + qo + kvw]);
-        v_cache[s * kvw..(s + 1) * kvw].copy_from_slice(&qkv[r * w + qo + kvw..r * w + qo + 2 * kvw]);
+        store_row(&mut k_cache[s * kvw..(s + 1) * kvw], &qkv[r * w + qo..r * w + qo + kvw]);
+        store_row(&mut v_cache[s * kvw..(s + 1) * kvw], &qkv[r * w + qo + kvw..r * w + qo + 2 * kvw]);
     }
     Ok(())
 }

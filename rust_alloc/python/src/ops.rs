@@ -7,12 +7,55 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use cpu_kernels::decoder::{decode_layers, DecodeStep, QLayer, QLinear};
+use cpu_kernels::kv::F16;
 use cpu_kernels::ops::{self, Heads, OpError};
 use cpu_kernels::{attention, QMatrix, QType};
 
 use crate::quant::{contiguous, contiguous_mut, qtype, rows_cols};
 
 fn verr(e: OpError) -> PyErr { PyValueError::new_err(e.0) }
+
+/// A K/V cache array, float32 or float16, borrowed for writing.
+enum CacheMut<'py> {
+    F32(PyReadwriteArrayDyn<'py, f32>),
+    F16(PyReadwriteArrayDyn<'py, F16>),
+}
+
+/// The same, borrowed for reading.
+enum CacheRef<'py> {
+    F32(PyReadonlyArrayDyn<'py, f32>),
+    F16(PyReadonlyArrayDyn<'py, F16>),
+}
+
+fn cache_mut<'py>(a: &Bound<'py, PyAny>, what: &str) -> PyResult<CacheMut<'py>> {
+    if let Ok(x) = a.extract::<PyReadwriteArrayDyn<'py, f32>>() {
+        return Ok(CacheMut::F32(x));
+    }
+    a.extract::<PyReadwriteArrayDyn<'py, F16>>().map(CacheMut::F16)
+        .map_err(|_| PyValueError::new_err(format!("{what}: expected a writable float32 or float16 array")))
+}
+
+fn cache_ref<'py>(a: &Bound<'py, PyAny>, what: &str) -> PyResult<CacheRef<'py>> {
+    if let Ok(x) = a.extract::<PyReadonlyArrayDyn<'py, f32>>() {
+        return Ok(CacheRef::F32(x));
+    }
+    a.extract::<PyReadonlyArrayDyn<'py, F16>>().map(CacheRef::F16)
+        .map_err(|_| PyValueError::new_err(format!("{what}: expected a float32 or float16 array")))
+}
+
+impl CacheMut<'_> {
+    fn shape(&self) -> Vec<usize> {
+        match self { CacheMut::F32(a) => a.shape().to_vec(), CacheMut::F16(a) => a.shape().to_vec() }
+    }
+}
+
+impl CacheRef<'_> {
+    fn shape(&self) -> Vec<usize> {
+        match self { CacheRef::F32(a) => a.shape().to_vec(), CacheRef::F16(a) => a.shape().to_vec() }
+    }
+}
+
+const MIXED: &str = "k_cache and v_cache must have one dtype";
 
 /// h += delta (if not None), out = rms_norm(h) * weight; h, delta, out [T, D] float32.
 #[pyfunction]
@@ -50,14 +93,13 @@ fn silu_mul(py: Python<'_>, gu: PyReadonlyArrayDyn<'_, f32>, mut out: PyReadwrit
 
 /// Rotary embedding of the Q and K heads of fused QKV rows [T, (H + 2 Hkv) D] in place, then
 /// K and V written to their cache slots (int64 [T], -1: skip). cos/sin [P, D] tables,
-/// positions int64 [T]; caches [num_blocks, block_size, Hkv, D] float32.
+/// positions int64 [T]; caches [num_blocks, block_size, Hkv, D] float32 or float16.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-fn rope_write_kv(
-    py: Python<'_>, mut qkv: PyReadwriteArrayDyn<'_, f32>, positions: PyReadonlyArrayDyn<'_, i64>,
-    cos: PyReadonlyArrayDyn<'_, f32>, sin: PyReadonlyArrayDyn<'_, f32>, slots: PyReadonlyArrayDyn<'_, i64>,
-    mut k_cache: PyReadwriteArrayDyn<'_, f32>, mut v_cache: PyReadwriteArrayDyn<'_, f32>, num_heads: usize,
-    num_kv_heads: usize,
+fn rope_write_kv<'py>(
+    py: Python<'py>, mut qkv: PyReadwriteArrayDyn<'py, f32>, positions: PyReadonlyArrayDyn<'py, i64>,
+    cos: PyReadonlyArrayDyn<'py, f32>, sin: PyReadonlyArrayDyn<'py, f32>, slots: PyReadonlyArrayDyn<'py, i64>,
+    k_cache: Bound<'py, PyAny>, v_cache: Bound<'py, PyAny>, num_heads: usize, num_kv_heads: usize,
 ) -> PyResult<()> {
     let (rows, width) = rows_cols(qkv.shape());
     let (_, d) = rows_cols(cos.shape());
@@ -67,9 +109,17 @@ fn rope_write_kv(
     }
     let q = contiguous_mut(&mut qkv, "qkv")?;
     let (p, c, s, sl) = (contiguous(&positions, "positions")?, contiguous(&cos, "cos")?, contiguous(&sin, "sin")?, contiguous(&slots, "slots")?);
-    let kc = contiguous_mut(&mut k_cache, "k_cache")?;
-    let vc = contiguous_mut(&mut v_cache, "v_cache")?;
-    py.detach(|| ops::rope_write_kv(q, rows, hs, p, c, s, sl, kc, vc)).map_err(verr)
+    match (cache_mut(&k_cache, "k_cache")?, cache_mut(&v_cache, "v_cache")?) {
+        (CacheMut::F32(mut k), CacheMut::F32(mut v)) => {
+            let (kc, vc) = (contiguous_mut(&mut k, "k_cache")?, contiguous_mut(&mut v, "v_cache")?);
+            py.detach(|| ops::rope_write_kv(q, rows, hs, p, c, s, sl, kc, vc)).map_err(verr)
+        }
+        (CacheMut::F16(mut k), CacheMut::F16(mut v)) => {
+            let (kc, vc) = (contiguous_mut(&mut k, "k_cache")?, contiguous_mut(&mut v, "v_cache")?);
+            py.detach(|| ops::rope_write_kv(q, rows, hs, p, c, s, sl, kc, vc)).map_err(verr)
+        }
+        _ => Err(PyValueError::new_err(MIXED)),
+    }
 }
 
 /// Paged attention of one query token per sequence. q [T, >= H D] (the first H D values of
@@ -78,12 +128,13 @@ fn rope_write_kv(
 #[pyfunction]
 #[pyo3(signature = (q, out, rows, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads, scale, window = 0))]
 #[allow(clippy::too_many_arguments)]
-fn paged_decode(
-    py: Python<'_>, q: PyReadonlyArrayDyn<'_, f32>, mut out: PyReadwriteArrayDyn<'_, f32>,
-    rows: PyReadonlyArrayDyn<'_, i64>, seq_lens: PyReadonlyArrayDyn<'_, i32>, block_tables: PyReadonlyArrayDyn<'_, i32>,
-    k_cache: PyReadonlyArrayDyn<'_, f32>, v_cache: PyReadonlyArrayDyn<'_, f32>, num_heads: usize, num_kv_heads: usize,
+fn paged_decode<'py>(
+    py: Python<'py>, q: PyReadonlyArrayDyn<'py, f32>, mut out: PyReadwriteArrayDyn<'py, f32>,
+    rows: PyReadonlyArrayDyn<'py, i64>, seq_lens: PyReadonlyArrayDyn<'py, i32>, block_tables: PyReadonlyArrayDyn<'py, i32>,
+    k_cache: Bound<'py, PyAny>, v_cache: Bound<'py, PyAny>, num_heads: usize, num_kv_heads: usize,
     scale: f32, window: usize,
 ) -> PyResult<()> {
+    let (k_cache, v_cache) = (cache_ref(&k_cache, "k_cache")?, cache_ref(&v_cache, "v_cache")?);
     let kshape = k_cache.shape();
     if kshape.len() != 4 || v_cache.shape() != kshape || kshape[2] != num_kv_heads {
         return Err(PyValueError::new_err("paged_decode: caches must be [num_blocks, block_size, Hkv, D]"));
@@ -93,9 +144,19 @@ fn paged_decode(
     let (_, q_stride) = rows_cols(q.shape());
     let (_, out_stride) = rows_cols(out.shape());
     let (qs, r, l, t) = (contiguous(&q, "q")?, contiguous(&rows, "rows")?, contiguous(&seq_lens, "seq_lens")?, contiguous(&block_tables, "block_tables")?);
-    let (kc, vc) = (contiguous(&k_cache, "k_cache")?, contiguous(&v_cache, "v_cache")?);
     let os = contiguous_mut(&mut out, "out")?;
-    py.detach(|| attention::paged_decode(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window)).map_err(verr)
+    match (&k_cache, &v_cache) {
+        (CacheRef::F32(k), CacheRef::F32(v)) => {
+            let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
+            py.detach(|| attention::paged_decode(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window))
+        }
+        (CacheRef::F16(k), CacheRef::F16(v)) => {
+            let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
+            py.detach(|| attention::paged_decode(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window))
+        }
+        _ => return Err(PyValueError::new_err(MIXED)),
+    }
+    .map_err(verr)
 }
 
 /// One linear layer of the decoder: its weight segments (format, interleaved, blocks, rows,
@@ -190,10 +251,11 @@ impl QuantDecoder {
     fn decode(
         &self, py: Python<'_>, mut h: PyReadwriteArrayDyn<'_, f32>, positions: PyReadonlyArrayDyn<'_, i64>,
         slots: PyReadonlyArrayDyn<'_, i64>, seq_lens: PyReadonlyArrayDyn<'_, i32>,
-        block_tables: PyReadonlyArrayDyn<'_, i32>, mut kv_cache: PyReadwriteArrayDyn<'_, f32>,
+        block_tables: PyReadonlyArrayDyn<'_, i32>, kv_cache: Bound<'_, PyAny>,
         cos: PyReadonlyArrayDyn<'_, f32>, sin: PyReadonlyArrayDyn<'_, f32>, scale: f32, window: usize,
     ) -> PyResult<()> {
-        let kshape = kv_cache.shape().to_vec();
+        let mut kv_cache = cache_mut(&kv_cache, "kv_cache")?;
+        let kshape = kv_cache.shape();
         if kshape.len() != 6 || kshape[0] != self.layers.len() || kshape[1] != 2 || kshape[4] != self.hs.nkv
             || kshape[5] != self.hs.d
         {
@@ -236,12 +298,21 @@ impl QuantDecoder {
         let (p, s) = (contiguous(&positions, "positions")?, contiguous(&slots, "slots")?);
         let (l, bt) = (contiguous(&seq_lens, "seq_lens")?, contiguous(&block_tables, "block_tables")?);
         let (c, sn) = (contiguous(&cos, "cos")?, contiguous(&sin, "sin")?);
-        let kv = contiguous_mut(&mut kv_cache, "kv_cache")?;
         let step = DecodeStep {
             positions: p, slots: s, lens: l, tables: bt, cos: c, sin: sn, block_size: kshape[3], scale, window,
         };
         let (hs, inter, eps) = (self.hs, self.inter, self.eps);
-        py.detach(|| decode_layers(&layers, hs, hidden, inter, eps, hsl, t, &step, kv)).map_err(verr)
+        match &mut kv_cache {
+            CacheMut::F32(a) => {
+                let kv = contiguous_mut(a, "kv_cache")?;
+                py.detach(|| decode_layers(&layers, hs, hidden, inter, eps, hsl, t, &step, kv))
+            }
+            CacheMut::F16(a) => {
+                let kv = contiguous_mut(a, "kv_cache")?;
+                py.detach(|| decode_layers(&layers, hs, hidden, inter, eps, hsl, t, &step, kv))
+            }
+        }
+        .map_err(verr)
     }
 }
 
