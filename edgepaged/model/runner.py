@@ -74,7 +74,8 @@ def keeps_quantized(files: ModelFiles, device: torch.device, dtype: torch.dtype,
     if dtype != torch.float32:
         reasons.append("the dtype is not float32")
     if not reasons and not files.has_quantized:
-        reasons.append("the file has no tensor in Q4_0/Q4_1/Q8_0/Q4_K/Q6_K")
+        from .quant.formats import FORMATS
+        reasons.append(f"the file has no tensor in {'/'.join(FORMATS.values())}")
     if quantized and reasons:
         raise ValueError("quantized=True but " + "; ".join(reasons))
     return bool(quantized or (quantized is None and not reasons))

@@ -7,42 +7,61 @@ from pathlib import Path
 import numpy as np
 
 # byte offsets of the f16 scales in a block, per GGML type id
-SCALE_AT = {2: [0], 3: [0, 2], 8: [0], 12: [0, 2], 14: [208]}
+SCALE_AT = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
 # what one step of the integer code is worth, roughly, for a weight scale of 1 per format
-CODE_SPAN = {2: 8, 3: 8, 8: 128, 12: 8 * 32, 14: 32 * 64}
+CODE_SPAN = {2: 8, 3: 8, 6: 16, 7: 16, 8: 128, 12: 8 * 32, 13: 16 * 32, 14: 32 * 64}
 
 
 def random_blocks(qtype: int, rows: int, cols: int, rng, std: float | None = None) -> np.ndarray:
     """uint8 [rows, row_bytes] of random blocks; scales put weights at about `std` (default
     a random 1e-3..0.2, either sign, for kernel tests)."""
     import gguf
+    if qtype in (1, 30):   # F16 / BF16: the values themselves
+        w = rng.standard_normal((rows, cols)) * (std if std is not None else rng.uniform(1e-3, 0.2))
+        if qtype == 1:
+            return w.astype(np.float16).view(np.uint8).reshape(rows, -1)
+        return (w.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
     bw, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
     nb = cols // bw
     raw = rng.integers(0, 256, (rows, nb, bb), dtype=np.uint8)
     for i, at in enumerate(SCALE_AT[qtype]):
         if std is None:
             s = rng.uniform(1e-3, 0.2, (rows, nb)) * rng.choice([-1, 1], (rows, nb))
-        elif qtype in (3, 12) and i == 1:  # the min (Q4_1 m, Q4_K dmin): centre the weights
-            s = np.full((rows, nb), -std * 1.7 if qtype == 3 else std * 1.7 / 32)
+        elif qtype in (3, 7, 12, 13) and i == 1:  # the min (Q4_1/Q5_1 m, Q4_K/Q5_K dmin): centre the weights
+            s = np.full((rows, nb), -std * 1.7 if qtype in (3, 7) else std * 1.7 / 32)
         else:
             s = np.full((rows, nb), std / CODE_SPAN[qtype] * 1.7)
         raw[..., at: at + 2] = s.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
     if qtype == 14:  # Q6_K int8 sub-block scales: keep them positive and moderate
         raw[..., 192:208] = rng.integers(16, 48, (rows, nb, 16), dtype=np.uint8)
-    elif qtype == 12:  # Q4_K packed 6-bit scales/mins: keep them in 16..47
+    elif qtype in (12, 13):  # Q4_K / Q5_K packed 6-bit scales/mins: keep them in 16..47
         raw[..., 4:16] = (raw[..., 4:16] & 0x1F) | 0x10
     return raw.reshape(rows, -1)
 
 
+# llama.cpp's Q4_K_M mix, as the issue on 1-8 B speed describes it: Q4_K, with Q6_K for the
+# value and down projections and the embeddings (tied LM head)
+Q4_K_M = dict(token_embd=14, attn_q=12, attn_k=12, attn_v=14, attn_output=12, ffn_gate=12, ffn_up=12, ffn_down=14)
+
+
 def write_random_gguf(path, *, hidden: int, layers: int, heads: int, kv_heads: int, inter: int,
-                      qtypes: dict[str, int], seed: int = 0, tied: bool = True, context: int = 256) -> Path:
+                      qtypes: dict[str, int], seed: int = 0, tied: bool = True, context: int = 256,
+                      tokenizer_from=None) -> Path:
     """A random llama GGUF: `qtypes` maps tensor kinds (token_embd, output, attn_q, attn_k,
     attn_v, attn_output, ffn_gate, ffn_up, ffn_down) to GGML type ids; each kind's bytes are
-    made once and shared by every layer (fast to write, same file size)."""
+    made once and shared by every layer (fast to write, same file size). The tokenizer is a
+    byte-level one of 258 tokens, or the one of the GGUF file `tokenizer_from` (its
+    vocabulary, merges, token types, pre-tokenizer and chat template)."""
     import gguf
     from tokenizers.pre_tokenizers import ByteLevel
     rng = np.random.default_rng(seed)
-    tokens = sorted(ByteLevel.alphabet()) + ["<|im_start|>", "<|im_end|>"]
+    source = None
+    if tokenizer_from is not None:
+        from edgepaged.model.loader import gguf_field
+        source = gguf.GGUFReader(str(tokenizer_from))
+        tokens = gguf_field(source, "tokenizer.ggml.tokens")
+    else:
+        tokens = sorted(ByteLevel.alphabet()) + ["<|im_start|>", "<|im_end|>"]
     vocab = len(tokens)
     head_dim = hidden // heads
     shapes = {"token_embd": (vocab, hidden), "output": (vocab, hidden), "attn_q": (hidden, hidden),
@@ -58,11 +77,24 @@ def write_random_gguf(path, *, hidden: int, layers: int, heads: int, kv_heads: i
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3, 3])
-    w.add_token_merges([])
-    w.add_eos_token_id(vocab - 1)
+    if source is not None:
+        from edgepaged.model.loader import gguf_field
+        w.add_tokenizer_model(gguf_field(source, "tokenizer.ggml.model"))
+        w.add_tokenizer_pre(gguf_field(source, "tokenizer.ggml.pre", "default"))
+        w.add_token_list(tokens)
+        w.add_token_types(gguf_field(source, "tokenizer.ggml.token_type"))
+        w.add_token_merges(gguf_field(source, "tokenizer.ggml.merges") or [])
+        for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id)):
+            if (i := gguf_field(source, f"tokenizer.ggml.{key}_token_id")) is not None:
+                add(i)
+        if template := gguf_field(source, "tokenizer.chat_template"):
+            w.add_chat_template(template)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * 256 + [3, 3])
+        w.add_token_merges([])
+        w.add_eos_token_id(vocab - 1)
     blocks = {}
 
     def add(name, kind):

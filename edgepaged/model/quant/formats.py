@@ -13,9 +13,11 @@ import numpy as np
 
 from ..._native import quant as kernels
 
-# GGML type id -> name, for the formats the kernels read
-FORMATS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
-BLOCK = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}  # weights, bytes
+# GGML type id -> name, for the formats the kernels read (F16 and BF16 in blocks of 32)
+FORMATS = {1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",
+           30: "BF16"}
+BLOCK = {1: (32, 64), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144),
+         13: (256, 176), 14: (256, 210), 30: (32, 64)}  # weights, bytes
 X8_FLAG = 0x100                 # added to a type id for interleaved weights (the Rust side's X8_FLAG)
 INTERLEAVABLE = (2, 3, 8)       # Q4_0, Q4_1, Q8_0
 

@@ -47,6 +47,147 @@ struct Q40;
 struct Q41;
 struct Q4K;
 struct Q6K;
+struct Q50;
+struct Q51;
+struct Q5K;
+struct F16;
+struct BF16;
+
+/// Lane `i` of 8: 16 if bit `i` of `bits` is set, else 0 (a 5-bit code's top bit).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn high_bits8(bits: u32) -> __m256i {
+    let lanes = _mm256_srlv_epi32(_mm256_set1_epi32(bits as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_slli_epi32::<4>(_mm256_and_si256(lanes, _mm256_set1_epi32(1)))
+}
+
+/// Q5_0 / Q5_1 codes of quarter `v` (weights 8v .. 8v + 8), 0..32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_codes(qh: *const u8, qs: *const u8, v: usize) -> __m256i {
+    let hb = u32::from_le_bytes([*qh, *qh.add(1), *qh.add(2), *qh.add(3)]);
+    let b = u8x8(qs.add(8 * (v % 2)));
+    let lo = if v < 2 { _mm256_and_si256(b, _mm256_set1_epi32(15)) } else { _mm256_srli_epi32::<4>(b) };
+    _mm256_or_si256(lo, high_bits8(hb >> (8 * v)))
+}
+
+impl Fmt for Q50 {
+    const Q: QType = QType::Q5_0;
+    type S = __m256;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(blk: *const u8) -> __m256 { _mm256_set1_ps(half(blk)) }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn vec(blk: *const u8, d: &__m256, _g: usize, v: usize) -> __m256 {
+        let q = _mm256_sub_epi32(q5_codes(blk.add(2), blk.add(6), v), _mm256_set1_epi32(16));
+        _mm256_mul_ps(*d, _mm256_cvtepi32_ps(q))
+    }
+}
+
+impl Fmt for Q51 {
+    const Q: QType = QType::Q5_1;
+    type S = (__m256, __m256);
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(blk: *const u8) -> (__m256, __m256) {
+        (_mm256_set1_ps(half(blk)), _mm256_set1_ps(half(blk.add(2))))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn vec(blk: *const u8, s: &(__m256, __m256), _g: usize, v: usize) -> __m256 {
+        // d·q exact (an f16 times a 5-bit code): one FMA rounds d·q + m as gguf does
+        _mm256_fmadd_ps(s.0, _mm256_cvtepi32_ps(q5_codes(blk.add(4), blk.add(8), v)), s.1)
+    }
+}
+
+impl Fmt for Q5K {
+    const Q: QType = QType::Q5_K;
+    type S = ([f32; 8], [f32; 8]);
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(blk: *const u8) -> ([f32; 8], [f32; 8]) { Q4K::scales(blk) }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn vec(blk: *const u8, s: &([f32; 8], [f32; 8]), g: usize, v: usize) -> __m256 {
+        let b = u8x8(blk.add(48 + 32 * (g / 2) + 8 * v));
+        let lo = if g % 2 == 0 { _mm256_and_si256(b, _mm256_set1_epi32(15)) } else { _mm256_srli_epi32::<4>(b) };
+        let hb = _mm256_srlv_epi32(u8x8(blk.add(16 + 8 * v)), _mm256_set1_epi32(g as i32));
+        let q = _mm256_or_si256(lo, _mm256_slli_epi32::<4>(_mm256_and_si256(hb, _mm256_set1_epi32(1))));
+        // (d·sc)·q exact (11 + 6 + 5 significant bits): one FMA, gguf's rounding
+        _mm256_fmsub_ps(_mm256_set1_ps(s.0[g]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(s.1[g]))
+    }
+}
+
+impl Fmt for F16 {
+    const Q: QType = QType::F16;
+    type S = ();
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(_blk: *const u8) {}
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn vec(blk: *const u8, _s: &(), _g: usize, v: usize) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * v) as *const __m128i))
+    }
+}
+
+impl Fmt for BF16 {
+    const Q: QType = QType::BF16;
+    type S = ();
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scales(_blk: *const u8) {}
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn vec(blk: *const u8, _s: &(), _g: usize, v: usize) -> __m256 {
+        let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(blk.add(16 * v) as *const __m128i));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+    }
+}
+
+/// One token through `Fmt::vec`: each weight exact, times x (formats without a `Dot` of their own).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_by_vec<F: Fmt>(blk: *const u8, x: *const f32, acc: &mut __m256) {
+    let s = F::scales(blk);
+    for g in 0..groups(F::Q) {
+        for v in 0..4 {
+            *acc = _mm256_fmadd_ps(F::vec(blk, &s, g, v), ld(x.add(32 * g + 8 * v)), *acc);
+        }
+    }
+}
+
+macro_rules! dot_by_vec {
+    ($($t:ty),*) => {$(
+        impl Dot for $t {
+            #[inline]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn dot(blk: *const u8, x: *const f32, _xsum: *const f32, acc: &mut __m256, _m: &mut __m256) {
+                dot_by_vec::<$t>(blk, x, acc)
+            }
+        }
+    )*};
+}
+dot_by_vec!(Q50, Q51, Q5K, F16, BF16);
+
+/// `$body` with `$F` the format type of `$q` (every format).
+macro_rules! with_fmt {
+    ($q:expr, $F:ident => $body:expr) => {
+        match $q {
+            QType::Q8_0 => { type $F = Q80; $body }
+            QType::Q4_0 => { type $F = Q40; $body }
+            QType::Q4_1 => { type $F = Q41; $body }
+            QType::Q4_K => { type $F = Q4K; $body }
+            QType::Q6_K => { type $F = Q6K; $body }
+            QType::Q5_0 => { type $F = Q50; $body }
+            QType::Q5_1 => { type $F = Q51; $body }
+            QType::Q5_K => { type $F = Q5K; $body }
+            QType::F16 => { type $F = F16; $body }
+            QType::BF16 => { type $F = BF16; $body }
+        }
+    };
+}
 
 impl Fmt for Q80 {
     const Q: QType = QType::Q8_0;
@@ -959,30 +1100,12 @@ pub(crate) unsafe fn matmul_rows(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: u
         };
     }
     if x.rows == 1 {
-        return match w.qtype {
-            QType::Q8_0 => gemv::<Q80>(w, x.ptr, out.ptr, r0, r1),
-            QType::Q4_0 => gemv::<Q40>(w, x.ptr, out.ptr, r0, r1),
-            QType::Q4_1 => gemv::<Q41>(w, x.ptr, out.ptr, r0, r1),
-            QType::Q4_K => gemv::<Q4K>(w, x.ptr, out.ptr, r0, r1),
-            QType::Q6_K => gemv::<Q6K>(w, x.ptr, out.ptr, r0, r1),
-        };
+        return with_fmt!(w.qtype, F => gemv::<F>(w, x.ptr, out.ptr, r0, r1));
     }
     if x.rows >= BCAST_MIN_TOKENS || w.x8 {
-        return match w.qtype {
-            QType::Q8_0 => rows_bcast::<Q80>(w, x, out, r0, r1),
-            QType::Q4_0 => rows_bcast::<Q40>(w, x, out, r0, r1),
-            QType::Q4_1 => rows_bcast::<Q41>(w, x, out, r0, r1),
-            QType::Q4_K => rows_bcast::<Q4K>(w, x, out, r0, r1),
-            QType::Q6_K => rows_bcast::<Q6K>(w, x, out, r0, r1),
-        };
+        return with_fmt!(w.qtype, F => rows_bcast::<F>(w, x, out, r0, r1));
     }
-    match w.qtype {
-        QType::Q8_0 => rows::<Q80>(w, x, out, r0, r1),
-        QType::Q4_0 => rows::<Q40>(w, x, out, r0, r1),
-        QType::Q4_1 => rows::<Q41>(w, x, out, r0, r1),
-        QType::Q4_K => rows::<Q4K>(w, x, out, r0, r1),
-        QType::Q6_K => rows::<Q6K>(w, x, out, r0, r1),
-    }
+    with_fmt!(w.qtype, F => rows::<F>(w, x, out, r0, r1))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -1001,11 +1124,5 @@ unsafe fn dequant<F: Fmt>(row: &[u8], out: *mut f32) {
 /// # Safety
 /// `out` has room for the row; the CPU has AVX2, FMA and F16C.
 pub(crate) unsafe fn dequant_row(q: QType, row: &[u8], out: *mut f32) {
-    match q {
-        QType::Q8_0 => dequant::<Q80>(row, out),
-        QType::Q4_0 => dequant::<Q40>(row, out),
-        QType::Q4_1 => dequant::<Q41>(row, out),
-        QType::Q4_K => dequant::<Q4K>(row, out),
-        QType::Q6_K => dequant::<Q6K>(row, out),
-    }
+    with_fmt!(q, F => dequant::<F>(row, out))
 }

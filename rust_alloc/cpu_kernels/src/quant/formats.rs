@@ -12,6 +12,12 @@
 //! - Q6_K, 210 B / 256: 128 B `ql` (low 4 bits), 64 B `qh` (high 2 bits), 16 × i8 scales (one
 //!   per 16 weights), `d`. Half `h` (128 weights) uses `ql[64h..]`, `qh[32h..]`; its group `j`
 //!   takes `ql[64h + 32(j%2) + i] >> 4(j/2)` and `qh[32h + i] >> 2j`.  w = (d·sc)·(q − 32)
+//! - Q5_0, 22 B / 32: `d`, 4 B high bits (bit `i` for weight `i`), 16 B nibbles as Q4_0.
+//!   w = d·(q − 16)
+//! - Q5_1, 24 B / 32: `d`, `m`, 4 B high bits, 16 B nibbles.            w = d·q + m
+//! - Q5_K, 176 B / 256: `d`, `dmin`, 12 B (scale, min) as Q4_K, 32 B high bits (bit `g` of byte
+//!   `i` for weight `i` of group `g`), 128 B nibbles as Q4_K.           w = (d·sc)·q − dmin·mn
+//! - F16 / BF16, 2 B a weight, read in blocks of 32.
 
 use super::QType;
 
@@ -50,6 +56,12 @@ pub(crate) fn q4k_scale_min(s: &[u8], j: usize) -> (u8, u8) {
         ((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
     }
 }
+
+#[inline]
+pub(crate) fn bf16_to_f32(h: u16) -> f32 { f32::from_bits((h as u32) << 16) }
+
+#[inline]
+fn u32le(b: &[u8], at: usize) -> u32 { u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]) }
 
 /// Groups of 32 weights per block.
 pub(crate) const fn groups(q: QType) -> usize { q.block_weights() / 32 }
@@ -101,6 +113,45 @@ pub(crate) fn group(q: QType, blk: &[u8], g: usize, w: &mut [f32; 32]) {
                 let code = ((ql[i] >> sl) & 15) | (((qh[i] >> sh) & 3) << 4);
                 let sc = blk[192 + 2 * g + i / 16] as i8;
                 w[i] = (d * sc as f32) * (code as i32 - 32) as f32;
+            }
+        }
+        QType::Q5_0 | QType::Q5_1 => {
+            let q51 = q == QType::Q5_1;
+            let (d, m) = (half(blk, 0), if q51 { half(blk, 2) } else { 0.0 });
+            let at = if q51 { 4 } else { 2 };
+            let qh = u32le(blk, at);
+            for i in 0..16 {
+                let b = blk[at + 4 + i];
+                let lo = ((b & 15) as u32 | ((qh >> i) & 1) << 4) as i32;
+                let hi = ((b >> 4) as u32 | ((qh >> (i + 16)) & 1) << 4) as i32;
+                if q51 {
+                    w[i] = d * lo as f32 + m;
+                    w[i + 16] = d * hi as f32 + m;
+                } else {
+                    w[i] = d * (lo - 16) as f32;
+                    w[i + 16] = d * (hi - 16) as f32;
+                }
+            }
+        }
+        QType::Q5_K => {
+            let (sc, mn) = q4k_scale_min(&blk[4..16], g);
+            let d = half(blk, 0) * sc as f32;
+            let dm = half(blk, 2) * mn as f32;
+            let qs = &blk[48 + 32 * (g / 2)..48 + 32 * (g / 2) + 32];
+            let shift = 4 * (g % 2);
+            for i in 0..32 {
+                let code = ((qs[i] >> shift) & 15) | (((blk[16 + i] >> g) & 1) << 4);
+                w[i] = d * code as f32 - dm;
+            }
+        }
+        QType::F16 => {
+            for i in 0..32 {
+                w[i] = half(blk, 2 * i);
+            }
+        }
+        QType::BF16 => {
+            for i in 0..32 {
+                w[i] = bf16_to_f32(u16::from_le_bytes([blk[2 * i], blk[2 * i + 1]]));
             }
         }
     }
@@ -174,6 +225,49 @@ pub fn dequantize_ref(q: QType, row: &[u8]) -> Vec<f32> {
                         y[out + 32 + l] = d * s2 as f32 * (qs[l] >> 4) as f32 - dmin * m2 as f32;
                     }
                     out += 64;
+                }
+            }
+            QType::Q5_0 | QType::Q5_1 => {
+                let q51 = q == QType::Q5_1;
+                let at = if q51 { 4 } else { 2 };
+                let qh = u32le(blk, at);
+                for j in 0..16 {
+                    let x0 = ((blk[at + 4 + j] & 0x0f) as u32 | ((qh >> j) << 4) & 0x10) as i32;
+                    let x1 = ((blk[at + 4 + j] >> 4) as u32 | (qh >> (j + 12)) & 0x10) as i32;
+                    if q51 {
+                        y[j] = half(blk, 0) * x0 as f32 + half(blk, 2);
+                        y[j + 16] = half(blk, 0) * x1 as f32 + half(blk, 2);
+                    } else {
+                        y[j] = half(blk, 0) * (x0 - 16) as f32;
+                        y[j + 16] = half(blk, 0) * (x1 - 16) as f32;
+                    }
+                }
+            }
+            QType::Q5_K => {
+                let (d, dmin) = (half(blk, 0), half(blk, 2));
+                let (qh, mut u1, mut u2) = (&blk[16..48], 1u8, 2u8);
+                for c in 0..4 {
+                    let ql = &blk[48 + 32 * c..48 + 32 * c + 32];
+                    let (s1, m1) = q4k_scale_min(&blk[4..16], 2 * c);
+                    let (s2, m2) = q4k_scale_min(&blk[4..16], 2 * c + 1);
+                    for l in 0..32 {
+                        let a = (ql[l] & 15) + if qh[l] & u1 != 0 { 16 } else { 0 };
+                        let b = (ql[l] >> 4) + if qh[l] & u2 != 0 { 16 } else { 0 };
+                        y[64 * c + l] = d * s1 as f32 * a as f32 - dmin * m1 as f32;
+                        y[64 * c + 32 + l] = d * s2 as f32 * b as f32 - dmin * m2 as f32;
+                    }
+                    u1 <<= 2;
+                    u2 <<= 2;
+                }
+            }
+            QType::F16 => {
+                for j in 0..32 {
+                    y[j] = half(blk, 2 * j);
+                }
+            }
+            QType::BF16 => {
+                for j in 0..32 {
+                    y[j] = bf16_to_f32(u16::from_le_bytes([blk[2 * j], blk[2 * j + 1]]));
                 }
             }
             QType::Q6_K => {

@@ -30,19 +30,28 @@ use crate::threads as pool;
 
 use std::fmt;
 
-/// The GGML block formats these kernels read; the discriminant is GGML's type id.
+/// The GGML block formats these kernels read; the discriminant is GGML's type id. F16 and
+/// BF16 (one weight per GGML "block") are read here in blocks of 32.
 #[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum QType {
+    F16 = 1,
     Q4_0 = 2,
     Q4_1 = 3,
+    Q5_0 = 6,
+    Q5_1 = 7,
     Q8_0 = 8,
     Q4_K = 12,
+    Q5_K = 13,
     Q6_K = 14,
+    BF16 = 30,
 }
 
 impl QType {
-    pub const ALL: [QType; 5] = [QType::Q4_0, QType::Q4_1, QType::Q8_0, QType::Q4_K, QType::Q6_K];
+    pub const ALL: [QType; 10] = [
+        QType::F16, QType::Q4_0, QType::Q4_1, QType::Q5_0, QType::Q5_1, QType::Q8_0, QType::Q4_K, QType::Q5_K,
+        QType::Q6_K, QType::BF16,
+    ];
 
     pub fn from_ggml(id: u32) -> Option<QType> {
         QType::ALL.into_iter().find(|q| *q as u32 == id)
@@ -51,18 +60,22 @@ impl QType {
     /// Weights per block.
     pub const fn block_weights(self) -> usize {
         match self {
-            QType::Q4_0 | QType::Q4_1 | QType::Q8_0 => 32,
-            QType::Q4_K | QType::Q6_K => 256,
+            QType::F16 | QType::BF16 | QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1 | QType::Q8_0 => 32,
+            QType::Q4_K | QType::Q5_K | QType::Q6_K => 256,
         }
     }
 
     /// Bytes per block.
     pub const fn block_bytes(self) -> usize {
         match self {
+            QType::F16 | QType::BF16 => 64,
             QType::Q4_0 => 18,
             QType::Q4_1 => 20,
+            QType::Q5_0 => 22,
+            QType::Q5_1 => 24,
             QType::Q8_0 => 34,
             QType::Q4_K => 144,
+            QType::Q5_K => 176,
             QType::Q6_K => 210,
         }
     }
@@ -76,11 +89,16 @@ impl QType {
 
     pub fn name(self) -> &'static str {
         match self {
+            QType::F16 => "F16",
             QType::Q4_0 => "Q4_0",
             QType::Q4_1 => "Q4_1",
+            QType::Q5_0 => "Q5_0",
+            QType::Q5_1 => "Q5_1",
             QType::Q8_0 => "Q8_0",
             QType::Q4_K => "Q4_K",
+            QType::Q5_K => "Q5_K",
             QType::Q6_K => "Q6_K",
+            QType::BF16 => "BF16",
         }
     }
 

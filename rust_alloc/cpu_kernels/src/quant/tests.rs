@@ -28,13 +28,21 @@ fn random_rows(q: QType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
     let mut v: Vec<u8> = (0..rows * rb).map(|_| rng.next() as u8).collect();
     for blk in v.chunks_exact_mut(q.block_bytes()) {
         let at: &[usize] = match q {
-            QType::Q8_0 | QType::Q4_0 => &[0],
-            QType::Q4_1 | QType::Q4_K => &[0, 2],
+            QType::Q8_0 | QType::Q4_0 | QType::Q5_0 => &[0],
+            QType::Q4_1 | QType::Q4_K | QType::Q5_1 | QType::Q5_K => &[0, 2],
             QType::Q6_K => &[208],
+            // every weight a sane half (F16) or bfloat16 (its top half: the same kind of bits)
+            QType::F16 | QType::BF16 => &[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40,
+                                         42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62],
         };
         for &a in at {
             let s = rng.scale();
-            blk[a..a + 2].copy_from_slice(&s);
+            if q == QType::BF16 {   // a bfloat16 of about the same size: f32 bits of the half, top 16
+                let x = f16_to_f32(u16::from_le_bytes(s));
+                blk[a..a + 2].copy_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes());
+            } else {
+                blk[a..a + 2].copy_from_slice(&s);
+            }
         }
     }
     v
@@ -79,7 +87,9 @@ unsafe fn hw_f16(h: u16) -> f32 {
 
 #[test]
 fn layouts() {
-    for (q, w, b) in [(QType::Q4_0, 32, 18), (QType::Q4_1, 32, 20), (QType::Q8_0, 32, 34), (QType::Q4_K, 256, 144), (QType::Q6_K, 256, 210)] {
+    for (q, w, b) in [(QType::Q4_0, 32, 18), (QType::Q4_1, 32, 20), (QType::Q8_0, 32, 34), (QType::Q4_K, 256, 144),
+                      (QType::Q6_K, 256, 210), (QType::Q5_0, 32, 22), (QType::Q5_1, 32, 24), (QType::Q5_K, 256, 176),
+                      (QType::F16, 32, 64), (QType::BF16, 32, 64)] {
         assert_eq!((q.block_weights(), q.block_bytes()), (w, b));
         assert_eq!(QType::from_ggml(q as u32), Some(q));
     }

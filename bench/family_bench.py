@@ -1,0 +1,203 @@
+"""1-8 B speed: a synthetic GGUF of Llama-3.2-1B's shape (16 layers, hidden 2048, FFN 8192,
+32/8 heads, the embedded model's 49,152-token vocabulary, random blocks) in a Q4_K_M mix
+(Q4_K; Q6_K for attn_v, ffn_down and the tied embeddings) and in Q8_0, against llama.cpp
+(llama-cpp-python) on the same file, in the same run.
+
+    python bench/family_bench.py [--json] [--files q4_k_m,q8_0] [--new-tokens 64] [--reps 2]
+
+The files are written once and cached outside the repository (`--cache-dir`, default
+~/.cache/edgepaged/bench). For each file the last JSON line holds:
+
+    tok_s_b1           one stream: (new_tokens - 1) / decode seconds (best of --reps)
+    tok_s_b32          32 streams at once: 32 * (new_tokens - 1) / decode seconds
+    prefill_tok_s      a 512-token prompt: 512 / its prefill seconds
+    roofline_frac_b32  2 * params * tok_s_b32 / (fp32 GEMM FLOP/s at 2048^3, this run, best)
+    weights_rss_mb     resident memory the weights add to a fresh process (MiB)
+    file_mb            the file (MiB)
+    isa                the kernels' instruction set (quant.info()["isa"]), with the CPU's flags
+    llama_cpp_tok_s_b1, llama_cpp_prefill_tok_s   the same figures from llama.cpp, or null
+                       with `llama_cpp_note` saying why (not installed: it builds from
+                       source, about 15 minutes: pip install llama-cpp-python)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgepaged.model import ModelRunner, default_model_path
+from edgepaged.testing.decode import make_allocator, run_batch
+from edgepaged.testing.gguf_models import Q4_K_M, write_random_gguf
+
+SHAPE = dict(hidden=2048, layers=16, heads=32, kv_heads=8, inter=8192, context=4096)
+MIXES = {"q4_k_m": Q4_K_M, "q8_0": {k: 8 for k in Q4_K_M}}
+PREFILL = 512
+
+
+def cpu_flags() -> dict:
+    """The CPU's model name and the SIMD features that matter here."""
+    name, flags = platform.processor(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and not name:
+                name = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
+              "amx_int8", "amx_bf16")
+    return {"cpu": name, "flags": [f for f in wanted if f in flags]}
+
+
+def synthetic(mix: str, cache_dir: Path) -> Path:
+    path = cache_dir / f"llama1b-{mix}.gguf"
+    if not path.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        print(f"writing {path} (once)", flush=True)
+        tmp = path.with_suffix(".tmp")
+        write_random_gguf(tmp, **SHAPE, qtypes=MIXES[mix], seed=1, tied=True, tokenizer_from=default_model_path())
+        tmp.rename(path)
+    return path
+
+
+def gemm_gflops(reps: int = 5) -> float:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    best = 0.0
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * 2048 ** 3 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+RSS_PROBE = r"""
+import gc, json, sys
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+import torch
+from edgepaged.model import ModelRunner
+from edgepaged.model.quant import weight_bytes
+ModelRunner(num_blocks=4)          # torch's and the loader's own code paged in first
+gc.collect()
+before = rss()
+r = ModelRunner(sys.argv[1], num_blocks=4)
+gc.collect()
+print(json.dumps({"rss": rss() - before, **weight_bytes(r.model)}))
+"""
+
+
+def weights_rss(path: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", RSS_PROBE, str(path)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def prompts(vocab: int, n: int, length: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(300, vocab - 300, length).astype(np.int64) for _ in range(n)]
+
+
+def ours(path: Path, new_tokens: int, reps: int) -> dict:
+    runner = ModelRunner(path, num_blocks=(32 * (32 + new_tokens) + PREFILL) // 16 + 64)
+    alloc = make_allocator(runner)
+    vocab = runner.config.vocab_size
+    run_batch(runner, alloc, prompts(vocab, 2, 8, 9), 4, seq_base=1_000_000)   # warm-up
+    res = {"tok_s_b1": 0.0, "tok_s_b32": 0.0, "prefill_tok_s": 0.0, "params": runner.config.num_params,
+           "forward": runner.forward.name, "kv_dtype": runner.kv_dtype_name}
+    for r in range(reps):
+        base = 10_000 * (r + 1)
+        _, _, td = run_batch(runner, alloc, prompts(vocab, 1, 32, r), new_tokens, seq_base=base)
+        res["tok_s_b1"] = max(res["tok_s_b1"], (new_tokens - 1) / td)
+        _, tp, _ = run_batch(runner, alloc, prompts(vocab, 1, PREFILL, 50 + r), 1, seq_base=base + 100)
+        res["prefill_tok_s"] = max(res["prefill_tok_s"], PREFILL / tp)
+        _, _, td = run_batch(runner, alloc, prompts(vocab, 32, 32, 100 + r), new_tokens, seq_base=base + 200)
+        res["tok_s_b32"] = max(res["tok_s_b32"], 32 * (new_tokens - 1) / td)
+        print(f"  run {r + 1}: b1 {res['tok_s_b1']:.1f} tok/s, prefill {res['prefill_tok_s']:.1f} tok/s, "
+              f"b32 {res['tok_s_b32']:.1f} tok/s (best so far)", flush=True)
+    return res
+
+
+def llama_cpp(path: Path, new_tokens: int, reps: int, vocab: int) -> dict:
+    try:
+        import llama_cpp
+    except ImportError:
+        return {"llama_cpp_tok_s_b1": None, "llama_cpp_prefill_tok_s": None,
+                "llama_cpp_note": "llama-cpp-python is not installed (pip install llama-cpp-python: it builds from "
+                                  "source, about 15 minutes on 2 cores)"}
+    threads = int(os.environ.get("EDGEPAGED_NUM_THREADS") or os.cpu_count())
+    llm = llama_cpp.Llama(str(path), n_ctx=PREFILL + new_tokens + 64, n_batch=PREFILL, n_ubatch=PREFILL,
+                          n_threads=threads, n_threads_batch=threads, verbose=False)
+    res = {"llama_cpp_tok_s_b1": 0.0, "llama_cpp_prefill_tok_s": 0.0,
+           "llama_cpp_note": f"llama-cpp-python {llama_cpp.__version__}, {threads} threads"}
+    for r in range(reps + 1):                 # the first round warms up
+        llm.reset()
+        long = prompts(vocab, 1, PREFILL, 50 + r)[0].tolist()
+        t = time.perf_counter()
+        llm.eval(long)
+        tp = time.perf_counter() - t
+        llm.reset()
+        llm.eval(prompts(vocab, 1, 32, r)[0].tolist())
+        t = time.perf_counter()
+        for i in range(new_tokens - 1):       # one token at a time, as a stream decodes
+            llm.eval([int(long[i])])          # (which token does not change the work)
+        td = time.perf_counter() - t
+        if r:
+            res["llama_cpp_prefill_tok_s"] = max(res["llama_cpp_prefill_tok_s"], PREFILL / tp)
+            res["llama_cpp_tok_s_b1"] = max(res["llama_cpp_tok_s_b1"], (new_tokens - 1) / td)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="last line: one JSON object")
+    ap.add_argument("--files", default="q4_k_m,q8_0")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2, help="runs of each figure; the best counts")
+    ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "edgepaged" / "bench")
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    args = ap.parse_args()
+    from edgepaged._native import quant
+    machine = cpu_flags()
+    out = {"machine": machine, "threads": quant.info()["threads"]}
+    gflops = gemm_gflops()
+    for mix in args.files.split(","):
+        path = synthetic(mix, args.cache_dir)
+        print(f"{mix}: {path.name}, {path.stat().st_size / 2**20:.0f} MiB", flush=True)
+        res = {"file_mb": round(path.stat().st_size / 2**20, 1), "isa": quant.info()["isa"]}
+        w = weights_rss(path)
+        res["weights_rss_mb"] = round(w["rss"] / 2**20, 1)
+        res["weights_rss_frac"] = round(res["weights_rss_mb"] / res["file_mb"], 3)
+        res.update(ours(path, args.new_tokens, args.reps))
+        gflops = max(gflops, gemm_gflops())
+        res["roofline_frac_b32"] = round(2 * res["params"] * res["tok_s_b32"] / (gflops * 1e9), 3)
+        if args.no_llama_cpp:
+            res.update(llama_cpp_tok_s_b1=None, llama_cpp_prefill_tok_s=None, llama_cpp_note="--no-llama-cpp")
+        else:
+            res.update(llama_cpp(path, args.new_tokens, args.reps, 49152))
+        for k in ("tok_s_b1", "prefill_tok_s"):
+            theirs = res.get(f"llama_cpp_{k}")
+            res[f"{k}_vs_llama_cpp"] = round(res[k] / theirs, 3) if theirs else None
+        res = {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}
+        out[mix] = res
+        print(f"  {mix}: b1 {res['tok_s_b1']} tok/s (llama.cpp {res['llama_cpp_tok_s_b1']}), prefill "
+              f"{res['prefill_tok_s']} (llama.cpp {res['llama_cpp_prefill_tok_s']}), b32 {res['tok_s_b32']}, "
+              f"roofline_frac_b32 {res['roofline_frac_b32']}, weights {res['weights_rss_mb']} MiB / file "
+              f"{res['file_mb']} MiB, {res['isa']}", flush=True)
+    out["gemm_gflops"] = round(gflops, 1)
+    if args.json:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
