@@ -134,7 +134,8 @@ def main() -> None:
     runner = ModelRunner(num_blocks=args.kv_tokens // 16, block_size=16)
     tok = runner.tokenizer
     print(f"model {runner.model_path.name} loaded in {time.monotonic() - t:.1f} s; KV pool {runner.num_blocks} "
-          f"blocks x 16 = {runner.num_blocks * 16} tokens; context {runner.max_model_len}")
+          f"blocks x 16 = {runner.num_blocks * 16} tokens ({runner.kv_dtype_name}); context {runner.max_model_len}; "
+          f"{runner.products} products")
     cfg = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
     items = poisson(mix(tok, args.requests, args.seed, args.scale, context=runner.max_model_len,
                         caps=parse_caps(args.caps)), args.rate,
@@ -160,7 +161,8 @@ def main() -> None:
         for m in out.values():
             m.pop("trace")
         out.update(max_active_ratio=round(ratio, 2), requests=args.requests, scale=args.scale, rate=args.rate,
-                   kv_tokens=args.kv_tokens, caps=args.caps or "default", machine=f"{platform.machine()} {os.cpu_count()} cpus")
+                   kv_tokens=args.kv_tokens, caps=args.caps or "default", machine=f"{platform.machine()} {os.cpu_count()} cpus",
+                   products=runner.products, kv_dtype=runner.kv_dtype_name)
         print(json.dumps(out))
 
 

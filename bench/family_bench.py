@@ -14,7 +14,9 @@ The files are written once and cached outside the repository (`--cache-dir`, def
     roofline_frac_b32  2 * params * tok_s_b32 / (fp32 GEMM FLOP/s at 2048^3, this run, best)
     weights_rss_mb     resident memory the weights add to a fresh process (MiB)
     file_mb            the file (MiB)
-    isa                the kernels' instruction set (quant.info()["isa"]), with the CPU's flags
+    isa                the instruction set the products ran on ("avx512-vnni", "avx2", "scalar";
+                       `machine` lists the CPU's flags); `math`: "int8" or "exact" (the
+                       server's default for the file, EDGEPAGED_QUANT_MATH to choose)
     llama_cpp_tok_s_b1, llama_cpp_prefill_tok_s   the same figures from llama.cpp, or null
                        with `llama_cpp_note` saying why (not installed: it builds from
                        source, about 15 minutes: pip install llama-cpp-python)
@@ -114,7 +116,8 @@ def ours(path: Path, new_tokens: int, reps: int) -> dict:
     vocab = runner.config.vocab_size
     run_batch(runner, alloc, prompts(vocab, 2, 8, 9), 4, seq_base=1_000_000)   # warm-up
     res = {"tok_s_b1": 0.0, "tok_s_b32": 0.0, "prefill_tok_s": 0.0, "params": runner.config.num_params,
-           "forward": runner.forward.name, "kv_dtype": runner.kv_dtype_name}
+           "forward": runner.forward.name, "kv_dtype": runner.kv_dtype_name, "math": runner.quant_math,
+           "isa": runner.products.split("(")[-1].rstrip(")")}
     for r in range(reps):
         base = 10_000 * (r + 1)
         _, _, td = run_batch(runner, alloc, prompts(vocab, 1, 32, r), new_tokens, seq_base=base)
@@ -174,7 +177,7 @@ def main() -> None:
     for mix in args.files.split(","):
         path = synthetic(mix, args.cache_dir)
         print(f"{mix}: {path.name}, {path.stat().st_size / 2**20:.0f} MiB", flush=True)
-        res = {"file_mb": round(path.stat().st_size / 2**20, 1), "isa": quant.info()["isa"]}
+        res = {"file_mb": round(path.stat().st_size / 2**20, 1)}
         w = weights_rss(path)
         res["weights_rss_mb"] = round(w["rss"] / 2**20, 1)
         res["weights_rss_frac"] = round(res["weights_rss_mb"] / res["file_mb"], 3)

@@ -19,6 +19,13 @@ protocol, paging against contiguous reservation and against other runtimes, with
 
 With --json the last line is one JSON object: paged, contiguous, hf (tok_s, max_active,
 ttft_p50/p90/p99_s, ...), llama_cpp, simulation. Plots (PNG) go to --out.
+
+    python bench/household.py --model FILE [--requests 16] [--rate R] [--json]
+
+points the same arrival driver at `edgepaged serve --model FILE` (a 1-8 B GGUF, say): the
+16 requests of the household mix all at once (Poisson at R/s with --rate), the end-to-end
+part only, paged: the banner, the figures above for `paged`, and
+`blocks_back` (the server's KV blocks held by requests once every client is done: 0).
 """
 from __future__ import annotations
 
@@ -62,11 +69,12 @@ def free_port() -> int:
 
 # ------------------------------------------------------------------------------ end to end
 class Serve:
-    def __init__(self, kv_bytes: int, contiguous: bool, max_batched: int):
+    def __init__(self, kv_bytes: int, contiguous: bool, max_batched: int, model: Path | None = None):
         self.port = free_port()
         cmd = [sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--no-mdns", "--no-http", "--kv-memory", str(kv_bytes), "--max-batched-tokens", str(max_batched),
-               "--max-connections", "512", "--grace", "1"] + (["--contiguous"] if contiguous else [])
+               "--max-connections", "512", "--grace", "1"] + (["--contiguous"] if contiguous else []) + (
+               ["--model", str(model)] if model else [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.banner = None
@@ -395,6 +403,53 @@ def plots(out: Path, paged: dict, contiguous: dict, hf: dict, sim: dict) -> list
     return files
 
 
+async def settled_stats(addr: str, timeout_s: float = 30.0) -> dict:
+    """The server's stats once no request runs or waits (clients that cancelled have been
+    cleaned up), or after `timeout_s`."""
+    async with open_client(addr, name="bench-observer") as c:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = await c.stats()
+            if (s["num_requests_running"] == 0 and s["num_requests_waiting"] == 0) or time.monotonic() > deadline:
+                return s
+            await trio.sleep(0.2)
+
+
+def serve_model(args) -> None:
+    """--model: the household driver against `edgepaged serve --model FILE`, paged only."""
+    from edgepaged.model.loader import ModelFiles
+    from edgepaged.model.tokenizer import Tokenizer
+    files = ModelFiles(args.model)
+    tok, context = Tokenizer.load(files.path, reader=files.reader), files.config.context_length
+    reqs = mix(tok, args.requests, args.seed, args.scale, context=context, answer_scale=args.answer_scale,
+               caps=parse_caps(args.caps))
+    items = poisson(reqs, args.rate, args.seed) if args.rate else burst(reqs, seed=args.seed)
+    del files
+    print(f"{len(items)} requests (scale {args.scale}, answers x{args.answer_scale}, "
+          f"{f'Poisson {args.rate}/s' if args.rate else 'all at once'}) to {Path(args.model).name}", flush=True)
+    t = time.monotonic()
+    srv = Serve(args.kv_memory, False, 512, model=Path(args.model))
+    print(srv.banner, flush=True)
+    print(f"server up in {time.monotonic() - t:.1f} s", flush=True)
+    try:
+        res = trio.run(run_e2e, srv.addr, items)
+        final = trio.run(settled_stats, srv.addr)
+    finally:
+        srv.stop()
+    res["blocks_back"] = final["kv_blocks_used"] == 0
+    res["kv_blocks_used_at_end"] = final["kv_blocks_used"]
+    res["kv_dtype"] = final.get("kv_dtype")
+    print(f"paged: {res['tok_s']} tok/s, {res['completed']} of {res['requests']} completed, {res['failed']} failed, "
+          f"max active {res['max_active']}, TTFT p50 {res['ttft_p50_s']} s p99 {res['ttft_p99_s']} s, "
+          f"KV blocks held at the end {final['kv_blocks_used']}", flush=True)
+    if args.json:
+        for k in ("samples", "ttfts_by_class"):
+            res.pop(k)
+        print(json.dumps({"model": Path(args.model).name, "banner": srv.banner, "paged": res,
+                          "workload": dict(requests=args.requests, scale=args.scale, answer_scale=args.answer_scale,
+                                           rate=args.rate, kv_memory=args.kv_memory)}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="about 4 minutes on a 2-core CPU")
@@ -410,7 +465,13 @@ def main() -> None:
                     "'home=64,agent=512' (sensitivity runs; the default is workloads.CLASSES)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "household"))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", default=None, help="a GGUF file: only the end-to-end run against it (see above)")
+    ap.add_argument("--kv-memory", type=int, default=512 << 20, help="--model: the server's KV budget in bytes")
     args = ap.parse_args()
+    if args.model:
+        if "--requests" not in sys.argv:
+            args.requests = 16
+        return serve_model(args)
     if args.quick:
         # 4 arrivals/s: more than the box serves on this mix, so requests pile up and the KV scheme
         # decides how many run at once (at 2/s paging now keeps up and holds what is present:

@@ -160,6 +160,7 @@ def main():
     alloc = make_allocator(runner)
     res = {"model": runner.model_path.name, "quantized": getattr(runner, "quantized", False),
            "params": runner.config.num_params, "threads": torch.get_num_threads(),
+           "products": getattr(runner, "products", None), "kv_dtype": getattr(runner, "kv_dtype_name", None),
            "new_tokens": args.new_tokens, "load_s": round(load_s, 2),
            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
     run_batch(runner, alloc, prompts[:2], 4, seq_base=90_000)  # warm-up

@@ -209,7 +209,7 @@ def main():
     path = default_model_path()
     info = quant.info()
     res = {"model": path.name, "gguf_mb": round(path.stat().st_size / 2**20, 1),
-           "threads": torch.get_num_threads(), "kernel": info["isa"], "kernel_threads": info["threads"], "new_tokens": args.new_tokens,
+           "threads": torch.get_num_threads(), "kernel": info["isa"], "int8_kernel": info["int8_isa"], "kernel_threads": info["threads"], "new_tokens": args.new_tokens,
            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "cpu_idle_at_start": round(cpu_idle(), 2)}
     q = weights_rss(True)

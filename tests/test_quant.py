@@ -9,6 +9,7 @@ import torch
 
 from edgepaged._native import quant as kernels
 from edgepaged.model import ModelRunner
+from edgepaged.model.settings import CpuConfig
 from edgepaged.model.quant import BLOCK, FORMATS, QuantEmbedding, QuantLinear, QuantWeight, weight_bytes
 from edgepaged.testing.gguf_models import random_blocks, write_random_gguf
 
@@ -157,6 +158,60 @@ def test_interleaved_weights_give_the_same_products_lookups_and_dense_path():
         kernels.matmul(wx.data, wx.kind, np.ones((1, cols), np.float32), np.zeros((1, 30), np.float32))
 
 
+REPACKABLE = [q for q in QTYPES if q in kernels.info()["repackable"]]
+
+
+def int8_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The most the integer product may differ from the exact one, per [token, row]: each
+    activation rounds to its block's grid (step max|x| / 127 per 32), so by at most half a
+    step; plus fp32 rounding (1e-5 of the sum of |w x|)."""
+    step = np.abs(x.reshape(len(x), -1, 32)).max(axis=2, keepdims=True) / 127
+    half_step = np.broadcast_to(step / 2, (len(x), x.shape[1] // 32, 32)).reshape(x.shape)
+    return (half_step.astype(np.float64) @ np.abs(w).T.astype(np.float64)) * (1 + 1e-6) + \
+        1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64))
+
+
+@pytest.mark.parametrize("qtype", REPACKABLE, ids=[FORMATS[q] for q in REPACKABLE])
+def test_repacked_weights_int8_products_within_their_bound_exact_lookups(qtype):
+    """Weights repacked for the integer kernels (as the loader leaves K-quants and the 5-bit
+    formats): products for 1..40 tokens within `int8_bound` of gguf's dequantize + fp32
+    matmul, the portable path equal to the bit, dequantize and lookups bit-for-bit gguf's;
+    a ragged row count is padded and never written past."""
+    rng = np.random.default_rng(qtype + 100)
+    bw = BLOCK[qtype][0]
+    n, cols = 37, 2 * max(bw, 64)
+    w = QuantWeight(qtype, random_blocks(qtype, n, cols, rng), n, cols)
+    dense = gguf_dequant(w.data, qtype)
+    r = QuantWeight(qtype, w.data.copy(), n, cols)
+    assert r.repack() and r.layout == "r16" and r.kind == qtype | kernels.info()["r16_flag"]
+    assert r.nbytes <= 1.03 * w.nbytes + 16 * w.data.shape[1]     # the file's bytes (K-quants: 2-3% more)
+    assert np.array_equal(r.dequantize().view(np.uint32), dense.view(np.uint32))
+    ids = np.array([n - 1, 0, 17, n - 1])
+    got = np.empty((4, cols), np.float32)
+    kernels.gather_rows(r.data, r.kind, ids, got)
+    assert np.array_equal(got, dense[ids])
+    for t in (1, 3, 8, 13, 40):
+        x = rng.standard_normal((t, cols)).astype(np.float32)
+        out = np.full((t, n + 3), np.nan, np.float32)
+        kernels.matmul(r.data, r.kind, x, out, rows=n)
+        assert np.isnan(out[:, n:]).all()
+        exact = x.astype(np.float64) @ dense.T.astype(np.float64)
+        assert (np.abs(out[:, :n] - exact) <= int8_bound(dense, x)).all(), t
+        portable = np.full_like(out, np.nan)
+        kernels.matmul(r.data, r.kind, x, portable, rows=n, scalar=True)
+        assert np.array_equal(out.view(np.uint32), portable.view(np.uint32)), t
+        lin = QuantLinear([r, w], dense_min_tokens=24)     # from 24 tokens the exact segment decodes + GEMMs,
+        y = lin(torch.from_numpy(x)).numpy()               # the repacked one stays on the integer kernels
+        assert np.array_equal(y[:, :n], out[:, :n])
+        assert rel_err(torch.from_numpy(y[:, n:]), torch.from_numpy(exact.astype(np.float32))) <= 1e-5
+    with pytest.raises(ValueError, match="repacked already"):
+        kernels.repack(r.data, r.kind, n)
+    with pytest.raises(ValueError, match="needs .* bytes|multiple of the block"):
+        kernels.matmul(r.data, r.kind, np.ones((1, cols - 32), np.float32), np.zeros((1, n), np.float32))
+    f16 = QuantWeight(1, random_blocks(1, 4, 64, rng), 4, 64)
+    assert not f16.repack() and f16.layout == "rows"          # F16 / BF16 stay as they are
+
+
 # ---------------------------------------------------------------- the embedded model
 
 @pytest.fixture(scope="module")
@@ -218,16 +273,28 @@ def test_kquant_model_quantized_matches_fp32(tmp_path):
     path = write_random_gguf(tmp_path / "kq.gguf", hidden=256, layers=2, heads=4, kv_heads=2, inter=512, tied=False,
                              qtypes=dict(token_embd=14, output=8, attn_q=12, attn_k=12, attn_v=14, attn_output=12,
                                          ffn_gate=12, ffn_up=14, ffn_down=12))
-    q = ModelRunner(path, num_blocks=8, kv_dtype="f32")
+    q = ModelRunner(path, num_blocks=8, kv_dtype="f32", settings=CpuConfig(quant_math="exact"))
     f = ModelRunner(path, num_blocks=8, quantized=False, kv_dtype="f32")
-    assert q.quantized
+    assert q.quantized and q.quant_math == "exact"
     qkv = q.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantLinear) and [s.qtype for s in qkv.segments] == [12, 14]
+    assert {s.layout for s in qkv.segments} == {"rows"}
     assert isinstance(q.model.embed_tokens, QuantEmbedding)
     ids = q.tokenizer.encode("hello paged world")
     got, ref = _logits(q, ids), _logits(f, ids)
     assert torch.isfinite(ref).all() and ref.abs().max() > 0.1
     assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    # auto: a model this small stays exact; int8 asked for: repacked, within its error
+    assert ModelRunner(path, num_blocks=8).quant_math == "exact"
+    if kernels.info()["int8_isa"] == "scalar":
+        return
+    i8 = ModelRunner(path, num_blocks=8, kv_dtype="f32", settings=CpuConfig(quant_math="int8"))
+    assert i8.quant_math == "int8" and i8.products.startswith("int8 (")
+    qkv = i8.model.layers[0].self_attn.qkv_proj
+    assert {s.layout for s in qkv.segments} == {"r16"}
+    err = (_logits(i8, ids) - ref).abs()
+    assert err.max().item() <= 0.05 * ref.abs().max().item()
+    assert err.mean().item() <= 0.01 * ref.abs().max().item()
 
 
 BILLION_PROBE = r"""
@@ -269,3 +336,16 @@ def test_billion_parameter_q4_model_answers_within_memory_budget(tmp_path):
     assert m["after"] - m["before"] <= 1.3 * size, m
     assert m["peak"] - m["before"] <= 1.5 * size, m
     path.unlink()
+
+
+def test_quant_math_setting_and_its_default_by_model_size():
+    from edgepaged.model.settings import INT8_MIN_PARAMS
+    assert CpuConfig.from_env({}).quant_math == "auto"
+    assert CpuConfig.from_env({"EDGEPAGED_QUANT_MATH": " INT8 "}).quant_math == "int8"
+    with pytest.raises(ValueError, match="EDGEPAGED_QUANT_MATH='fast'"):
+        CpuConfig.from_env({"EDGEPAGED_QUANT_MATH": "fast"})
+    auto = CpuConfig()
+    assert auto.math(INT8_MIN_PARAMS - 1) == "exact"
+    assert auto.math(INT8_MIN_PARAMS) == ("exact" if kernels.info()["int8_isa"] == "scalar" else "int8")
+    assert CpuConfig(quant_math="exact").math(8_000_000_000) == "exact"
+    assert CpuConfig(quant_math="int8").math(1) == "int8"

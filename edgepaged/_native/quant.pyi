@@ -2,8 +2,10 @@
 bound in rust_alloc/python/src/quant.rs).
 
 `weight`: the GGUF block bytes of a [N, K] matrix, C-contiguous uint8 (any shape); `qtype`:
-the GGML type id (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K), plus `info()["x8_flag"]` for
-weights from `interleave`. Activations and outputs are C-contiguous float32 arrays used in
+the GGML type id (1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K,
+30 BF16), plus `info()["x8_flag"]` for weights from `interleave`, or `info()["r16_flag"]`
+for weights from `repack` (their products quantize the activations to int8 per block of
+32 and use 8-bit dot products; dequantize and gather_rows stay exact). Activations and outputs are C-contiguous float32 arrays used in
 place (torch CPU tensors through `.numpy()`). The GIL is released while they run;
 `scalar=True` forces the portable path.
 """
@@ -17,18 +19,26 @@ F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
 
 class Formats(TypedDict, total=False):
+    F16: tuple[int, int, int]
     Q4_0: tuple[int, int, int]
     Q4_1: tuple[int, int, int]
+    Q5_0: tuple[int, int, int]
+    Q5_1: tuple[int, int, int]
     Q8_0: tuple[int, int, int]
     Q4_K: tuple[int, int, int]
+    Q5_K: tuple[int, int, int]
     Q6_K: tuple[int, int, int]
+    BF16: tuple[int, int, int]
 
 class Info(TypedDict):
-    isa: str            # "avx2" or "scalar"
+    isa: str            # the exact kernels' path: "avx2" or "scalar"
+    int8_isa: str       # the integer kernels' path: "avx512-vnni", "avx2" or "scalar"
     threads: int        # kernel threads, the caller included (EDGEPAGED_NUM_THREADS)
     formats: Formats    # name -> (ggml type id, weights per block, bytes per block)
     x8_flag: int        # added to a type id for interleaved weights
     interleavable: list[int]  # type ids that can be interleaved (Q4_0, Q4_1, Q8_0)
+    r16_flag: int       # added to a type id for repacked weights
+    repackable: list[int]     # type ids that can be repacked (every block format)
 
 def matmul(
     weight: U8, qtype: int, x: F32, out: F32, *, col: int = 0, rows: int | None = None, scalar: bool = False
@@ -45,4 +55,8 @@ def interleave(weight: U8, qtype: int, rows: int) -> U8:
     across the 8 rows): uint8 [ceil(rows / 8), 8 * row_bytes], the last group padded with
     zeros. A writable C-contiguous array whose rows are a multiple of 8 is rewritten in
     place (the result is a view of it)."""
+def repack(weight: U8, qtype: int, rows: int) -> U8:
+    """GGUF blocks [rows, row_bytes] repacked for the integer kernels in groups of 16 rows:
+    uint8 [ceil(rows / 16), bytes per 16 rows] (the file's bytes; K-quants 2-3% more), a new
+    array; rows past `rows` are zero."""
 def info() -> Info: ...

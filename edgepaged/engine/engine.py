@@ -27,6 +27,7 @@ import trio
 from .._native.blocks import BlockAllocator
 from ..model.tokenizer import IncrementalDetokenizer
 from .metrics import Metrics
+from ..memory import release_free_memory
 from .request import DoneEvent, Request, Status, TokenEvent
 from .scheduler import Batch, Scheduler, SchedulerConfig
 
@@ -45,23 +46,6 @@ class EngineConfig:
     long_prefill_tokens: int | None = None   # first cut of a prefill chunk (None: budget / 4; 0: off)
     trim_memory_when_idle: bool = True       # malloc_trim when the last request ends (glibc)
 
-
-def release_free_memory() -> None:
-    """Give the C heap's free pages back to the system (glibc's malloc_trim; a no-op
-    elsewhere). Model steps free megabytes of activations that glibc otherwise keeps."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        import ctypes
-        import ctypes.util
-        try:
-            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
 
 
 class EngineClosed(RuntimeError):

@@ -16,7 +16,8 @@ from torch import nn
 from .attention import AttentionMetadata
 from .layers import Linear, RMSNorm, Rotary
 from .loader import ModelConfig
-from .quant import QuantEmbedding, QuantLinear, QuantWeight, interleave_weights
+from ..memory import release_free_memory
+from .quant import QuantEmbedding, QuantLinear, QuantWeight, lay_out_weights
 
 # fused module -> the checkpoint's parts, in order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -86,13 +87,14 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------ weights
 
-    def load_weights(self, weights: Iterable[tuple[str, object]], *, interleave: bool = True,
+    def load_weights(self, weights: Iterable[tuple[str, object]], *, math: str = "exact", interleave: bool = True,
                      dense_min_tokens: int = 768) -> None:
         """The one placement routine: checkpoint weights (Hugging Face names; tensors or
         `QuantWeight`s) into the modules. Q/K/V and gate/up parts are fused into one linear
         each, built as soon as all its parts arrived: a `QuantLinear` when every part is
-        GGUF blocks, else a dense `Linear`. Quantized weights are interleaved at the end
-        (`interleave`)."""
+        GGUF blocks, else a dense `Linear`. At the end quantized weights take the layout of
+        their kernels (`math`: "int8" repacks them; "exact" interleaves Q4_0/Q4_1/Q8_0
+        unless `interleave` is off)."""
         cfg, dd = self.cfg, self.dd
         pending: dict[tuple[int, str], dict[str, object]] = {}
         head = None
@@ -152,8 +154,9 @@ class LlamaForCausalLM(nn.Module):
         if head is None or cfg.tie_word_embeddings:   # the LM head shares the embedding table
             head = self.embed_tokens.weight if isinstance(self.embed_tokens, QuantEmbedding) else self.embed_tokens
         self.lm_head = linear("lm_head", [head], None)
-        if interleave:
-            interleave_weights([self.embed_tokens, *self.modules()])
+        if math != "exact" or interleave:
+            lay_out_weights([self.embed_tokens, *self.modules()], math)
+            release_free_memory()     # the file-layout copies just freed: pages back to the system
 
     def _layer(self, i: int, name: str) -> DecoderLayer:
         if not 0 <= i < len(self.layers):

@@ -159,15 +159,16 @@ def _size(n: int) -> str:
 
 
 def open_gguf(path: Path):
-    """GGUFReader over `path`, or ModelFileError saying why not (a truncated download, a file
-    that only starts like GGUF): checked before any tensor is read."""
-    from gguf import GGUFReader
+    """A `GgufFile` over `path` (metadata and tensor table, the bytes mapped), or
+    ModelFileError saying why not (a truncated download, a file that only starts like
+    GGUF): checked before any tensor is read."""
+    from .gguf_file import GgufError, GgufFile
     size = path.stat().st_size
     try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # the reader parses with numpy: a short file fails anywhere inside it
-        raise ModelFileError(f"{path}: not a readable GGUF file ({size} bytes; the reader says: "
-                             f"{type(e).__name__}: {str(e)[:120]}); it may be truncated: download it again") from None
+        reader = GgufFile(path)
+    except GgufError as e:
+        raise ModelFileError(f"{path}: not a readable GGUF file ({size} bytes: {e}); it may be truncated: "
+                             f"download it again") from None
     need = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if need > size:
         raise ModelFileError(f"{path}: truncated: the file has {size} bytes ({_size(size)}) but its tensors need "
@@ -176,8 +177,11 @@ def open_gguf(path: Path):
 
 
 def gguf_field(reader, key, default=None):
+    """Metadata field `key` of a GGUF file (a `GgufFile`, or gguf-py's reader) as a python value."""
     f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    if f is None:
+        return default
+    return f.contents() if hasattr(f, "contents") else f
 
 
 def _gguf_config(reader) -> ModelConfig:

@@ -115,8 +115,10 @@ class ModelRunner:
         with torch.inference_mode():
             self.model = LlamaForCausalLM(cfg, device=self.device, dtype=self.dtype)
             progress = progress or terminal_progress(f"loading {files.path.name}")
+            self.quant_math = settings.math(cfg.num_params) if self.quantized else None
             self.model.load_weights(files.weights(self.dtype, self.device, progress, keep_quantized=self.quantized),
-                                    interleave=settings.quant_interleave, dense_min_tokens=settings.dense_min_tokens)
+                                    math=self.quant_math or "exact", interleave=settings.quant_interleave,
+                                    dense_min_tokens=settings.dense_min_tokens)
             self.model.pack()
         del files
         self.backend = make_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
@@ -136,6 +138,16 @@ class ModelRunner:
             self.model.rotary.build(max_positions=self.max_model_len, device=self.device, dtype=self.dtype)
         self.forward = forward.choose(self.model, self.backend, self.kv_cache, self.device, self.dtype, settings,
                                       self.quantized)
+
+    @property
+    def products(self) -> str:
+        """How the weights multiply, for banners: "int8 (avx512-vnni)", "exact (avx2)" (GGUF
+        blocks kept quantized), "fp32" (dense)."""
+        if not self.quantized:
+            return str(self.dtype).replace("torch.", "").replace("float", "fp")
+        from .._native import quant
+        info = quant.info()
+        return f"{self.quant_math} ({info['int8_isa'] if self.quant_math == 'int8' else info['isa']})"
 
     # ------------------------------------------------------------ KV cache
 

@@ -5,7 +5,8 @@
 | `EDGEPAGED_NUM_THREADS`           | CPUs    | threads of the kernels' pool and of torch (read by Rust too) |
 | `EDGEPAGED_SPIN_US`               | 200     | µs an idle kernel thread spins before it sleeps (Rust)       |
 | `EDGEPAGED_FUSED`                 | 1       | 0: the plain torch forward on CPU instead of the fused one   |
-| `EDGEPAGED_QUANT_INTERLEAVE`      | 1       | 0: keep GGUF's row order for Q4_0/Q4_1/Q8_0 weights          |
+| `EDGEPAGED_QUANT_MATH`            | auto    | `int8`: activations quantized per block of 32 and 8-bit dot products (llama.cpp's way); `exact`: fp32 activations, the weights decoded exactly; `auto`: int8 for models of 0.7 B parameters and more on a CPU with AVX2 or AVX-512 VNNI, exact otherwise (`serve --quant-math`) |
+| `EDGEPAGED_QUANT_INTERLEAVE`      | 1       | exact math: 0 keeps GGUF's row order for Q4_0/Q4_1/Q8_0      |
 | `EDGEPAGED_QUANT_DENSE_MIN_TOKENS`| 768     | token rows from which quantized products decode to fp32 + GEMM |
 | `EDGEPAGED_QUANT_TORCH_THREADS`   | 1       | 0: let torch keep all its threads beside the kernels' pool   |
 | `EDGEPAGED_RUST_ATTENTION_MAX`    | 131072  | a prefill chunk of q rows over n positions attends in Rust while q * n is at most this |
@@ -37,10 +38,14 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     return text.strip().lower() not in ("0", "false", "no", "off")
 
 
+MATHS = ("auto", "int8", "exact")
+
+
 @dataclass(frozen=True)
 class CpuConfig:
     num_threads: int | None = None     # None: every CPU this process may use
     fused: bool = True
+    quant_math: str = "auto"           # how quantized weights are multiplied (MATHS)
     quant_interleave: bool = True
     dense_min_tokens: int = 768
     torch_single_thread: bool = True
@@ -51,7 +56,11 @@ class CpuConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> "CpuConfig":
         env = os.environ if env is None else env
         threads = _int(env, "EDGEPAGED_NUM_THREADS", 0)
+        math = (env.get("EDGEPAGED_QUANT_MATH") or "auto").strip().lower()
+        if math not in MATHS:
+            raise ValueError(f"EDGEPAGED_QUANT_MATH={math!r}: expected one of {', '.join(MATHS)}")
         return cls(
+            quant_math=math,
             num_threads=threads if threads > 0 else None,
             fused=_flag(env, "EDGEPAGED_FUSED", True),
             quant_interleave=_flag(env, "EDGEPAGED_QUANT_INTERLEAVE", True),
@@ -60,3 +69,18 @@ class CpuConfig:
             rust_attention_max=_int(env, "EDGEPAGED_RUST_ATTENTION_MAX", 131072),
             fused_max_tokens=_int(env, "EDGEPAGED_FUSED_MAX_TOKENS", 256),
         )
+
+    def math(self, num_params: int) -> str:
+        """How a model of `num_params` parameters multiplies its quantized weights: "int8"
+        or "exact" (`quant_math`; "auto": int8 from `INT8_MIN_PARAMS` on, where llama.cpp's
+        math buys 2-3x at its own error, exact below, where small models are the most
+        sensitive to the activations' rounding and fast anyway; exact on a CPU without
+        integer kernels, whose portable ones are slow)."""
+        if self.quant_math != "auto":
+            return self.quant_math
+        from .._native import quant
+        return "int8" if quant.info()["int8_isa"] != "scalar" and num_params >= INT8_MIN_PARAMS else "exact"
+
+
+# From here on `auto` picks the integer kernels (README, "Quantized models": the error).
+INT8_MIN_PARAMS = 700_000_000

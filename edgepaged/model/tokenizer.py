@@ -128,8 +128,8 @@ class Tokenizer:
         path = Path(path)
         if path.is_dir():
             return tokenizer_from_folder(path)
-        from gguf import GGUFReader
-        return tokenizer_from_gguf(GGUFReader(str(path)))
+        from .gguf_file import GgufFile
+        return tokenizer_from_gguf(GgufFile(path))
 
     @property
     def vocab_size(self) -> int:

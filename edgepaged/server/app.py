@@ -56,7 +56,8 @@ def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig,
     where = (f"{host}:{server.port} (all interfaces: reachable from the local network)"
              if host in ("0.0.0.0", "::") else f"{host}:{server.port}")
     capacity = e.kv_capacity_blocks * e.block_size
-    parts = [f"edgepaged ready on {where}", f"model {front.model}", f"context {e.max_model_len} tokens",
+    parts = [f"edgepaged ready on {where}", f"model {front.model}",
+             f"products {getattr(e.runner, 'products', '?')}", f"context {e.max_model_len} tokens",
              f"KV capacity {capacity} tokens ({e.kv_capacity_blocks} blocks of {e.block_size}, "
              f"{getattr(e.runner, 'kv_dtype_name', '?')})",
              f"HTTP (OpenAI API, chat page) {http_url(http)}" if http else "HTTP off",

@@ -47,3 +47,17 @@ def run_batch(runner, alloc, prompts, new_tokens, seq_base=0):
     for s in ids:
         alloc.free_sequence(s, cache=False)
     return out, t1 - t0, t2 - t1
+
+
+def prompt_logits(runner, alloc, prompt, seq_id=0, every: bool = False):
+    """float32 logits of one prompt prefilled alone: for its last position, or (`every`)
+    for each of its positions [len(prompt), vocab]. Frees the sequence's blocks after."""
+    alloc.add_sequence(seq_id, prompt)
+    try:
+        slots, tables, lens, _, _ = alloc.prepare_step([seq_id], [len(prompt)], None)
+        meta = dict(query_start_loc=np.array([0, len(prompt)], np.int32), seq_lens=lens, block_tables=tables,
+                    slot_mapping=slots)
+        idx = np.arange(len(prompt)) if every else None
+        return runner.execute(np.asarray(prompt, np.int64), np.arange(len(prompt)), meta, idx)
+    finally:
+        alloc.free_sequence(seq_id, cache=False)

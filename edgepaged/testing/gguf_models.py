@@ -57,8 +57,9 @@ def write_random_gguf(path, *, hidden: int, layers: int, heads: int, kv_heads: i
     rng = np.random.default_rng(seed)
     source = None
     if tokenizer_from is not None:
+        from edgepaged.model.gguf_file import GgufFile
         from edgepaged.model.loader import gguf_field
-        source = gguf.GGUFReader(str(tokenizer_from))
+        source = GgufFile(tokenizer_from)
         tokens = gguf_field(source, "tokenizer.ggml.tokens")
     else:
         tokens = sorted(ByteLevel.alphabet()) + ["<|im_start|>", "<|im_end|>"]

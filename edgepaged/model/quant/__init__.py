@@ -5,7 +5,7 @@
 - `threads`: torch's thread count beside the kernels' own pool, the fp32 scratch + GEMM.
 """
 from .formats import BLOCK, FORMATS, QuantWeight, can_keep
-from .modules import QuantEmbedding, QuantLinear, interleave_weights, weight_bytes
+from .modules import QuantEmbedding, QuantLinear, lay_out_weights, weight_bytes
 
-__all__ = ["BLOCK", "FORMATS", "QuantEmbedding", "QuantLinear", "QuantWeight", "can_keep", "interleave_weights",
+__all__ = ["BLOCK", "FORMATS", "QuantEmbedding", "QuantLinear", "QuantWeight", "can_keep", "lay_out_weights",
            "weight_bytes"]

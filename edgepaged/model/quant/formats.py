@@ -1,9 +1,13 @@
 """GGUF block formats the CPU kernels read, and one weight held as its GGUF bytes.
 
-Q4_0, Q4_1 and Q8_0 weights are interleaved at load (`QuantWeight.interleave`): rows in
-groups of 8, each block's bytes spread across the 8 rows, so the kernels read 8 rows' weight
-`k` as 8 consecutive bytes (no transposes while decoding). Same bytes, same results
-(docs/INTERNALS.md, "Quantized weights on CPU").
+A weight is in one of three layouts:
+- `rows`: GGUF's own, row by row (the exact kernels read it);
+- `x8`: Q4_0/Q4_1/Q8_0 interleaved in groups of 8 rows (`QuantWeight.interleave`), each
+  block's bytes spread across the 8 rows, so the exact kernels read 8 rows' weight `k` as 8
+  consecutive bytes; same bytes, same results;
+- `r16`: repacked in groups of 16 rows for the integer kernels (`QuantWeight.repack`):
+  activations quantized to int8 per block of 32 and 8-bit dot products, as llama.cpp
+  computes them (docs/INTERNALS.md, "Quantized weights on CPU").
 """
 from __future__ import annotations
 
@@ -19,7 +23,10 @@ FORMATS = {1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: 
 BLOCK = {1: (32, 64), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144),
          13: (256, 176), 14: (256, 210), 30: (32, 64)}  # weights, bytes
 X8_FLAG = 0x100                 # added to a type id for interleaved weights (the Rust side's X8_FLAG)
+R16_FLAG = 0x200                # added to a type id for weights repacked for the integer kernels
 INTERLEAVABLE = (2, 3, 8)       # Q4_0, Q4_1, Q8_0
+REPACKABLE = (2, 3, 6, 7, 8, 12, 13, 14)   # every block format (not F16 / BF16)
+LAYOUTS = ("rows", "x8", "r16")
 
 
 def can_keep(qtype: int, shape) -> bool:
@@ -29,27 +36,37 @@ def can_keep(qtype: int, shape) -> bool:
 
 @dataclass
 class QuantWeight:
-    """A [rows, cols] weight as GGUF blocks: `data` uint8 [rows, row_bytes], C-contiguous; or,
-    once `interleave`d (`x8`), [ceil(rows / 8), 8 * row_bytes] in groups of 8 rows."""
+    """A [rows, cols] weight as GGUF blocks: `data` uint8 [rows, row_bytes], C-contiguous
+    (`layout` "rows"); once `interleave`d ("x8"), [ceil(rows / 8), 8 * row_bytes]; once
+    `repack`ed ("r16"), [ceil(rows / 16), bytes per 16 rows]."""
     qtype: int
     data: np.ndarray
     rows: int
     cols: int
-    x8: bool = False
+    layout: str = "rows"
 
     def __post_init__(self):
         bw, bb = BLOCK[self.qtype]
         rb = self.cols // bw * bb
-        want = (-(-self.rows // 8), 8 * rb) if self.x8 else (self.rows, rb)
-        if self.cols % bw or self.data.shape != want:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
+        if self.layout == "r16":
+            ok = self.data.ndim == 2 and self.data.shape[0] == -(-self.rows // 16)
+        else:
+            ok = self.data.shape == ((-(-self.rows // 8), 8 * rb) if self.layout == "x8" else (self.rows, rb))
+        if self.cols % bw or not ok:
             raise ValueError(f"{FORMATS[self.qtype]} weight [{self.rows}, {self.cols}]: bad block bytes "
-                             f"{self.data.shape}")
+                             f"{self.data.shape} for layout {self.layout}")
         self.data = np.ascontiguousarray(self.data, dtype=np.uint8)
 
     @property
+    def x8(self) -> bool:
+        return self.layout == "x8"
+
+    @property
     def kind(self) -> int:
-        """The type id the kernels take: the GGML id, plus X8_FLAG when interleaved."""
-        return self.qtype | X8_FLAG if self.x8 else self.qtype
+        """The type id the kernels take: the GGML id, plus the layout's flag."""
+        return self.qtype | {"rows": 0, "x8": X8_FLAG, "r16": R16_FLAG}[self.layout]
 
     @property
     def nbytes(self) -> int:
@@ -60,10 +77,18 @@ class QuantWeight:
         weight is interleaved afterwards. The array is rewritten in place when its rows are
         a multiple of 8 (no second copy of the weights while loading): nothing else may
         hold it."""
-        if not self.x8 and self.qtype in INTERLEAVABLE:
+        if self.layout == "rows" and self.qtype in INTERLEAVABLE:
             self.data = kernels.interleave(self.data, self.qtype, self.rows)
-            self.x8 = True
+            self.layout = "x8"
         return self.x8
+
+    def repack(self) -> bool:
+        """Repack for the integer kernels where the format has them; True if repacked
+        afterwards. A new array: the old one is released."""
+        if self.layout == "rows" and self.qtype in REPACKABLE:
+            self.data = kernels.repack(self.data, self.qtype, self.rows)
+            self.layout = "r16"
+        return self.layout == "r16"
 
     def dequantize_into(self, out: np.ndarray, row_start: int = 0) -> None:
         """Rows row_start .. row_start + len(out) as float32 into `out` [R, cols]."""

@@ -3,8 +3,9 @@
 - `QuantLinear`: y = x W^T (+ b) with W as one or more row segments of GGUF blocks (a fused
   QKV or gate/up may mix formats, as Q4_K_M files do). Below `dense_min_tokens` token rows
   it runs the kernels' product (blocks decoded in registers, read once per call); from
-  there on (long prefills) it decodes row tiles into a reusable fp32 scratch of at most
-  `SCRATCH_BYTES` and runs oneDNN's GEMM on them.
+  there on (long prefills) a segment on the exact kernels decodes row tiles into a reusable
+  fp32 scratch of at most `SCRATCH_BYTES` and runs oneDNN's GEMM on them, while a segment
+  repacked for the integer kernels keeps them (they beat any decode + GEMM).
 - `QuantEmbedding`: rows of the token table decoded on lookup.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ class QuantLinear(nn.Module):
             raise ValueError("QuantLinear needs segments with one input width")
         merged: list[QuantWeight] = []
         for s in segments:  # neighbours of one format become one matrix: one kernel call
-            if merged and merged[-1].qtype == s.qtype and not (s.x8 or merged[-1].x8):
+            if merged and merged[-1].qtype == s.qtype and s.layout == merged[-1].layout == "rows":
                 p = merged[-1]
                 merged[-1] = QuantWeight(s.qtype, np.concatenate([p.data, s.data]), p.rows + s.rows, s.cols)
             else:
@@ -60,34 +61,39 @@ class QuantLinear(nn.Module):
             lead = x.shape[:-1]
             return self.forward(_f32_rows(x, self.in_features)).view(*lead, self.out_features)
         t = x.shape[0]
-        if t >= self.dense_min_tokens:
-            out = self._dense(x)
+        # long prefills: exact segments decode to fp32 + GEMM; repacked ones stay on the
+        # integer kernels, faster than any decode + GEMM
+        dense = [t >= self.dense_min_tokens and s.layout != "r16" for s in self.segments]
+        if dense == [True]:
+            out = self._dense(x, self.segments[0])
         else:
             out = torch.empty(t, self.out_features)
             if t:
                 xn, on = x.numpy(), out.numpy()
-                for s, a in zip(self.segments, self.offsets):
-                    kernels.matmul(s.data, s.kind, xn, on, col=a, rows=s.rows)
+                for s, a, d in zip(self.segments, self.offsets, dense):
+                    if d:
+                        out[:, a: a + s.rows] = self._dense(x, s)
+                    else:
+                        kernels.matmul(s.data, s.kind, xn, on, col=a, rows=s.rows)
         if self.bias is not None:
             out += self.bias
         return out
 
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        """Decode row tiles into the scratch and multiply with oneDNN (large token counts)."""
+    def _dense(self, x: torch.Tensor, s: QuantWeight) -> torch.Tensor:
+        """x s^T: row tiles of `s` decoded into the scratch and multiplied with oneDNN."""
         k = self.in_features
         tile_rows = max(1, SCRATCH_BYTES // 4 // k)
         out = None
-        for s, a in zip(self.segments, self.offsets):
-            for r0 in range(0, s.rows, tile_rows):
-                n = min(tile_rows, s.rows - r0)
-                w = scratch(n * k).view(n, k)
-                s.dequantize_into(w.numpy(), r0)
-                y = gemm(x, w)
-                if n == self.out_features:
-                    return y
-                if out is None:
-                    out = torch.empty(x.shape[0], self.out_features)
-                out[:, a + r0: a + r0 + n] = y
+        for r0 in range(0, s.rows, tile_rows):
+            n = min(tile_rows, s.rows - r0)
+            w = scratch(n * k).view(n, k)
+            s.dequantize_into(w.numpy(), r0)
+            y = gemm(x, w)
+            if n == s.rows:
+                return y
+            if out is None:
+                out = torch.empty(x.shape[0], s.rows)
+            out[:, r0: r0 + n] = y
         return out
 
 
@@ -116,21 +122,23 @@ def quant_weights_of(m) -> list[QuantWeight]:
     return []
 
 
-def interleave_weights(modules) -> int:
-    """Interleave every Q4_0/Q4_1/Q8_0 weight of these modules in place (a tied embedding
-    and LM head share theirs); the number interleaved."""
-    done: dict[int, QuantWeight] = {}   # id of a weight's original array -> the weight that interleaved it
+def lay_out_weights(modules, math: str) -> int:
+    """The layout every quantized weight of these modules takes for the kernels of `math`:
+    "int8", repacked for the integer kernels (every block format; F16/BF16 stay in rows);
+    "exact", Q4_0/Q4_1/Q8_0 interleaved, the rest in GGUF's rows. A tied embedding and LM
+    head share theirs. Returns how many weights changed."""
+    done: dict[int, QuantWeight] = {}   # id of a weight's original array -> the weight that re-laid it
     n = 0
     for m in modules:
         for s in quant_weights_of(m):
-            if s.x8:
+            if s.layout != "rows":
                 continue
             first = done.get(id(s.data))
             if first is not None:        # another weight over the same array: share its result
-                s.data, s.x8 = first.data, first.x8
+                s.data, s.layout = first.data, first.layout
                 continue
             key = id(s.data)
-            if s.interleave():
+            if s.repack() if math == "int8" else s.interleave():
                 done[key] = s
                 n += 1
     return n

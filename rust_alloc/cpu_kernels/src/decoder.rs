@@ -7,20 +7,52 @@ use crate::kv::KvElem;
 use crate::ops::{add_rms_norm, bad, rope_write_kv, silu_mul, Heads, OpError};
 
 
-/// A linear layer on GGUF-quantized weights: row segments stacked along the output (a fused
+/// One part of a linear layer's weight: GGUF blocks for the exact kernels, or repacked for
+/// the integer ones.
+#[derive(Clone, Copy)]
+pub enum Part<'a> {
+    Exact(crate::quant::QMatrix<'a>),
+    Int8(crate::q8::RMatrix<'a>),
+}
+
+impl Part<'_> {
+    pub fn rows(&self) -> usize {
+        match self { Part::Exact(m) => m.rows, Part::Int8(m) => m.layout.rows }
+    }
+
+    pub fn cols(&self) -> usize {
+        match self { Part::Exact(m) => m.cols, Part::Int8(m) => m.layout.cols }
+    }
+}
+
+/// A linear layer on GGUF-quantized weights: row parts stacked along the output (a fused
 /// QKV may mix formats), and an optional bias.
 pub struct QLinear<'a> {
-    pub segs: Vec<crate::quant::QMatrix<'a>>,
+    pub segs: Vec<Part<'a>>,
     pub bias: Option<&'a [f32]>,
 }
 
 impl QLinear<'_> {
-    pub fn out_features(&self) -> usize { self.segs.iter().map(|s| s.rows).sum() }
+    pub fn out_features(&self) -> usize { self.segs.iter().map(|s| s.rows()).sum() }
 
     fn forward(&self, x: &[f32], t: usize, out: &mut [f32]) -> Result<(), OpError> {
         let n = self.out_features();
-        let cols = self.segs.first().map_or(0, |s| s.cols);
-        crate::quant::matmul_stacked(&self.segs, x, cols, t, out, n, crate::quant::Isa::best()).map_err(|e| OpError(e.0))?;
+        let cols = self.segs.first().map_or(0, |s| s.cols());
+        let err = |e: crate::quant::QuantError| OpError(e.0);
+        let exact: Vec<_> = self.segs.iter().filter_map(|s| if let Part::Exact(m) = s { Some(*m) } else { None }).collect();
+        if exact.len() == self.segs.len() {   // every part exact: one call on the pool for all of them
+            crate::quant::matmul_stacked(&exact, x, cols, t, out, n, crate::quant::best()).map_err(err)?;
+        } else {
+            let mut col = 0;
+            for s in &self.segs {
+                match s {
+                    Part::Exact(m) => crate::quant::matmul(m, x, cols, t, &mut out[col..], n, crate::quant::best()),
+                    Part::Int8(m) => crate::q8::matmul_f32(m, x, cols, t, &mut out[col..], n, crate::q8::best()),
+                }
+                .map_err(err)?;
+                col += s.rows();
+            }
+        }
         if let Some(b) = self.bias {
             for r in 0..t {
                 for (o, v) in out[r * n..(r + 1) * n].iter_mut().zip(b) {
@@ -101,8 +133,8 @@ pub fn decode_layers<E: KvElem>(
     for l in layers {
         if l.in_norm.len() != hidden || l.post_norm.len() != hidden || l.qkv.out_features() != w
             || l.o.out_features() != hidden || l.gate_up.out_features() != 2 * inter || l.down.out_features() != hidden
-            || l.qkv.segs.iter().any(|s| s.cols != hidden) || l.o.segs.iter().any(|s| s.cols != q)
-            || l.gate_up.segs.iter().any(|s| s.cols != hidden) || l.down.segs.iter().any(|s| s.cols != inter)
+            || l.qkv.segs.iter().any(|s| s.cols() != hidden) || l.o.segs.iter().any(|s| s.cols() != q)
+            || l.gate_up.segs.iter().any(|s| s.cols() != hidden) || l.down.segs.iter().any(|s| s.cols() != inter)
         {
             return bad("decode_layers: a layer's weights do not fit the model's shapes");
         }

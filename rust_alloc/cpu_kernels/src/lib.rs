@@ -3,8 +3,8 @@
 //! (`attention`), a whole decode step in one call (`decoder`) and the small thread pool they
 //! share (`threads`).
 //!
-//! Every kernel picks its instruction set at run time (`quant::Isa::best`) and has a
-//! portable path. All of edgepaged's `unsafe` code lives in this crate; each block says why
+//! Every kernel picks its instruction set at run time (`isa::Isa::cpu`, capped at what the
+//! kernel family has: `quant::best`, `q8::best`) and has a portable path. All of edgepaged's `unsafe` code lives in this crate; each block says why
 //! it is sound in a `SAFETY:` comment.
 
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -21,12 +21,17 @@ macro_rules! dispatch {
 
 pub mod attention;
 pub mod decoder;
+pub mod isa;
 pub mod kv;
 pub mod ops;
+pub mod q8;
 pub mod quant;
 pub mod threads;
+#[cfg(test)]
+mod testing;
 
 pub use attention::paged_decode;
 pub use decoder::{decode_layers, DecodeStep, QLayer, QLinear};
 pub use ops::{add_rms_norm, rope_write_kv, silu_mul, Heads, OpError};
-pub use quant::{Isa, QMatrix, QType, QuantError};
+pub use isa::Isa;
+pub use quant::{QMatrix, QType, QuantError};

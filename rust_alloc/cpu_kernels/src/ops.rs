@@ -27,7 +27,7 @@ pub struct OpError(pub String);
 pub(crate) fn bad<T>(msg: impl Into<String>) -> Result<T, OpError> { Err(OpError(msg.into())) }
 
 /// The same run-time check as the quantized kernels (AVX2 + FMA + F16C).
-pub(crate) fn has_avx2() -> bool { crate::quant::Isa::best() == crate::quant::Isa::Avx2 }
+pub(crate) fn has_avx2() -> bool { crate::isa::Isa::cpu() >= crate::isa::Isa::Avx2 }
 
 pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
 

@@ -6,12 +6,12 @@ use numpy::{PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn,
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use cpu_kernels::decoder::{decode_layers, DecodeStep, QLayer, QLinear};
+use cpu_kernels::decoder::{decode_layers, DecodeStep, Part, QLayer, QLinear};
 use cpu_kernels::kv::F16;
 use cpu_kernels::ops::{self, Heads, OpError};
 use cpu_kernels::{attention, QMatrix, QType};
 
-use crate::quant::{contiguous, contiguous_mut, qtype, rows_cols};
+use crate::quant::{contiguous, contiguous_mut, qtype, rmatrix, rows_cols, Lay};
 
 fn verr(e: OpError) -> PyErr { PyValueError::new_err(e.0) }
 
@@ -56,6 +56,14 @@ impl CacheRef<'_> {
 }
 
 const MIXED: &str = "k_cache and v_cache must have one dtype";
+
+/// One part of a linear layer's weight, checked.
+fn part(q: QType, lay: Lay, data: &[u8], rows: usize, cols: usize) -> PyResult<Part<'_>> {
+    if lay == Lay::R16 {
+        return Ok(Part::Int8(rmatrix(q, data, Some(rows), cols)?));
+    }
+    QMatrix::with_layout(q, lay == Lay::X8, data, rows, cols).map(Part::Exact).map_err(|e| PyValueError::new_err(e.0))
+}
 
 /// h += delta (if not None), out = rms_norm(h) * weight; h, delta, out [T, D] float32.
 #[pyfunction]
@@ -162,7 +170,7 @@ fn paged_decode<'py>(
 /// One linear layer of the decoder: its weight segments (format, interleaved, blocks, rows,
 /// cols) and its bias.
 struct Linear {
-    segs: Vec<(QType, bool, Py<PyArrayDyn<u8>>, usize, usize)>,
+    segs: Vec<(QType, Lay, Py<PyArrayDyn<u8>>, usize, usize)>,
     bias: Option<Py<PyArrayDyn<f32>>>,
 }
 
@@ -220,12 +228,11 @@ impl QuantDecoder {
                 let (segs, bias): (Vec<(Bound<'_, PyAny>, u32, usize, usize)>, Option<Bound<'_, PyAny>>) = lin.extract()?;
                 let mut kept = Vec::new();
                 for (data, qt, rows, cols) in segs {
-                    let (q, x8) = qtype(qt)?;
+                    let (q, lay) = qtype(qt)?;
                     let arr = data.cast::<PyArrayDyn<u8>>()
                         .map_err(|_| PyValueError::new_err("QuantDecoder: a weight must be a uint8 array"))?;
-                    QMatrix::with_layout(q, x8, contiguous(&arr.readonly(), "weight")?, rows, cols)
-                        .map_err(|e| PyValueError::new_err(e.0))?;
-                    kept.push((q, x8, arr.clone().unbind(), rows, cols));
+                    part(q, lay, contiguous(&arr.readonly(), "weight")?, rows, cols)?;
+                    kept.push((q, lay, arr.clone().unbind(), rows, cols));
                 }
                 let bias = bias.map(|b| f32_array(&b, "bias").map(Bound::unbind)).transpose()?;
                 linears.push(Linear { segs: kept, bias });
@@ -284,9 +291,9 @@ impl QuantDecoder {
             let mut lins = Vec::with_capacity(4);
             for lin in &l.lin {
                 let mut segs = Vec::with_capacity(lin.segs.len());
-                for &(q, x8, _, rows, cols) in &lin.segs {
+                for &(q, lay, _, rows, cols) in &lin.segs {
                     let data = contiguous(bytes.next().expect("borrowed above"), "weight")?;
-                    segs.push(QMatrix::with_layout(q, x8, data, rows, cols).map_err(|e| PyValueError::new_err(e.0))?);
+                    segs.push(part(q, lay, data, rows, cols)?);
                 }
                 let bias = if lin.bias.is_some() { Some(next_f32()?) } else { None };
                 lins.push(QLinear { segs, bias });

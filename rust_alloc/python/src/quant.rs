@@ -8,24 +8,76 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use cpu_kernels::quant::{self, Isa, QMatrix, QType, QuantError, X8_FLAG};
+use cpu_kernels::q8::{self, Layout, RMatrix};
+use cpu_kernels::quant::{self, QMatrix, QType, QuantError, X8_FLAG};
+use cpu_kernels::Isa;
 
 fn verr(e: QuantError) -> PyErr { PyValueError::new_err(e.0) }
 
-/// A GGML type id, plus `X8_FLAG` for interleaved weights -> (format, interleaved).
-pub(crate) fn qtype(id: u32) -> PyResult<(QType, bool)> {
-    let x8 = id & X8_FLAG != 0;
-    let q = QType::from_ggml(id & !X8_FLAG).ok_or_else(|| {
+/// Added to a GGML type id for weights repacked for the integer kernels (`repack`).
+pub(crate) const R16_FLAG: u32 = 0x200;
+
+/// How a weight's bytes are laid out.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lay {
+    /// GGUF's rows
+    Rows,
+    /// interleaved in groups of 8 rows (`interleave`)
+    X8,
+    /// repacked in groups of 16 rows for the integer kernels (`repack`)
+    R16,
+}
+
+impl Lay {
+    fn name(self) -> &'static str {
+        match self {
+            Lay::Rows => "in rows",
+            Lay::X8 => "interleaved",
+            Lay::R16 => "repacked",
+        }
+    }
+}
+
+/// A GGML type id, plus `X8_FLAG` or `R16_FLAG` -> (format, layout).
+pub(crate) fn qtype(id: u32) -> PyResult<(QType, Lay)> {
+    let lay = match id & (X8_FLAG | R16_FLAG) {
+        0 => Lay::Rows,
+        X8_FLAG => Lay::X8,
+        R16_FLAG => Lay::R16,
+        _ => return Err(PyValueError::new_err(format!("type id {id:#x}: one layout flag at most"))),
+    };
+    let q = QType::from_ggml(id & !(X8_FLAG | R16_FLAG)).ok_or_else(|| {
         let names: Vec<&str> = QType::ALL.iter().map(|q| q.name()).collect();
         PyValueError::new_err(format!("GGML type {id} is not supported by the quantized kernels ({})", names.join(", ")))
     })?;
-    if x8 && !q.interleavable() {
+    if lay == Lay::X8 && !q.interleavable() {
         return Err(PyValueError::new_err(format!("{} weights cannot be interleaved", q.name())));
     }
-    Ok((q, x8))
+    if lay == Lay::R16 && !q8::supports(q) {
+        return Err(PyValueError::new_err(format!("{} weights have no integer kernels", q.name())));
+    }
+    Ok((q, lay))
 }
 
-fn isa(scalar: bool) -> Isa { if scalar { Isa::Scalar } else { Isa::best() } }
+fn isa(scalar: bool) -> Isa { if scalar { Isa::Scalar } else { quant::best() } }
+
+fn isa8(scalar: bool) -> Isa { if scalar { Isa::Scalar } else { q8::best() } }
+
+/// A repacked matrix of `rows` (or, None, as many as its bytes hold) rows of `cols`.
+pub(crate) fn rmatrix(q: QType, data: &[u8], rows: Option<usize>, cols: usize) -> PyResult<RMatrix<'_>> {
+    let rows = match rows {
+        Some(n) => n,
+        None => {
+            let per = Layout::new(q, 16, cols).map_err(verr)?.rg_bytes();
+            if per == 0 || data.len() % per != 0 {
+                return Err(PyValueError::new_err(format!("weight: {} bytes are not whole groups of 16 repacked {} rows",
+                                                         data.len(), q.name())));
+            }
+            data.len() / per * 16
+        }
+    };
+    RMatrix::new(Layout::new(q, rows, cols).map_err(verr)?, data).map_err(verr)
+}
 
 /// (rows, last dim) of an array seen as 2-D (a 1-D array is one row).
 pub(crate) fn rows_cols(shape: &[usize]) -> (usize, usize) {
@@ -45,7 +97,8 @@ pub(crate) fn contiguous_mut<'a, T: numpy::Element>(a: &'a mut PyReadwriteArrayD
 
 /// The matrix in `data`; its rows from the bytes, or `rows` (an interleaved matrix stores
 /// them rounded up to a multiple of 8).
-pub(crate) fn matrix<'a>((q, x8): (QType, bool), data: &'a [u8], cols: usize, rows: Option<usize>) -> PyResult<QMatrix<'a>> {
+pub(crate) fn matrix<'a>((q, lay): (QType, Lay), data: &'a [u8], cols: usize, rows: Option<usize>) -> PyResult<QMatrix<'a>> {
+    let x8 = lay == Lay::X8;
     let rb = q.row_bytes(cols).map_err(verr)?;
     let unit = if x8 { 8 * rb } else { rb };
     if data.len() % unit != 0 {
@@ -85,9 +138,14 @@ fn matmul(
     if col + n > m {
         return Err(PyValueError::new_err(format!("columns {col}..{} do not fit out's {m}", col + n)));
     }
-    let w = matrix(q, contiguous(&weight, "weight")?, k, Some(n))?;
     let xs = contiguous(&x, "x")?;
     let os = &mut contiguous_mut(&mut out, "out")?[col..];
+    if q.1 == Lay::R16 {
+        let w = rmatrix(q.0, contiguous(&weight, "weight")?, Some(n), k)?;
+        let isa = isa8(scalar);
+        return py.detach(move || q8::matmul_f32(&w, xs, k, t, os, m, isa)).map_err(verr);
+    }
+    let w = matrix(q, contiguous(&weight, "weight")?, k, Some(n))?;
     let isa = isa(scalar);
     py.detach(move || quant::matmul(&w, xs, k, t, os, m, isa)).map_err(verr)
 }
@@ -101,8 +159,12 @@ fn dequantize(
 ) -> PyResult<()> {
     let q = self::qtype(qtype)?;
     let (r, k) = rows_cols(out.shape());
-    let w = matrix(q, contiguous(&weight, "weight")?, k, None)?;
     let os = contiguous_mut(&mut out, "out")?;
+    if q.1 == Lay::R16 {
+        let w = rmatrix(q.0, contiguous(&weight, "weight")?, None, k)?;
+        return py.detach(move || q8::dequantize(&w, row_start, os, r, k)).map_err(verr);
+    }
+    let w = matrix(q, contiguous(&weight, "weight")?, k, None)?;
     let isa = isa(scalar);
     py.detach(move || quant::dequantize(&w, row_start, os, r, k, isa)).map_err(verr)
 }
@@ -116,12 +178,16 @@ fn gather_rows(
 ) -> PyResult<()> {
     let q = self::qtype(qtype)?;
     let (r, k) = rows_cols(out.shape());
-    let w = matrix(q, contiguous(&weight, "weight")?, k, None)?;
     let ids = contiguous(&rows, "rows")?;
     if ids.len() != r {
         return Err(PyValueError::new_err(format!("{} rows requested but out has {r}", ids.len())));
     }
     let os = contiguous_mut(&mut out, "out")?;
+    if q.1 == Lay::R16 {
+        let w = rmatrix(q.0, contiguous(&weight, "weight")?, None, k)?;
+        return py.detach(move || q8::gather_rows(&w, ids, os, k)).map_err(verr);
+    }
+    let w = matrix(q, contiguous(&weight, "weight")?, k, None)?;
     let isa = isa(scalar);
     py.detach(move || quant::gather_rows(&w, ids, os, k, isa)).map_err(verr)
 }
@@ -132,9 +198,10 @@ fn gather_rows(
 /// result is a view of it); others are copied.
 #[pyfunction]
 fn interleave<'py>(py: Python<'py>, weight: Bound<'py, PyArrayDyn<u8>>, qtype: u32, rows: usize) -> PyResult<Bound<'py, PyAny>> {
-    let (q, x8) = self::qtype(qtype)?;
-    if x8 {
-        return Err(PyValueError::new_err("interleave: the weight is interleaved already"));
+    let (q, lay) = self::qtype(qtype)?;
+    if lay != Lay::Rows {
+        return Err(PyValueError::new_err(format!("interleave: the weight is {} already (not in GGUF's row order)",
+                                                 lay.name())));
     }
     let len = weight.len();
     let rb = if rows == 0 { 0 } else { len / rows };
@@ -158,12 +225,33 @@ fn interleave<'py>(py: Python<'py>, weight: Bound<'py, PyArrayDyn<u8>>, qtype: u
     Ok(numpy::PyArray1::from_vec(py, out).reshape(shape)?.into_any())
 }
 
-/// {"isa": "avx2" | "scalar", "threads": n, "formats": {name: (ggml_type, block_weights,
-/// block_bytes)}, "x8_flag": 0x100, "interleavable": [ggml_type, ...]}
+/// GGUF blocks [rows, row_bytes] repacked for the integer kernels (pass the type id plus
+/// `r16_flag` with it): uint8 [ceil(rows / 16), bytes per 16 rows], a new array.
+#[pyfunction]
+fn repack<'py>(py: Python<'py>, weight: PyReadonlyArrayDyn<'py, u8>, qtype: u32, rows: usize) -> PyResult<Bound<'py, PyAny>> {
+    let (q, lay) = self::qtype(qtype)?;
+    if lay != Lay::Rows {
+        return Err(PyValueError::new_err(format!("repack: the weight is {} already (not in GGUF's row order)",
+                                                 lay.name())));
+    }
+    let data = contiguous(&weight, "weight")?;
+    if rows == 0 || data.len() % rows != 0 || (data.len() / rows) % q.block_bytes() != 0 {
+        return Err(PyValueError::new_err(format!("repack: {} bytes are not {rows} rows of {} blocks", data.len(), q.name())));
+    }
+    let cols = data.len() / rows / q.block_bytes() * q.block_weights();
+    let l = Layout::new(q, rows, cols).map_err(verr)?;
+    let out = py.detach(|| q8::repack(q, data, rows, cols)).map_err(verr)?;
+    Ok(numpy::PyArray1::from_vec(py, out).reshape([l.row_groups(), l.rg_bytes()])?.into_any())
+}
+
+/// {"isa": "avx2" | "scalar", "int8_isa": "avx512-vnni" | "avx2" | "scalar", "threads": n,
+/// "formats": {name: (ggml_type, block_weights, block_bytes)}, "x8_flag": 0x100,
+/// "interleavable": [ggml_type, ...], "r16_flag": 0x200, "repackable": [ggml_type, ...]}
 #[pyfunction]
 fn info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("isa", Isa::best().name())?;
+    d.set_item("isa", quant::best().name())?;
+    d.set_item("int8_isa", q8::best().name())?;
     d.set_item("threads", cpu_kernels::threads::num_threads())?;
     let f = PyDict::new(py);
     for q in QType::ALL {
@@ -172,6 +260,8 @@ fn info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("formats", f)?;
     d.set_item("x8_flag", X8_FLAG)?;
     d.set_item("interleavable", QType::ALL.iter().filter(|q| q.interleavable()).map(|q| *q as u32).collect::<Vec<_>>())?;
+    d.set_item("r16_flag", R16_FLAG)?;
+    d.set_item("repackable", QType::ALL.iter().filter(|q| q8::supports(**q)).map(|q| *q as u32).collect::<Vec<_>>())?;
     Ok(d)
 }
 
@@ -181,6 +271,7 @@ pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     m.add_function(wrap_pyfunction!(dequantize, &m)?)?;
     m.add_function(wrap_pyfunction!(gather_rows, &m)?)?;
     m.add_function(wrap_pyfunction!(interleave, &m)?)?;
+    m.add_function(wrap_pyfunction!(repack, &m)?)?;
     m.add_function(wrap_pyfunction!(info, &m)?)?;
     Ok(m)
 }

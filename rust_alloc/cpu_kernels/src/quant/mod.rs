@@ -17,7 +17,7 @@
 //! (`avx2.rs`, chosen at run time when the CPU has them) and portable scalar Rust
 //! (`scalar.rs`). Work is split over output rows on a small persistent pool (`threads.rs`).
 
-mod formats;
+pub(crate) mod formats;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
@@ -126,39 +126,15 @@ impl std::error::Error for QuantError {}
 
 fn bad<T>(msg: impl Into<String>) -> Result<T, QuantError> { Err(QuantError(msg.into())) }
 
-/// Which code path runs the kernels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Isa {
-    Scalar,
-    Avx2,
-}
+pub use crate::isa::Isa;
 
-impl Isa {
-    /// The fastest path this CPU supports.
-    pub fn best() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Scalar
-    }
+/// The best path of the exact kernels (AVX2; an AVX-512 CPU runs it too).
+pub const TOP: Isa = Isa::Avx2;
 
-    pub fn name(self) -> &'static str {
-        match self {
-            Isa::Scalar => "scalar",
-            Isa::Avx2 => "avx2",
-        }
-    }
+/// The path the exact kernels take on this CPU.
+pub fn best() -> Isa { Isa::cpu().min(TOP) }
 
-    fn checked(self) -> Result<Isa, QuantError> {
-        if self == Isa::Avx2 && Isa::best() != Isa::Avx2 {
-            return bad("this CPU lacks AVX2/FMA/F16C");
-        }
-        Ok(self)
-    }
-}
+fn checked(isa: Isa) -> Result<Isa, QuantError> { isa.for_kernels(TOP).map_err(QuantError) }
 
 /// Added to a GGML type id (in the Python API) for weights in the interleaved layout.
 pub const X8_FLAG: u32 = 0x100;
@@ -320,7 +296,7 @@ pub fn matmul(
 pub fn matmul_stacked(
     ws: &[QMatrix], x: &[f32], x_stride: usize, tokens: usize, out: &mut [f32], out_stride: usize, isa: Isa,
 ) -> Result<(), QuantError> {
-    let isa = isa.checked()?;
+    let isa = checked(isa)?;
     let Some(cols) = ws.first().map(|w| w.cols) else { return Ok(()) };
     if ws.iter().any(|w| w.cols != cols) {
         return bad("stacked matrices must have the same number of columns");
@@ -403,7 +379,7 @@ unsafe fn rows_kernel(isa: Isa, w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: us
 pub fn dequantize(
     w: &QMatrix, row_start: usize, out: &mut [f32], out_rows: usize, out_stride: usize, isa: Isa,
 ) -> Result<(), QuantError> {
-    let isa = isa.checked()?;
+    let isa = checked(isa)?;
     if row_start + out_rows > w.rows {
         return bad(format!("rows {row_start}..{} out of range for {} rows", row_start + out_rows, w.rows));
     }
@@ -451,7 +427,7 @@ pub fn dequantize(
 
 /// Dequantize the listed rows of `w` (an embedding gather) into `out` row by row.
 pub fn gather_rows(w: &QMatrix, rows: &[i64], out: &mut [f32], out_stride: usize, isa: Isa) -> Result<(), QuantError> {
-    let isa = isa.checked()?;
+    let isa = checked(isa)?;
     check_view(out.len(), rows.len(), w.cols, out_stride, "out")?;
     if let Some(&r) = rows.iter().find(|&&r| r < 0 || r as usize >= w.rows) {
         return bad(format!("row {r} out of range for {} rows", w.rows));

@@ -1,0 +1,53 @@
+//! The instruction sets the kernels have code paths for, detected at run time.
+
+/// A code path, from the portable one up; a CPU that runs one runs every one below it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    Scalar,
+    /// AVX2 + FMA + F16C (256-bit)
+    Avx2,
+    /// AVX-512 F/BW/VL + VNNI, with AVX2/FMA/F16C (512-bit integer dot products)
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// The best path this CPU runs.
+    pub fn cpu() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            if avx2 && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni")
+            {
+                return Isa::Avx512Vnni;
+            }
+            if avx2 {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512Vnni => "avx512-vnni",
+        }
+    }
+
+    /// Every path up to `top` this CPU runs, the portable one first.
+    pub fn available(top: Isa) -> Vec<Isa> {
+        let best = Isa::cpu().min(top);
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni].into_iter().filter(|&i| i <= best).collect()
+    }
+
+    /// `self` if the CPU runs it, capped at `top` (the best path a kernel family has).
+    pub(crate) fn for_kernels(self, top: Isa) -> Result<Isa, String> {
+        if self > Isa::cpu() {
+            return Err(format!("this CPU cannot run the {} kernels", self.name()));
+        }
+        Ok(self.min(top))
+    }
+}

@@ -1,0 +1,229 @@
+//! The integer product on AVX2 (no VNNI): `vpmaddubsw` (unsigned codes × signed
+//! activations, pairs summed to i16) then `vpmaddwd` by ones (to i32), 8 rows per 256-bit
+//! register, the 16 rows of a group in two halves. Codes of up to 6 bits never saturate
+//! the i16 pairs; Q8_0's 8-bit codes go through the sign trick instead (|w| times x with
+//! w's sign) and get `128 · Σ qx` added back, so every path sums the same integers.
+
+use std::arch::x86_64::*;
+
+use super::{Codes, Layout, Out, QAct, RMatrix, ROWS, TILE};
+use crate::quant::QType;
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16x8(p: *const u8) -> __m256 { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bytes8(p: *const u8, signed: bool) -> __m256 {
+    let b = _mm_loadl_epi64(p as *const __m128i);
+    _mm256_cvtepi32_ps(if signed { _mm256_cvtepi8_epi32(b) } else { _mm256_cvtepu8_epi32(b) })
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn neg(v: __m256) -> __m256 { _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN))) }
+
+/// (a, b) of rows `8h .. 8h + 8` of a group, for its halves of 16 (`super::group_ab`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scales(l: &Layout, rg: *const u8, at: usize, head: usize, h: usize) -> [(__m256, __m256); 2] {
+    let s = rg.add(at + l.code_bytes());
+    match l.qtype {
+        QType::Q4_0 | QType::Q5_0 | QType::Q8_0 => {
+            let d = f16x8(s.add(16 * h));
+            let z = match l.qtype { QType::Q4_0 => -8.0, QType::Q5_0 => -16.0, _ => -128.0 };
+            [(d, _mm256_mul_ps(d, _mm256_set1_ps(z))); 2]
+        }
+        QType::Q4_1 | QType::Q5_1 => [(f16x8(s.add(16 * h)), f16x8(s.add(32 + 16 * h))); 2],
+        QType::Q4_K | QType::Q5_K => {
+            let (d, dmin) = (f16x8(rg.add(head + 16 * h)), f16x8(rg.add(head + 32 + 16 * h)));
+            let a = _mm256_mul_ps(d, bytes8(s.add(8 * h), false));
+            [(a, neg(_mm256_mul_ps(dmin, bytes8(s.add(16 + 8 * h), false)))); 2]
+        }
+        QType::Q6_K => {
+            let d = f16x8(rg.add(head + 16 * h));
+            let a0 = _mm256_mul_ps(d, bytes8(s.add(8 * h), true));
+            let a1 = _mm256_mul_ps(d, bytes8(s.add(16 + 8 * h), true));
+            let m32 = _mm256_set1_ps(-32.0);
+            [(a0, _mm256_mul_ps(a0, m32)), (a1, _mm256_mul_ps(a1, m32))]
+        }
+        QType::F16 | QType::BF16 => unreachable!(),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn sh16(v: __m256i, left: i32) -> __m256i {
+    if left >= 0 { _mm256_sll_epi16(v, _mm_cvtsi32_si128(left)) } else { _mm256_srl_epi16(v, _mm_cvtsi32_si128(-left)) }
+}
+
+/// Chunks `j` and `j + 4` (rows `8h .. 8h + 8`) of a group's 4-, 5- or 6-bit codes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pair(kind: Codes, cb: *const u8, h: usize, j: usize) -> (__m256i, __m256i) {
+    let ld = |o: usize| _mm256_loadu_si256(cb.add(o + 32 * h) as *const __m256i);
+    let m0f = _mm256_set1_epi8(0x0f);
+    let v = ld(64 * j);
+    let (mut lo, mut hi) = (_mm256_and_si256(v, m0f), _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f));
+    match kind {
+        Codes::Five => {
+            let (hb, m10) = (ld(256), _mm256_set1_epi8(0x10));
+            lo = _mm256_or_si256(lo, _mm256_and_si256(sh16(hb, 4 - j as i32), m10));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(sh16(hb, -(j as i32)), m10));
+        }
+        Codes::Six => {
+            let m30 = _mm256_set1_epi8(0x30);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(sh16(ld(256), 4 - 2 * j as i32), m30));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(sh16(ld(320), 4 - 2 * j as i32), m30));
+        }
+        _ => {}
+    }
+    (lo, hi)
+}
+
+/// One block of 32 activations (`super::block_scalar`, the same floats and integers).
+///
+/// # Safety
+/// `x` must point at 32 floats and `q` at room for 32 bytes; the CPU must have AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn block(x: *const f32, q: *mut i8) -> (f32, i32, i32) {
+    let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(x.add(8 * i)));
+    let sign = _mm256_set1_ps(-0.0);
+    let m = v.iter().fold(_mm256_setzero_ps(), |m, v| _mm256_max_ps(m, _mm256_andnot_ps(sign, *v)));
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    let d = amax / 127.0;
+    let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+    let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
+    let r: [__m256i; 4] = std::array::from_fn(|i| {
+        let f = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v[i], inv));
+        _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(f), lo), hi)
+    });
+    // packs interleave the 128-bit lanes: 32-bit groups come out as 0 2 4 6 1 3 5 7
+    let b = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(q as *mut __m256i, b);
+    let hsum = |v: __m256i| {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)))
+    };
+    (d, hsum(_mm256_add_epi32(r[0], r[1])), hsum(_mm256_add_epi32(r[2], r[3])))
+}
+
+/// `N` tokens of rows `8h .. 8h + 8` of one row group.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<const N: usize>(l: &Layout, rg: *const u8, a: &QAct, t0: usize, h: usize, acc: &mut [__m256; N]) {
+    let nb = l.groups();
+    let kind = l.codes();
+    let q6 = l.qtype == QType::Q6_K;
+    let ones = _mm256_set1_epi16(1);
+    let b0 = a.at(t0, 0);   // t0 .. t0 + N lie in one tile: token t0 + t of group g is block b0 + TILE g + t
+    for g in 0..nb {
+        let (at, head) = l.group_at(g);
+        let cb = rg.add(at);
+        let bg = b0 + TILE * g;
+        let qx = a.q.as_ptr().add(32 * bg) as *const u8;
+        let x4 = |t: usize, k: usize| _mm256_set1_epi32(std::ptr::read_unaligned(qx.add(32 * t + k) as *const i32));
+        let dot = |c: __m256i, x: __m256i| _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones);
+        let mut i0 = [_mm256_setzero_si256(); N];   // Q6_K: first half; else the whole group
+        let mut i1 = [_mm256_setzero_si256(); N];   // Q6_K: second half
+        if kind == Codes::Eight {
+            for c in 0..8 {
+                let w = _mm256_xor_si256(_mm256_loadu_si256(cb.add(64 * c + 32 * h) as *const __m256i),
+                                         _mm256_set1_epi8(-128));
+                let aw = _mm256_abs_epi8(w);
+                for t in 0..N {
+                    i0[t] = _mm256_add_epi32(i0[t], dot(aw, _mm256_sign_epi8(x4(t, 4 * c), w)));
+                }
+            }
+            for t in 0..N {   // Σ (w + 128)·qx, as the other paths sum it
+                let s = *a.s.as_ptr().add(bg + t);
+                i0[t] = _mm256_add_epi32(i0[t], _mm256_set1_epi32(128 * s));
+            }
+        } else {
+            for j in 0..4 {
+                let (lo, hi) = pair(kind, cb, h, j);
+                for t in 0..N {
+                    let (p, q) = (dot(lo, x4(t, 4 * j)), dot(hi, x4(t, 4 * j + 16)));
+                    if q6 {
+                        i0[t] = _mm256_add_epi32(i0[t], p);
+                        i1[t] = _mm256_add_epi32(i1[t], q);
+                    } else {
+                        i0[t] = _mm256_add_epi32(i0[t], _mm256_add_epi32(p, q));
+                    }
+                }
+            }
+        }
+        let ab = scales(l, rg, at, head, h);
+        for t in 0..N {
+            let dx = _mm256_set1_ps(*a.d.as_ptr().add(bg + t));
+            if q6 {
+                for (half, i) in [(0, i0[t]), (1, i1[t])] {
+                    let v = _mm256_mul_ps(ab[half].0, _mm256_cvtepi32_ps(i));
+                    acc[t] = _mm256_fmadd_ps(v, dx, acc[t]);
+                    let ds = _mm256_set1_ps(*a.ds16.as_ptr().add(2 * (bg + t) + half));
+                    acc[t] = _mm256_fmadd_ps(ab[half].1, ds, acc[t]);
+                }
+            } else {
+                let v = _mm256_mul_ps(ab[0].0, _mm256_cvtepi32_ps(i0[t]));
+                acc[t] = _mm256_fmadd_ps(v, dx, acc[t]);
+                let ds = _mm256_set1_ps(*a.ds.as_ptr().add(bg + t));
+                acc[t] = _mm256_fmadd_ps(ab[0].1, ds, acc[t]);
+            }
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn store(o: Out, t: usize, col: usize, n: usize, v: __m256) {
+    let mut tmp = [0f32; 8];
+    _mm256_storeu_ps(tmp.as_mut_ptr(), v);
+    std::ptr::copy_nonoverlapping(tmp.as_ptr(), o.ptr.add(t * o.stride + col), n);
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tiles<const N: usize>(l: &Layout, rg: *const u8, a: &QAct, t0: usize, o: Out, col: usize, nr: usize) {
+    for h in 0..2 {
+        let n = nr.saturating_sub(8 * h).min(8);
+        if n == 0 {
+            break;
+        }
+        let mut acc = [_mm256_setzero_ps(); N];
+        tile::<N>(l, rg, a, t0, h, &mut acc);
+        for (t, v) in acc.iter().enumerate() {
+            store(o, t0 + t, col + 8 * h, n, *v);
+        }
+    }
+}
+
+/// Row groups `g0..g1` of `w` against every token of `a`.
+///
+/// # Safety
+/// `o` must hold `a.tokens` rows with room for the columns of these row groups; the CPU
+/// must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn rows(w: &RMatrix, a: &QAct, o: Out, g0: usize, g1: usize) {
+    let l = &w.layout;
+    let nt = if l.qtype == QType::Q6_K { 2 } else { 4 };
+    for rgi in g0..g1 {
+        let rg = w.rg(rgi).as_ptr();
+        let nr = (l.rows - rgi * ROWS).min(ROWS);
+        let mut t0 = 0;
+        while t0 < a.tokens {
+            let n = (a.tokens - t0).min(nt);
+            match n {
+                1 => tiles::<1>(l, rg, a, t0, o, rgi * ROWS, nr),
+                2 => tiles::<2>(l, rg, a, t0, o, rgi * ROWS, nr),
+                3 => tiles::<3>(l, rg, a, t0, o, rgi * ROWS, nr),
+                _ => tiles::<4>(l, rg, a, t0, o, rgi * ROWS, nr),
+            }
+            t0 += n;
+        }
+    }
+}

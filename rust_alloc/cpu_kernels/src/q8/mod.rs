@@ -1,0 +1,670 @@
+//! Integer products: quantized weights repacked for 8-bit dot products, activations
+//! quantized to int8 per block of 32, as llama.cpp computes them.
+//!
+//! **Weights** (`repack`): rows in groups of 16, the layout 512-bit `vpdpbusd` wants: one
+//! 64-byte vector holds 4 consecutive codes of each of the 16 rows (row `r` in bytes
+//! `4r .. 4r + 4`), so one instruction multiplies 16 rows by 4 activations. Every weight is
+//! `w = a·q + b` with an unsigned code `q` and, per row and group of 32 (16 for Q6_K),
+//! a scale `a` and an offset `b` from the format (Q4_0: `a = d`, `b = −8d`; Q4_K:
+//! `a = d·sc`, `b = −dmin·m`; Q8_0 stores `q = s + 128`, `b = −128d`). Per group of 32 and
+//! 16 rows the layout holds the codes (4 bits: 4 vectors, chunk `c` in the low nibbles and
+//! chunk `c + 4` in the high ones; 5 bits: plus one vector of high bits, bit `c` of byte
+//! `4r + i`; 6 bits: plus two vectors of 2-bit highs; Q8_0: 8 vectors) and the group's
+//! scales; K-quants add per superblock of 256 the rows' `d` (and `dmin`). The same bytes
+//! per weight as the file (K-quants 2-3% more: their 6-bit scales are kept as bytes).
+//!
+//! **Activations** (`quantize`): per token and block of 32, `dx = max|x| / 127`,
+//! `qx = round(x / dx)` (int8), and `dxs = dx · Σ qx` (Q6_K: per 16 as well).
+//!
+//! **Product**: per row `r`, token `t` and group `g`, the integer dot `I = Σ q·qx` (exact),
+//! then `acc ← fma(a·I, dx, acc)`, `acc ← fma(b, dxs, acc)`, groups in order. Every code
+//! path (portable, AVX2, AVX-512 VNNI) computes the same integers and the same float
+//! operations in the same order: their results are equal to the bit.
+
+pub(crate) mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
+#[cfg(test)]
+mod tests;
+
+use crate::quant::formats::{half, q4k_scale_min};
+use crate::quant::{QType, QuantError};
+use crate::threads::{num_threads, parallel_for};
+
+/// Rows per group of the layout (the lanes of a 512-bit register of i32).
+pub const ROWS: usize = 16;
+
+fn bad<T>(msg: impl Into<String>) -> Result<T, QuantError> { Err(QuantError(msg.into())) }
+
+pub use crate::isa::Isa;
+
+/// The best path of the integer kernels.
+pub const TOP: Isa = Isa::Avx512Vnni;
+
+/// The path the integer kernels take on this CPU.
+pub fn best() -> Isa { Isa::cpu().min(TOP) }
+
+fn checked(isa: Isa) -> Result<Isa, QuantError> { isa.for_kernels(TOP).map_err(QuantError) }
+
+/// How a format's codes are stored per group of 32 and 16 rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Codes {
+    /// 4 vectors of nibbles
+    Four,
+    /// nibbles + one vector of high bits
+    Five,
+    /// nibbles + two vectors of 2-bit highs
+    Six,
+    /// 8 vectors of bytes
+    Eight,
+}
+
+/// The repacked layout of one matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub qtype: QType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl Layout {
+    pub fn new(qtype: QType, rows: usize, cols: usize) -> Result<Layout, QuantError> {
+        if !supports(qtype) {
+            return bad(format!("{} weights have no integer kernels", qtype.name()));
+        }
+        qtype.row_bytes(cols)?;
+        Ok(Layout { qtype, rows, cols })
+    }
+
+    pub(crate) fn codes(&self) -> Codes {
+        match self.qtype {
+            QType::Q4_0 | QType::Q4_1 | QType::Q4_K => Codes::Four,
+            QType::Q5_0 | QType::Q5_1 | QType::Q5_K => Codes::Five,
+            QType::Q6_K => Codes::Six,
+            _ => Codes::Eight,
+        }
+    }
+
+    /// Bytes of the codes of one group of 32 (16 rows).
+    pub(crate) fn code_bytes(&self) -> usize {
+        match self.codes() {
+            Codes::Four => 256,
+            Codes::Five => 320,
+            Codes::Six => 384,
+            Codes::Eight => 512,
+        }
+    }
+
+    /// Bytes of one group's scales (16 rows), after its codes.
+    pub(crate) fn scale_bytes(&self) -> usize {
+        match self.qtype {
+            QType::Q4_1 | QType::Q5_1 => 64,   // d, m: f16 each
+            _ => 32,                           // d f16; K-quants: sc, m (or two sc) as bytes
+        }
+    }
+
+    /// Groups of 32 per superblock (K-quants: 8, with a header of the rows' d (and dmin)).
+    pub(crate) fn sb_groups(&self) -> usize { if self.kquant() { 8 } else { 1 } }
+
+    pub(crate) fn kquant(&self) -> bool { matches!(self.qtype, QType::Q4_K | QType::Q5_K | QType::Q6_K) }
+
+    pub(crate) fn header_bytes(&self) -> usize {
+        match self.qtype {
+            QType::Q4_K | QType::Q5_K => 64,   // d[16], dmin[16] f16
+            QType::Q6_K => 32,                  // d[16] f16
+            _ => 0,
+        }
+    }
+
+    pub(crate) fn group_bytes(&self) -> usize { self.code_bytes() + self.scale_bytes() }
+
+    pub(crate) fn sb_bytes(&self) -> usize { self.header_bytes() + self.sb_groups() * self.group_bytes() }
+
+    pub fn groups(&self) -> usize { self.cols / 32 }
+
+    pub fn row_groups(&self) -> usize { self.rows.div_ceil(ROWS) }
+
+    /// Bytes of one group of 16 rows over the whole row.
+    pub fn rg_bytes(&self) -> usize { self.groups() / self.sb_groups() * self.sb_bytes() }
+
+    pub fn bytes(&self) -> usize { self.row_groups() * self.rg_bytes() }
+
+    /// Offset of group `g` (its codes) inside a row group, and of its superblock's header.
+    #[inline]
+    pub(crate) fn group_at(&self, g: usize) -> (usize, usize) {
+        let (sb, j) = (g / self.sb_groups(), g % self.sb_groups());
+        let h = sb * self.sb_bytes();
+        (h + self.header_bytes() + j * self.group_bytes(), h)
+    }
+}
+
+/// Whether a format has integer kernels (every block format; not F16 / BF16).
+pub fn supports(q: QType) -> bool { !matches!(q, QType::F16 | QType::BF16) }
+
+/// A repacked matrix borrowed from its bytes.
+#[derive(Clone, Copy)]
+pub struct RMatrix<'a> {
+    pub layout: Layout,
+    pub data: &'a [u8],
+}
+
+impl<'a> RMatrix<'a> {
+    pub fn new(layout: Layout, data: &'a [u8]) -> Result<Self, QuantError> {
+        if data.len() != layout.bytes() {
+            return bad(format!("a repacked {} [{}, {}] needs {} bytes, got {}", layout.qtype.name(), layout.rows,
+                               layout.cols, layout.bytes(), data.len()));
+        }
+        Ok(RMatrix { layout, data })
+    }
+
+    #[inline]
+    pub(crate) fn rg(&self, i: usize) -> &'a [u8] {
+        let n = self.layout.rg_bytes();
+        &self.data[i * n..(i + 1) * n]
+    }
+}
+
+// ------------------------------------------------------------------ repacking
+
+/// The 32 codes of group `g` of a GGUF block and (a, b) or, for Q6_K, the two scales.
+struct GroupCodes {
+    q: [u8; 32],
+}
+
+fn u32le(b: &[u8], at: usize) -> u32 { u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]) }
+
+/// Codes of group `g` (0 .. block_weights / 32) of GGUF block `blk`, unsigned.
+fn group_codes(q: QType, blk: &[u8], g: usize) -> GroupCodes {
+    let mut c = [0u8; 32];
+    match q {
+        QType::Q4_0 | QType::Q4_1 => {
+            let at = if q == QType::Q4_0 { 2 } else { 4 };
+            for i in 0..16 {
+                c[i] = blk[at + i] & 15;
+                c[i + 16] = blk[at + i] >> 4;
+            }
+        }
+        QType::Q5_0 | QType::Q5_1 => {
+            let at = if q == QType::Q5_0 { 2 } else { 4 };
+            let qh = u32le(blk, at);
+            for i in 0..16 {
+                c[i] = (blk[at + 4 + i] & 15) | (((qh >> i) & 1) << 4) as u8;
+                c[i + 16] = (blk[at + 4 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4) as u8;
+            }
+        }
+        QType::Q8_0 => {
+            for i in 0..32 {
+                c[i] = blk[2 + i] ^ 0x80;   // s8 + 128
+            }
+        }
+        QType::Q4_K => {
+            let qs = &blk[16 + 32 * (g / 2)..];
+            for i in 0..32 {
+                c[i] = (qs[i] >> (4 * (g % 2))) & 15;
+            }
+        }
+        QType::Q5_K => {
+            let qs = &blk[48 + 32 * (g / 2)..];
+            for i in 0..32 {
+                c[i] = ((qs[i] >> (4 * (g % 2))) & 15) | (((blk[16 + i] >> g) & 1) << 4);
+            }
+        }
+        QType::Q6_K => {
+            let (h, j) = (g / 4, g % 4);
+            let ql = &blk[64 * h + 32 * (j % 2)..];
+            let qh = &blk[128 + 32 * h..];
+            for i in 0..32 {
+                c[i] = ((ql[i] >> (4 * (j / 2))) & 15) | (((qh[i] >> (2 * j)) & 3) << 4);
+            }
+        }
+        QType::F16 | QType::BF16 => unreachable!(),
+    }
+    GroupCodes { q: c }
+}
+
+/// Repack `rows` rows of GGUF blocks (`data`, row by row) into the layout above; rows past
+/// `rows` up to a multiple of 16 are zero (codes and scales: they add nothing).
+pub fn repack(q: QType, data: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>, QuantError> {
+    let l = Layout::new(q, rows, cols)?;
+    let rb = q.row_bytes(cols)?;
+    if data.len() != rows * rb {
+        return bad(format!("{} [{rows}, {cols}] needs {} bytes, got {}", q.name(), rows * rb, data.len()));
+    }
+    let mut out = vec![0u8; l.bytes()];
+    let n = l.row_groups();
+    let dst = Bytes(out.as_mut_ptr());
+    let one = |rgi: usize| {
+        let dst = dst.get();
+        // SAFETY: row group rgi owns bytes rgi * rg_bytes .. (rgi + 1) * rg_bytes of `out`,
+        // which outlives the calls; no two calls share a row group.
+        let rg = unsafe { std::slice::from_raw_parts_mut(dst.0.add(rgi * l.rg_bytes()), l.rg_bytes()) };
+        repack_rows(&l, data, rb, rgi, rg);
+    };
+    if rows * cols >= 1 << 20 {
+        parallel_for(n, &one);
+    } else {
+        (0..n).for_each(one);
+    }
+    Ok(out)
+}
+
+/// A byte pointer the pool's threads write disjoint parts of.
+#[derive(Clone, Copy)]
+struct Bytes(*mut u8);
+// SAFETY: the threads write disjoint row groups of a buffer the caller keeps alive until
+// `parallel_for` returns.
+unsafe impl Send for Bytes {}
+// SAFETY: as for Send.
+unsafe impl Sync for Bytes {}
+
+impl Bytes {
+    /// A copy (so a closure captures the whole, Sync, value).
+    fn get(&self) -> Bytes { *self }
+}
+
+/// Row group `rgi` of GGUF rows `data` (`rb` bytes a row) into `rg`.
+fn repack_rows(l: &Layout, data: &[u8], rb: usize, rgi: usize, rg: &mut [u8]) {
+    let q = l.qtype;
+    let (bw, bb) = (q.block_weights(), q.block_bytes());
+    let gpb = bw / 32; // groups per GGUF block
+    let nr = (l.rows - rgi * ROWS).min(ROWS);
+    let blk = |r: usize, g: usize| {
+        let row = &data[(rgi * ROWS + r) * rb..(rgi * ROWS + r + 1) * rb];
+        &row[g / gpb * bb..(g / gpb + 1) * bb]
+    };
+    for g in 0..l.groups() {
+        let (at, head) = l.group_at(g);
+        if l.kquant() && g % 8 == 0 {
+            for r in 0..nr {
+                let b = blk(r, g);
+                match q {
+                    QType::Q6_K => rg[head + 2 * r..head + 2 * r + 2].copy_from_slice(&b[208..210]),
+                    _ => {
+                        rg[head + 2 * r..head + 2 * r + 2].copy_from_slice(&b[0..2]);
+                        rg[head + 32 + 2 * r..head + 32 + 2 * r + 2].copy_from_slice(&b[2..4]);
+                    }
+                }
+            }
+        }
+        let mut codes = [[0u8; 32]; ROWS];
+        for (r, c) in codes.iter_mut().enumerate().take(nr) {
+            *c = group_codes(q, blk(r, g), g % gpb).q;
+        }
+        let (cb, sc) = (&mut rg[at..at + l.code_bytes()], at + l.code_bytes());
+        write_codes(l.codes(), &codes, cb);
+        for r in 0..nr {
+            let b = blk(r, g);
+            let j = g % gpb;
+            let s = &mut rg[sc..sc + l.scale_bytes()];
+            match q {
+                QType::Q4_0 | QType::Q5_0 | QType::Q8_0 => s[2 * r..2 * r + 2].copy_from_slice(&b[0..2]),
+                QType::Q4_1 | QType::Q5_1 => {
+                    s[2 * r..2 * r + 2].copy_from_slice(&b[0..2]);
+                    s[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&b[2..4]);
+                }
+                QType::Q4_K | QType::Q5_K => {
+                    let (scale, min) = q4k_scale_min(&b[4..16], j);
+                    s[r] = scale;
+                    s[16 + r] = min;
+                }
+                QType::Q6_K => {
+                    s[r] = b[192 + 2 * j];
+                    s[16 + r] = b[192 + 2 * j + 1];
+                }
+                QType::F16 | QType::BF16 => unreachable!(),
+            }
+        }
+    }
+}
+
+/// The codes of 16 rows × 32 into their vectors: byte `4r + i` of chunk `c` is row `r`'s
+/// code `4c + i`.
+fn write_codes(kind: Codes, codes: &[[u8; 32]; ROWS], out: &mut [u8]) {
+    let at = |c: usize, r: usize, i: usize| codes[r][4 * c + i];
+    for r in 0..ROWS {
+        for i in 0..4 {
+            let b = 4 * r + i;
+            match kind {
+                Codes::Eight => {
+                    for c in 0..8 {
+                        out[64 * c + b] = at(c, r, i);
+                    }
+                }
+                _ => {
+                    for c in 0..4 {
+                        out[64 * c + b] = (at(c, r, i) & 15) | ((at(c + 4, r, i) & 15) << 4);
+                    }
+                    if kind == Codes::Five {
+                        out[256 + b] = (0..8).fold(0u8, |h, c| h | (((at(c, r, i) >> 4) & 1) << c));
+                    }
+                    if kind == Codes::Six {
+                        out[256 + b] = (0..4).fold(0u8, |h, c| h | (((at(c, r, i) >> 4) & 3) << (2 * c)));
+                        out[320 + b] = (0..4).fold(0u8, |h, c| h | (((at(c + 4, r, i) >> 4) & 3) << (2 * c)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Code `k` (0..32) of row `r` (0..16) from a group's code bytes.
+#[inline]
+pub(crate) fn code_at(kind: Codes, cb: &[u8], r: usize, k: usize) -> u8 {
+    let (c, i) = (k / 4, k % 4);
+    let b = 4 * r + i;
+    match kind {
+        Codes::Eight => cb[64 * c + b],
+        _ => {
+            let lo = if c < 4 { cb[64 * c + b] & 15 } else { cb[64 * (c - 4) + b] >> 4 };
+            match kind {
+                Codes::Five => lo | (((cb[256 + b] >> c) & 1) << 4),
+                Codes::Six => lo | (((cb[256 + 64 * (c / 4) + b] >> (2 * (c % 4))) & 3) << 4),
+                _ => lo,
+            }
+        }
+    }
+}
+
+/// Per row of a group: the scale `a` and offset `b` of each of its halves of 16 (the same
+/// for both halves except Q6_K), computed as every kernel computes them.
+#[inline]
+pub(crate) fn group_ab(l: &Layout, rg: &[u8], g: usize, r: usize) -> [(f32, f32); 2] {
+    let (at, head) = l.group_at(g);
+    let s = &rg[at + l.code_bytes()..];
+    match l.qtype {
+        QType::Q4_0 | QType::Q5_0 | QType::Q8_0 => {
+            let d = half(s, 2 * r);
+            let z = match l.qtype { QType::Q4_0 => -8.0, QType::Q5_0 => -16.0, _ => -128.0 };
+            [(d, d * z); 2]
+        }
+        QType::Q4_1 | QType::Q5_1 => [(half(s, 2 * r), half(s, 32 + 2 * r)); 2],
+        QType::Q4_K | QType::Q5_K => {
+            let (d, dmin) = (half(rg, head + 2 * r), half(rg, head + 32 + 2 * r));
+            let (a, b) = (d * s[r] as f32, -(dmin * s[16 + r] as f32));
+            [(a, b); 2]
+        }
+        QType::Q6_K => {
+            let d = half(rg, head + 2 * r);
+            let (a0, a1) = (d * (s[r] as i8) as f32, d * (s[16 + r] as i8) as f32);
+            [(a0, a0 * -32.0), (a1, a1 * -32.0)]
+        }
+        QType::F16 | QType::BF16 => unreachable!(),
+    }
+}
+
+/// Row `r` of a repacked matrix as fp32, each weight exactly as `gguf.quants.dequantize`
+/// computes it (its formula per format, not `a·q + b`).
+pub fn dequantize_row(m: &RMatrix, r: usize, out: &mut [f32]) {
+    let l = &m.layout;
+    let rg = m.rg(r / ROWS);
+    let rr = r % ROWS;
+    let kind = l.codes();
+    for g in 0..l.groups() {
+        let (at, head) = l.group_at(g);
+        let cb = &rg[at..at + l.code_bytes()];
+        let s = &rg[at + l.code_bytes()..];
+        for k in 0..32 {
+            let q = code_at(kind, cb, rr, k) as i32;
+            out[32 * g + k] = match l.qtype {
+                QType::Q4_0 => half(s, 2 * rr) * (q - 8) as f32,
+                QType::Q5_0 => half(s, 2 * rr) * (q - 16) as f32,
+                QType::Q8_0 => half(s, 2 * rr) * (q - 128) as f32,
+                QType::Q4_1 | QType::Q5_1 => half(s, 2 * rr) * q as f32 + half(s, 32 + 2 * rr),
+                QType::Q4_K | QType::Q5_K => {
+                    let (d, dmin) = (half(rg, head + 2 * rr), half(rg, head + 32 + 2 * rr));
+                    d * s[rr] as f32 * q as f32 - dmin * s[16 + rr] as f32
+                }
+                QType::Q6_K => {
+                    let sc = s[16 * (k / 16) + rr] as i8;
+                    half(rg, head + 2 * rr) * sc as f32 * (q - 32) as f32
+                }
+                QType::F16 | QType::BF16 => unreachable!(),
+            };
+        }
+    }
+}
+
+// ------------------------------------------------------------------ activations
+
+/// Tokens per tile of the activations' layout.
+pub const TILE: usize = 8;
+
+/// Token rows quantized to int8 per block of 32, laid out in tiles of `TILE` tokens: the
+/// blocks of a tile's tokens for one group of 32 columns are adjacent (`at`), so a kernel
+/// walks every token of a tile from one pointer. A last tile of fewer tokens is padded.
+pub struct QAct {
+    pub tokens: usize,
+    pub cols: usize,
+    /// the codes: block `i = at(t, g)` at `q[32 i .. 32 i + 32]`
+    pub q: Vec<i8>,
+    /// the block's scale, at `d[i]`
+    pub d: Vec<f32>,
+    /// scale · Σ codes of the block, at `ds[i]`
+    pub ds: Vec<f32>,
+    /// scale · Σ codes of each half block (Q6_K), at `ds16[2 i]`, `ds16[2 i + 1]`
+    pub ds16: Vec<f32>,
+    /// Σ codes of the block (the AVX2 path's Q8_0 correction), at `s[i]`
+    pub s: Vec<i32>,
+}
+
+impl QAct {
+    pub fn new() -> Self { QAct { tokens: 0, cols: 0, q: vec![], d: vec![], ds: vec![], ds16: vec![], s: vec![] } }
+
+    /// Groups of 32 per token.
+    #[inline]
+    pub fn groups(&self) -> usize { self.cols / 32 }
+
+    /// The index of token `t`'s block of group `g`.
+    #[inline]
+    pub fn at(&self, t: usize, g: usize) -> usize { ((t / TILE) * self.groups() + g) * TILE + t % TILE }
+}
+
+impl Default for QAct {
+    fn default() -> Self { Self::new() }
+}
+
+/// One block of 32 activations to int8 codes: the scale `d = max|x| / 127` and the codes
+/// `round(x · (1 / d))` (ties to even) within ±127; returns `d` and the sums of the codes of
+/// each half. Every path computes these same floats and integers.
+pub(crate) fn block_scalar(xs: &[f32], q: &mut [i8]) -> (f32, i32, i32) {
+    let amax = xs[..32].iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let (mut s0, mut s1) = (0i32, 0i32);
+    for (k, (q, v)) in q[..32].iter_mut().zip(xs).enumerate() {
+        *q = ((v * inv).round_ties_even() as i32).clamp(-127, 127) as i8;
+        if k < 16 { s0 += *q as i32 } else { s1 += *q as i32 }
+    }
+    (d, s0, s1)
+}
+
+/// Raw pointers to a `QAct`'s buffers, for the threads that fill disjoint tokens of it.
+#[derive(Clone, Copy)]
+struct ActOut {
+    q: *mut i8,
+    d: *mut f32,
+    ds: *mut f32,
+    ds16: *mut f32,
+    s: *mut i32,
+}
+// SAFETY: the threads write the blocks of disjoint tokens, inside buffers the caller keeps
+// borrowed until `parallel_for` returns.
+unsafe impl Send for ActOut {}
+// SAFETY: as for Send.
+unsafe impl Sync for ActOut {}
+
+impl ActOut {
+    /// A copy (so a closure captures the whole, Sync, value and not its pointer fields).
+    fn get(&self) -> ActOut { *self }
+}
+
+/// Quantize `tokens` rows of `cols` values (`x`, row stride `stride`) into `a` (its buffers
+/// reused). Rows go to the pool's threads when there are many.
+pub fn quantize(x: &[f32], stride: usize, tokens: usize, cols: usize, a: &mut QAct) -> Result<(), QuantError> {
+    quantize_with(x, stride, tokens, cols, a, best())
+}
+
+/// `quantize` on a given code path (every path gives the same bytes).
+pub fn quantize_with(x: &[f32], stride: usize, tokens: usize, cols: usize, a: &mut QAct, isa: Isa)
+    -> Result<(), QuantError> {
+    let isa = checked(isa)?;
+    if cols == 0 || cols % 32 != 0 {
+        return bad(format!("activations of {cols} columns: the integer kernels need a multiple of 32"));
+    }
+    if tokens > 0 && x.len() < (tokens - 1) * stride + cols {
+        return bad("activations: x is shorter than its rows");
+    }
+    let nb = cols / 32;
+    let blocks = tokens.div_ceil(TILE) * TILE * nb;
+    a.tokens = tokens;
+    a.cols = cols;
+    a.q.resize(32 * blocks, 0);
+    a.d.resize(blocks, 0.0);
+    a.ds.resize(blocks, 0.0);
+    a.ds16.resize(2 * blocks, 0.0);
+    a.s.resize(blocks, 0);
+    let p = ActOut { q: a.q.as_mut_ptr(), d: a.d.as_mut_ptr(), ds: a.ds.as_mut_ptr(), ds16: a.ds16.as_mut_ptr(),
+                     s: a.s.as_mut_ptr() };
+    let row = |t: usize| {
+        let p = p.get();
+        for b in 0..nb {
+            let i = ((t / TILE) * nb + b) * TILE + t % TILE;
+            let xs = &x[t * stride + 32 * b..t * stride + 32 * b + 32];
+            // SAFETY: block i of token t lies inside the buffers sized above, and no other
+            // token writes it; the ISA is the CPU's.
+            unsafe {
+                let q = std::slice::from_raw_parts_mut(p.q.add(32 * i), 32);
+                let (d, s0, s1) = match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512Vnni => avx512::block(xs.as_ptr(), q.as_mut_ptr()),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => avx2::block(xs.as_ptr(), q.as_mut_ptr()),
+                    _ => block_scalar(xs, q),
+                };
+                *p.d.add(i) = d;
+                *p.s.add(i) = s0 + s1;
+                *p.ds.add(i) = d * (s0 + s1) as f32;
+                *p.ds16.add(2 * i) = d * s0 as f32;
+                *p.ds16.add(2 * i + 1) = d * s1 as f32;
+            }
+        }
+    };
+    if tokens * cols >= 1 << 15 && tokens >= 2 && num_threads() > 1 {
+        let per = tokens.div_ceil(2 * num_threads());
+        parallel_for(tokens.div_ceil(per), &|c| (c * per..((c + 1) * per).min(tokens)).for_each(row));
+    } else {
+        (0..tokens).for_each(row);
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------ the product
+
+/// A raw output view (rows of `stride` floats) the pool's threads write disjoint parts of.
+#[derive(Clone, Copy)]
+pub(crate) struct Out {
+    pub ptr: *mut f32,
+    pub stride: usize,
+}
+// SAFETY: the threads write disjoint columns of the output, which the caller keeps borrowed
+// until `parallel_for` returns.
+unsafe impl Send for Out {}
+// SAFETY: as for Send; shared references only read the pointer.
+unsafe impl Sync for Out {}
+
+/// `out[t, r] = Σ_k W[r, k] · x[t, k]` over the quantized activations `a` (row `t` of `out`
+/// at `out[t * out_stride ..]`, columns `0 .. rows`). Runs on the pool, 16 rows a chunk.
+pub fn matmul(w: &RMatrix, a: &QAct, out: &mut [f32], out_stride: usize, isa: Isa) -> Result<(), QuantError> {
+    let isa = checked(isa)?;
+    let l = &w.layout;
+    if a.cols != l.cols {
+        return bad(format!("activations of {} columns, weights of {}", a.cols, l.cols));
+    }
+    if a.tokens > 0 && (out_stride < l.rows || out.len() < (a.tokens - 1) * out_stride + l.rows) {
+        return bad("out is too small for [tokens, rows]");
+    }
+    if a.tokens == 0 || l.rows == 0 {
+        return Ok(());
+    }
+    let o = Out { ptr: out.as_mut_ptr(), stride: out_stride };
+    let groups = l.row_groups();
+    let work = l.rows * l.cols * a.tokens;
+    let threads = if work < 1 << 16 { 1 } else { num_threads() };
+    let per = if a.tokens == 1 { groups.div_ceil(2 * threads) } else { groups.div_ceil(4 * threads) }.max(1);
+    let run = |c: usize| {
+        let (g0, g1) = (c * per, ((c + 1) * per).min(groups));
+        // SAFETY: row groups g0..g1 write output columns 16 g0 .. min(16 g1, rows) of rows
+        // 0..tokens, inside `out` (checked above) and disjoint between chunks; the ISA
+        // was checked against the CPU.
+        unsafe { kernel(isa, w, a, o, g0, g1) }
+    };
+    let chunks = groups.div_ceil(per);
+    if threads == 1 {
+        (0..chunks).for_each(run);
+    } else {
+        parallel_for(chunks, &run);
+    }
+    Ok(())
+}
+
+/// # Safety
+/// `o` must hold `a.tokens` rows with room for the columns of row groups `g0..g1`; the CPU
+/// must have `isa`.
+unsafe fn kernel(isa: Isa, w: &RMatrix, a: &QAct, o: Out, g0: usize, g1: usize) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => avx512::rows(w, a, o, g0, g1),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::rows(w, a, o, g0, g1),
+        _ => scalar::rows(w, a, o, g0, g1),
+    }
+}
+
+thread_local! {
+    static ACTS: std::cell::RefCell<QAct> = std::cell::RefCell::new(QAct::new());
+}
+
+/// `matmul` on fp32 activations: `x` (`tokens` rows, row stride `x_stride`) is quantized
+/// first, into a buffer kept per thread.
+pub fn matmul_f32(
+    w: &RMatrix, x: &[f32], x_stride: usize, tokens: usize, out: &mut [f32], out_stride: usize, isa: Isa,
+) -> Result<(), QuantError> {
+    ACTS.with(|a| {
+        let mut a = a.borrow_mut();
+        quantize(x, x_stride, tokens, w.layout.cols, &mut a)?;
+        matmul(w, &a, out, out_stride, isa)
+    })
+}
+
+/// Rows `row_start .. row_start + out_rows` of `w` as fp32 into `out` (row stride `out_stride`).
+pub fn dequantize(w: &RMatrix, row_start: usize, out: &mut [f32], out_rows: usize, out_stride: usize)
+    -> Result<(), QuantError> {
+    let l = &w.layout;
+    if row_start + out_rows > l.rows {
+        return bad(format!("rows {row_start}..{} out of range for {} rows", row_start + out_rows, l.rows));
+    }
+    if out_rows > 0 && (out_stride < l.cols || out.len() < (out_rows - 1) * out_stride + l.cols) {
+        return bad("out is too small for the rows asked for");
+    }
+    for i in 0..out_rows {
+        dequantize_row(w, row_start + i, &mut out[i * out_stride..i * out_stride + l.cols]);
+    }
+    Ok(())
+}
+
+/// The listed rows of `w` as fp32 (an embedding lookup).
+pub fn gather_rows(w: &RMatrix, rows: &[i64], out: &mut [f32], out_stride: usize) -> Result<(), QuantError> {
+    let l = &w.layout;
+    if let Some(&r) = rows.iter().find(|&&r| r < 0 || r as usize >= l.rows) {
+        return bad(format!("row {r} out of range for {} rows", l.rows));
+    }
+    if !rows.is_empty() && (out_stride < l.cols || out.len() < (rows.len() - 1) * out_stride + l.cols) {
+        return bad("out is too small for the rows asked for");
+    }
+    for (i, &r) in rows.iter().enumerate() {
+        dequantize_row(w, r as usize, &mut out[i * out_stride..i * out_stride + l.cols]);
+    }
+    Ok(())
+}
