@@ -52,6 +52,12 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     /// `p` must point at 8 readable elements and the CPU must have AVX2 and F16C.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// 8 f32 lanes into 8 consecutive elements, as `from_f32` converts them (AVX2 + F16C).
+    ///
+    /// # Safety
+    /// `p` must point at 8 writable elements and the CPU must have AVX2 and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn store8(p: *mut Self, v: std::arch::x86_64::__m256);
 }
 
 impl KvElem for f32 {
@@ -62,6 +68,9 @@ impl KvElem for f32 {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 { std::arch::x86_64::_mm256_loadu_ps(p) }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store8(p: *mut Self, v: std::arch::x86_64::__m256) { std::arch::x86_64::_mm256_storeu_ps(p, v) }
 }
 
 impl KvElem for F16 {
@@ -75,19 +84,67 @@ impl KvElem for F16 {
         use std::arch::x86_64::*;
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn store8(p: *mut Self, v: std::arch::x86_64::__m256) {
+        use std::arch::x86_64::*;
+        // F16C rounds to nearest even as `f32_to_f16` does (NaNs: the same quiet payload)
+        _mm_storeu_si128(p as *mut __m128i, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
+    }
 }
 
-/// Write `src` into `dst`, converting.
+/// Write `src` into `dst`, converting (8 at a time with AVX2 + F16C, the same bits).
 #[inline]
 pub fn store_row<E: KvElem>(dst: &mut [E], src: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::ops::has_avx2() {
+        // SAFETY: the CPU has AVX2 and F16C.
+        unsafe { store_row_avx2(dst, src) };
+        return;
+    }
+    store_row_scalar(dst, src);
+}
+
+fn store_row_scalar<E: KvElem>(dst: &mut [E], src: &[f32]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d = E::from_f32(*s);
     }
 }
 
+/// # Safety
+/// The CPU must have AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn store_row_avx2<E: KvElem>(dst: &mut [E], src: &[f32]) {
+    let n = dst.len().min(src.len());
+    let full = n / 8 * 8;
+    for i in (0..full).step_by(8) {
+        // SAFETY: i + 8 <= n elements of both slices.
+        unsafe { E::store8(dst.as_mut_ptr().add(i), std::arch::x86_64::_mm256_loadu_ps(src.as_ptr().add(i))) };
+    }
+    store_row_scalar(&mut dst[full..n], &src[full..n]);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_store_as_elements_convert_one_by_one() {
+        let mut v: Vec<f32> = (0..1000).map(|i| ((i as f32) * 0.7311).sin() * 10f32.powi(i % 11 - 6)).collect();
+        v.extend([f32::NAN, -f32::NAN, f32::INFINITY, -0.0, 65504.0, 65520.0, 1e-8, -6e-8, 2.98e-8, 1.0 + 2f32.powi(-11)]);
+        v.extend((0..13).map(|i| f32::from_bits(0x7fc0_0001 + (i << 10))));   // NaN payloads
+        for len in [v.len(), 7, 8, 21] {
+            let mut got = vec![F16::from_bits(0); len];
+            store_row(&mut got, &v[..len]);
+            for (g, x) in got.iter().zip(&v) {
+                assert_eq!(g.to_bits(), f32_to_f16(*x), "{x}");
+            }
+            let mut got32 = vec![0f32; len];
+            store_row(&mut got32, &v[..len]);
+            assert!(got32.iter().zip(&v).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
 
     #[test]
     fn f16_round_trip_and_rounding() {
