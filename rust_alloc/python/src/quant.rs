@@ -192,23 +192,28 @@ fn gather_rows(
     py.detach(move || quant::gather_rows(&w, ids, os, k, isa)).map_err(verr)
 }
 
+/// A weight in GGUF's row order about to be re-laid out by `what`: its format, row bytes and
+/// columns, or ValueError (another layout already, or bytes that are not `rows` rows of blocks).
+fn rows_layout(what: &str, qtype: u32, len: usize, rows: usize) -> PyResult<(QType, usize, usize)> {
+    let (q, lay) = self::qtype(qtype)?;
+    if lay != Lay::Rows {
+        return Err(PyValueError::new_err(format!("{what}: the weight is {} already (not in GGUF's row order)",
+                                                 lay.name())));
+    }
+    let rb = if rows == 0 { 0 } else { len / rows };
+    if rows == 0 || rb * rows != len || rb % q.block_bytes() != 0 {
+        return Err(PyValueError::new_err(format!("{what}: {len} bytes are not {rows} rows of {} blocks", q.name())));
+    }
+    Ok((q, rb, rb / q.block_bytes() * q.block_weights()))
+}
+
 /// GGUF blocks [rows, row_bytes] of a Q4_0/Q4_1/Q8_0 weight interleaved in groups of 8 rows
 /// for the kernels (pass the type id plus `x8_flag` with it): uint8 [ceil(rows / 8), 8 * row_bytes].
 /// A writable C-contiguous array whose rows are a multiple of 8 is rewritten in place (the
 /// result is a view of it); others are copied.
 #[pyfunction]
 fn interleave<'py>(py: Python<'py>, weight: Bound<'py, PyArrayDyn<u8>>, qtype: u32, rows: usize) -> PyResult<Bound<'py, PyAny>> {
-    let (q, lay) = self::qtype(qtype)?;
-    if lay != Lay::Rows {
-        return Err(PyValueError::new_err(format!("interleave: the weight is {} already (not in GGUF's row order)",
-                                                 lay.name())));
-    }
-    let len = weight.len();
-    let rb = if rows == 0 { 0 } else { len / rows };
-    if rows == 0 || rb * rows != len || rb % q.block_bytes() != 0 {
-        return Err(PyValueError::new_err(format!("interleave: {len} bytes are not {rows} rows of {} blocks", q.name())));
-    }
-    let cols = rb / q.block_bytes() * q.block_weights();
+    let (q, rb, cols) = rows_layout("interleave", qtype, weight.len(), rows)?;
     let shape = [rows.div_ceil(8), 8 * rb];
     if rows % 8 == 0 && weight.is_c_contiguous() {
         // (not writeable, or borrowed elsewhere: copied below)
@@ -229,16 +234,8 @@ fn interleave<'py>(py: Python<'py>, weight: Bound<'py, PyArrayDyn<u8>>, qtype: u
 /// `r16_flag` with it): uint8 [ceil(rows / 16), bytes per 16 rows], a new array.
 #[pyfunction]
 fn repack<'py>(py: Python<'py>, weight: PyReadonlyArrayDyn<'py, u8>, qtype: u32, rows: usize) -> PyResult<Bound<'py, PyAny>> {
-    let (q, lay) = self::qtype(qtype)?;
-    if lay != Lay::Rows {
-        return Err(PyValueError::new_err(format!("repack: the weight is {} already (not in GGUF's row order)",
-                                                 lay.name())));
-    }
     let data = contiguous(&weight, "weight")?;
-    if rows == 0 || data.len() % rows != 0 || (data.len() / rows) % q.block_bytes() != 0 {
-        return Err(PyValueError::new_err(format!("repack: {} bytes are not {rows} rows of {} blocks", data.len(), q.name())));
-    }
-    let cols = data.len() / rows / q.block_bytes() * q.block_weights();
+    let (q, _, cols) = rows_layout("repack", qtype, data.len(), rows)?;
     let l = Layout::new(q, rows, cols).map_err(verr)?;
     let out = py.detach(|| q8::repack(q, data, rows, cols)).map_err(verr)?;
     Ok(numpy::PyArray1::from_vec(py, out).reshape([l.row_groups(), l.rg_bytes()])?.into_any())
