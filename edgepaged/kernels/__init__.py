@@ -1,8 +1,10 @@
 """Triton kernels for the paged KV cache (shipped as `edgepaged.kernels`).
 
     write_kv(key, value, k_cache, v_cache, slot_mapping)
-    paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, num_splits=None)
-    paged_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None)
+    paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, num_splits=None,
+                 softcap=None)
+    paged_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None,
+                  softcap=None)
 
 The contract (shapes, dtypes, metadata) is in docs/INTERNALS.md. Triton is imported only when a
 kernel is first used, so `is_available()` can be asked on a machine without it.

@@ -25,8 +25,9 @@ MAX_SPLITS = 64
 
 @triton.jit
 def _attend_tile(q, k_base, v_base, bt_row, n, load_ok, s_kb, s_kt, s_vb, s_vt,
-                 qk_scale, d, BS: tl.constexpr, UPCAST: tl.constexpr):
-    """Gather K/V of positions n (through the block table row) and return (scores, V tile)."""
+                 qk_scale, softcap, d, BS: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Gather K/V of positions n (through the block table row) and return (scores, V tile);
+    with SOFTCAP the scaled scores become softcap * tanh(s / softcap) (gemma2)."""
     blk = tl.load(bt_row + n // BS, mask=load_ok, other=0).to(tl.int64)
     off = n % BS
     k = tl.load(k_base + (blk * s_kb + off * s_kt)[:, None] + d[None, :], mask=load_ok[:, None], other=0.0)
@@ -35,6 +36,9 @@ def _attend_tile(q, k_base, v_base, bt_row, n, load_ok, s_kb, s_kt, s_vb, s_vt,
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    if SOFTCAP:   # on the natural-log scale: s / log2(e), capped, back to base 2
+        x = s * (2.0 / (1.4426950408889634 * softcap))
+        s = (1.0 - 2.0 / (tl.exp(x) + 1.0)) * (softcap * 1.4426950408889634)
     return s, v
 
 
@@ -51,10 +55,10 @@ def _softmax_update(s, v, acc, m_i, l_i):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, lens_ptr, qk_scale, window,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, lens_ptr, qk_scale, window, softcap,
     s_qb, s_qh, s_ob, s_oh, s_os, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # grid (B, Hkv, NUM_SPLITS): sequence b, KV head kvh, one slice of the context.
     b = tl.program_id(0).to(tl.int64)
@@ -85,7 +89,7 @@ def _decode_kernel(
         n = start + tl.arange(0, BLOCK_N)
         ok = (n >= first) & (n < hi)
         s, v = _attend_tile(q, k_base, v_base, bt_row, n, ok, s_kb, s_kt, s_vb, s_vt,
-                            qk_scale, d, BS, UPCAST)
+                            qk_scale, softcap, d, BS, UPCAST, SOFTCAP)
         s = tl.where(ok[None, :], s, float("-inf"))
         acc, m_i, l_i = _softmax_update(s, v, acc, m_i, l_i)
 
@@ -115,10 +119,11 @@ def _merge_kernel(part_ptr, lse_ptr, o_ptr, s_ob, s_oh, H,
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qsl_ptr, lens_ptr, qk_scale, window, num_seqs,
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qsl_ptr, lens_ptr, qk_scale, window, softcap, num_seqs,
     s_qt, s_qh, s_ot, s_oh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # grid (T // BLOCK_Q + B, Hkv). Sequence b owns the query tiles numbered from
     # qsl[b] // BLOCK_Q + b, at least cdiv(q_len, BLOCK_Q) of them; a tile past its q_len idles.
@@ -159,7 +164,7 @@ def _prefill_kernel(
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         s, v = _attend_tile(q, k_base, v_base, bt_row, n, n < hi, s_kb, s_kt, s_vb, s_vt,
-                            qk_scale, d, BS, UPCAST)
+                            qk_scale, softcap, d, BS, UPCAST, SOFTCAP)
         visible = n[None, :] <= pos[:, None]
         if USE_WINDOW:
             visible = visible & (n[None, :] > pos[:, None] - window)
@@ -203,7 +208,7 @@ def _auto_splits(programs: int, max_ctx: int, device: torch.device) -> int:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                 num_splits: int | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """One query per sequence: q [B, H, D] at position seq_lens[b] - 1 attends to its whole context.
 
     block_tables int32 [B, M], seq_lens int32 [B] (>= 1). The context is cut into num_splits
@@ -230,11 +235,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     else:
         o, lse, s_ob, s_oh, s_os = out, out, out.stride(0), out.stride(1), 0
     _decode_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, o, lse, block_tables, seq_lens, scale * LOG2E, sliding_window or 0,
+        q, k_cache, v_cache, o, lse, block_tables, seq_lens, scale * LOG2E, sliding_window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), s_ob, s_oh, s_os, *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BS=BS, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        USE_WINDOW=bool(sliding_window), UPCAST=interpreting(),
+        USE_WINDOW=bool(sliding_window), UPCAST=interpreting(), SOFTCAP=bool(softcap),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
@@ -245,12 +250,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                  sliding_window: int | None = None) -> torch.Tensor:
+                  sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Packed causal attention: q [T, H, D] holds B chunks, chunk b = rows qsl[b]:qsl[b+1].
 
     Chunk b's queries are the last q_len positions of its context of seq_lens[b] tokens; their own
     K/V must already be in the cache (write_kv). They attend to the cached prefix and causally to
-    themselves. Rows with q_len = 1 (decode) may be mixed in. Returns [T, H, D].
+    themselves. Rows with q_len = 1 (decode) may be mixed in. `softcap`: gemma2's tanh capping
+    of the scaled scores. Returns [T, H, D].
     """
     BS, Hkv, D = _check(q, k_cache, v_cache, block_tables, seq_lens)
     T, H, _ = q.shape
@@ -265,11 +271,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_q = max(cfg["BLOCK_M"], 16, g_pad) // g_pad  # queries per program: BLOCK_M rows of (query, head)
     _prefill_kernel[(T // block_q + B, Hkv)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale * LOG2E,
-        sliding_window or 0, B,
+        sliding_window or 0, softcap or 1.0, B,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         G=G, G_PAD=g_pad, D=D, BS=BS, BLOCK_Q=block_q, BLOCK_N=_block_n(cfg, k_cache.dtype, D),
-        B_PAD=triton.next_power_of_2(B), USE_WINDOW=bool(sliding_window), UPCAST=interpreting(),
+        B_PAD=triton.next_power_of_2(B), USE_WINDOW=bool(sliding_window), UPCAST=interpreting(), SOFTCAP=bool(softcap),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -70,9 +70,29 @@ class _DecodeGroup:      # sequences with one new token, attended in one SDPA ca
 @dataclass
 class _TorchPlan:
     meta: AttentionMetadata
-    decode: _DecodeGroup | None
-    prefills: list                # (token slice, block ids, context len, causal mask or None)
+    decode: dict                  # window -> _DecodeGroup (absent: no decode rows)
+    prefills: dict                # window -> [(token slice, block ids, context len, causal mask or None)]
     write: tuple | None = None    # (rows, slots) when some slots are -1 (skipped), else None
+
+
+_SAME = object()   # "the backend's own window"
+
+
+def explicit_attention(q, k, v, mask, causal: bool, scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention with the scores in the open (SDPA cannot soft-cap them): q [.., H, L, D],
+    k/v [.., Hkv, S, D]; `mask` boolean (True: attend) or additive float, `causal` the
+    top-left causal mask. Scores: q·k·scale, then cap·tanh(s / cap), then the mask."""
+    if q.shape[-3] != k.shape[-3]:
+        g = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
+    if softcap:
+        s = torch.tanh(s.div_(softcap)).mul_(softcap)
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_()
+    if mask is not None:
+        s = s.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else s.add_(mask)
+    return torch.matmul(torch.softmax(s, -1), v.float()).to(q.dtype)
 
 
 class TorchAttention:
@@ -83,13 +103,37 @@ class TorchAttention:
     Prefill chunks: per sequence SDPA with the causal mask offset by the cached context."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 sliding_window: int | None = None, dtype=torch.float32):
+                 sliding_window: int | None = None, dtype=torch.float32, *, scale: float | None = None,
+                 softcap: float | None = None, windows: list | None = None):
+        """`sliding_window`: the default window; `windows`: every window the layers use (a
+        layer passes its own to `forward`); `scale`: of the scores (default head_dim ** -0.5);
+        `softcap`: gemma2's tanh capping of the scores."""
         self.dtype = dtype
         self.h, self.hkv, self.d, self.block_size = num_heads, num_kv_heads, head_dim, block_size
-        self.group, self.window, self.scale = num_heads // num_kv_heads, sliding_window, head_dim ** -0.5
+        self.group, self.window = num_heads // num_kv_heads, sliding_window
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.softcap = softcap or None
+        self.windows = sorted({sliding_window, *(windows or [])}, key=lambda w: w or 0)
+
+    def _sdpa(self, q, k, v, mask=None, causal=False, gqa=False) -> torch.Tensor:
+        if self.softcap:
+            return explicit_attention(q, k, v, mask, causal, self.scale, self.softcap)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                              enable_gqa=gqa)
 
     def plan(self, meta: AttentionMetadata) -> _TorchPlan:
-        """Once per forward: the decode group, the prefill chunks and the KV write."""
+        """Once per forward: the decode group, the prefill chunks and the KV write, for every
+        window the layers use."""
+        decode = {w: g for w in self.windows if (g := self._decode_group(meta, w)) is not None}
+        seqs = [i for i, q in enumerate(meta.q_lens_host) if q > 1]
+        prefills = {w: self.prefill_plan(meta, seqs, w) for w in self.windows}
+        write = None
+        if len(meta.slot_mapping) and int(meta.slot_mapping.min()) < 0:
+            rows = (meta.slot_mapping >= 0).nonzero().squeeze(1)
+            write = rows, meta.slot_mapping[rows]
+        return _TorchPlan(meta, decode, prefills, write)
+
+    def _decode_group(self, meta: AttentionMetadata, window) -> _DecodeGroup | None:
         bs, dev = self.block_size, meta.block_tables.device
         starts = np.cumsum([0] + meta.q_lens_host)
         dec = [i for i, q in enumerate(meta.q_lens_host) if q == 1]
@@ -106,20 +150,17 @@ class TorchAttention:
             pos = torch.arange(nb * bs, device=dev)
             lens_t = torch.tensor(lens, device=dev)[:, None]
             visible = pos < lens_t
-            if self.window:
-                visible &= pos >= lens_t - self.window
+            if window:
+                visible &= pos >= lens_t - window
             bias = torch.zeros(visible.shape, dtype=torch.float32, device=dev).masked_fill_(~visible, float("-inf"))
             decode = _DecodeGroup(tokens, blocks, bias[:, None, None, :].to(self.dtype), len(dec))
-        prefills = self.prefill_plan(meta, [i for i, q in enumerate(meta.q_lens_host) if q > 1])
-        write = None
-        if len(meta.slot_mapping) and int(meta.slot_mapping.min()) < 0:
-            rows = (meta.slot_mapping >= 0).nonzero().squeeze(1)
-            write = rows, meta.slot_mapping[rows]
-        return _TorchPlan(meta, decode, prefills, write)
+        return decode
 
-    def prefill_plan(self, meta: AttentionMetadata, seqs: list[int]) -> list:
+    def prefill_plan(self, meta: AttentionMetadata, seqs: list[int], window=_SAME) -> list:
         """The prefill chunks of sequences `seqs` (indices into the batch), as
-        `attend_prefills` takes them: (token rows, block ids, context length, mask or None)."""
+        `attend_prefills` takes them: (token rows, block ids, context length, mask or None),
+        for layers of `window` (default: the backend's)."""
+        window = self.window if window is _SAME else window
         bs, dev = self.block_size, meta.block_tables.device
         starts = np.cumsum([0] + meta.q_lens_host)
         prefills = []
@@ -127,28 +168,31 @@ class TorchAttention:
             q, n = meta.q_lens_host[i], meta.seq_lens_host[i]
             blocks = meta.block_tables[i, : -(-n // bs)].long()
             mask = None
-            if q != n or self.window:
+            if q != n or window:
                 qpos = torch.arange(n - q, n, device=dev)[:, None]
                 kpos = torch.arange(n, device=dev)[None, :]
                 mask = kpos <= qpos
-                if self.window:
-                    mask &= kpos > qpos - self.window
+                if window:
+                    mask &= kpos > qpos - window
             prefills.append((slice(int(starts[i]), int(starts[i]) + q), blocks, n, mask))
         return prefills
 
-    def forward(self, q, k, v, k_cache, v_cache, plan: _TorchPlan) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, plan: _TorchPlan, window=_SAME) -> torch.Tensor:
+        """This layer's attention (its `window`; default the backend's)."""
+        window = self.window if window is _SAME else window
         slots = plan.meta.slot_mapping
         if plan.write is not None:  # slot -1: don't write that token
             rows, slots = plan.write
             k, v = k[rows], v[rows]
         k_cache.view(-1, self.hkv, self.d).index_copy_(0, slots, k.to(k_cache.dtype))
         v_cache.view(-1, self.hkv, self.d).index_copy_(0, slots, v.to(v_cache.dtype))
-        if not plan.prefills:
-            return self._decode(q, k_cache, v_cache, plan.decode)
+        decode, prefills = plan.decode.get(window), plan.prefills[window]
+        if not prefills:
+            return self._decode(q, k_cache, v_cache, decode)
         out = torch.empty_like(q)
-        self.attend_prefills(q, k_cache, v_cache, plan.prefills, out)
-        if plan.decode is not None:
-            out[plan.decode.tokens] = self._decode(q[plan.decode.tokens], k_cache, v_cache, plan.decode)
+        self.attend_prefills(q, k_cache, v_cache, prefills, out)
+        if decode is not None:
+            out[decode.tokens] = self._decode(q[decode.tokens], k_cache, v_cache, decode)
         return out
 
     def attend_prefills(self, q, k_cache, v_cache, prefills, out) -> None:
@@ -157,8 +201,7 @@ class TorchAttention:
         for rows, blocks, n, mask in prefills:
             kc = _gather(k_cache, blocks).view(-1, self.hkv, self.d)[:n].transpose(0, 1).to(q.dtype)
             vc = _gather(v_cache, blocks).view(-1, self.hkv, self.d)[:n].transpose(0, 1).to(q.dtype)
-            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), kc, vc, attn_mask=mask,
-                                               is_causal=mask is None, scale=self.scale, enable_gqa=True)
+            o = self._sdpa(q[rows].transpose(0, 1), kc, vc, mask, mask is None, gqa=True)
             out[rows] = o.transpose(0, 1)
 
     def _decode(self, q, k_cache, v_cache, g: _DecodeGroup) -> torch.Tensor:
@@ -167,8 +210,7 @@ class TorchAttention:
         kc = _gather(k_cache, g.blocks).view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
         vc = _gather(v_cache, g.blocks).view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
         # GQA folded into the query length: the G query heads of a KV head are G "positions"
-        o = F.scaled_dot_product_attention(q.reshape(b, hkv, self.group, d), kc, vc, attn_mask=g.bias,
-                                           scale=self.scale)
+        o = self._sdpa(q.reshape(b, hkv, self.group, d), kc, vc, g.bias)
         return o.view(b, self.h, d)
 
 
@@ -176,21 +218,30 @@ class TritonAttention:
     """GPU backend: edgepaged.kernels (imported lazily so CPU-only runs never load Triton)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 sliding_window: int | None = None, dtype=None):
+                 sliding_window: int | None = None, dtype=None, *, scale: float | None = None,
+                 softcap: float | None = None, windows: list | None = None):
         from edgepaged.kernels import paged_decode, paged_prefill, write_kv
         self._write, self._decode, self._prefill = write_kv, paged_decode, paged_prefill
-        self.window, self.scale = sliding_window, head_dim ** -0.5
+        self.window, self.softcap = sliding_window, softcap or None
+        self.scale = head_dim ** -0.5 if scale is None else scale
 
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, window=_SAME) -> torch.Tensor:
+        window = self.window if window is _SAME else window
         self._write(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                sliding_window=self.window)
+                                sliding_window=window, softcap=self.softcap)
         return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                             self.scale, sliding_window=self.window)
+                             self.scale, sliding_window=window, softcap=self.softcap)
+
+
+def backend_for(device, cfg, block_size: int, dtype):
+    """The attention backend for model `cfg` on `device`: its windows, score scale and soft-cap."""
+    return make_backend(device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, cfg.sliding_window, dtype,
+                        scale=cfg.scale, softcap=cfg.attn_softcap, windows=cfg.windows)
 
 
 def make_backend(device, *args, **kwargs):

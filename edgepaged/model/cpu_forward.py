@@ -22,6 +22,7 @@ import torch
 
 from .._native import ops
 from .attention import AttentionMetadata, TorchAttention
+from .llama import act_mul
 from .quant import QuantLinear
 from .quant.threads import all_torch_threads, kernel_threads_only
 from .settings import CpuConfig
@@ -39,12 +40,20 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def decoder_runs(cfg) -> bool:
+    """Whether the one-call Rust decoder runs this model's layers: llama's block (no q/k
+    norms, sandwich norms, GELU, soft-capped scores, per-layer windows or rotary tables).
+    The other families run layer by layer here, on the same Rust operators."""
+    return (not cfg.qk_norm and not cfg.sandwich_norms and cfg.activation == "silu" and not cfg.attn_softcap
+            and cfg.rope_local is None and len(cfg.windows) == 1)
+
+
 def quant_decoder(model) -> ops.QuantDecoder | None:
     """A Rust `QuantDecoder` running every layer of a step in one call, when all of the
     model's linear layers kept their GGUF blocks (None otherwise)."""
-    if not model.quantized:
-        return None
     cfg = model.cfg
+    if not model.quantized or not decoder_runs(cfg):
+        return None
 
     def lin(m: QuantLinear):
         segs = [(s.data, s.kind, s.rows, s.cols) for s in m.segments]
@@ -106,13 +115,15 @@ class FusedCpuForward:
         rows, lens, tables, sdpa = self._attention_rows(meta)
         pos = _np(positions.contiguous())
         slots = _np(meta.slot_mapping.contiguous())
-        cos, sin = _np(model.rotary.cos), _np(model.rotary.sin)
-        window = backend.window or 0
+        tables_np = [(_np(r.cos), _np(r.sin)) for r in model.ropes]
         if not sdpa and self.decoder is not None and t < self.settings.fused_max_tokens:
             # every row attends in Rust and the token count suits the quantized kernels: one call
-            self.decoder.decode(_np(h), pos, slots, lens, tables, self.kv_np, cos, sin, backend.scale, window)
+            cos, sin = tables_np[0]
+            self.decoder.decode(_np(h), pos, slots, lens, tables, self.kv_np, cos, sin, backend.scale,
+                                backend.window or 0)
             return self._final(h, None, meta, logits_indices)
-        prefills = backend.prefill_plan(meta, sdpa) if sdpa else []
+        prefills = {w: backend.prefill_plan(meta, sdpa, w) for w in backend.windows} if sdpa else {}
+        softcap = backend.softcap or 0.0
         hn, a = _np(h), torch.empty_like(h)
         an = _np(a)
         out = torch.empty(t, q_size)
@@ -120,23 +131,42 @@ class FusedCpuForward:
         delta = None
         for layer, (kc, vc), (kt, vt) in zip(model.layers, self.layer_kv, zip(self.kv[:, 0], self.kv[:, 1])):
             attn, mlp = layer.self_attn, layer.mlp
-            ops.add_rms_norm(hn, delta, _np(layer.input_layernorm.weight), layer.input_layernorm.eps, an)
+            attn_in, attn_out, mlp_in, mlp_out = layer.norms()
+            ops.add_rms_norm(hn, delta, _np(attn_in.weight), attn_in.eps, an)
             qkv = attn.qkv_proj(a)
+            if attn.q_norm is not None:      # per-head q/k norms before the rotary
+                qk = qkv[:, : q_size + attn.kv_size].view(t, nh + nkv, -1)
+                qk.copy_(attn.norm_qk(qk))
             qn = _np(qkv)
+            cos, sin = tables_np[attn.rope]
             ops.rope_write_kv(qn, pos, cos, sin, slots, kc, vc, nh, nkv)
             if len(rows):
-                ops.paged_decode(qn, on, rows, lens, tables, kc, vc, nh, nkv, backend.scale, window)
+                ops.paged_decode(qn, on, rows, lens, tables, kc, vc, nh, nkv, backend.scale, attn.window or 0,
+                                 softcap)
             if prefills:   # SDPA on all of torch's threads
                 with all_torch_threads():
-                    backend.attend_prefills(qkv[:, :q_size].view(t, nh, -1), kt, vt, prefills, out.view(t, nh, -1))
-            delta = _np(attn.o_proj(out))
-            ops.add_rms_norm(hn, delta, _np(layer.post_attention_layernorm.weight),
-                             layer.post_attention_layernorm.eps, an)
+                    backend.attend_prefills(qkv[:, :q_size].view(t, nh, -1), kt, vt, prefills[attn.window],
+                                            out.view(t, nh, -1))
+            delta = _np(self._out_norm(attn.o_proj(out), attn_out))
+            ops.add_rms_norm(hn, delta, _np(mlp_in.weight), mlp_in.eps, an)
             gu = mlp.gate_up_proj(a)
-            m = torch.empty(t, mlp.inter)
-            ops.silu_mul(_np(gu), _np(m))
-            delta = _np(mlp.down_proj(m))
+            if mlp.activation == "silu":
+                m = torch.empty(t, mlp.inter)
+                ops.silu_mul(_np(gu), _np(m))
+            else:
+                m = act_mul(gu, mlp.inter, mlp.activation)
+            delta = _np(self._out_norm(mlp.down_proj(m), mlp_out))
         return self._final(h, delta, meta, logits_indices)
+
+    @staticmethod
+    def _out_norm(x: torch.Tensor, norm) -> torch.Tensor:
+        """Gemma's norm of a block's output before it joins the residual (None: as it is)."""
+        if norm is None:
+            return x
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        ops.add_rms_norm(_np(x), None, _np(norm.weight), norm.eps, _np(y))
+        return y
 
     def _final(self, h: torch.Tensor, delta: np.ndarray | None, meta, logits_indices) -> torch.Tensor:
         model = self.model
@@ -149,4 +179,4 @@ class FusedCpuForward:
             last.add_(torch.from_numpy(delta).index_select(0, logits_indices))
         normed = torch.empty_like(last)
         ops.add_rms_norm(_np(last), None, _np(model.norm.weight), model.norm.eps, _np(normed))
-        return model.lm_head(normed).float()
+        return model.head(normed)

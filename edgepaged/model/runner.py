@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from . import forward
-from .attention import AttentionMetadata, make_backend
+from .attention import AttentionMetadata, backend_for
 from .llama import LlamaForCausalLM
 from .loader import ModelFiles, terminal_progress
 from .params import SamplingParams
@@ -121,8 +121,7 @@ class ModelRunner:
                                     dense_min_tokens=settings.dense_min_tokens)
             self.model.pack()
         del files
-        self.backend = make_backend(self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
-                                    cfg.sliding_window, self.dtype)
+        self.backend = backend_for(self.device, cfg, block_size, self.dtype)
         if num_blocks is None:
             if kv_memory_bytes is None:
                 kv_memory_bytes = (self._gpu_kv_budget(gpu_memory_utilization, max_num_batched_tokens) if on_gpu
@@ -135,7 +134,7 @@ class ModelRunner:
         self.kv_cache = self._new_kv(num_blocks)
         self.max_model_len = min(cfg.context_length, num_blocks * block_size)
         if self.max_model_len != self.model.rotary.max_positions:
-            self.model.rotary.build(max_positions=self.max_model_len, device=self.device, dtype=self.dtype)
+            self.model.build_rotary(self.max_model_len)
         self.forward = forward.choose(self.model, self.backend, self.kv_cache, self.device, self.dtype, settings,
                                       self.quantized)
 

@@ -21,6 +21,17 @@ struct DecodeArgs<'a, E> {
     hs: Heads,
     scale: f32,
     window: usize,
+    softcap: f32,
+}
+
+/// Gemma 2's soft-capping of scaled scores: cap · tanh(s / cap) (`cap` 0: off).
+#[inline]
+fn cap_scores(s: &mut [f32], cap: f32) {
+    if cap > 0.0 {
+        for x in s {
+            *x = cap * (*x / cap).tanh();
+        }
+    }
 }
 
 #[inline(always)]
@@ -51,6 +62,7 @@ unsafe fn decode_item<E: KvElem>(a: &DecodeArgs<E>, item: usize, scores: &mut Ve
             scores[h * len + t] = dot(q, kr) * a.scale;
         }
     }
+    cap_scores(scores, a.softcap);
     // softmax per head
     let mut inv = [0f32; 64];
     for h in 0..g {
@@ -91,7 +103,7 @@ unsafe fn decode_item<E: KvElem>(a: &DecodeArgs<E>, item: usize, scores: &mut Ve
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{DecodeArgs, Heads, KvElem};
+    use super::{cap_scores, DecodeArgs, Heads, KvElem};
     use crate::ops::x86::exp8;
     use crate::quant::avx2::hsum;
     use std::arch::x86_64::*;
@@ -159,6 +171,11 @@ mod x86 {
                     }
                     *sp.add(h * stride + t) = hsum(acc) * a.scale;
                 }
+            }
+        }
+        if a.softcap > 0.0 {
+            for h in 0..nh {
+                cap_scores(std::slice::from_raw_parts_mut(sp.add(h * stride), len), a.softcap);
             }
         }
         let mut inv = [0f32; 64];
@@ -257,7 +274,8 @@ unsafe fn decode_items<E: KvElem>(a: &DecodeArgs<E>, i0: usize, i1: usize) {
 unsafe fn decode_items_avx2<E: KvElem>(a: &DecodeArgs<E>, i0: usize, i1: usize) { decode_items(a, i0, i1) }
 
 /// Attention of one query token per sequence over its paged context (positions
-/// `0 .. lens[b]`, the last `window` of them when `window > 0`).
+/// `0 .. lens[b]`, the last `window` of them when `window > 0`), the scaled scores
+/// soft-capped as cap · tanh(s / cap) when `softcap > 0`.
 ///
 /// `q` holds the query heads of row `rows[b]` at `q[rows[b] * q_stride ..]` (`nh * d`
 /// values, e.g. the Q part of a fused QKV row); the result goes to
@@ -266,7 +284,7 @@ unsafe fn decode_items_avx2<E: KvElem>(a: &DecodeArgs<E>, i0: usize, i1: usize) 
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode<E: KvElem>(
     q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, rows: &[i64], lens: &[i32], tables: &[i32],
-    k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize,
+    k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32,
 ) -> Result<(), OpError> {
     let Heads { nh, nkv, d } = hs;
     let b = rows.len();
@@ -294,7 +312,7 @@ pub fn paged_decode<E: KvElem>(
     }
     let args = DecodeArgs {
         q: P(q.as_ptr() as *mut f32), q_stride, out: P(out.as_mut_ptr()), out_stride, rows, lens, tables, max_blocks,
-        k: k_cache, v: v_cache, bs, hs, scale, window,
+        k: k_cache, v: v_cache, bs, hs, scale, window, softcap,
     };
     // The AVX2 kernel takes a whole sequence per item (the contiguous K/V rows of all its
     // KV heads, read in one pass); the portable loop takes one (sequence, KV head) per item.
@@ -352,9 +370,9 @@ mod tests {
         let q: Vec<f32> = (0..3 * hs.nh * hs.d).map(|_| rnd()).collect();
         let tables = [3, 1, 7, 0, 2, 5, 9, 8, 4, 6, 0, 0];
         let lens = [13, 2, 9];
-        for window in [0usize, 5] {
+        for (window, cap) in [(0usize, 0f32), (5, 0.0), (0, 0.05), (5, 0.05)] {
             let mut out = vec![0f32; 3 * hs.nh * hs.d];
-            paged_decode(&q, hs.nh * hs.d, &mut out, hs.nh * hs.d, &[0, 1, 2], &lens, &tables, &k, &v, bs, hs, 0.25, window)
+            paged_decode(&q, hs.nh * hs.d, &mut out, hs.nh * hs.d, &[0, 1, 2], &lens, &tables, &k, &v, bs, hs, 0.25, window, cap)
                 .unwrap();
             for b in 0..3 {
                 for h in 0..hs.nh {
@@ -366,7 +384,8 @@ mod tests {
                     let s: Vec<f64> = (lo..n)
                         .map(|p| {
                             let kr = &k[slot(p) * kvw + kh * hs.d..][..hs.d];
-                            qv.iter().zip(kr).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() * 0.25
+                            let s = qv.iter().zip(kr).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() * 0.25;
+                            if cap > 0.0 { cap as f64 * (s / cap as f64).tanh() } else { s }
                         })
                         .collect();
                     let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -375,7 +394,7 @@ mod tests {
                     for i in 0..hs.d {
                         let want: f64 = (lo..n).zip(&e).map(|(p, w)| w * v[slot(p) * kvw + kh * hs.d + i] as f64).sum::<f64>() / z;
                         let got = out[(b * hs.nh + h) * hs.d + i] as f64;
-                        assert!((want - got).abs() < 1e-5, "b{b} h{h} i{i}: {got} vs {want}");
+                        assert!((want - got).abs() < 1e-5, "b{b} h{h} i{i} window {window} cap {cap}: {got} vs {want}");
                     }
                 }
             }

@@ -151,7 +151,7 @@ pub fn decode_layers<E: KvElem>(
         l.qkv.forward(&a, t, &mut qkv)?;
         rope_write_kv(&mut qkv, t, hs, step.positions, step.cos, step.sin, step.slots, kc, vc)?;
         paged_decode(&qkv, w, &mut attn, q, &rows, step.lens, step.tables, kc, vc, step.block_size, hs, step.scale,
-                     step.window)?;
+                     step.window, 0.0)?;
         l.o.forward(&attn, t, &mut delta)?;
         add_rms_norm(h, Some(&delta), l.post_norm, eps, &mut a, t, hidden)?;
         l.gate_up.forward(&a, t, &mut gu)?;

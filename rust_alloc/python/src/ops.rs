@@ -130,17 +130,17 @@ fn rope_write_kv<'py>(
     }
 }
 
-/// Paged attention of one query token per sequence. q [T, >= H D] (the first H D values of
+/// Paged attention of one query token per sequence (scores soft-capped when softcap > 0). q [T, >= H D] (the first H D values of
 /// row rows[b] are sequence b's query heads, e.g. a fused QKV batch), out [T, H D];
 /// rows int64 [B], seq_lens int32 [B], block_tables int32 [B, M]; caches as above.
 #[pyfunction]
-#[pyo3(signature = (q, out, rows, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads, scale, window = 0))]
+#[pyo3(signature = (q, out, rows, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads, scale, window = 0, softcap = 0.0))]
 #[allow(clippy::too_many_arguments)]
 fn paged_decode<'py>(
     py: Python<'py>, q: PyReadonlyArrayDyn<'py, f32>, mut out: PyReadwriteArrayDyn<'py, f32>,
     rows: PyReadonlyArrayDyn<'py, i64>, seq_lens: PyReadonlyArrayDyn<'py, i32>, block_tables: PyReadonlyArrayDyn<'py, i32>,
     k_cache: Bound<'py, PyAny>, v_cache: Bound<'py, PyAny>, num_heads: usize, num_kv_heads: usize,
-    scale: f32, window: usize,
+    scale: f32, window: usize, softcap: f32,
 ) -> PyResult<()> {
     let (k_cache, v_cache) = (cache_ref(&k_cache, "k_cache")?, cache_ref(&v_cache, "v_cache")?);
     let kshape = k_cache.shape();
@@ -156,11 +156,11 @@ fn paged_decode<'py>(
     match (&k_cache, &v_cache) {
         (CacheRef::F32(k), CacheRef::F32(v)) => {
             let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
-            py.detach(|| attention::paged_decode(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window))
+            py.detach(|| attention::paged_decode(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap))
         }
         (CacheRef::F16(k), CacheRef::F16(v)) => {
             let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
-            py.detach(|| attention::paged_decode(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window))
+            py.detach(|| attention::paged_decode(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap))
         }
         _ => return Err(PyValueError::new_err(MIXED)),
     }

@@ -1,0 +1,270 @@
+"""Every family edgepaged runs (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3) against
+transformers: tiny random models from each family's config class with its quirks on
+(soft-capping, sliding windows shorter than the prompt, q/k norms, local and global rotary
+tables, LongRoPE), saved as safetensors and written as GGUF with llama.cpp's names; logits on
+the Rust CPU path, the torch path and the Triton kernels (interpreted on CPU); greedy
+answers; the families' tokenizers and real chat templates; serving with their stop tokens."""
+import json
+import os
+import subprocess
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from edgepaged.model import ModelRunner
+from edgepaged.model.forward import TorchForward
+from edgepaged.model.loader import ModelFileError, ModelFiles
+from edgepaged.model.settings import CpuConfig
+from edgepaged.model.tokenizer import Tokenizer
+from edgepaged.testing.families import (FAMILIES, MULTILINGUAL, family, make_family_model, write_family_gguf)
+
+from test_cli import CLI, ROOT, SERVE_ARGS, ServeProcess
+from test_model import Paged
+
+NEW = ("qwen3", "gemma2", "gemma3", "phi3")
+_BUILT = {}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """name -> (HF folder, GGUF path, transformers model), each built once."""
+    def get(name):
+        if name not in _BUILT:
+            folder = tmp_path_factory.mktemp(name) / name
+            hf = make_family_model(folder, name)
+            _BUILT[name] = folder, write_family_gguf(folder, folder.parent / f"{name}.gguf", hf), hf
+        return _BUILT[name]
+    return get
+
+
+def _prompt(hf, n=40, seed=1):
+    return torch.randint(0, hf.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _runner(src, path: str, **kw) -> ModelRunner:
+    r = ModelRunner(src, num_blocks=32, kv_dtype="f32", settings=CpuConfig(fused=path == "rust"), **kw)
+    assert r.forward.name.startswith("fused-cpu" if path == "rust" else "torch")
+    return r
+
+
+def _paged_logits(r: ModelRunner, tokens: list[int], prefill: int) -> torch.Tensor:
+    """A prefill of the first `prefill` tokens (every row's logits), then one decode step per token."""
+    paged = Paged(r.num_blocks, r.block_size, seed=5)
+    ids, pos, meta = paged.batch([(0, tokens[:prefill])])
+    got = [r.execute(ids, pos, meta, list(range(prefill)))]
+    for t in tokens[prefill:]:
+        ids, pos, meta = paged.batch([(0, [t])])
+        got.append(r.execute(ids, pos, meta))
+    return torch.cat(got)
+
+
+# ---------------------------------------------------------------- logits and greedy answers
+
+@pytest.mark.parametrize("path", ["rust", "torch"])
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_match_transformers(name, source, path, built):
+    """40 tokens (a 30-token prefill, then 10 decode steps): past every sliding window (8)
+    and, for phi3, past the original context (32), so LongRoPE runs its long factors."""
+    folder, gguf, hf = built(name)
+    r = _runner(folder if source == "safetensors" else gguf, path)
+    assert r.config.arch == ("llama" if name == "mistral" and source == "gguf" else name)
+    tokens = _prompt(hf)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    got = _paged_logits(r, tokens, 30)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_32_tokens_equal_transformers(name, built):
+    folder, gguf, hf = built(name)
+    r = ModelRunner(gguf, num_blocks=32, kv_dtype="f32")
+    prompt = _prompt(hf, 36, seed=2)    # past the windows and phi3's original context
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                       pad_token_id=0)[0, len(prompt):].tolist()
+    paged, got = Paged(r.num_blocks, r.block_size), []
+    ids, pos, meta = paged.batch([(0, prompt)])
+    for _ in range(32):
+        got.append(int(r.execute(ids, pos, meta)[0].argmax()))
+        ids, pos, meta = paged.batch([(0, [got[-1]])])
+    assert got == want
+
+
+def test_phi3_short_factors_inside_the_original_context(built):
+    """A server whose context fits phi3's original one (32 positions) rotates with the short
+    LongRoPE factors, as transformers does for sequences that short."""
+    folder, gguf, hf = built("phi3")
+    r = ModelRunner(gguf, num_blocks=2, kv_dtype="f32")      # 2 blocks of 16: a 32-token context
+    assert r.max_model_len == 32
+    tokens = _prompt(hf, 30, seed=3)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    assert (_paged_logits(r, tokens, 20) - ref).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_triton_kernels_run_the_family(name, built):
+    """The GPU path's attention (Triton, interpreted on CPU): per-layer windows, the score
+    scale, gemma2's soft-capping, on a prefill batch and decode steps."""
+    pytest.importorskip("triton")
+    from edgepaged import kernels
+    from edgepaged.model.attention import backend_for
+    if not kernels.is_available():
+        pytest.skip("Triton has neither a GPU nor the interpreter here (conftest.py sets TRITON_INTERPRET=1)")
+    folder, gguf, hf = built(name)
+    r = _runner(folder, "torch")
+    r.forward = TorchForward(r.model, backend_for("cuda", r.config, r.block_size, r.dtype), r.kv_cache)
+    assert "Triton" in r.forward.name
+    tokens = _prompt(hf, 36)   # past phi3's original context: transformers' long factors, as ours
+    with torch.inference_mode():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    assert (_paged_logits(r, tokens, 33) - ref).abs().max().item() <= 1e-3
+
+
+# ---------------------------------------------------------------- tokenizers and templates
+
+CHATS = {
+    "user": [{"role": "user", "content": "hello world, how are you?"}],
+    "system": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße! 你好"}],
+    "turns": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
+              {"role": "user", "content": "the quick brown fox"}],
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def _render(tok, messages, **kw):
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    except Exception as e:     # the template's own raise_exception: both must refuse alike
+        return f"error: {e}"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_chat_template_renders_like_transformers(name, built):
+    from transformers import AutoTokenizer
+    folder, gguf, hf = built(name)
+    hf_tok = AutoTokenizer.from_pretrained(str(folder))
+    ours = {"gguf": Tokenizer.load(gguf), "folder": Tokenizer.load(folder)}
+    cases = [(m, {}) for m in CHATS.values()]
+    if name == "qwen3":
+        cases.append((CHATS["user"], {"tools": TOOLS}))
+        cases.append((CHATS["user"], {"enable_thinking": False}))
+    for messages, kw in cases:
+        want = _render(hf_tok, messages, **kw)
+        for where, tok in ours.items():
+            got = _render(tok, messages, **kw)
+            assert got == want, (where, messages, kw)
+            if not want.startswith("error"):
+                assert tok.apply_chat_template(messages, **kw) == hf_tok(want, add_special_tokens=False)["input_ids"]
+    if name == "gemma2":    # its template refuses a system message: it said so, through ours too
+        assert _render(ours["gguf"], CHATS["system"]).startswith("error: System role not supported")
+    if name == "qwen3":
+        assert "get_weather" in _render(ours["gguf"], CHATS["user"], tools=TOOLS)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tokenizer_from_gguf_equals_tokenizers(name, built):
+    """The GGUF's vocabulary (SentencePiece with byte fallback, or byte-level BPE with the
+    family's pre-tokenizer) tokenizes a multilingual string as `tokenizers` does from the same
+    vocabulary (tokenizer.json, for the SentencePiece ones converted by transformers)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    folder, gguf, hf = built(name)
+    ref = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    tok = Tokenizer.load(gguf)
+    for text in (MULTILINGUAL, "hello world", " leading space", "<start_of_turn>user\nhi<|im_end|>"):
+        want = ref.encode(text, add_special_tokens=False).ids
+        assert tok.encode(text, add_special_tokens=False) == want, text
+        assert tok.decode(want) == ref.decode(want, skip_special_tokens=False), text
+    fam = family(name)
+    assert tok.tok.token_to_id(fam.end_of_turn) in tok.stop_token_ids
+    assert Tokenizer.load(folder).tok.token_to_id(fam.end_of_turn) in Tokenizer.load(folder).stop_token_ids
+    bos = tok.encode("hi")[0] == tok.bos_token_id
+    assert bos == fam.add_bos
+
+
+# ---------------------------------------------------------------- refused clearly
+
+def test_unsupported_architecture_and_tensor_type_are_refused(tmp_path, built):
+    import gguf
+    folder, path, hf = built("qwen3")
+    w = gguf.GGUFWriter(str(tmp_path / "falcon.gguf"), "falcon")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    for f in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        f()
+    with pytest.raises(ModelFileError, match="'falcon'.*qwen3, gemma2, gemma3, phi3"):
+        ModelFiles(tmp_path / "falcon.gguf")
+    # a tensor in a type without a kernel here (IQ4_XS): named, with what runs
+    from gguf.gguf_reader import GGUFReader
+    src = GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "qwen3")
+    for field in src.fields.values():
+        if field.name.startswith(("qwen3.", "tokenizer.")):
+            w.add_key_value(field.name, field.contents(), field.types[0],
+                            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in src.tensors:
+        if t.name == "blk.0.ffn_down.weight":
+            raw = np.zeros((t.shape[1], t.shape[0] // 256 * 136), np.uint8)
+            w.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType.IQ4_XS)
+        else:
+            w.add_tensor(t.name, np.array(t.data))
+    for f in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        f()
+    with pytest.raises(ModelFileError, match=r"blk\.0\.ffn_down\.weight is IQ4_XS.*Q4_K"):
+        ModelFiles(tmp_path / "iq.gguf")
+    # and the CLI says it in one line, no traceback
+    r = subprocess.run([*CLI, "serve", "--model", str(tmp_path / "iq.gguf"), *SERVE_ARGS], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert r.returncode != 0 and "IQ4_XS" in r.stderr and "Traceback" not in r.stderr + r.stdout
+    # partial rotary (Phi-4-mini) from a Hugging Face folder
+    cfg = json.loads((folder / "config.json").read_text())
+    part = tmp_path / "partial"
+    part.mkdir()
+    (part / "config.json").write_text(json.dumps(dict(cfg, model_type="phi3", partial_rotary_factor=0.75)))
+    with pytest.raises(ValueError, match="partial rotary"):
+        ModelFiles(part)
+
+
+# ---------------------------------------------------------------- serving
+
+STOP_CHAT = [{"role": "user", "content": "hello world"}]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_serve_answers_and_stops_on_the_family_turn_token(name, tmp_path):
+    """`edgepaged serve --model` on a tiny F16 GGUF of the family (kept as it is, on the CPU's
+    block kernels), whose end-of-turn token ends
+    a greedy answer after a few tokens: the protocol's answer and the OpenAI API's stop there
+    (finish_reason "stop"), without the token's text."""
+    folder = tmp_path / name
+    hf = make_family_model(folder, name, seed=1, stop_prompt=STOP_CHAT)
+    path = write_family_gguf(folder, tmp_path / f"{name}.gguf", hf, qtype=1)
+    env = {k: v for k, v in os.environ.items() if k != "EDGEPAGED_TOKEN"}
+    s = ServeProcess([*CLI, "serve", "--model", str(path), *SERVE_ARGS], env=env)
+    try:
+        m = s.wait_for(r"ready on ([\d.]+):(\d+)", timeout=120)
+        http = s.wait_for(r"HTTP \(OpenAI API, chat page\) (http://127\.0\.0\.1:\d+)/", timeout=10).group(1)
+        eot = family(name).end_of_turn
+        r = subprocess.run([*CLI, "ask", "--server", f"{m.group(1)}:{m.group(2)}", "--json", "--max-tokens", "64",
+                            STOP_CHAT[0]["content"]], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["finish_reason"] == "stop" and out["usage"]["completion_tokens"] < 64, out
+        assert eot not in out["text"]
+        req = urllib.request.Request(f"{http}/v1/chat/completions", json.dumps(
+            {"model": name, "messages": STOP_CHAT, "max_tokens": 64, "temperature": 0}).encode(),
+            {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            body = json.loads(resp.read())
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "stop" and body["usage"]["completion_tokens"] < 64, body
+        assert choice["message"]["content"] == out["text"] and eot not in choice["message"]["content"]
+    finally:
+        s.proc.kill()
+        s.proc.wait()
