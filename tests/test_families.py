@@ -268,3 +268,21 @@ def test_serve_answers_and_stops_on_the_family_turn_token(name, tmp_path):
     finally:
         s.proc.kill()
         s.proc.wait()
+
+
+def test_explicit_attention_equals_sdpa():
+    """The soft-capping path's attention (scores in the open, a few query rows at a time)
+    without a cap equals SDPA: GQA, a boolean mask, top-left causal, an additive bias."""
+    import torch.nn.functional as F
+
+    from edgepaged.model.attention import explicit_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(4, 70, 16, generator=g), torch.randn(2, 90, 16, generator=g), torch.randn(2, 90, 16, generator=g)
+    mask = torch.rand(70, 90, generator=g) > 0.3
+    mask[:, 0] = True
+    for m, causal in ((mask, False), (None, True), (torch.where(mask, 0.0, float("-inf")), False)):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, scale=0.3, enable_gqa=True)
+        got = explicit_attention(q, k, v, m, causal, 0.3, None, rows=16)
+        assert (got - want).abs().max().item() < 1e-5
+    capped = explicit_attention(q, k, v, None, True, 0.3, 0.5, rows=16)
+    assert (capped - explicit_attention(q, k, v, None, True, 0.3, None)).abs().max().item() > 1e-2

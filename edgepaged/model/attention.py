@@ -78,21 +78,30 @@ class _TorchPlan:
 _SAME = object()   # "the backend's own window"
 
 
-def explicit_attention(q, k, v, mask, causal: bool, scale: float, softcap: float | None) -> torch.Tensor:
+def explicit_attention(q, k, v, mask, causal: bool, scale: float, softcap: float | None,
+                       rows: int = 256) -> torch.Tensor:
     """Attention with the scores in the open (SDPA cannot soft-cap them): q [.., H, L, D],
-    k/v [.., Hkv, S, D]; `mask` boolean (True: attend) or additive float, `causal` the
-    top-left causal mask. Scores: q·k·scale, then cap·tanh(s / cap), then the mask."""
+    k/v [.., Hkv, S, D]; `mask` boolean (True: attend) or additive float, broadcastable to
+    [.., L, S]; `causal` the top-left causal mask. Scores: q·k·scale, then cap·tanh(s / cap),
+    then the mask; `rows` queries at a time, so a long prompt's scores stay small."""
     if q.shape[-3] != k.shape[-3]:
         g = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
-    if softcap:
-        s = torch.tanh(s.div_(softcap)).mul_(softcap)
+    kt, vf = k.float().transpose(-1, -2), v.float()
+    n_q, n_k = q.shape[-2], k.shape[-2]
     if causal:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_()
-    if mask is not None:
-        s = s.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else s.add_(mask)
-    return torch.matmul(torch.softmax(s, -1), v.float()).to(q.dtype)
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril_()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for r0 in range(0, n_q, rows):
+        r1 = min(r0 + rows, n_q)
+        s = torch.matmul(q[..., r0:r1, :].float(), kt).mul_(scale)
+        if softcap:
+            s = torch.tanh(s.div_(softcap)).mul_(softcap)
+        if mask is not None:
+            m = mask[..., r0:r1, :] if mask.shape[-2] == n_q and n_q > 1 else mask
+            s = s.masked_fill_(~m, float("-inf")) if m.dtype == torch.bool else s.add_(m)
+        out[..., r0:r1, :] = torch.matmul(torch.softmax(s, -1), vf).to(q.dtype)
+    return out
 
 
 class TorchAttention:
