@@ -155,6 +155,20 @@ class FrontEnd:
         self.max_prompt_tokens = min(cfg.max_prompt_tokens or ctx - 1, ctx - 1)
         self.max_tokens = min(cfg.max_tokens or ctx, ctx)
         self.model = model_display_name(engine)
+        self._grammars = None
+
+    @property
+    def grammars(self):
+        """The model's constrained-decoding compiler (llguidance), made on first use."""
+        if self._grammars is None:
+            from .model.grammar import Grammars
+            vocab = getattr(getattr(getattr(self.engine, "runner", None), "config", None), "vocab_size", None)
+            self._grammars = Grammars(self.tokenizer, vocab or self.tokenizer.vocab_size)
+        return self._grammars
+
+    def _matcher(self, spec: dict):
+        grammars = self.grammars
+        return grammars.matcher(grammars.compile(spec))
 
     # -- who is asking --------------------------------------------------------------------------
     @property
@@ -221,15 +235,30 @@ class FrontEnd:
         if len(ids) > self.max_prompt_tokens:
             raise RequestRejected("prompt_too_long", f"the prompt has {len(ids)} tokens; this server takes at most "
                                   f"{self.max_prompt_tokens}")
+        context = self.engine.max_model_len
+        if item.context_limit is not None and item.context_limit < context:   # the client's smaller context
+            context = item.context_limit
+            if len(ids) >= context:
+                raise RequestRejected("prompt_too_long", f"the prompt has {len(ids)} tokens, the context asked for "
+                                      f"(num_ctx) {context}")
         max_tokens = item.max_tokens
+        if max_tokens is not None and item.context_limit is not None:
+            max_tokens = max(1, min(max_tokens, context - len(ids)))
         if max_tokens is None:   # none sent: up to the context, as chat clients expect
-            max_tokens = max(1, min(self.max_tokens, self.engine.max_model_len - len(ids)))
+            max_tokens = max(1, min(self.max_tokens, context - len(ids)))
         elif not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= self.max_tokens:
             raise RequestRejected("invalid_params", f"max_tokens must be in 1..{self.max_tokens} on this server, "
                                   f"got {max_tokens}")
         params.max_tokens = max_tokens
+        matcher = None
+        if item.format is not None:   # compiled off the event loop: a schema may take a while
+            try:
+                matcher = await trio.to_thread.run_sync(self._matcher, item.format)
+            except ValueError as e:
+                raise RequestRejected("invalid_params", f"format: {e}") from None
         return Request(prompt_ids=ids, params=params, priority=item.priority, client=caller.client,
-                       salt=cache_salt(caller.identity, item.share_prefix_cache), owner=caller.identity)
+                       salt=cache_salt(caller.identity, item.share_prefix_cache), owner=caller.identity,
+                       matcher=matcher)
 
     # -- what the box says about itself ---------------------------------------------------------
     def stats(self, caller: Caller, full: dict) -> dict:

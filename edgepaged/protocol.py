@@ -54,7 +54,7 @@ SAMPLING_FIELDS = {   # name -> accepted python types (after msgpack decoding)
     "repetition_penalty": (int, float), "seed": (int,), "ignore_eos": (bool,),
 }
 REQUEST_FIELDS = {"type", "id", "max_tokens", "priority", "stop", "stop_token_ids", "share_prefix_cache",
-                  *SAMPLING_FIELDS}
+                  "format", *SAMPLING_FIELDS}
 
 
 class ProtocolError(Exception):
@@ -167,6 +167,8 @@ class GenerateRequest:
     priority: str = "interactive"
     share_prefix_cache: bool = False               # opt in to the household-wide prefix cache
     sampling: dict = field(default_factory=dict)   # SamplingParams keyword arguments (no max_tokens)
+    format: dict | None = None    # constrained output: {"type": json_object|json_schema|regex|lark, ...}
+    context_limit: int | None = None  # prompt + answer at most this many tokens (Ollama's num_ctx)
 
 
 @dataclass
@@ -270,6 +272,12 @@ def _parse_generate(msg: dict) -> GenerateRequest:
         if not isinstance(ids, list) or len(ids) > MAX_STOP or not all(_is_int(t) for t in ids):
             raise ProtocolError("bad_request", f"stop_token_ids must be a list of at most {MAX_STOP} integers", rid)
         req.sampling["stop_token_ids"] = ids
+    fmt = msg.get("format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise ProtocolError("bad_request", "format must be a map with a type (json_object, json_schema, regex, "
+                                "lark)", rid)
+        req.format = fmt
     return req
 
 

@@ -177,10 +177,11 @@ class Engine:
                     self.metrics.on_admit(len(req.prompt_ids), req.num_cached, self.allocator.enable_prefix_caching)
             prev = [r.all_ids if r.params.needs_history else [] for r in batch.sampled]
             params = [r.params for r in batch.sampled]
+            matchers = [r.matcher for r in batch.sampled]
             tokens, ok = None, False
             self._in_step = frozenset(batch.requests)
             try:
-                tokens = await trio.to_thread.run_sync(self._execute, batch, params, prev)
+                tokens = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers)
                 ok = True
             except Exception as e:  # a failed step fails only its own requests
                 log.exception("model step failed")
@@ -204,10 +205,13 @@ class Engine:
         if not self.scheduler.has_work():
             self._idle.set()
 
-    def _execute(self, batch: Batch, params, prev) -> list:
-        """In the worker thread: copy-on-write, the forward, sampling."""
+    def _execute(self, batch: Batch, params, prev, matchers=None) -> list:
+        """In the worker thread: copy-on-write, the forward, sampling (under the constrained
+        rows' token masks)."""
         if self.step_hook is not None:
             self.step_hook(batch)
+        if matchers is not None and any(m is not None for m in matchers):
+            return self.runner.step(batch, params, prev, matchers=matchers)
         return self.runner.step(batch, params, prev)
 
     def _process(self, batch: Batch, tokens: list) -> None:
@@ -233,6 +237,15 @@ class Engine:
             self._send(req, TokenEvent([tok], req.detok.add(tok)))
             if req.finished:
                 continue
+            if req.matcher is not None:   # a constrained output: its grammar takes the token
+                if not req.matcher.consume_token(tok):
+                    self._end(req, "error", error={"code": "internal_error", "message": "the output left its "
+                                                   f"format: {req.matcher.get_error()}"})
+                    continue
+                if req.matcher.is_stopped():    # the format is complete: nothing may follow
+                    req.stop_reason = "format"
+                    self._end(req, "stop")
+                    continue
             if req.detok.stopped is not None:
                 req.stop_reason = req.detok.stopped
                 self._end(req, "stop")

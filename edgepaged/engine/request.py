@@ -80,6 +80,7 @@ class Request:
     stop_reason: str | int | None = None
     error: dict[str, str] | None = None
     detok: Any = None              # IncrementalDetokenizer
+    matcher: Any = None            # llguidance matcher of a constrained output (model/grammar.py), else None
     send: Any = None               # the engine's side of the event channel
     reserve_tokens: int = 0        # contiguous mode: tokens reserved at admission
 

@@ -30,6 +30,10 @@ GEMMA = ("gemma2", "gemma3")
 HF_ARCHS = {"gemma3_text": "gemma3"}
 
 Progress = Callable[[int, int], None]  # (done, total)
+# llama.cpp's general.file_type values (llama_ftype) -> the names people know
+FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+              12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+              32: "BF16"}
 
 
 @dataclass
@@ -159,6 +163,19 @@ class ModelFiles:
             self.config = _hf_config(path)
         else:
             raise ValueError(f"{path} is neither a GGUF file nor a folder with config.json")
+
+    def info(self) -> dict:
+        """What a model list says of the files: format, bytes, modification time, and the
+        quantization (GGUF's general.file_type, llama.cpp's names)."""
+        files = [self.path] if self.path.is_file() else sorted(self.path.glob("*.safetensors"))
+        quant = None
+        if self.reader is not None:
+            ftype = gguf_field(self.reader, "general.file_type")
+            quant = FILE_TYPES.get(ftype, f"type {ftype}" if ftype is not None else None)
+        return {"format": "gguf" if self.reader is not None else "safetensors",
+                "size": sum(f.stat().st_size for f in files),
+                "modified": max((f.stat().st_mtime for f in files), default=0.0),
+                "quantization": quant or ("F32" if self.reader is None else "unknown")}
 
     @property
     def has_quantized(self) -> bool:

@@ -9,12 +9,35 @@ import torch
 
 from . import forward
 from .attention import AttentionMetadata, backend_for
+from .grammar import Masks
 from .llama import LlamaForCausalLM
 from .loader import ModelFiles, terminal_progress
 from .params import SamplingParams
 from .sampler import sample
 from .settings import CpuConfig
 from .tokenizer import Tokenizer
+
+
+class _Background:
+    """fn(*args) in a thread of its own; `result()` waits for it (and raises what it raised)."""
+
+    def __init__(self, fn, *args):
+        import threading
+        self._out = self._err = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args):
+        try:
+            self._out = fn(*args)
+        except BaseException as e:   # handed to the caller
+            self._err = e
+
+    def result(self):
+        self._thread.join()
+        if self._err is not None:
+            raise self._err
+        return self._out
 
 CPU_KV_MAX_BYTES = 1 << 30       # CPU default budget: min(1 GiB, 25% of available RAM)
 CPU_KV_RAM_FRACTION = 0.25
@@ -105,6 +128,7 @@ class ModelRunner:
         self.block_size = block_size
         files = ModelFiles(model_path)
         self.model_path, self.config = files.path, files.config
+        self.file_info = files.info()     # format, size, modification time, quantization (model lists)
         cfg = self.config
         self.block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
                             * torch.empty((), dtype=self.kv_dtype).element_size())
@@ -223,16 +247,26 @@ class ModelRunner:
             idx = None if logits_indices is None else _as_tensor(logits_indices, torch.int64, dev)
             return self.forward(ids, pos, meta, idx)
 
-    def step(self, batch, params: list[SamplingParams], prev_tokens=None) -> list[int]:
+    def step(self, batch, params: list[SamplingParams], prev_tokens=None, matchers=None) -> list[int]:
         """One engine step: the batch's copy-on-write copies, the forward, one sampled token
         per logits row. `batch` has the scheduler's arrays (input_ids, positions,
         query_start_loc, seq_lens, block_tables, slot_mapping, copies, logits_indices);
-        params[i] / prev_tokens[i] (the sequence's tokens so far) belong to logits row i."""
+        params[i] / prev_tokens[i] (the sequence's tokens so far) / matchers[i] (a constrained
+        output's llguidance matcher, or None) belong to logits row i. The constrained rows'
+        token masks are computed in a thread of their own while the forward runs."""
         if len(batch.copies):
             self.copy_blocks(batch.copies)
         meta = dict(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
                     block_tables=batch.block_tables, slot_mapping=batch.slot_mapping)
+        masks = None
+        if matchers is not None and any(m is not None for m in matchers):
+            masks = _Background(Masks.compute, matchers, self.config.vocab_size)
         logits = self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices)
+        if masks is not None:
+            masks = masks.result()
+            if logits.device.type != "cpu":
+                logits = logits.cpu()
+            masks.apply(logits)
         if len(logits) == 0:
             return []
         with torch.inference_mode():

@@ -36,6 +36,8 @@ from starlette.routing import Route
 from ..engine import EngineClosed, RequestRejected, TokenEvent
 from ..frontend import AuthFailed, FrontEnd
 from .guard import Guard
+from . import ollama_api
+from .ollama_api import OllamaError, OllamaShaper
 from .openai_api import (ApiError, Generation, Shaper, done_error, error_body, model_card, models_list, new_id,
                          parse_chat, parse_completion)
 
@@ -135,6 +137,13 @@ class HttpServer:
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            # the Ollama API (ollama_api.py)
+            Route("/api/chat", self.ollama_chat, methods=["POST"]),
+            Route("/api/generate", self.ollama_generate, methods=["POST"]),
+            Route("/api/tags", self.ollama_tags, methods=["GET"]),
+            Route("/api/show", self.ollama_show, methods=["POST"]),
+            Route("/api/ps", self.ollama_ps, methods=["GET"]),
+            Route("/api/version", self.ollama_version, methods=["GET"]),
         ]
         if self._page is not None:
             routes.append(Route("/", self.page, methods=["GET"]))
@@ -151,6 +160,9 @@ class HttpServer:
 
     @staticmethod
     async def _http_error(request, e: HTTPException) -> Response:
+        if request.url.path.startswith("/api/"):   # Ollama's error shape
+            return JSONResponse({"error": f"{request.method} {request.url.path}: {e.detail}"},
+                                status_code=e.status_code, headers=e.headers)
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
         return JSONResponse(error_body(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code),
                             status_code=e.status_code, headers=e.headers)
@@ -243,9 +255,62 @@ class HttpServer:
     async def completions(self, request: HttpRequest) -> Response:
         return await self._generation(request, parse_completion, chat=False)
 
-    async def _generation(self, request: HttpRequest, parse, chat: bool) -> Response:
+    # -- the Ollama API ------------------------------------------------------------------------
+    async def _ollama(self, request: HttpRequest, with_body: bool = True) -> dict:
+        """Auth and body of an Ollama call, its errors in Ollama's shape."""
+        try:
+            await self._authorize(request)
+            return await self._json_body(request) if with_body else {}
+        except ApiError as e:
+            raise OllamaError.of(e) from None
+
+    def _runner(self):
+        return self.engine.runner
+
+    async def ollama_chat(self, request: HttpRequest) -> Response:
+        return await self._generation(request, ollama_api.parse_chat, chat=True, ollama=True)
+
+    async def ollama_generate(self, request: HttpRequest) -> Response:
+        body = await self._ollama(request)
+        if not body.get("prompt") and not body.get("raw"):   # Ollama's "load the model" call: it is loaded
+            ollama_api.check_model(body.get("model") or "", self.front.model)
+            return JSONResponse({"model": body["model"], "created_at": ollama_api.now_iso(), "response": "",
+                                 "done": True, "done_reason": "load"})
+        return await self._generation(request, ollama_api.parse_generate, chat=False, ollama=True, body=body)
+
+    async def ollama_tags(self, request: HttpRequest) -> Response:
+        await self._ollama(request, with_body=False)
+        return JSONResponse({"models": [ollama_api.model_entry(f"{self.front.model}:latest", self._runner())]})
+
+    async def ollama_ps(self, request: HttpRequest) -> Response:
+        await self._ollama(request, with_body=False)
+        return JSONResponse({"models": [ollama_api.model_entry(f"{self.front.model}:latest", self._runner(),
+                                                               running=True, context=self.engine.max_model_len)]})
+
+    async def ollama_show(self, request: HttpRequest) -> Response:
+        body = await self._ollama(request)
+        name = body.get("model") or body.get("name") or ""
+        ollama_api.check_model(name, self.front.model)
+        return JSONResponse(ollama_api.show(name, self._runner(), self.engine.max_model_len))
+
+    async def ollama_version(self, request: HttpRequest) -> Response:
+        return JSONResponse(ollama_api.version())
+
+    async def _generation(self, request: HttpRequest, parse, chat: bool, ollama: bool = False,
+                          body: dict | None = None) -> Response:
+        if ollama:
+            try:
+                return await self._generation_inner(request, parse, chat, True, body)
+            except ApiError as e:
+                raise e if isinstance(e, OllamaError) else OllamaError.of(e) from None
+        return await self._generation_inner(request, parse, chat, False, body)
+
+    async def _generation_inner(self, request: HttpRequest, parse, chat: bool, ollama: bool,
+                                body: dict | None) -> Response:
         user = await self._authorize(request)
-        gen = parse(await self._json_body(request), new_id(chat))
+        gen = parse(body if body is not None else await self._json_body(request), new_id(chat))
+        if ollama:
+            ollama_api.check_model(gen.model, self.front.model)
         if not self.engine.accepting:
             raise ApiError(503, "the server is shutting down", "shutdown")
         if self.inflight >= self.config.max_inflight:
@@ -261,7 +326,7 @@ class HttpServer:
             if isinstance(e, RequestRejected):
                 raise ApiError.from_rejected(e) from None
             raise
-        return GenerationResponse(self, gen, req)
+        return GenerationResponse(self, gen, req, OllamaShaper(gen, self.front.model) if ollama else None)
 
 
 def prometheus_text(engine) -> bytes:
@@ -286,17 +351,13 @@ def coarse_prometheus_text(s: dict) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
 class GenerationResponse:
     """An ASGI response that runs one request on the engine: a JSON answer, or server-sent
     events as the tokens come. The client's disconnect ends it (and the request) at once."""
 
-    def __init__(self, http: HttpServer, gen: Generation, req):
+    def __init__(self, http: HttpServer, gen: Generation, req, shaper=None):
         self.http, self.gen, self.req = http, gen, req
-        self.shaper = Shaper(gen, http.front.model)
+        self.shaper = shaper or Shaper(gen, http.front.model)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -323,10 +384,11 @@ class GenerationResponse:
                 else:
                     await self._answer(events, send)
         except EngineClosed:   # entering the stream: nothing was sent yet
-            await self._send_json(send, 503, error_body(503, "the server is shutting down", "shutdown"))
+            err = ApiError(503, "the server is shutting down", "shutdown")
+            await self._send_json(send, 503, self.shaper.error_body(err))
         except RequestRejected as e:
             err = ApiError.from_rejected(e)
-            await self._send_json(send, err.status, err.body())
+            await self._send_json(send, err.status, self.shaper.error_body(err))
 
     async def _answer(self, events, send) -> None:
         parts = []
@@ -336,16 +398,17 @@ class GenerationResponse:
                 continue
             err = done_error(ev)
             if err is not None:
-                return await self._send_json(send, err.status, err.body())
+                return await self._send_json(send, err.status, self.shaper.error_body(err))
             return await self._send_json(send, 200, self.shaper.full("".join(parts), ev))
 
     async def _stream(self, events, send) -> None:
+        sh = self.shaper
         await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"content-type", sh.media_type.encode()), (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no")]})
-        first = self.shaper.first_chunk()
+        first = sh.first_chunk()
         if first is not None:
-            await send({"type": "http.response.body", "body": _sse(first), "more_body": True})
+            await send({"type": "http.response.body", "body": sh.frame(first), "more_body": True})
         done = None
         while done is None:
             batch = [await events.receive()]
@@ -358,14 +421,14 @@ class GenerationResponse:
             for ev in batch:
                 if isinstance(ev, TokenEvent):
                     if ev.text:
-                        out.append(_sse(self.shaper.text_chunk(ev.text)))
+                        out.append(sh.frame(sh.text_chunk(ev.text)))
                 else:
                     done = ev
             if done is not None:
                 err = done_error(done)
-                chunks = [{"error": err.body()["error"]}] if err is not None else self.shaper.last_chunks(done)
-                out += [_sse(c) for c in chunks]
-                out.append(b"data: [DONE]\n\n")
+                chunks = [sh.error_chunk(err)] if err is not None else sh.last_chunks(done)
+                out += [sh.frame(c) for c in chunks]
+                out.append(sh.trailer)
             if out:
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": done is None})
 

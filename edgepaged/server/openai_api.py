@@ -5,12 +5,15 @@ Bodies of `POST /v1/chat/completions` and `POST /v1/completions` become the prot
 msgpack protocol's frames), and engine events become OpenAI's response objects and
 stream chunks. No HTTP here: `httpd.py` does the serving.
 
-Fields this server cannot honour (n > 1, tools, logprobs, JSON mode, penalties other than
+Fields this server cannot honour (n > 1, tools, logprobs, penalties other than
 `repetition_penalty`) are refused with a 400 naming them, never silently ignored; fields it
 does not know are ignored, as OpenAI-compatible servers do, since clients send many.
+`response_format` (json_object, json_schema) and vLLM's `guided_json`, `guided_regex` and
+`guided_grammar` (Lark) constrain the output (model/grammar.py).
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -93,9 +96,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad("logit_bias is not supported", "logit_bias", "invalid_params")
     if body.get("tools") or body.get("functions"):
         raise bad("tools and function calling are not supported", "tools", "invalid_params")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad("only response_format {\"type\": \"text\"} is supported", "response_format", "invalid_params")
     if body.get("echo"):
         raise bad("echo is not supported", "echo", "invalid_params")
     if body.get("suffix"):
@@ -134,9 +134,46 @@ def _sampling(body: dict, item: GenerateRequest) -> None:
         item.sampling["stop_token_ids"] = ids
 
 
+def output_format(body: dict) -> dict | None:
+    """The output constraint of an OpenAI body (response_format, or vLLM's guided_* fields)
+    as the neutral format spec, or None."""
+    given = [name for name in ("response_format", "guided_json", "guided_regex", "guided_grammar")
+             if body.get(name) is not None and not (name == "response_format" and isinstance(body[name], dict)
+                                                    and body[name].get("type") == "text")]
+    if len(given) > 1:
+        raise bad(f"give one output format, not {' and '.join(given)}", given[1], "invalid_params")
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise bad(f"guided_json is not valid JSON: {e}", name, "invalid_params") from None
+        if not isinstance(value, dict):
+            raise bad("guided_json must be a JSON schema (an object)", name, "invalid_params")
+        return {"type": "json_schema", "schema": value}
+    if name in ("guided_regex", "guided_grammar"):
+        if not isinstance(value, str) or not value:
+            raise bad(f"{name} must be a non-empty string", name, "invalid_params")
+        return {"type": "regex", "pattern": value} if name == "guided_regex" else {"type": "lark", "grammar": value}
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad("response_format json_schema needs json_schema.schema (an object)", name, "invalid_params")
+        return {"type": "json_schema", "schema": schema}
+    raise bad("response_format type must be text, json_object or json_schema", name, "invalid_params")
+
+
 def _common(body: dict, item: GenerateRequest, gen: Generation, default_max_tokens: int | None) -> None:
     _refuse_unsupported(body)
     _sampling(body, item)
+    item.format = output_format(body)
     for name in ("max_completion_tokens", "max_tokens"):   # the newer name wins
         v = body.get(name)
         if v is not None:
@@ -225,7 +262,23 @@ def usage(u: dict) -> dict:
 
 
 class Shaper:
-    """Builds one request's response objects (same id, creation time and model throughout)."""
+    """Builds one request's response objects (same id, creation time and model throughout);
+    streamed as server-sent events ending in [DONE]."""
+
+    media_type = "text/event-stream; charset=utf-8"
+    trailer = b"data: [DONE]\n\n"
+
+    @staticmethod
+    def frame(obj: dict) -> bytes:
+        return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    @staticmethod
+    def error_chunk(err: ApiError) -> dict:
+        return {"error": err.body()["error"]}
+
+    @staticmethod
+    def error_body(err: ApiError) -> dict:
+        return err.body()
 
     def __init__(self, gen: Generation, model: str):
         self.gen, self.model = gen, model

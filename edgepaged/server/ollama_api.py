@@ -1,0 +1,295 @@
+"""The Ollama API, as plain data: request bodies in, response bodies out (httpd.py serves them).
+
+`/api/chat` and `/api/generate` bodies become the protocol's `GenerateRequest`, built by the
+front end as every other door's (same auth, limits, fairness); engine events become Ollama's
+objects, streamed as NDJSON (one JSON object per line) unless `"stream": false`. Errors are
+Ollama's shape, `{"error": "..."}`. `options` map onto the sampling parameters
+(`num_predict` -> max_tokens, `repeat_penalty` -> repetition_penalty, `num_ctx` limits the
+prompt and answer, ...); runtime options (threads, GPU layers, mmap, batch) are ignored, as
+they are the server's to choose; sampling options this server cannot honour (mirostat,
+typical_p, presence and frequency penalties) are refused naming them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from ..protocol import MAX_MESSAGES, MAX_STOP, GenerateRequest
+from .openai_api import ApiError, Generation
+
+ROLES = ("system", "user", "assistant", "tool")
+# options that are the server's business (threads, GPU layers, memory mapping, batch size):
+# accepted and ignored, as a shared box sets them once for everyone
+RUNTIME_OPTIONS = {"num_thread", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "num_batch", "low_vram", "f16_kv",
+                   "vocab_only", "numa", "num_keep", "repeat_last_n", "penalize_newline", "tfs_z"}
+# sampling options without an equivalent here: refused when set to a value that changes the output
+UNSUPPORTED = {"mirostat": (0,), "typical_p": (1, 1.0), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)}
+SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+            "repeat_penalty": "repetition_penalty"}
+
+
+class OllamaError(ApiError):
+    """An error in Ollama's shape: {"error": message}."""
+
+    def body(self) -> dict:
+        return {"error": self.message}
+
+    @classmethod
+    def of(cls, e: ApiError) -> "OllamaError":
+        return cls(e.status, e.message, e.code, e.param)
+
+
+def bad(message: str) -> OllamaError:
+    return OllamaError(400, message, "bad_request")
+
+
+@dataclass
+class OllamaGeneration(Generation):
+    model: str = ""
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _options(body: dict, item: GenerateRequest, gen: OllamaGeneration) -> None:
+    opts = body.get("options")
+    if opts is None:
+        return
+    if not isinstance(opts, dict):
+        raise bad("options must be an object")
+    for name, value in opts.items():
+        if value is None or name in RUNTIME_OPTIONS:
+            continue
+        if name in UNSUPPORTED:
+            if value not in UNSUPPORTED[name]:
+                raise bad(f"option {name} is not supported by this server")
+        elif name in SAMPLING:
+            want_int = name in ("top_k", "seed")
+            if not _num(value) or (want_int and not float(value).is_integer()):
+                raise bad(f"option {name} must be {'an integer' if want_int else 'a number'}")
+            item.sampling[SAMPLING[name]] = int(value) if want_int else value
+        elif name == "num_predict":
+            if not _num(value) or not float(value).is_integer():
+                raise bad("option num_predict must be an integer")
+            item.max_tokens = int(value) if value > 0 else None   # -1, -2: up to the context
+        elif name == "num_ctx":
+            if not _num(value) or not float(value).is_integer() or value < 1:
+                raise bad("option num_ctx must be a positive integer")
+            item.context_limit = int(value)
+        elif name == "stop":
+            stop = [value] if isinstance(value, str) else value
+            if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+                raise bad(f"option stop must be a list of at most {MAX_STOP} non-empty strings")
+            if stop:
+                item.sampling["stop"] = stop
+        # other names: ignored, as Ollama ignores options it does not know
+
+
+def _format(body: dict):
+    fmt = body.get("format")
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict):
+        return {"type": "json_schema", "schema": fmt}
+    raise bad('format must be "json" or a JSON schema (an object)')
+
+
+def _common(body: dict, item: GenerateRequest, gen: OllamaGeneration) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model is required")
+    gen.model = model
+    stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        raise bad("stream must be a boolean")
+    gen.stream = stream
+    if body.get("images"):
+        raise bad("images are not supported: this server runs text-only models")
+    keep_alive = body.get("keep_alive")
+    if keep_alive is not None and not isinstance(keep_alive, (str, int, float)):
+        raise bad("keep_alive must be a duration (\"5m\") or a number of seconds")
+    item.format = _format(body)
+    _options(body, item, gen)
+
+
+def _tool_free(messages: list, i: int, m: dict) -> str:
+    content = m.get("content", "")
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise bad(f"messages[{i}].content must be a string")
+    return content
+
+
+def parse_chat(body: dict, rid: str) -> OllamaGeneration:
+    messages = body.get("messages")
+    if messages is None:
+        messages = []
+    if not isinstance(messages, list) or len(messages) > MAX_MESSAGES:
+        raise bad(f"messages must be a list of at most {MAX_MESSAGES} messages")
+    if body.get("tools"):
+        raise bad("tools are not supported yet by this server")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+        if m.get("images"):
+            raise bad("images are not supported: this server runs text-only models")
+        if m["role"] == "tool" or m.get("tool_calls"):
+            raise bad("tool messages are not supported yet by this server")
+        out.append({"role": m["role"], "content": _tool_free(messages, i, m)})
+    item = GenerateRequest(rid, "chat", messages=out)
+    gen = OllamaGeneration(item, chat=True)
+    _common(body, item, gen)
+    return gen
+
+
+def parse_generate(body: dict, rid: str, template: str | None = None) -> OllamaGeneration:
+    """`raw`: the prompt as it is; else the model's chat template around `system` and the prompt."""
+    prompt = body.get("prompt", "")
+    if prompt is None:
+        prompt = ""
+    if not isinstance(prompt, str):
+        raise bad("prompt must be a string")
+    system = body.get("system")
+    if system is not None and not isinstance(system, str):
+        raise bad("system must be a string")
+    if body.get("suffix"):
+        raise bad("suffix (fill in the middle) is not supported by this server")
+    if body.get("template"):
+        raise bad("template is not supported: the model's own chat template is used (or send raw: true)")
+    if body.get("context"):
+        raise bad("context (the token list of an earlier answer) is not supported: send the conversation to "
+                  "/api/chat instead")
+    if body.get("raw"):
+        item = GenerateRequest(rid, "generate", prompt=prompt)
+    else:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
+                                                                                   "content": prompt}]
+        item = GenerateRequest(rid, "chat", messages=messages)
+    gen = OllamaGeneration(item, chat=False)
+    _common(body, item, gen)
+    return gen
+
+
+# ---------------------------------------------------------------- responses
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _ns(seconds: float) -> int:
+    return int(max(0.0, seconds) * 1e9)
+
+
+class OllamaShaper:
+    """One request's Ollama objects; streamed as NDJSON."""
+
+    media_type = "application/x-ndjson"
+    trailer = b""
+
+    def __init__(self, gen: OllamaGeneration, model: str):
+        self.gen, self.model = gen, model
+
+    @staticmethod
+    def frame(obj: dict) -> bytes:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+    def _obj(self, text: str, done: bool) -> dict:
+        out = {"model": self.gen.model, "created_at": now_iso()}
+        if self.gen.chat:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["response"] = text
+        out["done"] = done
+        return out
+
+    def _final(self, text: str, done) -> dict:
+        out = self._obj(text, True)
+        t, u = done.timings, done.usage
+        out.update(done_reason=done.finish_reason if done.finish_reason in ("stop", "length") else "stop",
+                   total_duration=_ns(t["e2e_s"]), load_duration=0,
+                   prompt_eval_count=u["prompt_tokens"], prompt_eval_duration=_ns(t["ttft_s"] - t["queue_s"]),
+                   eval_count=u["completion_tokens"], eval_duration=_ns(t["decode_s"]))
+        return out
+
+    def full(self, text: str, done) -> dict:
+        return self._final(text, done)
+
+    def first_chunk(self):
+        return None
+
+    def text_chunk(self, text: str) -> dict:
+        return self._obj(text, False)
+
+    def last_chunks(self, done) -> list[dict]:
+        return [self._final("", done)]
+
+    @staticmethod
+    def error_chunk(err: ApiError) -> dict:
+        return {"error": err.message}
+
+    @staticmethod
+    def error_body(err: ApiError) -> dict:
+        return {"error": err.message}
+
+
+# ---------------------------------------------------------------- model lists
+
+def _size_label(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def model_entry(name: str, runner, running: bool = False, context: int | None = None) -> dict:
+    info = getattr(runner, "file_info", None) or {"format": "gguf", "size": 0, "modified": 0.0,
+                                                  "quantization": "unknown"}
+    cfg = runner.config
+    digest = hashlib.sha256(f"{name}:{info['size']}:{info['modified']}".encode()).hexdigest()
+    entry = {"name": name, "model": name,
+             "modified_at": datetime.fromtimestamp(info["modified"], timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+             "size": info["size"], "digest": digest,
+             "details": {"parent_model": "", "format": info["format"], "family": cfg.arch, "families": [cfg.arch],
+                         "parameter_size": _size_label(cfg.num_params), "quantization_level": info["quantization"]}}
+    if running:    # always loaded: it expires when the server stops
+        entry.update(expires_at="0001-01-01T00:00:00Z", size_vram=0, context_length=context)
+    return entry
+
+
+def show(name: str, runner, context: int) -> dict:
+    cfg = runner.config
+    entry = model_entry(name, runner)
+    template = runner.tokenizer.chat_template or ""
+    caps = ["completion"] + (["tools"] if "tools" in template else [])
+    return {"modelfile": f"# served by edgepaged\nFROM {name}\n", "parameters": "", "template": template,
+            "details": entry["details"], "modified_at": entry["modified_at"], "capabilities": caps,
+            "model_info": {"general.architecture": cfg.arch, "general.parameter_count": cfg.num_params,
+                           f"{cfg.arch}.context_length": context, f"{cfg.arch}.embedding_length": cfg.hidden_size,
+                           f"{cfg.arch}.block_count": cfg.num_layers,
+                           f"{cfg.arch}.attention.head_count": cfg.num_heads,
+                           f"{cfg.arch}.attention.head_count_kv": cfg.num_kv_heads,
+                           "tokenizer.ggml.vocab_size": cfg.vocab_size}}
+
+
+def names_of(model: str) -> set[str]:
+    """The names a client may use for the served model: its name and name:latest."""
+    return {model, f"{model}:latest"}
+
+
+def check_model(asked: str, model: str) -> None:
+    if asked not in names_of(model):
+        raise OllamaError(404, f"model '{asked}' not found; this server has '{model}:latest'", "model_not_found")
+
+
+def version() -> dict:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+    try:
+        return {"version": dist_version("edgepaged")}
+    except PackageNotFoundError:
+        return {"version": "0.0.0"}
