@@ -46,7 +46,7 @@ PREFILL = 512
 
 def cpu_flags() -> dict:
     """The CPU's model name and the SIMD features that matter here."""
-    name, flags = platform.processor(), set()
+    name, flags = "", set()
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name") and not name:
@@ -58,7 +58,7 @@ def cpu_flags() -> dict:
         pass
     wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
               "amx_int8", "amx_bf16")
-    return {"cpu": name, "flags": [f for f in wanted if f in flags]}
+    return {"cpu": name or platform.processor() or platform.machine(), "flags": [f for f in wanted if f in flags]}
 
 
 def synthetic(mix: str, cache_dir: Path) -> Path:

@@ -226,8 +226,31 @@ class FrontEnd:
         except (ValueError, TypeError) as e:
             raise RequestRejected("invalid_params", str(e)) from None
         tok = self.tokenizer
-        job = partial(tok.apply_chat_template, item.messages) if item.messages is not None else \
-            partial(tok.encode, item.prompt)
+        fmt, calls, job, lazy = item.format, None, None, None
+        if item.messages is not None:
+            from . import tools as tl
+            offered = item.tools if item.tool_choice != "none" else None
+            messages = tl.prepare_messages(item.messages, offered, tok.chat_template)
+            kwargs = {"tools": offered} if offered and tl.template_takes_tools(tok.chat_template) else {}
+            job = partial(tok.apply_chat_template, messages, **kwargs)
+            if offered:
+                syntax = tl.syntax_for(tok.chat_template)
+                calls = tl.ToolStream(syntax, tok)
+                if item.tool_choice == "auto" and fmt is None:   # a call the model starts is constrained
+                    cont = syntax.continuation(offered, item.parallel_tool_calls)
+                    if cont is not None:
+                        lazy = tl.LazyCall(syntax.marker, cont, self.grammars, tok)
+                if item.tool_choice != "auto":     # required / a named function: the call must parse
+                    if fmt is not None:
+                        raise RequestRejected("invalid_params", "a response format and a required tool call "
+                                              "cannot go together")
+                    name = None if item.tool_choice == "required" else item.tool_choice
+                    try:
+                        fmt = {"type": "lark", "grammar": syntax.grammar(offered, item.parallel_tool_calls, name)}
+                    except ValueError as e:
+                        raise RequestRejected("invalid_params", str(e)) from None
+        else:
+            job = partial(tok.encode, item.prompt)
         try:
             ids = await trio.to_thread.run_sync(job)
         except Exception as e:  # a chat template may refuse a conversation (e.g. roles out of order)
@@ -251,14 +274,14 @@ class FrontEnd:
                                   f"got {max_tokens}")
         params.max_tokens = max_tokens
         matcher = None
-        if item.format is not None:   # compiled off the event loop: a schema may take a while
+        if fmt is not None:   # compiled off the event loop: a schema may take a while
             try:
-                matcher = await trio.to_thread.run_sync(self._matcher, item.format)
+                matcher = await trio.to_thread.run_sync(self._matcher, fmt)
             except ValueError as e:
                 raise RequestRejected("invalid_params", f"format: {e}") from None
         return Request(prompt_ids=ids, params=params, priority=item.priority, client=caller.client,
                        salt=cache_salt(caller.identity, item.share_prefix_cache), owner=caller.identity,
-                       matcher=matcher)
+                       matcher=matcher, calls=calls, lazy=lazy)
 
     # -- what the box says about itself ---------------------------------------------------------
     def stats(self, caller: Caller, full: dict) -> dict:

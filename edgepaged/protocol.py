@@ -54,7 +54,7 @@ SAMPLING_FIELDS = {   # name -> accepted python types (after msgpack decoding)
     "repetition_penalty": (int, float), "seed": (int,), "ignore_eos": (bool,),
 }
 REQUEST_FIELDS = {"type", "id", "max_tokens", "priority", "stop", "stop_token_ids", "share_prefix_cache",
-                  "format", *SAMPLING_FIELDS}
+                  "format", "tools", "tool_choice", "parallel_tool_calls", *SAMPLING_FIELDS}
 
 
 class ProtocolError(Exception):
@@ -169,6 +169,9 @@ class GenerateRequest:
     sampling: dict = field(default_factory=dict)   # SamplingParams keyword arguments (no max_tokens)
     format: dict | None = None    # constrained output: {"type": json_object|json_schema|regex|lark, ...}
     context_limit: int | None = None  # prompt + answer at most this many tokens (Ollama's num_ctx)
+    tools: list | None = None      # checked by tools.check_tools (OpenAI's function tools)
+    tool_choice: str = "none"      # auto | none | required | a function's name
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -224,13 +227,19 @@ def _parse_hello(msg: dict):
 def _parse_messages(value, rid) -> list[dict]:
     if not isinstance(value, list) or not 0 < len(value) <= MAX_MESSAGES:
         raise ProtocolError("bad_request", f"messages must be a list of 1..{MAX_MESSAGES} maps", rid)
+    from .tools import check_message
     out = []
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or set(m) - {"role", "content"} or not isinstance(m.get("role"), str) \
-                or not isinstance(m.get("content"), str) or not 0 < len(m["role"]) <= 32:
+        if not isinstance(m, dict) or set(m) - {"role", "content", "tool_calls", "tool_call_id", "name"} \
+                or not isinstance(m.get("role"), str) or not 0 < len(m["role"]) <= 32 \
+                or not isinstance(m.get("content"), str) and not (m.get("tool_calls") and m.get("content") is None):
             raise ProtocolError("bad_request", f"messages[{i}] must be a map with a string role and a string "
-                                "content (and nothing else)", rid)
-        out.append({"role": m["role"], "content": m["content"]})
+                                "content (an assistant's tool_calls, a tool result's tool_call_id and name; nothing "
+                                "else)", rid)
+        try:
+            out.append(check_message(m, i))
+        except ValueError as e:
+            raise ProtocolError("bad_request", str(e), rid) from None
     return out
 
 
@@ -278,6 +287,16 @@ def _parse_generate(msg: dict) -> GenerateRequest:
             raise ProtocolError("bad_request", "format must be a map with a type (json_object, json_schema, regex, "
                                 "lark)", rid)
         req.format = fmt
+    if msg.get("tools") is not None or msg.get("tool_choice") is not None:
+        from .tools import check_choice, check_tools
+        try:
+            req.tools = check_tools(msg["tools"]) if msg.get("tools") is not None else None
+            req.tool_choice = check_choice(msg.get("tool_choice"), req.tools)
+        except ValueError as e:
+            raise ProtocolError("bad_request", str(e), rid) from None
+        if msg.get("parallel_tool_calls") is not None:
+            _type_check("parallel_tool_calls", msg["parallel_tool_calls"], (bool,), rid)
+            req.parallel_tool_calls = msg["parallel_tool_calls"]
     return req
 
 

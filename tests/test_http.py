@@ -136,7 +136,7 @@ async def test_metrics_health_stats_and_error_bodies(embedded_runner):
 
         assert (await error("/v1/chat/completions", b"{not json"))["code"] == "bad_request"
         assert (await error("/v1/chat/completions", {"messages": "hi"}))["param"] == "messages"
-        assert (await error("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}))["param"] \
+        assert (await error("/v1/chat/completions", {"messages": [{"role": "function", "content": "x"}]}))["param"] \
             == "messages[0].role"
         assert (await error("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 100}))["code"] \
             == "invalid_params"

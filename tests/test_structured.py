@@ -193,3 +193,185 @@ async def test_ollama_raw_shapes(embedded_runner):
         assert status == 200 and json.loads(body)["version"]
         status, _, body = await afetch(http.base + "/api/pull", {"model": "x"})
         assert status in (404, 405) and "error" in json.loads(body)
+
+
+# ---------------------------------------------------------------- tool calls
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "set_light", "description": "Turn a light on or off",
+        "parameters": {"type": "object", "properties": {"room": {"type": "string", "maxLength": 20},
+                                                        "on": {"type": "boolean"}},
+                       "required": ["room", "on"], "additionalProperties": False}}}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in WEATHER}
+Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+async def test_tool_calls_with_the_openai_package(embedded_runner):
+    """tool_choice required (streamed and not) and a named function: the calls parse and
+    validate against their schemas; then the tool's result goes back and is answered."""
+    import openai
+    async with serving(embedded_runner) as http:
+        def scenario():
+            c = openai.OpenAI(base_url=http.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            out = {}
+            r = c.chat.completions.create(model="m", messages=Q, tools=WEATHER, tool_choice="required",
+                                          temperature=0, max_tokens=200)
+            out["plain"] = r.choices[0]
+            calls = {}
+            for chunk in c.chat.completions.create(model="m", messages=Q, tools=WEATHER, tool_choice="required",
+                                                   temperature=0, max_tokens=200, stream=True):
+                if not chunk.choices:
+                    continue
+                ch = chunk.choices[0]
+                for tc in ch.delta.tool_calls or []:
+                    d = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                    d["name"] += tc.function.name or ""
+                    d["arguments"] += tc.function.arguments or ""
+                if ch.finish_reason:
+                    out["stream_finish"] = ch.finish_reason
+            out["stream"] = calls
+            r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Lights off in the "
+                                                                                              "kitchen."}],
+                                          tools=WEATHER, temperature=0, max_tokens=200,
+                                          tool_choice={"type": "function", "function": {"name": "set_light"}})
+            out["named"] = r.choices[0]
+            call = out["plain"].message.tool_calls[0]
+            history = Q + [{"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                                 "arguments": call.function.arguments}}]},
+                {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "sunny"}'}]
+            r = c.chat.completions.create(model="m", messages=history, tools=WEATHER, temperature=0, max_tokens=60)
+            out["answer"] = r.choices[0]
+            return out
+        out = await trio.to_thread.run_sync(scenario)
+    plain = out["plain"]
+    assert plain.finish_reason == "tool_calls" and plain.message.tool_calls
+    for tc in plain.message.tool_calls:
+        jsonschema.validate(json.loads(tc.function.arguments), SCHEMAS[tc.function.name])
+    assert out["stream_finish"] == "tool_calls" and out["stream"]
+    for d in out["stream"].values():
+        jsonschema.validate(json.loads(d["arguments"]), SCHEMAS[d["name"]])
+    named = out["named"].message.tool_calls
+    assert [t.function.name for t in named] == ["set_light"] * len(named)
+    jsonschema.validate(json.loads(named[0].function.arguments), SCHEMAS["set_light"])
+    assert out["answer"].finish_reason in ("stop", "length") and out["answer"].message.content
+
+
+HOME_ASSISTANT = {   # the shape Home Assistant's Ollama integration sends
+    "model": "SmolLM2-135M-Instruct.Q4_1:latest", "stream": False, "keep_alive": "5m",
+    "options": {"num_ctx": 8192, "top_p": 0.9, "temperature": 0.5},
+    "messages": [
+        {"role": "system", "content": "You are a voice assistant for Home Assistant.\nAnswer questions about the "
+                                      "world truthfully.\nAn overview of the areas and the devices in this smart "
+                                      "home:\n- names: Kitchen Light\n  domain: light\n  state: 'on'\n  areas: "
+                                      "Kitchen\n- names: Living Room Lamp\n  domain: light\n  state: 'off'\n"},
+        {"role": "user", "content": "turn off the kitchen light"}],
+    "tools": [{"type": "function", "function": {
+        "name": "HassTurnOff", "description": "Turns off/closes a device or entity",
+        "parameters": {"type": "object", "properties": {"name": {"type": "string"}, "area": {"type": "string"},
+                                                        "domain": {"type": "array", "items": {"type": "string"}}},
+                       "required": []}}},
+        {"type": "function", "function": {
+            "name": "HassTurnOn", "description": "Turns on/opens a device or entity",
+            "parameters": {"type": "object", "properties": {"name": {"type": "string"}, "area": {"type": "string"}},
+                           "required": []}}}],
+}
+
+
+async def test_ollama_tools_and_home_assistant(embedded_runner):
+    """Ollama tools: the Home Assistant body is served (a call the model writes is
+    constrained to the tools' schemas, so it parses; the 135 M toy model mostly answers in
+    prose instead); the ollama package gets a call back when one is made."""
+    import ollama
+    async with serving(embedded_runner) as http:
+        status, _, body = await afetch(http.base + "/api/chat", {**HOME_ASSISTANT, "options": {
+            **HOME_ASSISTANT["options"], "seed": 7, "num_predict": 128}})
+        ha = json.loads(body)
+
+        def scenario():
+            c = ollama.Client(host=http.base, timeout=120)
+            name = c.list().models[0].model
+            return c.chat(model=name, messages=Q, tools=WEATHER, options={"temperature": 0, "num_predict": 64})
+        r = await trio.to_thread.run_sync(scenario)
+    assert status == 200 and ha["done"] and ha["message"]["role"] == "assistant", ha
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in HOME_ASSISTANT["tools"]}
+    for call in ha["message"].get("tool_calls") or []:
+        jsonschema.validate(call["function"]["arguments"], schemas[call["function"]["name"]])
+    assert r.done
+    for call in r.message.tool_calls or []:
+        jsonschema.validate(call.function.arguments, SCHEMAS[call.function.name])
+
+
+def test_tool_stream_holds_calls_back_and_parses_them(embedded_runner):
+    """The text given out stops where a call starts (and holds a tail that may become one);
+    the calls come out parsed at the end; Llama 3's bare JSON and Mistral's [TOOL_CALLS]
+    parse too."""
+    from edgepaged.tools import ToolStream, ToolSyntax, check_tools, syntax_for
+    tok = embedded_runner.tokenizer
+    hermes = syntax_for(tok.chat_template)
+    assert hermes.name == "hermes"
+    text = 'Sure, checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": ' \
+           '"celsius"}}\n</tool_call>'
+    ids = tok.encode(text, add_special_tokens=False)
+    s, out = ToolStream(hermes, tok), ""
+    for i in ids:
+        out += s.push([i], "")
+        assert "<tool_call>"[:2] not in out.replace("Sure, checking. ", "")
+    rest, calls = s.finish()
+    assert (out + rest).strip() == "Sure, checking." and len(calls) == 1
+    assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Paris",
+                                                                                        "unit": "celsius"}
+    plain = ToolStream(hermes, tok)
+    said = "".join(plain.push([i], "") for i in tok.encode("No call < here.", add_special_tokens=False))
+    assert said + plain.finish()[0] == "No call < here." and plain.finish()[1] == []
+    content, calls = ToolSyntax("llama3").parse('{"name": "set_light", "parameters": {"room": "hall", "on": true}}')
+    assert content == "" and calls[0]["name"] == "set_light"
+    content, calls = ToolSyntax("mistral").parse('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}]')
+    assert calls[0]["name"] == "f" and json.loads(calls[0]["arguments"]) == {"a": 1}
+    with pytest.raises(ValueError, match="tools\\[0\\].function.name"):
+        check_tools([{"type": "function", "function": {"name": "bad name!"}}])
+
+
+def test_a_started_call_is_constrained(embedded_runner):
+    """Auto tool choice: once the answer has written <tool_call>, the rest must be a call of
+    one of the tools with arguments following its schema (fed mid-token too)."""
+    from edgepaged.model.grammar import Grammars
+    from edgepaged.tools import LazyCall, check_tools, syntax_for
+    tok = embedded_runner.tokenizer
+    g = Grammars(tok, embedded_runner.config.vocab_size)
+    tools = check_tools(WEATHER)
+    syntax = syntax_for(tok.chat_template)
+    good = '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n</tool_call>'
+    for head in ("Let me look. <tool_call>\n", "<tool_call>\n{"):
+        lazy, m = LazyCall(syntax.marker, syntax.continuation(tools), g, tok), None
+        for t in tok.encode(head, add_special_tokens=False):
+            m = lazy.feed(t) or m
+        assert m, head
+        rest = good if head.endswith("\n") else good[1:]
+        assert m.consume_tokens(g.lltok.tokenize_str(rest)) and m.is_accepting()
+        lazy, m = LazyCall(syntax.marker, syntax.continuation(tools), g, tok), None
+        for t in tok.encode(head, add_special_tokens=False):
+            m = lazy.feed(t) or m
+        bad = '{"name": "get_weather", "arguments": {"town": "Rome"}}'[0 if head.endswith("\n") else 1:]
+        assert not m.consume_tokens(g.lltok.tokenize_str(bad))
+
+
+async def test_format_and_tools_over_the_msgpack_protocol(embedded_runner):
+    from edgepaged.client import open_client
+    from edgepaged.testing.serving import serving as box
+    async with box(embedded_runner) as server:
+        async with open_client(server.address, name="t") as c:
+            text, done = await c.chat(ASK, format={"type": "json_schema", "schema": PERSON}, temperature=0,
+                                      max_tokens=400).collect()
+            jsonschema.validate(json.loads(text), PERSON)
+            assert done["finish_reason"] == "stop" and done["stop"] == "format"
+            text, done = await c.chat(Q, tools=WEATHER, tool_choice="required", temperature=0,
+                                      max_tokens=200).collect()
+            assert done["finish_reason"] == "tool_calls" and "<tool_call>" not in text, (text, done)
+            for call in done["tool_calls"]:
+                jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])

@@ -237,7 +237,11 @@ class Engine:
             self._send(req, TokenEvent([tok], req.detok.add(tok)))
             if req.finished:
                 continue
-            if req.matcher is not None:   # a constrained output: its grammar takes the token
+            if req.lazy is not None:   # auto tool choice: once the model starts a call, the call is constrained
+                m = req.lazy.feed(tok)
+                if m is not None:      # (it took this token's text after the marker already)
+                    req.matcher, req.lazy = m or None, None
+            elif req.matcher is not None:   # a constrained output: its grammar takes the token
                 if not req.matcher.consume_token(tok):
                     self._end(req, "error", error={"code": "internal_error", "message": "the output left its "
                                                    f"format: {req.matcher.get_error()}"})

@@ -81,6 +81,8 @@ class Request:
     error: dict[str, str] | None = None
     detok: Any = None              # IncrementalDetokenizer
     matcher: Any = None            # llguidance matcher of a constrained output (model/grammar.py), else None
+    calls: Any = None              # tools.ToolStream when tools were offered: the doors parse calls with it
+    lazy: Any = None               # tools.LazyCall: constrains a call the model starts (auto tool choice)
     send: Any = None               # the engine's side of the event channel
     reserve_tokens: int = 0        # contiguous mode: tokens reserved at admission
 

@@ -2,7 +2,9 @@
 `step` per engine step (copy-on-write, forward, sampling)."""
 from __future__ import annotations
 
+import collections
 import os
+import time
 
 import numpy as np
 import torch
@@ -129,6 +131,7 @@ class ModelRunner:
         files = ModelFiles(model_path)
         self.model_path, self.config = files.path, files.config
         self.file_info = files.info()     # format, size, modification time, quantization (model lists)
+        self.mask_ms: collections.deque = collections.deque(maxlen=10000)   # constrained steps' mask times
         cfg = self.config
         self.block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
                             * torch.empty((), dtype=self.kv_dtype).element_size())
@@ -247,6 +250,12 @@ class ModelRunner:
             idx = None if logits_indices is None else _as_tensor(logits_indices, torch.int64, dev)
             return self.forward(ids, pos, meta, idx)
 
+    def _masks(self, matchers) -> Masks | None:
+        t0 = time.perf_counter()
+        masks = Masks.compute(matchers, self.config.vocab_size)
+        self.mask_ms.append((time.perf_counter() - t0) * 1000)
+        return masks
+
     def step(self, batch, params: list[SamplingParams], prev_tokens=None, matchers=None) -> list[int]:
         """One engine step: the batch's copy-on-write copies, the forward, one sampled token
         per logits row. `batch` has the scheduler's arrays (input_ids, positions,
@@ -260,7 +269,7 @@ class ModelRunner:
                     block_tables=batch.block_tables, slot_mapping=batch.slot_mapping)
         masks = None
         if matchers is not None and any(m is not None for m in matchers):
-            masks = _Background(Masks.compute, matchers, self.config.vocab_size)
+            masks = _Background(self._masks, matchers)
         logits = self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices)
         if masks is not None:
             masks = masks.result()
@@ -272,9 +281,9 @@ class ModelRunner:
         with torch.inference_mode():
             try:
                 return sample(logits, params, prev_tokens).tolist()
-            except Exception:
-                if len(params) == 1:
-                    raise
+            except Exception as e:
+                if len(params) == 1:     # that row's failure, reported as its own
+                    return [e]
             # one row's sampling failed: sample row by row, so the failure stays that row's
             out: list = []
             for i, p in enumerate(params):

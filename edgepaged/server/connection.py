@@ -216,6 +216,20 @@ class Connection:
             async with self.engine.stream(req) as events:
                 task_status.started()
                 async for ev in events:
+                    if req.calls is not None:   # tools offered: text held back while it may be a call
+                        if isinstance(ev, TokenEvent):
+                            ev = TokenEvent(ev.token_ids, req.calls.push(ev.token_ids, ev.text))
+                        else:
+                            rest, calls = req.calls.finish()
+                            if rest:
+                                await self.send(event_frame(rid, TokenEvent([], rest)))
+                            frame = event_frame(rid, ev)
+                            if calls and ev.finish_reason in ("stop", "length"):
+                                frame["finish_reason"] = "tool_calls"
+                                frame["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+                                    "name": c["name"], "arguments": c["arguments"]}} for c in calls]
+                            await self.send(frame)
+                            continue
                     await self.send(event_frame(rid, ev))
         finally:
             self.inflight.pop(rid, None)

@@ -391,15 +391,19 @@ class GenerationResponse:
             await self._send_json(send, err.status, self.shaper.error_body(err))
 
     async def _answer(self, events, send) -> None:
-        parts = []
+        parts, calls = [], self.req.calls
         async for ev in events:
             if isinstance(ev, TokenEvent):
-                parts.append(ev.text)
+                parts.append(calls.push(ev.token_ids, ev.text) if calls is not None else ev.text)
                 continue
             err = done_error(ev)
             if err is not None:
                 return await self._send_json(send, err.status, self.shaper.error_body(err))
-            return await self._send_json(send, 200, self.shaper.full("".join(parts), ev))
+            found = []
+            if calls is not None:
+                rest, found = calls.finish()
+                parts.append(rest)
+            return await self._send_json(send, 200, self.shaper.full("".join(parts), ev, found))
 
     async def _stream(self, events, send) -> None:
         sh = self.shaper
@@ -418,15 +422,22 @@ class GenerationResponse:
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
             out = []
+            calls = self.req.calls
             for ev in batch:
                 if isinstance(ev, TokenEvent):
-                    if ev.text:
-                        out.append(sh.frame(sh.text_chunk(ev.text)))
+                    text = calls.push(ev.token_ids, ev.text) if calls is not None else ev.text
+                    if text:
+                        out.append(sh.frame(sh.text_chunk(text)))
                 else:
                     done = ev
             if done is not None:
                 err = done_error(done)
-                chunks = [sh.error_chunk(err)] if err is not None else sh.last_chunks(done)
+                found = []
+                if calls is not None and err is None:
+                    rest, found = calls.finish()
+                    if rest:
+                        out.append(sh.frame(sh.text_chunk(rest)))
+                chunks = [sh.error_chunk(err)] if err is not None else sh.last_chunks(done, found)
                 out += [sh.frame(c) for c in chunks]
                 out.append(sh.trailer)
             if out:

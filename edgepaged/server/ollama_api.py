@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from ..protocol import MAX_MESSAGES, MAX_STOP, GenerateRequest
+from ..tools import check_message, check_tools
 from .openai_api import ApiError, Generation
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -118,7 +119,7 @@ def _common(body: dict, item: GenerateRequest, gen: OllamaGeneration) -> None:
     _options(body, item, gen)
 
 
-def _tool_free(messages: list, i: int, m: dict) -> str:
+def _text(i: int, m: dict) -> str:
     content = m.get("content", "")
     if content is None:
         content = ""
@@ -133,20 +134,25 @@ def parse_chat(body: dict, rid: str) -> OllamaGeneration:
         messages = []
     if not isinstance(messages, list) or len(messages) > MAX_MESSAGES:
         raise bad(f"messages must be a list of at most {MAX_MESSAGES} messages")
-    if body.get("tools"):
-        raise bad("tools are not supported yet by this server")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}")
         if m.get("images"):
             raise bad("images are not supported: this server runs text-only models")
-        if m["role"] == "tool" or m.get("tool_calls"):
-            raise bad("tool messages are not supported yet by this server")
-        out.append({"role": m["role"], "content": _tool_free(messages, i, m)})
+        try:
+            out.append(check_message({**m, "content": _text(i, m)}, i))
+        except ValueError as e:
+            raise bad(str(e)) from None
     item = GenerateRequest(rid, "chat", messages=out)
     gen = OllamaGeneration(item, chat=True)
     _common(body, item, gen)
+    if body.get("tools"):    # Ollama has no tool_choice: the model decides
+        try:
+            item.tools = check_tools(body["tools"])
+        except ValueError as e:
+            raise bad(str(e)) from None
+        item.tool_choice = "auto"
     return gen
 
 
@@ -219,8 +225,11 @@ class OllamaShaper:
                    eval_count=u["completion_tokens"], eval_duration=_ns(t["decode_s"]))
         return out
 
-    def full(self, text: str, done) -> dict:
-        return self._final(text, done)
+    def full(self, text: str, done, calls=None) -> dict:
+        out = self._final(text, done)
+        if calls:
+            out["message"]["tool_calls"] = ollama_calls(calls)
+        return out
 
     def first_chunk(self):
         return None
@@ -228,8 +237,13 @@ class OllamaShaper:
     def text_chunk(self, text: str) -> dict:
         return self._obj(text, False)
 
-    def last_chunks(self, done) -> list[dict]:
-        return [self._final("", done)]
+    def last_chunks(self, done, calls=None) -> list[dict]:
+        out = []
+        if calls:
+            chunk = self._obj("", False)
+            chunk["message"]["tool_calls"] = ollama_calls(calls)
+            out.append(chunk)
+        return out + [self._final("", done)]
 
     @staticmethod
     def error_chunk(err: ApiError) -> dict:
@@ -238,6 +252,11 @@ class OllamaShaper:
     @staticmethod
     def error_body(err: ApiError) -> dict:
         return {"error": err.message}
+
+
+def ollama_calls(calls: list[dict]) -> list[dict]:
+    """Ollama's tool calls: arguments as an object."""
+    return [{"function": {"name": c["name"], "arguments": json.loads(c["arguments"])}} for c in calls]
 
 
 # ---------------------------------------------------------------- model lists

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..protocol import MAX_MESSAGES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, GenerateRequest
+from ..tools import check_choice, check_message, check_tools
 
 # protocol error code -> HTTP status (the code itself goes to the client as error.code)
 STATUS = {
@@ -29,7 +30,7 @@ STATUS = {
 }
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: up to the context)
 
 
@@ -94,8 +95,8 @@ def _refuse_unsupported(body: dict) -> None:
             raise bad(f"{name} is not supported (use repetition_penalty)", name, "invalid_params")
     if body.get("logit_bias"):
         raise bad("logit_bias is not supported", "logit_bias", "invalid_params")
-    if body.get("tools") or body.get("functions"):
-        raise bad("tools and function calling are not supported", "tools", "invalid_params")
+    if body.get("functions") or body.get("function_call"):
+        raise bad("functions (the deprecated form) are not supported: send tools", "functions", "invalid_params")
     if body.get("echo"):
         raise bad("echo is not supported", "echo", "invalid_params")
     if body.get("suffix"):
@@ -230,10 +231,24 @@ def parse_chat(body: dict, rid: str) -> Generation:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role")
-        out.append({"role": ROLES[m["role"]], "content": _content_text(m.get("content"), i)})
+        try:
+            out.append(check_message({**m, "role": ROLES[m["role"]], "content": _content_text(m.get("content"), i)},
+                                     i))
+        except ValueError as e:
+            raise bad(str(e), f"messages[{i}]") from None
     item = GenerateRequest(rid, "chat", messages=out)
     gen = Generation(item, chat=True)
     _common(body, item, gen, None)
+    try:
+        item.tools = check_tools(body["tools"]) if body.get("tools") else None
+        item.tool_choice = check_choice(body.get("tool_choice"), item.tools)
+    except ValueError as e:
+        raise bad(str(e), "tools" if "tools" in str(e) else "tool_choice", "invalid_params") from None
+    ptc = body.get("parallel_tool_calls")
+    if ptc is not None:
+        if not isinstance(ptc, bool):
+            raise bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+        item.parallel_tool_calls = ptc
     return gen
 
 
@@ -288,21 +303,25 @@ class Shaper:
     def _envelope(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice_end(self, done) -> dict:
-        c = {"finish_reason": done.finish_reason if done.finish_reason in ("stop", "length") else "stop"}
+    def _choice_end(self, done, calls=None) -> dict:
+        c = {"finish_reason": "tool_calls" if calls else
+             done.finish_reason if done.finish_reason in ("stop", "length") else "stop"}
         if done.stop is not None:
             c["stop_reason"] = done.stop   # which stop string / token ended it (a vLLM extension)
         return c
 
-    def full(self, text: str, done) -> dict:
-        """The non-streamed answer."""
+    def full(self, text: str, done, calls=None) -> dict:
+        """The non-streamed answer (`calls`: the tool calls parsed out of it)."""
         if self.gen.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            message = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                message["tool_calls"] = openai_calls(calls)
+            choice = {"index": 0, "message": message, "logprobs": None}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
             obj = "text_completion"
-        choice.update(self._choice_end(done))
+        choice.update(self._choice_end(done, calls))
         return {**self._envelope(obj), "choices": [choice], "usage": usage(done.usage)}
 
     def _chunk(self, choice: dict | None, usage_value=None) -> dict:
@@ -324,14 +343,24 @@ class Shaper:
             return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
         return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
 
-    def last_chunks(self, done) -> list[dict]:
+    def last_chunks(self, done, calls=None) -> list[dict]:
+        out = []
+        if calls:   # each call whole in one delta (OpenAI's client joins deltas by index)
+            out.append(self._chunk({"index": 0, "delta": {"tool_calls": [
+                {"index": k, **c} for k, c in enumerate(openai_calls(calls))]}, "logprobs": None,
+                "finish_reason": None}))
         choice = {"index": 0, "delta": {}, "logprobs": None} if self.gen.chat else \
             {"index": 0, "text": "", "logprobs": None}
-        choice.update(self._choice_end(done))
-        out = [self._chunk(choice)]
+        choice.update(self._choice_end(done, calls))
+        out.append(self._chunk(choice))
         if self.gen.include_usage:
             out.append(self._chunk(None, usage(done.usage)))
         return out
+
+
+def openai_calls(calls: list[dict]) -> list[dict]:
+    return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls]
 
 
 def done_error(done) -> ApiError | None:

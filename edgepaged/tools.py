@@ -1,0 +1,375 @@
+"""Tool calls, transport-neutral: the tool list as the chat template takes it, the model's
+own call syntax chosen from its template, the grammar that makes a required call parse, and
+the parser that turns an answer back into calls.
+
+    syntax = syntax_for(tokenizer.chat_template)       # hermes (<tool_call>), llama3 (JSON), mistral ([TOOL_CALLS])
+    tools = check_tools(body["tools"])                  # ValueError naming the problem
+    messages = prepare_messages(messages, tools, template)  # history with calls and results, tools shown
+    grammar = syntax.grammar(tools, parallel, name)     # tool_choice required / a named function
+    content, calls = syntax.parse(text)                 # calls: [{"id", "name", "arguments" (a JSON string)}]
+
+Every door (the OpenAI API, the Ollama API, the msgpack protocol) maps its own fields here.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+MAX_TOOLS = 128
+NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def check_tools(tools) -> list[dict]:
+    """OpenAI's (and Ollama's) tool list -> [{"type": "function", "function": {name, description,
+    parameters}}], checked; ValueError naming what is wrong."""
+    if not isinstance(tools, list) or not 0 < len(tools) <= MAX_TOOLS:
+        raise ValueError(f"tools must be a list of 1..{MAX_TOOLS} tools")
+    out, names = [], set()
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise ValueError(f"tools[{i}].function.name must be 1..64 letters, digits, '_', '.' or '-'")
+        if name in names:
+            raise ValueError(f"tools[{i}]: two tools are named {name!r}")
+        names.add(name)
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema (an object)")
+        desc = fn.get("description") or ""
+        if not isinstance(desc, str):
+            raise ValueError(f"tools[{i}].function.description must be a string")
+        out.append({"type": "function", "function": {"name": name, "description": desc, "parameters": params}})
+    return out
+
+
+def _arguments(value):
+    """A call's arguments as the templates want them: a dict (a JSON string is parsed)."""
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value) if value.strip() else {}
+        except ValueError:
+            return value
+        return parsed
+    return value if value is not None else {}
+
+
+def template_takes_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template
+
+
+@dataclass(frozen=True)
+class ToolSyntax:
+    """How a model family writes tool calls."""
+    name: str
+
+    # -- what the model sees ----------------------------------------------------------------
+    def call_text(self, calls: list[dict]) -> str:
+        """An earlier assistant turn's calls, written the model's way (templates without tools)."""
+        if self.name == "mistral":
+            return "[TOOL_CALLS] " + json.dumps([{"name": c["name"], "arguments": c["arguments"]} for c in calls])
+        if self.name == "llama3":
+            return "\n".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in calls)
+        return "\n".join("<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]})
+                         + "\n</tool_call>" for c in calls)
+
+    # -- what makes a required call parse ----------------------------------------------------
+    def grammar(self, tools: list[dict], parallel: bool = True, name: str | None = None) -> str:
+        """A Lark grammar (llguidance, with %json) for one call (or several, `parallel`) of
+        the tools (only `name`, when given), each call's arguments following its schema."""
+        fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+        if not fns:
+            raise ValueError(f"tool_choice names {name!r}, which is not in tools")
+        key = "parameters" if self.name == "llama3" else "arguments"
+        schemas = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
+                    "required": ["name", key], "additionalProperties": False} for f in fns]
+        one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        if self.name == "mistral":
+            arr = {"type": "array", "items": one, "minItems": 1}
+            if not parallel:
+                arr["maxItems"] = 1
+            return f'start: "[TOOL_CALLS]" " "? body\nbody: %json {json.dumps(arr)}\n'
+        body = f"body: %json {json.dumps(one)}\n"
+        if self.name == "llama3":
+            return "start: body" + (' ("\\n" body)*' if parallel else "") + "\n" + body
+        return ("start: call" + (' ("\\n" call)*' if parallel else "") + "\n"
+                + 'call: "<tool_call>\\n" body "\\n</tool_call>"\n' + body)
+
+    # -- what comes back ------------------------------------------------------------------------
+    @property
+    def marker(self) -> str:
+        """The text that opens a call."""
+        return {"mistral": "[TOOL_CALLS]", "llama3": "{", "hermes": "<tool_call>"}[self.name]
+
+    def find(self, text: str) -> int | None:
+        """Where a call starts in an answer, or None (Llama 3: the answer must start with one)."""
+        if self.name == "llama3":
+            if self.starts(text):
+                return len(text) - len(text.lstrip())
+            return None
+        at = text.find(self.marker)
+        return at if at >= 0 else None
+
+    def continuation(self, tools: list[dict], parallel: bool = True) -> str | None:
+        """The grammar of what follows a call's marker once the model wrote it (auto
+        tool choice): the call's body, each tool's arguments following its schema. None
+        where there is no marker to wait for (Llama 3)."""
+        if self.name == "llama3":
+            return None
+        g = self.grammar(tools, parallel)
+        if self.name == "mistral":
+            return g.replace('start: "[TOOL_CALLS]" " "? body', 'start: " "? body', 1)
+        return g.replace('call: "<tool_call>\\n" body', 'first: "\\n" body "\\n</tool_call>"\ncall: "<tool_call>\\n" body', 1) \
+            .replace("start: call", "start: first", 1)
+
+    def starts(self, text: str) -> bool | None:
+        """Whether an answer beginning with `text` is a tool call: True, False, or None (too
+        early to tell). A leading <think>…</think> block (Qwen3) is looked past."""
+        t = text.lstrip()
+        if t.startswith("<think>"):
+            if "</think>" not in t:
+                return None
+            t = t.split("</think>", 1)[1].lstrip()
+        elif "<think>".startswith(t):
+            return None
+        marker = {"mistral": "[TOOL_CALLS]", "llama3": "{", "hermes": "<tool_call>"}[self.name]
+        if not t:
+            return None
+        if t.startswith(marker):
+            return True
+        return None if marker.startswith(t) else False
+
+    def parse(self, text: str) -> tuple[str, list[dict]]:
+        """An answer -> (content without the calls, calls [{"id", "name", "arguments": JSON
+        text}]). Text that does not parse as a call stays content."""
+        found = []
+        if self.name == "hermes":
+            content = text
+            for m in re.finditer(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, re.S):
+                call = _json_call(m.group(1), "arguments")
+                if call is not None:
+                    found.append(call)
+                    content = content.replace(m.group(0), "", 1)
+            return (content.strip() if found else text), found
+        if self.name == "mistral":
+            at = text.find("[TOOL_CALLS]")
+            if at < 0:
+                return text, []
+            try:
+                calls = json.loads(text[at + len("[TOOL_CALLS]"):].strip())
+            except ValueError:
+                return text, []
+            calls = calls if isinstance(calls, list) else [calls]
+            found = [c for c in (_call(x, "arguments") for x in calls) if c is not None]
+            return (text[:at].strip(), found) if found and len(found) == len(calls) else (text, [])
+        # llama3: the whole answer is one JSON object per line
+        lines = [x for x in text.strip().splitlines() if x.strip()]
+        calls = [_json_call(x, "parameters") for x in lines]
+        if lines and all(c is not None for c in calls):
+            return "", calls
+        return text, []
+
+
+def _json_call(text: str, key: str) -> dict | None:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    return _call(obj, key)
+
+
+def _call(obj, key: str) -> dict | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {"id": "call_" + uuid.uuid4().hex[:24], "name": obj["name"], "arguments": json.dumps(args,
+                                                                                               ensure_ascii=False)}
+
+
+def syntax_for(template: str | None) -> ToolSyntax:
+    """The family's tool-call syntax, from its chat template: Mistral's [TOOL_CALLS], Llama
+    3.x's bare JSON, else Hermes/Qwen's <tool_call> (also what models without tools in their
+    template are shown)."""
+    t = template or ""
+    if "[TOOL_CALLS]" in t:
+        return ToolSyntax("mistral")
+    if "<|python_tag|>" in t or ("<|eot_id|>" in t and "tools" in t and "<tool_call>" not in t):
+        return ToolSyntax("llama3")
+    return ToolSyntax("hermes")
+
+
+def system_prompt(tools: list[dict]) -> str:
+    """The tool list for a template that does not take one (Hermes' wording)."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            f"{lines}\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call>")
+
+
+def prepare_messages(messages: list[dict], tools: list[dict] | None, template: str | None) -> list[dict]:
+    """The conversation as the template renders it. Assistant calls and tool results stay
+    structured for a template that takes tools (arguments as objects); for one that does
+    not, they become text in the family's syntax, and the tool list joins the system message."""
+    takes = template_takes_tools(template)
+    syntax = syntax_for(template)
+    out = []
+    for m in messages:
+        m = dict(m)
+        calls = m.get("tool_calls")
+        if calls:
+            norm = [{"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}
+                    for c in calls]
+            if takes:
+                m["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": n}
+                                   for c, n in zip(calls, norm)]
+            else:
+                m.pop("tool_calls")
+                m["content"] = ((m.get("content") or "") + "\n" + syntax.call_text(norm)).strip()
+        if m.get("role") == "tool" and not takes:
+            m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+        out.append(m)
+    if tools and not takes:
+        text = system_prompt(tools)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def check_choice(choice, tools: list[dict] | None):
+    """tool_choice -> "auto" | "none" | "required" | a function name; ValueError naming the problem."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise ValueError("tool_choice required needs tools")
+        return choice
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise ValueError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
+                         '{"name": ...}}')
+    if not tools or name not in {t["function"]["name"] for t in tools}:
+        raise ValueError(f"tool_choice names {name!r}, which is not in tools")
+    return name
+
+
+def check_message(m: dict, i: int) -> dict:
+    """A chat message with the tool fields (assistant tool_calls, a tool result's
+    tool_call_id and name) checked and kept; ValueError naming the problem."""
+    out = {"role": m["role"], "content": m.get("content")}
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if m["role"] != "assistant" or not isinstance(calls, list) or len(calls) > MAX_TOOLS:
+            raise ValueError(f"messages[{i}].tool_calls must be a list, on an assistant message")
+        norm = []
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                    not isinstance(fn.get("arguments", {}), (str, dict)):
+                raise ValueError(f"messages[{i}].tool_calls[{j}] must have function.name and function.arguments")
+            norm.append({"id": c.get("id") if isinstance(c.get("id"), str) else f"call_{i}_{j}",
+                         "type": "function", "function": {"name": fn["name"], "arguments": fn.get("arguments", {})}})
+        out["tool_calls"] = norm
+    for key in ("tool_call_id", "name", "tool_name"):
+        if m.get(key) is not None:
+            if not isinstance(m[key], str):
+                raise ValueError(f"messages[{i}].{key} must be a string")
+            out["name" if key == "tool_name" else key] = m[key]
+    if out["content"] is None:
+        out["content"] = ""
+    return out
+
+
+class ToolStream:
+    """One answer's text on its way out when tools were offered. The text given out is the
+    decoded answer with special tokens (a call's markers may be special tokens); from a call's
+    marker on (Hermes' <tool_call> or Mistral's [TOOL_CALLS] anywhere, Llama 3's JSON only at
+    the start) it is held back, and so is a tail that may still grow into a marker; at the
+    end the calls are parsed out and what is left is content."""
+
+    def __init__(self, syntax: ToolSyntax, tokenizer):
+        self.syntax, self.tokenizer = syntax, tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0        # characters of the raw text given out
+        self.call_at: int | None = None   # where the first call starts in the raw text
+
+    def raw(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=False)
+
+    def _safe(self, raw: str) -> int:
+        """How much of `raw` may go out: up to a call's start, or a tail that may grow into one."""
+        if self.call_at is None:
+            self.call_at = self.syntax.find(raw)
+        if self.call_at is not None:
+            return self.call_at
+        end = len(raw.rstrip("\ufffd"))                 # an incomplete character waits
+        if self.syntax.name == "llama3":
+            return end if self.syntax.starts(raw) is False else 0
+        marker = self.syntax.marker
+        for k in range(min(len(marker) - 1, end), 0, -1):   # a tail that begins the marker waits
+            if marker.startswith(raw[end - k:end]):
+                return end - k
+        return end
+
+    def push(self, token_ids: list[int], text: str) -> str:
+        """The next event's tokens -> the content that may go out now."""
+        self.ids += token_ids
+        raw = self.raw()
+        safe = max(self._safe(raw), self.emitted)
+        out, self.emitted = raw[self.emitted:safe], safe
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(content still to give out, calls)."""
+        raw = self.raw()
+        if self.call_at is None:
+            self.call_at = self.syntax.find(raw)
+        if self.call_at is None:
+            out, self.emitted = raw[self.emitted:], len(raw)
+            return out, []
+        content, calls = self.syntax.parse(raw[self.call_at:])
+        if not calls:
+            out, self.emitted = raw[self.emitted:], len(raw)
+            return out, []
+        out = raw[self.emitted:self.call_at] + content
+        self.emitted = len(raw)
+        return (out if out.strip() else ""), calls
+
+
+class LazyCall:
+    """Auto tool choice: once the model writes a call's marker, the rest of the call is
+    constrained (each tool's arguments to its schema), so a call it starts always parses.
+    The engine feeds it the answer's tokens (`feed`) until it returns a matcher."""
+
+    def __init__(self, marker: str, grammar: str, grammars, tokenizer):
+        self.marker, self.grammar, self.grammars, self.tokenizer = marker, grammar, grammars, tokenizer
+        self.tail = ""
+
+    def feed(self, token: int):
+        """The next sampled token -> a matcher for the rest of the answer once the marker is
+        complete (already past what followed it in that token), else None."""
+        self.tail += self.tokenizer.decode([token], skip_special_tokens=False)
+        at = self.tail.find(self.marker)
+        if at < 0:
+            self.tail = self.tail[-len(self.marker):]
+            return None
+        after = self.tail[at + len(self.marker):]
+        m = self.grammars.matcher(self.grammar)
+        if after and not m.consume_tokens(self.grammars.lltok.tokenize_str(after)):
+            return False            # what it wrote after the marker is no call: leave it free
+        return m
