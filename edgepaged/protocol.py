@@ -52,6 +52,7 @@ PRIORITIES = ("interactive", "background")
 SAMPLING_FIELDS = {   # name -> accepted python types (after msgpack decoding)
     "temperature": (int, float), "top_k": (int,), "top_p": (int, float), "min_p": (int, float),
     "repetition_penalty": (int, float), "seed": (int,), "ignore_eos": (bool,),
+    "presence_penalty": (int, float), "frequency_penalty": (int, float), "logit_bias": (dict,), "logprobs": (int,),
 }
 REQUEST_FIELDS = {"type", "id", "max_tokens", "priority", "stop", "stop_token_ids", "share_prefix_cache",
                   "format", "tools", "tool_choice", "parallel_tool_calls", *SAMPLING_FIELDS}
@@ -270,6 +271,11 @@ def _parse_generate(msg: dict) -> GenerateRequest:
         if msg.get(name) is not None:
             _type_check(name, msg[name], types, rid)
             req.sampling[name] = msg[name]
+    if isinstance(req.sampling.get("logit_bias"), dict):   # map keys may come as strings
+        try:
+            req.sampling["logit_bias"] = {int(k): v for k, v in req.sampling["logit_bias"].items()}
+        except (TypeError, ValueError):
+            raise ProtocolError("bad_request", "logit_bias must map token ids to numbers", rid) from None
     stop = msg.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop

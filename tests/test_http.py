@@ -237,9 +237,10 @@ async def test_without_the_page(embedded_runner):
 @pytest.mark.parametrize("body, message", [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "only text parts"),
-    ({"messages": FRANCE, "presence_penalty": 0.5}, "repetition_penalty"),
+    ({"messages": FRANCE, "presence_penalty": "high"}, "presence_penalty must be a number"),
     ({"messages": FRANCE, "stream": "yes"}, "stream must be a boolean"),
-    ({"messages": FRANCE, "logprobs": True}, "logprobs"),
+    ({"messages": FRANCE, "logprobs": 3}, "logprobs must be a boolean"),
+    ({"messages": FRANCE, "n": 2}, "n=1"),
 ])
 def test_refused_fields_name_themselves(body, message):
     from edgepaged.server.openai_api import ApiError, parse_chat

@@ -375,3 +375,76 @@ async def test_format_and_tools_over_the_msgpack_protocol(embedded_runner):
             assert done["finish_reason"] == "tool_calls" and "<tool_call>" not in text, (text, done)
             for call in done["tool_calls"]:
                 jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+# ---------------------------------------------------------------- logprobs, penalties, logit_bias
+
+async def test_logprobs_are_the_models_and_penalties_and_bias_apply(embedded_runner):
+    """logprobs: per token, the sampled token's log-probability under the same logits (one
+    prefill of prompt + answer gives the same values; their sum too), top_logprobs sorted
+    with the sampled one first when greedy; streamed too. logit_bias bans a token;
+    frequency_penalty changes a greedy answer that repeats itself."""
+    import openai
+    import torch
+    from test_model import Paged
+    tok = embedded_runner.tokenizer
+    async with serving(embedded_runner) as http:
+        def scenario():
+            c = openai.OpenAI(base_url=http.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            out = {}
+            out["lp"] = c.chat.completions.create(model="m", messages=Q, temperature=0, max_tokens=12,
+                                                  logprobs=True, top_logprobs=5).choices[0]
+            out["stream"] = [ch.choices[0].logprobs for ch in c.chat.completions.create(
+                model="m", messages=Q, temperature=0, max_tokens=12, logprobs=True, top_logprobs=2, stream=True)
+                if ch.choices and ch.choices[0].logprobs]
+            out["cmpl"] = c.completions.create(model="m", prompt="The capital of France is", max_tokens=5,
+                                               temperature=0, logprobs=3).choices[0]
+            first = out["lp"].logprobs.content[0].token
+            banned = tok.encode(first, add_special_tokens=False)[0]
+            out["banned"] = (banned, c.chat.completions.create(
+                model="m", messages=Q, temperature=0, max_tokens=12, logit_bias={str(banned): -100},
+                logprobs=True).choices[0])
+            story = [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}]
+            out["plain"] = c.chat.completions.create(model="m", messages=story, temperature=0,
+                                                     max_tokens=60).choices[0].message.content
+            out["penalized"] = c.chat.completions.create(model="m", messages=story, temperature=0, max_tokens=60,
+                                                         frequency_penalty=2.0).choices[0].message.content
+            return out
+        out = await trio.to_thread.run_sync(scenario)
+    content = out["lp"].logprobs.content
+    assert len(content) > 0
+    for e in content:
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6) and len(e.top_logprobs) == 5
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+    # the same logits: a prefill of prompt + answer
+    prompt = tok.apply_chat_template(Q)
+    answer = tok.encode(out["lp"].message.content, add_special_tokens=False)
+    ids, pos, meta = Paged(embedded_runner.num_blocks).batch([(0, prompt + answer)])
+    with torch.inference_mode():
+        logits = embedded_runner.execute(ids, pos, meta, list(range(len(prompt) - 1, len(prompt) + len(answer) - 1)))
+        want = torch.log_softmax(logits, -1)[torch.arange(len(answer)), torch.tensor(answer)]
+    got = [e.logprob for e in content][:len(answer)]
+    assert len(got) == len(answer)
+    assert abs(sum(got) - float(want.sum())) < 1e-2 and max(abs(a - b) for a, b in zip(got, want.tolist())) < 5e-3
+    assert sum(len(x.content) for x in out["stream"]) == len(content)
+    c = out["cmpl"].logprobs
+    assert len(c.tokens) == len(c.token_logprobs) == len(c.top_logprobs) == 5 and c.text_offset[0] == 0
+    banned, r = out["banned"]
+    assert banned not in tok.encode(r.message.content, add_special_tokens=False)
+    assert out["penalized"] != out["plain"]
+
+
+def test_openai_penalties_by_their_definition():
+    import torch
+
+    from edgepaged.model.params import SamplingParams
+    from edgepaged.model.sampler import prepare
+    logits = torch.zeros(2, 6)
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={5: -100.0}), SamplingParams()]
+    got = prepare(logits, params, None, [[1, 1, 2], []])
+    assert got[0].tolist() == [0, -1.0, -0.75, 0, 0, -100.0] and got[1].tolist() == [0] * 6
+    assert logits.abs().sum() == 0      # the caller's logits untouched
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingParams(presence_penalty=3)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 500})

@@ -178,10 +178,12 @@ class Engine:
             prev = [r.all_ids if r.params.needs_history else [] for r in batch.sampled]
             params = [r.params for r in batch.sampled]
             matchers = [r.matcher for r in batch.sampled]
+            outputs = [r.output_ids if r.params.counts_output else [] for r in batch.sampled] \
+                if any(r.params.counts_output for r in batch.sampled) else None
             tokens, ok = None, False
             self._in_step = frozenset(batch.requests)
             try:
-                tokens = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers)
+                tokens = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers, outputs)
                 ok = True
             except Exception as e:  # a failed step fails only its own requests
                 log.exception("model step failed")
@@ -205,14 +207,17 @@ class Engine:
         if not self.scheduler.has_work():
             self._idle.set()
 
-    def _execute(self, batch: Batch, params, prev, matchers=None) -> list:
+    def _execute(self, batch: Batch, params, prev, matchers=None, outputs=None) -> list:
         """In the worker thread: copy-on-write, the forward, sampling (under the constrained
         rows' token masks)."""
         if self.step_hook is not None:
             self.step_hook(batch)
+        extra = {}
         if matchers is not None and any(m is not None for m in matchers):
-            return self.runner.step(batch, params, prev, matchers=matchers)
-        return self.runner.step(batch, params, prev)
+            extra["matchers"] = matchers
+        if outputs is not None:
+            extra["outputs"] = outputs
+        return self.runner.step(batch, params, prev, **extra)
 
     def _process(self, batch: Batch, tokens: list) -> None:
         now = time.monotonic()
@@ -225,6 +230,9 @@ class Engine:
                 self._end(req, "error", error={"code": "internal_error",
                                                "message": f"sampling failed: {type(tok).__name__}: {tok}"})
                 continue
+            info = None
+            if isinstance(tok, tuple):            # (token, its logprobs)
+                tok, info = tok
             generated += 1
             if req.first_token is None:
                 req.first_token = now
@@ -234,7 +242,7 @@ class Engine:
                 req.stop_reason = tok
                 self._end(req, "stop")
                 continue
-            self._send(req, TokenEvent([tok], req.detok.add(tok)))
+            self._send(req, TokenEvent([tok], req.detok.add(tok), None if info is None else [info]))
             if req.finished:
                 continue
             if req.lazy is not None:   # auto tool choice: once the model starts a call, the call is constrained

@@ -37,6 +37,7 @@ class TokenEvent:
     """New output: the token ids sampled and the text that is now safe to show."""
     token_ids: list[int]
     text: str
+    logprobs: list | None = None   # per token, when asked: {"logprob", "top": [(id, logprob)]}
 
 
 @dataclass

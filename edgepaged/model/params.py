@@ -25,6 +25,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0    # OpenAI's: minus this for every token already in the answer
+    frequency_penalty: float = 0.0   # OpenAI's: minus this times the token's count in the answer
+    logit_bias: dict = field(default_factory=dict)   # token id -> added to its logit, -100..100
+    logprobs: int | None = None      # None: off; k: the sampled token's log-probability and the k likeliest (<= 20)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -45,6 +49,15 @@ class SamplingParams:
             (isinstance(self.stop_token_ids, list) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be a list of token ids >= 0"),
             (isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean"),
+            (_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            (_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+            (isinstance(self.logit_bias, dict) and len(self.logit_bias) <= 300 and all(
+                _is_int(k) and k >= 0 and _is_num(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()),
+             "logit_bias must map at most 300 token ids to numbers in [-100, 100]"),
+            (self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= 20,
+             f"top_logprobs must be an int in 0..20, got {self.logprobs!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -57,6 +70,9 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in 0..{vocab_size - 1}, got {bad[0]}")
+        bad = [t for t in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in 0..{vocab_size - 1}, got {bad[0]}")
 
     @property
     def greedy(self) -> bool:
@@ -65,4 +81,9 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """Whether sampling reads the sequence's tokens so far (penalties, seeded streams)."""
-        return self.repetition_penalty != 1.0 or self.seed is not None
+        return self.repetition_penalty != 1.0 or self.seed is not None or self.counts_output
+
+    @property
+    def counts_output(self) -> bool:
+        """Whether sampling reads the answer's tokens (presence and frequency penalties)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0

@@ -15,7 +15,7 @@ from .grammar import Masks
 from .llama import LlamaForCausalLM
 from .loader import ModelFiles, terminal_progress
 from .params import SamplingParams
-from .sampler import sample
+from .sampler import logprob_info, prepare, sample, sample_prepared
 from .settings import CpuConfig
 from .tokenizer import Tokenizer
 
@@ -256,13 +256,15 @@ class ModelRunner:
         self.mask_ms.append((time.perf_counter() - t0) * 1000)
         return masks
 
-    def step(self, batch, params: list[SamplingParams], prev_tokens=None, matchers=None) -> list[int]:
+    def step(self, batch, params: list[SamplingParams], prev_tokens=None, matchers=None, outputs=None) -> list:
         """One engine step: the batch's copy-on-write copies, the forward, one sampled token
         per logits row. `batch` has the scheduler's arrays (input_ids, positions,
         query_start_loc, seq_lens, block_tables, slot_mapping, copies, logits_indices);
         params[i] / prev_tokens[i] (the sequence's tokens so far) / matchers[i] (a constrained
-        output's llguidance matcher, or None) belong to logits row i. The constrained rows'
-        token masks are computed in a thread of their own while the forward runs."""
+        output's llguidance matcher, or None) / outputs[i] (the answer's tokens, for presence and
+        frequency penalties) belong to logits row i. The constrained rows' token masks are
+        computed in a thread of their own while the forward runs. A row that asked for
+        logprobs gets (token, info) instead of its token (sampler.logprob_info)."""
         if len(batch.copies):
             self.copy_blocks(batch.copies)
         meta = dict(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
@@ -280,7 +282,12 @@ class ModelRunner:
             return []
         with torch.inference_mode():
             try:
-                return sample(logits, params, prev_tokens).tolist()
+                if any(p.logprobs is not None for p in params):
+                    logits = prepare(logits, params, prev_tokens, outputs)
+                    tokens = sample_prepared(logits, params, prev_tokens)
+                    infos = logprob_info(logits, tokens, params)
+                    return [t if info is None else (t, info) for t, info in zip(tokens.tolist(), infos)]
+                return sample(logits, params, prev_tokens, outputs).tolist()
             except Exception as e:
                 if len(params) == 1:     # that row's failure, reported as its own
                     return [e]
@@ -288,7 +295,8 @@ class ModelRunner:
             out: list = []
             for i, p in enumerate(params):
                 try:
-                    out.append(int(sample(logits[i:i + 1], [p], None if prev_tokens is None else [prev_tokens[i]])[0]))
+                    out.append(int(sample(logits[i:i + 1], [p], None if prev_tokens is None else [prev_tokens[i]],
+                                          None if outputs is None else [outputs[i]])[0]))
                 except Exception as e:
                     out.append(e)
             return out

@@ -58,15 +58,62 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None) -> torch.Tensor:
+def apply_openai_penalties(logits: torch.Tensor, params, outputs) -> None:
+    """logit_bias, then OpenAI's presence and frequency penalties over the answer's tokens."""
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        if p.counts_output and outputs is not None and len(outputs[i]):
+            ids, counts = torch.as_tensor(list(outputs[i]), device=logits.device).unique(return_counts=True)
+            logits[i, ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+
+
+def prepare(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None, outputs=None) -> torch.Tensor:
+    """The logits sampling draws from: biases and penalties applied (a copy when any is)."""
+    rep = any(p.repetition_penalty != 1.0 for p in params)
+    oai = any(p.logit_bias or p.counts_output for p in params)
+    if rep or oai:
+        logits = logits.clone()
+    if rep:
+        apply_repetition_penalty(logits, params, prev_tokens)
+    if oai:
+        apply_openai_penalties(logits, params, outputs)
+    return logits
+
+
+def logprob_info(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list:
+    """Per row: None, or {"logprob": the sampled token's log-probability under `logits` (the
+    model's, after biases, penalties and a format's mask; before temperature and top-k/p),
+    "top": [(id, logprob)] the k likeliest}."""
+    out: list = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    lp = torch.log_softmax(logits[rows].float(), -1)
+    k = max(params[i].logprobs for i in rows)
+    top = lp.topk(k, -1) if k else None
+    for j, i in enumerate(rows):
+        t = int(tokens[i])
+        kk = params[i].logprobs
+        out[i] = {"logprob": float(lp[j, t]),
+                  "top": [(int(top.indices[j, n]), float(top.values[j, n])) for n in range(kk)] if kk else []}
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None, outputs=None) -> torch.Tensor:
     """logits [B, V] float32 -> token ids int64 [B].
 
     prev_tokens[i]: the tokens of row i's sequence so far (prompt + output); used for the
     repetition penalty and, with a seed, to pick the random stream for this step, so a
-    seeded request samples the same tokens whatever else is in the batch."""
-    if any(p.repetition_penalty != 1.0 for p in params):
-        logits = logits.clone()
-        apply_repetition_penalty(logits, params, prev_tokens)
+    seeded request samples the same tokens whatever else is in the batch. outputs[i]: the
+    answer's tokens (presence and frequency penalties)."""
+    logits = prepare(logits, params, prev_tokens, outputs)
+    return sample_prepared(logits, params, prev_tokens)
+
+
+def sample_prepared(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None) -> torch.Tensor:
+    """`sample` on logits `prepare` gave."""
     out = _argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:

@@ -26,7 +26,10 @@ log = logging.getLogger("edgepaged.server")
 
 def event_frame(rid, ev: TokenEvent | DoneEvent) -> dict:
     if isinstance(ev, TokenEvent):
-        return {"type": "token", "id": rid, "text": ev.text, "token_ids": ev.token_ids}
+        frame = {"type": "token", "id": rid, "text": ev.text, "token_ids": ev.token_ids}
+        if ev.logprobs:
+            frame["logprobs"] = ev.logprobs
+        return frame
     frame = {"type": "done", "id": rid, "finish_reason": ev.finish_reason, "usage": ev.usage, "timings": ev.timings}
     if ev.stop is not None:
         frame["stop"] = ev.stop

@@ -38,8 +38,8 @@ from ..frontend import AuthFailed, FrontEnd
 from .guard import Guard
 from . import ollama_api
 from .ollama_api import OllamaError, OllamaShaper
-from .openai_api import (ApiError, Generation, Shaper, done_error, error_body, model_card, models_list, new_id,
-                         parse_chat, parse_completion)
+from .openai_api import (ApiError, Generation, Logprobs, Shaper, done_error, error_body, model_card, models_list,
+                         new_id, parse_chat, parse_completion)
 
 log = logging.getLogger("edgepaged.http")
 DEFAULT_HTTP_PORT = 7879
@@ -392,9 +392,13 @@ class GenerationResponse:
 
     async def _answer(self, events, send) -> None:
         parts, calls = [], self.req.calls
+        lp_ids, lp_infos = [], []
         async for ev in events:
             if isinstance(ev, TokenEvent):
                 parts.append(calls.push(ev.token_ids, ev.text) if calls is not None else ev.text)
+                if ev.logprobs:
+                    lp_ids += ev.token_ids
+                    lp_infos += ev.logprobs
                 continue
             err = done_error(ev)
             if err is not None:
@@ -403,10 +407,15 @@ class GenerationResponse:
             if calls is not None:
                 rest, found = calls.finish()
                 parts.append(rest)
-            return await self._send_json(send, 200, self.shaper.full("".join(parts), ev, found))
+            logprobs = None
+            if self.req.params.logprobs is not None and isinstance(self.shaper, Shaper):
+                logprobs = Logprobs(self.http.front.tokenizer, self.gen.chat).of(lp_ids, lp_infos)
+            return await self._send_json(send, 200, self.shaper.full("".join(parts), ev, found, logprobs))
 
     async def _stream(self, events, send) -> None:
         sh = self.shaper
+        lp = Logprobs(self.http.front.tokenizer, self.gen.chat) \
+            if self.req.params.logprobs is not None and isinstance(sh, Shaper) else None
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", sh.media_type.encode()), (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no")]})
@@ -426,7 +435,9 @@ class GenerationResponse:
             for ev in batch:
                 if isinstance(ev, TokenEvent):
                     text = calls.push(ev.token_ids, ev.text) if calls is not None else ev.text
-                    if text:
+                    if ev.logprobs and lp is not None:
+                        out.append(sh.frame(sh.text_chunk(text, lp.of(ev.token_ids, ev.logprobs))))
+                    elif text:
                         out.append(sh.frame(sh.text_chunk(text)))
                 else:
                     done = ev

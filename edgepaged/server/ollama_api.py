@@ -7,7 +7,7 @@ Ollama's shape, `{"error": "..."}`. `options` map onto the sampling parameters
 (`num_predict` -> max_tokens, `repeat_penalty` -> repetition_penalty, `num_ctx` limits the
 prompt and answer, ...); runtime options (threads, GPU layers, mmap, batch) are ignored, as
 they are the server's to choose; sampling options this server cannot honour (mirostat,
-typical_p, presence and frequency penalties) are refused naming them.
+typical_p) are refused naming them.
 """
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ ROLES = ("system", "user", "assistant", "tool")
 RUNTIME_OPTIONS = {"num_thread", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "num_batch", "low_vram", "f16_kv",
                    "vocab_only", "numa", "num_keep", "repeat_last_n", "penalize_newline", "tfs_z"}
 # sampling options without an equivalent here: refused when set to a value that changes the output
-UNSUPPORTED = {"mirostat": (0,), "typical_p": (1, 1.0), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)}
+UNSUPPORTED = {"mirostat": (0,), "typical_p": (1, 1.0)}
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
-            "repeat_penalty": "repetition_penalty"}
+            "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+            "frequency_penalty": "frequency_penalty"}
 
 
 class OllamaError(ApiError):
@@ -225,7 +226,7 @@ class OllamaShaper:
                    eval_count=u["completion_tokens"], eval_duration=_ns(t["decode_s"]))
         return out
 
-    def full(self, text: str, done, calls=None) -> dict:
+    def full(self, text: str, done, calls=None, logprobs=None) -> dict:
         out = self._final(text, done)
         if calls:
             out["message"]["tool_calls"] = ollama_calls(calls)

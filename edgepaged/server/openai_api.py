@@ -87,14 +87,6 @@ def _refuse_unsupported(body: dict) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise bad("best_of is not supported", "best_of", "invalid_params")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise bad("logprobs are not supported", "logprobs", "invalid_params")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v not in (None, 0, 0.0):
-            raise bad(f"{name} is not supported (use repetition_penalty)", name, "invalid_params")
-    if body.get("logit_bias"):
-        raise bad("logit_bias is not supported", "logit_bias", "invalid_params")
     if body.get("functions") or body.get("function_call"):
         raise bad("functions (the deprecated form) are not supported: send tools", "functions", "invalid_params")
     if body.get("echo"):
@@ -105,7 +97,7 @@ def _refuse_unsupported(body: dict) -> None:
 
 def _sampling(body: dict, item: GenerateRequest) -> None:
     """The sampling fields, type-checked (ranges are checked by SamplingParams)."""
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         v = body.get(name)
         if v is not None:
             if not _is_num(v):
@@ -128,6 +120,12 @@ def _sampling(body: dict, item: GenerateRequest) -> None:
             raise bad(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
         if stop:
             item.sampling["stop"] = stop
+    bias = body.get("logit_bias")
+    if bias:
+        try:
+            item.sampling["logit_bias"] = {int(k): v for k, v in bias.items()}
+        except (AttributeError, TypeError, ValueError):
+            raise bad("logit_bias must map token ids to numbers", "logit_bias") from None
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or len(ids) > MAX_STOP or not all(_is_int(t) for t in ids):
@@ -239,6 +237,15 @@ def parse_chat(body: dict, rid: str) -> Generation:
     item = GenerateRequest(rid, "chat", messages=out)
     gen = Generation(item, chat=True)
     _common(body, item, gen, None)
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if lp not in (None, False):
+        if lp is not True:
+            raise bad("logprobs must be a boolean (top_logprobs: how many alternatives)", "logprobs")
+        if top is not None and not _is_int(top):
+            raise bad("top_logprobs must be an integer", "top_logprobs")
+        item.sampling["logprobs"] = top or 0
+    elif top:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     try:
         item.tools = check_tools(body["tools"]) if body.get("tools") else None
         item.tool_choice = check_choice(body.get("tool_choice"), item.tools)
@@ -261,6 +268,11 @@ def parse_completion(body: dict, rid: str) -> Generation:
     item = GenerateRequest(rid, "generate", prompt=prompt)
     gen = Generation(item, chat=False)
     _common(body, item, gen, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    lp = body.get("logprobs")
+    if lp is not None:
+        if not _is_int(lp):
+            raise bad("logprobs must be an integer (how many alternatives)", "logprobs")
+        item.sampling["logprobs"] = lp
     return gen
 
 
@@ -274,6 +286,37 @@ def usage(u: dict) -> dict:
     return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
             "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
             "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
+
+
+def _token_text(tokenizer, tid: int) -> str:
+    return tokenizer.decode([tid], skip_special_tokens=False)
+
+
+class Logprobs:
+    """A request's logprobs in OpenAI's shapes (chat: `content` entries; completions: the
+    legacy parallel lists), from the engine's per-token infos."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tok, self.chat = tokenizer, chat
+        self.offset = 0
+
+    def entry(self, tid: int, info: dict) -> dict:
+        text = _token_text(self.tok, tid)
+        return {"token": text, "logprob": info["logprob"], "bytes": list(text.encode()),
+                "top_logprobs": [{"token": (t := _token_text(self.tok, i)), "logprob": lp, "bytes": list(t.encode())}
+                                 for i, lp in info["top"]]}
+
+    def of(self, ids: list[int], infos: list[dict]) -> dict:
+        entries = [self.entry(i, info) for i, info in zip(ids, infos)]
+        if self.chat:
+            return {"content": entries}
+        offsets = []
+        for e in entries:
+            offsets.append(self.offset)
+            self.offset += len(e["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": offsets}
 
 
 class Shaper:
@@ -310,16 +353,17 @@ class Shaper:
             c["stop_reason"] = done.stop   # which stop string / token ended it (a vLLM extension)
         return c
 
-    def full(self, text: str, done, calls=None) -> dict:
-        """The non-streamed answer (`calls`: the tool calls parsed out of it)."""
+    def full(self, text: str, done, calls=None, logprobs=None) -> dict:
+        """The non-streamed answer (`calls`: the tool calls parsed out of it; `logprobs`: the
+        shaped logprobs, or None)."""
         if self.gen.chat:
             message = {"role": "assistant", "content": text if text or not calls else None}
             if calls:
                 message["tool_calls"] = openai_calls(calls)
-            choice = {"index": 0, "message": message, "logprobs": None}
+            choice = {"index": 0, "message": message, "logprobs": logprobs}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None}
+            choice = {"index": 0, "text": text, "logprobs": logprobs}
             obj = "text_completion"
         choice.update(self._choice_end(done, calls))
         return {**self._envelope(obj), "choices": [choice], "usage": usage(done.usage)}
@@ -338,10 +382,10 @@ class Shaper:
         return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
-    def text_chunk(self, text: str) -> dict:
+    def text_chunk(self, text: str, logprobs=None) -> dict:
         if self.gen.chat:
-            return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
-        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+            return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None})
+        return self._chunk({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None})
 
     def last_chunks(self, done, calls=None) -> list[dict]:
         out = []
