@@ -21,7 +21,7 @@ import hashlib
 import hmac
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from .model.params import SamplingParams
 from .protocol import GenerateRequest
 
 log = logging.getLogger("edgepaged.frontend")
+MAX_SAMPLES = 8     # n: parallel samples of one prompt
 
 
 class AuthFailed(Exception):
@@ -166,9 +167,6 @@ class FrontEnd:
             self._grammars = Grammars(self.tokenizer, vocab or self.tokenizer.vocab_size)
         return self._grammars
 
-    def _matcher(self, spec: dict):
-        grammars = self.grammars
-        return grammars.matcher(grammars.compile(spec))
 
     # -- who is asking --------------------------------------------------------------------------
     @property
@@ -227,14 +225,14 @@ class FrontEnd:
             raise RequestRejected("invalid_params", str(e)) from None
         tok = self.tokenizer
         fmt, calls, job, lazy = item.format, None, None, None
+        from . import tools as tl
         if item.messages is not None:
-            from . import tools as tl
             offered = item.tools if item.tool_choice != "none" else None
             messages = tl.prepare_messages(item.messages, offered, tok.chat_template)
             kwargs = {"tools": offered} if offered and tl.template_takes_tools(tok.chat_template) else {}
             job = partial(tok.apply_chat_template, messages, **kwargs)
             if offered:
-                syntax = tl.syntax_for(tok.chat_template)
+                syntax = tl.syntax_for(tok.chat_template, tok)
                 calls = tl.ToolStream(syntax, tok)
                 if item.tool_choice == "auto" and fmt is None:   # a call the model starts is constrained
                     cont = syntax.continuation(offered, item.parallel_tool_calls)
@@ -273,15 +271,27 @@ class FrontEnd:
             raise RequestRejected("invalid_params", f"max_tokens must be in 1..{self.max_tokens} on this server, "
                                   f"got {max_tokens}")
         params.max_tokens = max_tokens
-        matcher = None
+        grammar = None
         if fmt is not None:   # compiled off the event loop: a schema may take a while
             try:
-                matcher = await trio.to_thread.run_sync(self._matcher, fmt)
+                grammar = await trio.to_thread.run_sync(self.grammars.compile, fmt)
             except ValueError as e:
                 raise RequestRejected("invalid_params", f"format: {e}") from None
-        return Request(prompt_ids=ids, params=params, priority=item.priority, client=caller.client,
-                       salt=cache_salt(caller.identity, item.share_prefix_cache), owner=caller.identity,
-                       matcher=matcher, calls=calls, lazy=lazy)
+        n = item.n
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
+            raise RequestRejected("invalid_params", f"n must be in 1..{MAX_SAMPLES}, got {n!r}")
+
+        def one(k: int, parent=None) -> Request:
+            p = params if k == 0 else replace(params, seed=None if params.seed is None else params.seed + k)
+            return Request(prompt_ids=ids, params=p, priority=item.priority, client=caller.client,
+                           salt=cache_salt(caller.identity, item.share_prefix_cache), owner=caller.identity,
+                           matcher=None if grammar is None else self.grammars.matcher(grammar),
+                           calls=None if calls is None else tl.ToolStream(calls.syntax, tok),
+                           lazy=None if lazy is None else tl.LazyCall(lazy.marker, lazy.grammar, lazy.grammars, tok),
+                           fork_of=parent)
+        req = one(0)
+        req.children = [one(k, req) for k in range(1, n)]
+        return req
 
     # -- what the box says about itself ---------------------------------------------------------
     def stats(self, caller: Caller, full: dict) -> dict:

@@ -173,6 +173,7 @@ class GenerateRequest:
     tools: list | None = None      # checked by tools.check_tools (OpenAI's function tools)
     tool_choice: str = "none"      # auto | none | required | a function's name
     parallel_tool_calls: bool = True
+    n: int = 1                     # parallel samples of the prompt (copy-on-write forks)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 MAX_TOOLS = 128
+from .model.grammar import JSON_STYLE  # noqa: E402  (JSON as models write it)
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
@@ -47,6 +48,25 @@ def check_tools(tools) -> list[dict]:
     return out
 
 
+def closed(schema):
+    """A tool's argument schema with `additionalProperties: false` on every object that lists
+    its properties and says nothing of others (as OpenAI's strict tools): a call holds the
+    tool's arguments, not whatever else the model would add."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in ("properties", "items", "anyOf", "oneOf", "allOf", "$defs", "definitions",
+                                 "prefixItems") or isinstance(v, (dict, list)) and k not in ("enum", "const",
+                                                                                             "required", "examples",
+                                                                                             "default")
+           else v for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {k: closed(v) for k, v in schema["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    return out
+
+
 def _arguments(value):
     """A call's arguments as the templates want them: a dict (a JSON string is parsed)."""
     if isinstance(value, str):
@@ -64,8 +84,18 @@ def template_takes_tools(template: str | None) -> bool:
 
 @dataclass(frozen=True)
 class ToolSyntax:
-    """How a model family writes tool calls."""
+    """How a model family writes tool calls. `specials`: (text, id) of the markers that are
+    special tokens of the vocabulary (Qwen's <tool_call>): the grammars name those tokens,
+    as a model writes them, instead of spelling their text."""
     name: str
+    specials: tuple = ()
+
+    def lit(self, text: str) -> str:
+        """A Lark literal for `text`: the special token when the vocabulary has one."""
+        for t, i in self.specials:
+            if t == text:
+                return f"<[{i}]>"
+        return json.dumps(text)
 
     # -- what the model sees ----------------------------------------------------------------
     def call_text(self, calls: list[dict]) -> str:
@@ -85,19 +115,20 @@ class ToolSyntax:
         if not fns:
             raise ValueError(f"tool_choice names {name!r}, which is not in tools")
         key = "parameters" if self.name == "llama3" else "arguments"
-        schemas = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
+        schemas = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: closed(f["parameters"])},
                     "required": ["name", key], "additionalProperties": False} for f in fns]
         one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        one = {**one, "x-guidance": JSON_STYLE}
         if self.name == "mistral":
             arr = {"type": "array", "items": one, "minItems": 1}
             if not parallel:
                 arr["maxItems"] = 1
-            return f'start: "[TOOL_CALLS]" " "? body\nbody: %json {json.dumps(arr)}\n'
+            return f'start: {self.lit("[TOOL_CALLS]")} " "? body\nbody: %json {json.dumps(arr)}\n'
         body = f"body: %json {json.dumps(one)}\n"
         if self.name == "llama3":
             return "start: body" + (' ("\\n" body)*' if parallel else "") + "\n" + body
         return ("start: call" + (' ("\\n" call)*' if parallel else "") + "\n"
-                + 'call: "<tool_call>\\n" body "\\n</tool_call>"\n' + body)
+                + f'call: {self.lit("<tool_call>")} "\\n" body "\\n" {self.lit("</tool_call>")}\n' + body)
 
     # -- what comes back ------------------------------------------------------------------------
     @property
@@ -116,15 +147,17 @@ class ToolSyntax:
 
     def continuation(self, tools: list[dict], parallel: bool = True) -> str | None:
         """The grammar of what follows a call's marker once the model wrote it (auto
-        tool choice): the call's body, each tool's arguments following its schema. None
-        where there is no marker to wait for (Llama 3)."""
+        tool choice): the call's body, each tool's arguments following its schema, and the
+        closing marker; the answer ends there (one call: a marker that is a special token of
+        the vocabulary, as Qwen's are, cannot start a second one inside llguidance's grammar
+        reliably). None where there is no marker to wait for (Llama 3)."""
         if self.name == "llama3":
             return None
         g = self.grammar(tools, parallel)
+        body = g[g.index("body: %json"):]
         if self.name == "mistral":
-            return g.replace('start: "[TOOL_CALLS]" " "? body', 'start: " "? body', 1)
-        return g.replace('call: "<tool_call>\\n" body', 'first: "\\n" body "\\n</tool_call>"\ncall: "<tool_call>\\n" body', 1) \
-            .replace("start: call", "start: first", 1)
+            return 'start: " "? body\n' + body
+        return f'start: "\\n" body "\\n" {self.lit("</tool_call>")}\n' + body
 
     def starts(self, text: str) -> bool | None:
         """Whether an answer beginning with `text` is a tool call: True, False, or None (too
@@ -153,6 +186,7 @@ class ToolSyntax:
                 call = _json_call(m.group(1), "arguments")
                 if call is not None:
                     found.append(call)
+                if call is not None or not m.group(0).endswith("</tool_call>"):   # a call cut short: not content
                     content = content.replace(m.group(0), "", 1)
             return (content.strip() if found else text), found
         if self.name == "mistral":
@@ -197,16 +231,24 @@ def _call(obj, key: str) -> dict | None:
                                                                                                ensure_ascii=False)}
 
 
-def syntax_for(template: str | None) -> ToolSyntax:
+def syntax_for(template: str | None, tokenizer=None) -> ToolSyntax:
     """The family's tool-call syntax, from its chat template: Mistral's [TOOL_CALLS], Llama
     3.x's bare JSON, else Hermes/Qwen's <tool_call> (also what models without tools in their
-    template are shown)."""
+    template are shown); with the markers that are special tokens of `tokenizer`."""
     t = template or ""
     if "[TOOL_CALLS]" in t:
-        return ToolSyntax("mistral")
-    if "<|python_tag|>" in t or ("<|eot_id|>" in t and "tools" in t and "<tool_call>" not in t):
-        return ToolSyntax("llama3")
-    return ToolSyntax("hermes")
+        name = "mistral"
+    elif "<|python_tag|>" in t or ("<|eot_id|>" in t and "tools" in t and "<tool_call>" not in t):
+        name = "llama3"
+    else:
+        name = "hermes"
+    specials = []
+    if tokenizer is not None:
+        for text in ("<tool_call>", "</tool_call>", "[TOOL_CALLS]"):
+            i = tokenizer.tok.token_to_id(text)
+            if i is not None and text in getattr(tokenizer, "control_strings", ()):
+                specials.append((text, i))
+    return ToolSyntax(name, tuple(specials))
 
 
 def system_prompt(tools: list[dict]) -> str:
@@ -214,9 +256,9 @@ def system_prompt(tools: list[dict]) -> str:
     lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-            f"{lines}\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-            "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-            "<args-json-object>}\n</tool_call>")
+            f"{lines}\n</tools>\n\nWhen a function can do what the user asks, call it: answer with only a json "
+            "object with the function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
 
 
 def prepare_messages(messages: list[dict], tools: list[dict] | None, template: str | None) -> list[dict]:
@@ -224,7 +266,7 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None, template: s
     structured for a template that takes tools (arguments as objects); for one that does
     not, they become text in the family's syntax, and the tool list joins the system message."""
     takes = template_takes_tools(template)
-    syntax = syntax_for(template)
+    syntax = syntax_for(template)      # (text only: the history is rendered, never constrained)
     out = []
     for m in messages:
         m = dict(m)

@@ -72,7 +72,7 @@ async def test_the_openai_package_streams_paris_and_counts_usage(embedded_runner
             text = client.completions.create(model=model, prompt="The capital of Italy is", max_tokens=4,
                                              temperature=0)
             try:
-                client.chat.completions.create(model=model, messages=FRANCE, n=2)
+                client.chat.completions.create(model=model, messages=FRANCE, n=9)
                 refused = None
             except openai.BadRequestError as e:
                 refused = e
@@ -240,7 +240,7 @@ async def test_without_the_page(embedded_runner):
     ({"messages": FRANCE, "presence_penalty": "high"}, "presence_penalty must be a number"),
     ({"messages": FRANCE, "stream": "yes"}, "stream must be a boolean"),
     ({"messages": FRANCE, "logprobs": 3}, "logprobs must be a boolean"),
-    ({"messages": FRANCE, "n": 2}, "n=1"),
+    ({"messages": FRANCE, "n": 9}, "n must be an integer in 1..8"),
 ])
 def test_refused_fields_name_themselves(body, message):
     from edgepaged.server.openai_api import ApiError, parse_chat

@@ -448,3 +448,114 @@ def test_openai_penalties_by_their_definition():
         SamplingParams(presence_penalty=3)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 500})
+
+
+# ---------------------------------------------------------------- parallel samples
+
+async def test_n_samples_share_the_prompt_blocks(embedded_runner):
+    """n=3: three choices, the prompt prefilled once and forked: while the samples run, the
+    prompt's full blocks are held by all three (refcount 3) and the pool holds far fewer
+    blocks than three separate requests would."""
+    import openai
+    seen = []
+    async with serving(embedded_runner) as http:
+        engine = http.front.engine
+        alloc = engine.allocator
+
+        def hook(batch):
+            if len(batch.requests) == 3 and all(r.output_ids for r in batch.requests):
+                first = {alloc.block_table(r.id)[0] for r in batch.requests}
+                seen.append((len(first), alloc.refcount(next(iter(first))), alloc.num_used_blocks))
+        engine.step_hook = hook
+        prompt = [{"role": "user", "content": "Write a long story about a dragon who learns to cook. " * 3}]
+
+        def scenario():
+            c = openai.OpenAI(base_url=http.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            plain = c.chat.completions.create(model="m", messages=prompt, n=3, temperature=0.9, seed=5,
+                                              max_tokens=20)
+            streamed = {}
+            for ch in c.chat.completions.create(model="m", messages=prompt, n=3, temperature=0.9, seed=5,
+                                                max_tokens=20, stream=True):
+                for choice in ch.choices:
+                    d = streamed.setdefault(choice.index, {"text": "", "finish": None})
+                    d["text"] += choice.delta.content or ""
+                    d["finish"] = choice.finish_reason or d["finish"]
+            return plain, streamed
+        plain, streamed = await trio.to_thread.run_sync(scenario)
+        engine.step_hook = None
+        assert alloc.num_used_blocks == 0 or engine.scheduler.num_running == 0
+    assert [c.index for c in plain.choices] == [0, 1, 2]
+    texts = [c.message.content for c in plain.choices]
+    assert len(set(texts)) > 1 and all(texts)
+    assert plain.usage.completion_tokens == sum(len(embedded_runner.tokenizer.encode(t, add_special_tokens=False))
+                                                for t in texts) or plain.usage.completion_tokens <= 60
+    assert sorted(streamed) == [0, 1, 2] and [streamed[k]["text"] for k in range(3)] == texts
+    assert all(streamed[k]["finish"] in ("stop", "length") for k in range(3))
+    bs = embedded_runner.block_size
+    n_prompt = len(embedded_runner.tokenizer.apply_chat_template(prompt))
+    assert seen and all(n_first == 1 and ref == 3 for n_first, ref, _ in seen), seen
+    alone = 3 * -(-(n_prompt + 20) // bs)       # three separate requests, each prompt and answer
+    assert max(used for _, _, used in seen) <= n_prompt // bs + 3 * 2 < alone, (seen, n_prompt)
+
+
+async def test_samples_end_with_their_parent_and_give_every_block_back(embedded_runner):
+    """Parallel samples through the engine alone: all three finish and every block returns;
+    a request whose client leaves before its prompt ends takes its unforked samples along."""
+    from edgepaged.frontend import Caller
+    async with Engine(embedded_runner, EngineConfig(max_num_seqs=8)) as engine:
+        front = FrontEnd(engine)
+        item = GenerateRequest("n", "chat", messages=ASK, max_tokens=12, sampling={"temperature": 1.0, "seed": 3})
+        item.n = 3
+        req = await front.build(item, Caller("c", "c"))
+        samples = [req, *req.children]
+        done = {}
+        async with engine.stream_samples(req) as events:
+            async for k, ev in events:
+                if not hasattr(ev, "text"):
+                    done[k] = ev.finish_reason
+        assert done == {0: "length", 1: "length", 2: "length"}
+        assert [len(s.output_ids) for s in samples] == [12, 12, 12] and len({tuple(s.output_ids) for s in samples}) > 1
+        req = await front.build(item, Caller("c", "c"))
+        samples = [req, *req.children]
+        async with engine.stream_samples(req) as events:
+            pass                                   # the client leaves at once
+        assert all(s.finished for s in samples)
+        await trio.sleep(0.5)
+        assert engine.allocator.num_used_blocks == 0 and engine.scheduler.num_running == 0
+
+
+async def test_home_assistant_body_gets_a_valid_tool_call_from_a_model_that_calls(tmp_path):
+    """The Home Assistant body against a tiny Qwen3 (its real template, which takes tools)
+    whose weights make it open a <tool_call> on its own: the call it starts is constrained
+    to the tools' schemas (auto choice), so a valid call comes back over the Ollama API, and
+    through the ollama package."""
+    import ollama
+
+    from edgepaged.model import ModelRunner
+    from edgepaged.testing.families import make_family_model, write_family_gguf
+    ha_tools = HOME_ASSISTANT["tools"]
+    hf = make_family_model(tmp_path / "q", "qwen3", seed=2, stop_prompt=HOME_ASSISTANT["messages"],
+                           rig_token="<tool_call>", tools=ha_tools, context=4096,
+                           rig_also=('"', "]", "}"))    # closing what it opens, where the call's grammar lets it
+    path = write_family_gguf(tmp_path / "q", tmp_path / "tiny-qwen3.gguf", hf)
+    runner = ModelRunner(path, num_blocks=128)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in ha_tools}
+    async with serving(runner) as http:
+        body = {**HOME_ASSISTANT, "model": "tiny-qwen3", "options": {**HOME_ASSISTANT["options"], "temperature": 0,
+                                                                     "num_predict": 160}}
+        status, _, raw = await afetch(http.base + "/api/chat", body)
+
+        def scenario():
+            c = ollama.Client(host=http.base, timeout=120)
+            return c.chat(model="tiny-qwen3", messages=HOME_ASSISTANT["messages"], tools=ha_tools,
+                          options={"temperature": 0, "num_predict": 160})
+        r = await trio.to_thread.run_sync(scenario)
+    msg = json.loads(raw)["message"]
+    assert status == 200 and msg.get("tool_calls"), msg
+    for call in msg["tool_calls"]:
+        assert call["function"]["name"] in schemas
+        jsonschema.validate(call["function"]["arguments"], schemas[call["function"]["name"]])
+    assert "<tool_call>" not in msg["content"]
+    assert r.message.tool_calls
+    for call in r.message.tool_calls:
+        jsonschema.validate(call.function.arguments, schemas[call.function.name])

@@ -22,6 +22,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+import numpy as np
 import trio
 
 from .._native.blocks import BlockAllocator
@@ -118,7 +119,8 @@ class Engine:
             raise EngineClosed("the engine is not accepting requests (shutting down)")
         if req.finished or req.send is not None:
             raise ValueError(f"request {req.id} was already submitted or has ended")
-        self.scheduler.add(req)
+        if req.fork_of is None:      # a parallel sample waits for its parent's prompt instead
+            self.scheduler.add(req)
         send, recv = trio.open_memory_channel(math.inf)
         req.send = send
         req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, stop=req.params.stop)
@@ -132,6 +134,32 @@ class Engine:
             if not req.finished:
                 self._end(req, "cancelled")
             self.requests.pop(req.id, None)
+
+    @asynccontextmanager
+    async def stream_samples(self, req: Request) -> AsyncIterator[trio.MemoryReceiveChannel]:
+        """`stream` for a request with parallel samples (`req.children`): one channel of
+        (sample index, event), index 0 the parent. The samples are submitted before the
+        parent, so each is there to be forked when the parent's prompt ends."""
+        reqs = [req, *req.children]     # (forking empties req.children)
+        send, recv = trio.open_memory_channel(math.inf)
+        async with AsyncExitStack() as stack:
+            chans = {}
+            for i in range(len(reqs) - 1, -1, -1):
+                chans[i] = await stack.enter_async_context(self.stream(reqs[i]))
+            left = [len(reqs)]
+
+            async def pump(i, ch):
+                async for ev in ch:
+                    send.send_nowait((i, ev))
+                left[0] -= 1
+                if not left[0]:
+                    send.close()
+            async with trio.open_nursery() as nursery:
+                for i, ch in chans.items():
+                    nursery.start_soon(pump, i, ch)
+                async with recv:
+                    yield recv
+                nursery.cancel_scope.cancel()
 
     @property
     def kv_capacity_blocks(self) -> int:
@@ -175,11 +203,18 @@ class Engine:
                 if req.first_scheduled is None:
                     req.first_scheduled = now
                     self.metrics.on_admit(len(req.prompt_ids), req.num_cached, self.allocator.enable_prefix_caching)
-            prev = [r.all_ids if r.params.needs_history else [] for r in batch.sampled]
-            params = [r.params for r in batch.sampled]
-            matchers = [r.matcher for r in batch.sampled]
-            outputs = [r.output_ids if r.params.counts_output else [] for r in batch.sampled] \
-                if any(r.params.counts_output for r in batch.sampled) else None
+            # parallel samples whose parent's prompt ends this step: their rows repeat the parent's
+            forks = [(j, c) for j, r in enumerate(batch.sampled) if r.children and not r.output_ids
+                     for c in r.children if not c.finished and c.send is not None]
+            rows = batch.sampled + [c for _, c in forks]
+            if forks:
+                batch.logits_indices = np.concatenate([batch.logits_indices,
+                                                       batch.logits_indices[[j for j, _ in forks]]])
+            prev = [r.all_ids if r.params.needs_history else [] for r in rows]
+            params = [r.params for r in rows]
+            matchers = [r.matcher for r in rows]
+            outputs = [r.output_ids if r.params.counts_output else [] for r in rows] \
+                if any(r.params.counts_output for r in rows) else None
             tokens, ok = None, False
             self._in_step = frozenset(batch.requests)
             try:
@@ -187,13 +222,13 @@ class Engine:
                 ok = True
             except Exception as e:  # a failed step fails only its own requests
                 log.exception("model step failed")
-                for req in batch.requests:
+                for req in batch.requests + [c for _, c in forks]:
                     self._end(req, "error", error={"code": "internal_error",
                                                    "message": f"model step failed: {type(e).__name__}: {e}"})
             finally:
                 self._free_after_step(batch, cache=ok)
             if ok:
-                self._process(batch, tokens)
+                self._process(batch, tokens, forks)
             self._steps_since_trim += 1
             await trio.lowlevel.checkpoint()
 
@@ -219,11 +254,22 @@ class Engine:
             extra["outputs"] = outputs
         return self.runner.step(batch, params, prev, **extra)
 
-    def _process(self, batch: Batch, tokens: list) -> None:
+    def _process(self, batch: Batch, tokens: list, forks=()) -> None:
         now = time.monotonic()
         eos = self.tokenizer.stop_token_ids
         generated = 0
-        for req, tok in zip(batch.sampled, tokens):
+        pairs = list(zip(batch.sampled, tokens))
+        for (j, child), tok in zip(forks, tokens[len(batch.sampled):]):
+            parent = batch.sampled[j]
+            if child.finished:
+                continue
+            if parent.status is not Status.RUNNING:    # ended while the step ran: so do its samples
+                self._end(child, parent.finish_reason or "cancelled", parent.error)
+                continue
+            self.scheduler.adopt(parent, child)
+            parent.children.remove(child)
+            pairs.append((child, tok))
+        for req, tok in pairs:
             if req.finished:   # ended while the step ran
                 continue
             if isinstance(tok, BaseException):   # this row alone failed (its sampling)
@@ -288,6 +334,9 @@ class Engine:
         back to the pool now, or after the running step if that step uses them."""
         if req.finished:
             return
+        for child in req.children:      # samples not forked yet end with their parent
+            self._end(child, reason, error)
+        req.children = []
         req.finish_reason, req.error = reason, error
         req.finished_at = time.monotonic()
         if req not in self._in_step:

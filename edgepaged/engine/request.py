@@ -84,6 +84,11 @@ class Request:
     matcher: Any = None            # llguidance matcher of a constrained output (model/grammar.py), else None
     calls: Any = None              # tools.ToolStream when tools were offered: the doors parse calls with it
     lazy: Any = None               # tools.LazyCall: constrains a call the model starts (auto tool choice)
+    # parallel samples (n > 1): the parent's `children` wait, outside the scheduler, until the
+    # step that ends the parent's prompt; then each is forked from it (copy-on-write blocks)
+    # and samples its first token from the same logits
+    children: list = field(default_factory=list)
+    fork_of: Any = None            # the parent of a child sample
     send: Any = None               # the engine's side of the event channel
     reserve_tokens: int = 0        # contiguous mode: tokens reserved at admission
 

@@ -203,6 +203,21 @@ class Scheduler:
             self.queues[req.priority].remove(req)
         req.status = Status.FREED
 
+    def adopt(self, parent: Request, child: Request) -> None:
+        """A parallel sample: `child` takes `parent`'s KV blocks as they are (the allocator's
+        copy-on-write fork; the shared last block is copied by whichever writes first) and runs
+        from here as a request of its own."""
+        self.alloc.fork(parent.id, child.id)
+        child.num_known, child.num_slots, child.num_blocks = parent.num_known, parent.num_slots, parent.num_blocks
+        if parent.num_slots % self.block_size:
+            parent.tail_shared = child.tail_shared = True
+        else:
+            child.tail_shared = parent.tail_shared
+        child.num_cached, child.admitted, child.first_scheduled = parent.num_cached, True, parent.first_scheduled
+        child.status = Status.RUNNING
+        self.running.append(child)
+        self._free_blocks = None
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.alloc.free_sequence(req.id)

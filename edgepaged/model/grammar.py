@@ -21,6 +21,9 @@ import threading
 import numpy as np
 
 FORMAT_TYPES = ("json_object", "json_schema", "regex", "lark")
+# JSON as models write it: one space after ',' and ':', no other whitespace (a small model
+# cannot run on in whitespace; a schema's own "x-guidance" may say otherwise)
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class Grammars:
@@ -51,14 +54,14 @@ class Grammars:
             raise ValueError(f"format type must be one of {', '.join(FORMAT_TYPES)}, got {kind!r}")
         try:
             if kind == "json_object":
-                grammar = LLMatcher.grammar_from_json_schema({"type": "object"})
+                grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
             elif kind == "json_schema":
                 schema = spec.get("schema")
                 if isinstance(schema, str):
                     schema = json.loads(schema)
                 if not isinstance(schema, dict):
                     raise ValueError("the schema must be a JSON object")
-                grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+                grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
             elif kind == "regex":
                 if not isinstance(spec.get("pattern"), str):
                     raise ValueError("a regex format needs a string pattern")

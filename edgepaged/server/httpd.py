@@ -39,7 +39,7 @@ from .guard import Guard
 from . import ollama_api
 from .ollama_api import OllamaError, OllamaShaper
 from .openai_api import (ApiError, Generation, Logprobs, Shaper, done_error, error_body, model_card, models_list,
-                         new_id, parse_chat, parse_completion)
+                         new_id, parse_chat, parse_completion, usage)
 
 log = logging.getLogger("edgepaged.http")
 DEFAULT_HTTP_PORT = 7879
@@ -358,6 +358,7 @@ class GenerationResponse:
     def __init__(self, http: HttpServer, gen: Generation, req, shaper=None):
         self.http, self.gen, self.req = http, gen, req
         self.shaper = shaper or Shaper(gen, http.front.model)
+        self.n = 1 + len(req.children)     # parallel samples (the parent's list empties as they fork)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -377,18 +378,88 @@ class GenerationResponse:
                 return
 
     async def _run(self, send) -> None:
+        engine = self.http.engine
+        if self.n > 1:   # parallel samples: (index, event)
+            opened, stream, answer = engine.stream_samples(self.req), self._stream_samples, self._answer_samples
+        else:
+            opened, stream, answer = engine.stream(self.req), self._stream, self._answer
         try:
-            async with self.http.engine.stream(self.req) as events:
-                if self.gen.stream:
-                    await self._stream(events, send)
-                else:
-                    await self._answer(events, send)
+            async with opened as events:
+                await (stream if self.gen.stream else answer)(events, send)
         except EngineClosed:   # entering the stream: nothing was sent yet
             err = ApiError(503, "the server is shutting down", "shutdown")
             await self._send_json(send, 503, self.shaper.error_body(err))
         except RequestRejected as e:
             err = ApiError.from_rejected(e)
             await self._send_json(send, err.status, self.shaper.error_body(err))
+
+    def _samples_logprobs(self):
+        return [Logprobs(self.http.front.tokenizer, self.gen.chat) if self.req.params.logprobs is not None else None
+                for _ in range(self.n)]
+
+    async def _answer_samples(self, events, send) -> None:
+        n = self.n
+        texts, dones, lps = [[] for _ in range(n)], [None] * n, [([], []) for _ in range(n)]
+        async for k, ev in events:
+            if isinstance(ev, TokenEvent):
+                texts[k].append(ev.text)
+                if ev.logprobs:
+                    lps[k][0].extend(ev.token_ids)
+                    lps[k][1].extend(ev.logprobs)
+            else:
+                dones[k] = ev
+        errs = [done_error(d) for d in dones if d is not None]
+        err = next((e for e in errs if e is not None), None)
+        if err is not None or any(d is None for d in dones):
+            err = err or ApiError(500, "a sample ended without an answer", "internal_error")
+            return await self._send_json(send, err.status, self.shaper.error_body(err))
+        shapers = self._samples_logprobs()
+        answers = [("".join(texts[k]), dones[k], None if shapers[k] is None else shapers[k].of(*lps[k]))
+                   for k in range(n)]
+        await self._send_json(send, 200, self.shaper.full_n(answers))
+
+    async def _stream_samples(self, events, send) -> None:
+        sh = self.shaper
+        n = self.n
+        lps = self._samples_logprobs()
+
+        def at(chunk, k):
+            for c in chunk["choices"]:
+                c["index"] = k
+            return sh.frame(chunk)
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", sh.media_type.encode()), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+        first = [sh.first_chunk() for _ in range(n)]
+        if first[0] is not None:
+            await send({"type": "http.response.body", "body": b"".join(at(c, k) for k, c in enumerate(first)),
+                        "more_body": True})
+        dones, err = [], None
+        async for k, ev in events:
+            if isinstance(ev, TokenEvent):
+                if ev.logprobs and lps[k] is not None:
+                    body = at(sh.text_chunk(ev.text, lps[k].of(ev.token_ids, ev.logprobs)), k)
+                elif ev.text:
+                    body = at(sh.text_chunk(ev.text), k)
+                else:
+                    continue
+            else:
+                dones.append(ev)
+                err = err or done_error(ev)
+                if err is not None:
+                    break
+                chunks = sh.last_chunks(ev)
+                body = at(chunks[0], k)   # the usage chunk (if asked) comes once, at the end
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        out = []
+        if err is not None:
+            out.append(sh.frame(sh.error_chunk(err)))
+        elif self.gen.include_usage:
+            u = {"prompt_tokens": dones[0].usage["prompt_tokens"],
+                 "completion_tokens": sum(d.usage["completion_tokens"] for d in dones), "cached_tokens": 0}
+            out.append(sh.frame(sh._chunk(None, usage(u))))
+        out.append(sh.trailer)
+        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
 
     async def _answer(self, events, send) -> None:
         parts, calls = [], self.req.calls

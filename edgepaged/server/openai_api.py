@@ -82,8 +82,10 @@ def _is_num(x) -> bool:
 def _refuse_unsupported(body: dict) -> None:
     """Features whose non-default values this server cannot honour."""
     n = body.get("n")
-    if n is not None and n != 1:
-        raise bad("only n=1 is supported", "n", "invalid_params")
+    if n is not None and (not _is_int(n) or not 1 <= n <= 8):
+        raise bad("n must be an integer in 1..8", "n", "invalid_params")
+    if n not in (None, 1) and body.get("tools"):
+        raise bad("n > 1 with tools is not supported", "n", "invalid_params")
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise bad("best_of is not supported", "best_of", "invalid_params")
@@ -172,6 +174,7 @@ def output_format(body: dict) -> dict | None:
 def _common(body: dict, item: GenerateRequest, gen: Generation, default_max_tokens: int | None) -> None:
     _refuse_unsupported(body)
     _sampling(body, item)
+    item.n = body.get("n") or 1
     item.format = output_format(body)
     for name in ("max_completion_tokens", "max_tokens"):   # the newer name wins
         v = body.get(name)
@@ -352,6 +355,18 @@ class Shaper:
         if done.stop is not None:
             c["stop_reason"] = done.stop   # which stop string / token ended it (a vLLM extension)
         return c
+
+    def full_n(self, answers: list) -> dict:
+        """The non-streamed answer of parallel samples: answers[k] = (text, done, logprobs)."""
+        bodies = [self.full(text, done, None, lp) for text, done, lp in answers]
+        choices = []
+        for k, b in enumerate(bodies):
+            choices.append({**b["choices"][0], "index": k})
+        prompt = answers[0][1].usage["prompt_tokens"]
+        completion = sum(d.usage["completion_tokens"] for _, d, _ in answers)
+        return {**bodies[0], "choices": choices, "usage": {
+            "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": answers[0][1].usage.get("cached_tokens", 0)}}}
 
     def full(self, text: str, done, calls=None, logprobs=None) -> dict:
         """The non-streamed answer (`calls`: the tool calls parsed out of it; `logprobs`: the

@@ -181,10 +181,10 @@ def tokenizer_gguf_fields(folder: Path, fam: Family) -> dict:
 
 # ---------------------------------------------------------------- models
 
-def hf_config(name: str, vocab_size: int, token_ids: dict):
+def hf_config(name: str, vocab_size: int, token_ids: dict, context: int = 1024):
     import transformers as T
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=1024, **token_ids)
+                  num_key_value_heads=2, max_position_embeddings=context, **token_ids)
     if name == "llama":
         return T.LlamaConfig(**common, num_hidden_layers=2, tie_word_embeddings=True)
     if name == "mistral":
@@ -209,10 +209,10 @@ def hf_config(name: str, vocab_size: int, token_ids: dict):
     raise ValueError(name)
 
 
-def _rig_stop(model, eot: int, prompt: list[int], steps: int = 24) -> None:
-    """Make the end-of-turn token win after a few tokens of a greedy answer to `prompt`: a
-    constant in the embeddings' feature 1 and a weight on it in the LM head's row of `eot`,
-    the smallest of a ladder that ends the answer within `steps` tokens."""
+def _rig_stop(model, eot: int, prompt: list[int], steps: int = 24, also: tuple = ()) -> None:
+    """Make token `eot` win after a few tokens of a greedy answer to `prompt`: a constant in
+    the embeddings' feature 1 and a weight on it in the LM head's row of `eot`, the smallest
+    of a ladder that makes it appear within `steps` tokens."""
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     with torch.no_grad():
         emb[:, 1] = 6.0 / (model.config.hidden_size ** 0.5 if model.config.model_type.startswith("gemma") else 1.0)
@@ -222,15 +222,19 @@ def _rig_stop(model, eot: int, prompt: list[int], steps: int = 24) -> None:
                                  eos_token_id=eot, pad_token_id=eot)[0, len(prompt):].tolist()
             if eot in out:
                 head[eot, 1] = bias * 1.25    # a margin: the answer ends there on other kernels too
+                for t in also:                # tokens that should win where a grammar allows them
+                    head[t, 1] = bias * 1.25
                 return
     raise AssertionError("could not make the end-of-turn token win")
 
 
-def make_family_model(folder, name: str, seed: int = 0, *, stop_prompt: list[dict] | None = None):
+def make_family_model(folder, name: str, seed: int = 0, *, stop_prompt: list[dict] | None = None,
+                      rig_token: str | None = None, tools: list | None = None, context: int = 1024,
+                      rig_also: tuple = ()):
     """Save a tiny random `name` model with its tokenizer and template into `folder`; returns
     the transformers model (eval mode, eager attention). With `stop_prompt` (chat messages)
-    the family's end-of-turn token ends a greedy answer to them within a few tokens (for
-    serving tests)."""
+    the family's end-of-turn token (or `rig_token`) comes within a few tokens of a greedy
+    answer to them (rendered with `tools`), for serving tests."""
     import transformers
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -243,17 +247,19 @@ def make_family_model(folder, name: str, seed: int = 0, *, stop_prompt: list[dic
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     ids = {"eos_token_id": tok.token_to_id(fam.eos), "bos_token_id": tok.token_to_id(fam.bos) if fam.bos else None,
            "pad_token_id": tok.token_to_id("<pad>") if fam.name.startswith("gemma") else None}
-    cfg = hf_config(name, tok.get_vocab_size(), ids)
+    cfg = hf_config(name, tok.get_vocab_size(), ids, context)
     if stop_prompt is not None:
         from transformers import AutoTokenizer
+        kw = {"tools": tools} if tools else {}
         text = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(stop_prompt, tokenize=False,
-                                                                               add_generation_prompt=True)
+                                                                               add_generation_prompt=True, **kw)
         stop_prompt = tok.encode(text, add_special_tokens=False).ids
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     randomize(model, seed)
     model.eval()
     if stop_prompt is not None:
-        _rig_stop(model, tok.token_to_id(fam.end_of_turn), stop_prompt)
+        _rig_stop(model, tok.token_to_id(rig_token or fam.end_of_turn), stop_prompt,
+                  also=tuple(tok.token_to_id(t) for t in rig_also))
     model.save_pretrained(folder)
     gen = folder / "generation_config.json"
     if gen.exists():
