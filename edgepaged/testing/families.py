@@ -185,8 +185,10 @@ def hf_config(name: str, vocab_size: int, token_ids: dict, context: int = 1024):
     import transformers as T
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=context, **token_ids)
-    if name == "llama":
-        return T.LlamaConfig(**common, num_hidden_layers=2, tie_word_embeddings=True)
+    if name == "llama":   # Llama 3.1's rope scaling, over a short original context
+        return T.LlamaConfig(**common, num_hidden_layers=2, tie_word_embeddings=True, rope_theta=10000.0,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     if name == "mistral":
         return T.MistralConfig(**common, num_hidden_layers=2, sliding_window=8, tie_word_embeddings=False)
     if name == "qwen2":
@@ -283,6 +285,25 @@ _GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+def _llama3_factors(rope: dict, head_dim: int) -> list[float]:
+    """The rope_freqs tensor llama.cpp's converter writes for Llama 3.1's scaling: a divisor
+    per frequency (1 for short wavelengths, `factor` for long ones, smoothed between)."""
+    import math
+    base, factor = rope.get("rope_theta", 10000.0), rope["factor"]
+    lo, hi, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
 def gguf_tensor_name(hf: str, arch: str) -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
@@ -344,6 +365,8 @@ def write_family_gguf(folder, path, model=None, *, qtype: int = 0) -> Path:
     if name == "mistral":
         w.add_sliding_window(c.sliding_window)
     longrope = None
+    if name == "llama" and rope.get("rope_type") == "llama3":
+        longrope = ("rope_freqs", _llama3_factors(rope, head_dim))
     if name == "phi3":
         w.add_rope_dimension_count(head_dim)
         if rope.get("rope_type") == "longrope":
@@ -384,7 +407,9 @@ def write_family_gguf(folder, path, model=None, *, qtype: int = 0) -> Path:
             w.add_tensor(gname, a.astype(np.float16))
         else:
             w.add_tensor(gname, a.astype(np.float32))
-    if longrope:
+    if longrope and longrope[0] == "rope_freqs":
+        w.add_tensor("rope_freqs.weight", np.asarray(longrope[1], np.float32))
+    elif longrope:
         w.add_tensor("rope_factors_long.weight", np.asarray(longrope[0], np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(longrope[1], np.float32))
     w.write_header_to_file()
