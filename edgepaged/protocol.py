@@ -55,7 +55,7 @@ SAMPLING_FIELDS = {   # name -> accepted python types (after msgpack decoding)
     "presence_penalty": (int, float), "frequency_penalty": (int, float), "logit_bias": (dict,), "logprobs": (int,),
 }
 REQUEST_FIELDS = {"type", "id", "max_tokens", "priority", "stop", "stop_token_ids", "share_prefix_cache",
-                  "format", "tools", "tool_choice", "parallel_tool_calls", *SAMPLING_FIELDS}
+                  "format", "tools", "tool_choice", "parallel_tool_calls", "n", *SAMPLING_FIELDS}
 
 
 class ProtocolError(Exception):
@@ -288,6 +288,9 @@ def _parse_generate(msg: dict) -> GenerateRequest:
         if not isinstance(ids, list) or len(ids) > MAX_STOP or not all(_is_int(t) for t in ids):
             raise ProtocolError("bad_request", f"stop_token_ids must be a list of at most {MAX_STOP} integers", rid)
         req.sampling["stop_token_ids"] = ids
+    if msg.get("n") is not None:
+        _type_check("n", msg["n"], (int,), rid)
+        req.n = msg["n"]
     fmt = msg.get("format")
     if fmt is not None:
         if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):

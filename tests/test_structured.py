@@ -559,3 +559,26 @@ async def test_home_assistant_body_gets_a_valid_tool_call_from_a_model_that_call
     assert r.message.tool_calls
     for call in r.message.tool_calls:
         jsonschema.validate(call.function.arguments, schemas[call.function.name])
+
+
+async def test_n_samples_over_the_msgpack_protocol(embedded_runner):
+    from test_server import Raw
+
+    from edgepaged.testing.serving import serving as box
+    async with box(embedded_runner) as server:
+        raw = await Raw.open(server)
+        await raw.send({"type": "chat", "id": 1, "messages": Q, "n": 3, "max_tokens": 8, "temperature": 1.0,
+                        "seed": 4, "logprobs": 1})
+        texts, dones = {}, {}
+        while len(dones) < 3:
+            m = await raw.read()
+            assert m["id"] == 1 and m["type"] in ("token", "done"), m
+            if m["type"] == "token":
+                texts[m["index"]] = texts.get(m["index"], "") + m["text"]
+                assert len(m["logprobs"]) == len(m["token_ids"])
+            else:
+                dones[m["index"]] = m
+        assert sorted(dones) == [0, 1, 2] and all(d["finish_reason"] == "length" for d in dones.values())
+        assert len(set(texts.values())) > 1
+        reply = await raw.ask({"type": "chat", "id": 2, "messages": Q, "n": 20})
+        assert reply["type"] == "error" and "n must be" in reply["message"]

@@ -68,6 +68,7 @@ class Connection:
         self.idle_scope: trio.CancelScope | None = None
         self.hello: Hello | None = None
         self.inflight: dict = {}                 # request id -> engine Request
+        self.samples: dict = {}                  # request id -> its parallel samples (n > 1)
         self.out_send, self.out_recv = trio.open_memory_channel(cfg.max_pending_frames)
         self.read_scope = trio.CancelScope()     # cancelled at shutdown: read no more, finish what runs
         self._outer: trio.Nursery | None = None
@@ -171,7 +172,8 @@ class Connection:
             req = self.inflight.get(item.id)
             if req is None:
                 raise ProtocolError("unknown_request", f"no request {item.id!r} in flight", item.id)
-            self.engine.cancel(req)     # its done frame (finish_reason cancelled) follows
+            for r in self.samples.get(item.id, [req]):   # every parallel sample of it
+                self.engine.cancel(r)     # its done frame (finish_reason cancelled) follows
         elif item.kind == "stats":
             await self.send(with_id({"type": "stats", "stats": self.server.front.stats(self.caller, self.server.stats())},
                                     item.id))
@@ -215,6 +217,8 @@ class Connection:
             raise rejected(e, rid) from None
 
     async def _stream(self, rid, req, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        if req.children:
+            return await self._stream_samples(rid, req, task_status)
         try:
             async with self.engine.stream(req) as events:
                 task_status.started()
@@ -238,3 +242,21 @@ class Connection:
             self.inflight.pop(rid, None)
             if not self.inflight and self.idle_scope is not None:   # idle again: arm the timeout
                 self.idle_scope.deadline = trio.current_time() + self.config.idle_timeout_s
+
+    async def _stream_samples(self, rid, req, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """n > 1: every frame carries the sample's `index`; one done frame per sample."""
+        samples = [req, *req.children]
+        self.samples[rid] = samples
+        try:
+            async with self.engine.stream_samples(req) as events:
+                task_status.started()
+                async for k, ev in events:
+                    frame = event_frame(rid, ev)
+                    frame["index"] = k
+                    await self.send(frame)
+        finally:
+            self.samples.pop(rid, None)
+            self.inflight.pop(rid, None)
+            if not self.inflight and self.idle_scope is not None:
+                self.idle_scope.deadline = trio.current_time() + self.config.idle_timeout_s
+
