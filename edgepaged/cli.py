@@ -147,6 +147,9 @@ def serve(model_path, device, host, port, kv_memory, block_size, kv_dtype, max_b
           allowed_hosts, cors_origins, max_inflight, max_prompt_tokens, max_tokens, grace, users_file, contiguous,
           quant_math, mdns_refresh):
     """Serve a model on the network (msgpack over TCP and HTTP, advertised by mDNS)."""
+    # the ports first: a port in use is said at once, not after imports and the model's load
+    server_sock = _bind(host, port, "--port")
+    http_sock = None if no_http else _bind(host, http_port, "HTTP, --http-port")
     import trio
 
     from .server.app import tame_malloc
@@ -178,12 +181,14 @@ def serve(model_path, device, host, port, kv_memory, block_size, kv_dtype, max_b
     cfg = AppConfig(
         server=ServerConfig(host=host, port=port, max_connections=max_connections, max_inflight=max_inflight,
                             max_unauthenticated=max_unauthenticated,
-                            max_unauthenticated_per_address=max_unauthenticated_per_address),
+                            max_unauthenticated_per_address=max_unauthenticated_per_address, sock=server_sock),
         front=FrontEndConfig(token=token or None, users=users, max_prompt_tokens=max_prompt_tokens,
                              max_tokens=max_tokens),
         engine=EngineConfig(max_num_batched_tokens=max_batched_tokens, contiguous=contiguous),
         http=None if no_http else HttpConfig(port=http_port, allowed_hosts=allowed_hosts, cors_origins=cors_origins),
         mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
+    if cfg.http is not None:
+        cfg.http.sock = http_sock
     try:
         trio.run(partial(run, runner, cfg, say=lambda line: click.echo(line) or sys.stdout.flush()))
     except BaseExceptionGroup as group:   # e.g. the port is taken: say so without a traceback
@@ -192,6 +197,25 @@ def serve(model_path, device, host, port, kv_memory, block_size, kv_dtype, max_b
             raise
         e = _leaves(bind_errors)[0]
         fail(f"cannot serve on {e.filename or f'{host}:{port}'}: {e.strerror or e}")
+
+
+def _bind(host: str, port: int, what: str):
+    """A listening socket on host:port, or the command's one-line failure (in use, no such
+    address) before anything else happens."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        fail(f"cannot serve on {where} ({what}): {e.strerror or e}")
+    return sock
 
 
 def _leaves(group) -> list[BaseException]:

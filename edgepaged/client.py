@@ -48,7 +48,13 @@ class NoServerFound(ServerError):
 
 
 def parse_address(address: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
-    """'host', 'host:port', '[v6]:port' -> (host, port)."""
+    """'host', 'host:port', '[v6]:port', '[v6]', a bare IPv6 address, or any of them as a URL
+    ('http://host:port/...', 'tcp://host') -> (host, port)."""
+    address = address.strip()
+    if "://" in address:            # a URL: its host and port (a path is ignored)
+        address = address.split("://", 1)[1].split("/", 1)[0]
+    if address.count(":") > 1 and not address.startswith("["):   # a bare IPv6 address
+        address = f"[{address}]"
     host, port = address, str(default_port)
     if address.startswith("["):
         host, _, rest = address[1:].partition("]")

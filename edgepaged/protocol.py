@@ -29,7 +29,11 @@ FATAL_CODES = {
     "hello_timeout": "no hello within the time allowed",
     "idle_timeout": "nothing in flight and no frame for the idle time (or half a frame stalled)",
     "server_busy": "the server has its maximum number of connections",
+    "wrong_port": "the peer speaks HTTP: an HTTP client at the msgpack port, or this protocol at the HTTP port",
 }
+# the first bytes of HTTP: a request (a browser at the msgpack port) or a response (a
+# protocol client at the HTTP port)
+HTTP_STARTS = (b"GET ", b"POST", b"HEAD", b"PUT ", b"OPTI", b"DELE", b"PATC", b"CONN", b"HTTP")
 CODES = {
     **FATAL_CODES,
     "bad_request": "a well-formed frame whose content is wrong (missing or unknown field, wrong type)",
@@ -122,6 +126,11 @@ class FrameReader:
         if not await self._fill(HEADER_BYTES):
             raise ConnectionClosed("the peer closed the connection")
         n = int.from_bytes(self.buf[:HEADER_BYTES], "big")
+        if bytes(self.buf[:4]) in HTTP_STARTS:
+            side = "the server answered in HTTP: this is its HTTP port (the OpenAI API, the chat page); " \
+                "edgepaged's protocol is on the other port its banner names (7878 by default)" \
+                if self.buf.startswith(b"HTTP") else "this port speaks edgepaged's msgpack protocol, not HTTP"
+            raise ProtocolError("wrong_port", side)
         if n == 0 or n > self.max_frame_bytes:
             raise ProtocolError("frame_too_large", f"frame length {n} is not in 1..{self.max_frame_bytes}")
         if not await self._fill(HEADER_BYTES + n):

@@ -91,6 +91,34 @@ def test_http_beside_the_msgpack_port(server):
         assert b"<title>edgepaged chat</title>" in r.read()
 
 
+def test_wrong_port_is_named_on_both_sides(server):
+    """The protocol client at the HTTP port is told so; a browser at the msgpack port gets a
+    short HTTP answer naming the HTTP port."""
+    import socket
+    banner = next(line for line in server.lines if "ready on" in line)
+    http = re.search(r"HTTP \(OpenAI API, chat page\) http://127\.0\.0\.1:(\d+)/", banner).group(1)
+    r = cli("ask", "--server", f"127.0.0.1:{http}", "hi", timeout=60)
+    assert r.returncode != 0 and "HTTP port" in r.stderr and "1213486160" not in r.stderr, r.stderr
+    host, port = server.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: box\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400") and f"the HTTP port is {http}".encode() in reply, reply
+
+
+def test_a_used_port_fails_at_once(server):
+    """Ports are bound before the model loads: a second serve on a used port says so in < 1 s."""
+    host, port = server.address.split(":")
+    t0 = time.monotonic()
+    r = subprocess.run([*CLI, "serve", "--host", host, "--port", port, "--no-mdns"], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    took = time.monotonic() - t0
+    assert r.returncode != 0 and "Address already in use" in r.stderr and f"{host}:{port}" in r.stderr, r.stderr
+    assert took < 1.0, took
+
+
 def test_ask_answers_paris(server):
     r = cli("ask", "--server", server.address, "What is the capital of France?")
     assert r.returncode == 0, r.stderr
@@ -222,6 +250,10 @@ def test_addresses():
     assert parse_address("box") == ("box", 7878)
     assert parse_address("10.0.0.2:9000") == ("10.0.0.2", 9000)
     assert parse_address("[fe80::1]:9000") == ("fe80::1", 9000)
-    for bad in ("box:", ":", "box:70000", "box:x"):
+    assert parse_address("[fe80::1]") == ("fe80::1", 7878) and parse_address("fe80::1") == ("fe80::1", 7878)
+    assert parse_address("http://127.0.0.1:17878") == ("127.0.0.1", 17878)
+    assert parse_address("http://box/") == ("box", 7878) and parse_address(" tcp://[::1]:9/x ") == ("::1", 9)
+    for bad in ("box:", ":", "box:70000", "box:x", "http://"):
         with pytest.raises(ServerError):
             parse_address(bad)
+

@@ -152,3 +152,20 @@ def test_the_example_runs_without_site_packages_even_when_imported():
                        text=True)
     assert r.returncode == 0, r.stderr
     assert "17.5 C" in r.stdout
+
+
+def test_the_example_needs_an_address_and_says_a_failure_in_one_line():
+    """No address written in: without one it prints its usage (exit 2); a box that is not
+    there is one line from the client's own error (exit 1), no traceback."""
+    import socket
+    r = subprocess.run([sys.executable, "-S", "-E", "-s", "hub_example.py"], cwd=MICRO, capture_output=True, text=True)
+    assert r.returncode == 2 and "usage: hub_example.py HOST" in r.stdout
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()                      # a port nothing listens on
+    r = subprocess.run([sys.executable, "-S", "-E", "-s", "hub_example.py", "127.0.0.1", str(port)], cwd=MICRO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stdout.startswith("hub: unreachable: cannot connect to 127.0.0.1")
+    assert "Traceback" not in r.stderr + r.stdout
+    assert "192.168" not in (MICRO / "hub_example.py").read_text()

@@ -207,11 +207,17 @@ class Client:
         self.done = None          # the last request's done frame
         self.active = None        # the id of a request not read to its end
         self.info = None          # the server's hello
-        addr = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0][-1]
+        try:
+            addr = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0][-1]
+        except OSError as e:
+            raise ServerError("unreachable", "cannot resolve %s: %s" % (host, e))
         self.sock = socket.socket()
         try:
             self.sock.settimeout(timeout)
-            self.sock.connect(addr)
+            try:
+                self.sock.connect(addr)
+            except OSError as e:
+                raise ServerError("unreachable", "cannot connect to %s:%d: %s" % (host, port, e))
             hello = {"type": "hello", "version": PROTOCOL_VERSION, "client": name}
             if token is not None:
                 hello["token"] = token

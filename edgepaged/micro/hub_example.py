@@ -1,12 +1,12 @@
 # A smart-home hub asks the box whether to turn the heating on, from its sensor readings.
 # Copy edgepaged_micro.py and this file to the board (e.g. `mpremote cp edgepaged_micro.py
-# hub_example.py :`) and set SERVER below, or run it anywhere with
+# hub_example.py :`) and set SERVER below to your box's address, or run it anywhere with
 #     python hub_example.py HOST [PORT [TOKEN]]
 import sys
 
 import edgepaged_micro
 
-SERVER = "192.168.1.10"   # the box running `edgepaged serve` (see `edgepaged ls`)
+SERVER = None   # on a board: the box running `edgepaged serve` (its address: `edgepaged ls`)
 
 # what the hub's sensors say (on a real hub: read them here)
 READINGS = {"room": "living room", "temperature_c": 17.5, "target_c": 20, "heating": "off", "window": "closed",
@@ -32,9 +32,16 @@ def decide(host, port=edgepaged_micro.DEFAULT_PORT, token=None):
 def main():
     argv = getattr(sys, "argv", [])
     host = argv[1] if len(argv) > 1 else SERVER
+    if not host:
+        print("usage: hub_example.py HOST [PORT [TOKEN]]  (or set SERVER in this file to the box's address)")
+        sys.exit(2)
     port = int(argv[2]) if len(argv) > 2 else edgepaged_micro.DEFAULT_PORT
     token = argv[3] if len(argv) > 3 else None
-    turn_on, answer = decide(host, port, token)
+    try:
+        turn_on, answer = decide(host, port, token)
+    except edgepaged_micro.ServerError as e:
+        print("hub:", e)
+        sys.exit(1)
     print("box says:", answer.strip())
     print("heating:", "ON" if turn_on else "stays off")
 

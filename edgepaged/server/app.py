@@ -97,6 +97,7 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
                         cfg.http.host = cfg.server.host
                     http = HttpServer(front, cfg.http, stats=server.stats)
                     await nursery.start(http.serve)
+                server.http = http    # the msgpack port names it to an HTTP client that knocks there
                 async with AsyncExitStack() as stack:
                     adv = None
                     if cfg.mdns:

@@ -153,12 +153,30 @@ class Connection:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return False
             except ProtocolError as e:
+                if e.code == "wrong_port":     # a browser or curl: answer in its own language
+                    await self._http_hint()
+                    return True
                 await self.send(e.frame())
                 if e.fatal:
                     return True
             except Exception as e:  # never let one frame take the server down
                 log.exception("error while handling a frame from %s", self.peer)
                 await self.send(ProtocolError("internal_error", f"{type(e).__name__}: {e}").frame())
+
+    async def _http_hint(self) -> None:
+        """A short HTTP answer for an HTTP client at the msgpack port, naming the HTTP port."""
+        http = getattr(self.server, "http", None)
+        port = getattr(http, "port", None) if http is not None else None
+        where = f"the HTTP port is {port} (the chat page, the OpenAI and Ollama APIs)" if port else \
+            "this server has no HTTP port open"
+        body = (f"This is edgepaged's msgpack protocol port, not HTTP; {where}.\n").encode()
+        head = (f"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        try:
+            with trio.move_on_after(2):
+                await self.stream.send_all(head + body)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
 
     async def _dispatch(self, msg: dict) -> None:
         item = parse(msg)

@@ -58,6 +58,7 @@ class HttpConfig:
         self.host = host                    # None: every interface (0.0.0.0)
         self.allowed_hosts = tuple(allowed_hosts)   # names besides the box's own (guard.py)
         self.cors_origins = tuple(cors_origins)     # origins whose pages may call the API ("*": any)
+        self.sock = None                    # a socket already bound (serve binds before loading the model)
         self.port = port
         self.max_body_bytes = max_body_bytes
         self.max_inflight = max_inflight    # generations in flight over HTTP, all clients together
@@ -104,7 +105,7 @@ class HttpServer:
         return sock
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        sock = self._listen()
+        sock = self.config.sock if self.config.sock is not None else self._listen()
         self.port = sock.getsockname()[1]
         hc = HypercornConfig()
         hc.bind = [f"fd://{sock.detach()}"]   # bound here: a clear error, and the port of port 0 at once

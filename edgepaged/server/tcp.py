@@ -44,6 +44,7 @@ class ServerConfig:
     hello_timeout_s: float = 10.0
     idle_timeout_s: float = 300.0        # no request in flight and no whole frame this long: close
     flush_s: float = 2.0                 # at shutdown: time to deliver the last frames
+    sock: object = None                  # a socket already bound and listening (serve binds before loading)
 
 
 class Server:
@@ -57,6 +58,7 @@ class Server:
         self._accept_scope = trio.CancelScope()
         self._grace_scope = trio.CancelScope()
         self._conns: trio.Nursery | None = None
+        self.http = None          # the HttpServer beside it, if any (named to HTTP clients at this port)
 
     @property
     def port(self) -> int:
@@ -85,8 +87,13 @@ class Server:
             self._conns = conns
             with self._accept_scope:
                 async with trio.open_nursery() as accept:
-                    self.listeners = await accept.start(partial(
-                        trio.serve_tcp, self._handle, cfg.port, host=cfg.host, handler_nursery=conns))
+                    if cfg.sock is not None:
+                        listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(cfg.sock))]
+                        self.listeners = await accept.start(partial(
+                            trio.serve_listeners, self._handle, listeners, handler_nursery=conns))
+                    else:
+                        self.listeners = await accept.start(partial(
+                            trio.serve_tcp, self._handle, cfg.port, host=cfg.host, handler_nursery=conns))
                     task_status.started(self.listeners)
 
     async def shutdown(self, grace_s: float) -> int:
