@@ -70,11 +70,35 @@ def connect(server, token, mdns_interface, discover_timeout) -> SyncClient:
         fail(e.message if e.code in ("no_server", "connection_failed", "bad_address") else str(e))
 
 
+# answers that end: a small model at temperature 0 repeats itself until the context is full
+# (minutes); 1024 tokens is a long answer, and a mild repetition penalty breaks loops
+DEFAULT_MAX_TOKENS = 1024
+DEFAULT_REPEAT_PENALTY = 1.1
+
+
 def sampling_options(f):
+    f = click.option("--seed", type=int, default=None, help="Same seed, same sampled answer.")(f)
+    f = click.option("--top-p", type=float, default=1.0, show_default=True,
+                     help="Sample from the likeliest tokens that make up this much probability.")(f)
+    f = click.option("--repeat-penalty", type=float, default=DEFAULT_REPEAT_PENALTY, show_default=True,
+                     help="Above 1 discourages repeating tokens already in the conversation (1: off).")(f)
     f = click.option("--temperature", type=float, default=0.0, show_default=True,
                      help="0 picks the most likely token (deterministic).")(f)
-    f = click.option("--max-tokens", type=int, default=None, help="Most tokens per answer (default: the server's).")(f)
+    f = click.option("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, show_default=True,
+                     help="Most tokens per answer; 0: up to the server's limit (the rest of the context).")(f)
     return f
+
+
+def sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, info=None) -> dict:
+    """The request's sampling fields; max_tokens within what the server takes (its hello)."""
+    if max_tokens and info:
+        cap = (info.get("limits") or {}).get("max_tokens") or max_tokens
+        max_tokens = max(1, min(max_tokens, cap, (info.get("context_length") or max_tokens + 1) - 1))
+    params = {"max_tokens": max_tokens or None, "temperature": temperature, "repetition_penalty": repeat_penalty,
+              "top_p": top_p}
+    if seed is not None:
+        params["seed"] = seed
+    return params
 
 
 @click.group()
@@ -251,22 +275,36 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
 @click.option("--system", default=None, help="A system prompt.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, usage, timings.")
 @click.argument("prompt", nargs=-1)
-def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens, system, as_json, prompt):
-    """Ask one question (PROMPT, or stdin when none) and stream the answer."""
+def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens, repeat_penalty, top_p, seed, system,
+        as_json, prompt):
+    """Ask one question (PROMPT, or stdin when none) and stream the answer. An answer cut at
+    --max-tokens says so on stderr (--json: finish_reason "length"); errors exit 1 (--json:
+    one JSON object with "error": {"code", "message"})."""
+    def failed(code: str, message: str, exit_code: int = 1):
+        if as_json:
+            click.echo(json.dumps({"text": None, "finish_reason": "error", "error": {"code": code,
+                                                                                     "message": message}}))
+            sys.exit(exit_code)
+        fail(message, exit_code)
     text = " ".join(prompt) if prompt else sys.stdin.read()
     if not text.strip():
-        fail("nothing to ask: give a PROMPT or pipe one on stdin", 2)
+        failed("empty_prompt", "nothing to ask: give a PROMPT or pipe one on stdin", 2)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    with connect(server, token, mdns_interface, discover_timeout) as c:
+    try:
+        c = SyncClient(server, token=token or None, name=client_name(), mdns_interface=mdns_interface,
+                       discover_timeout_s=discover_timeout)
+    except ServerError as e:
+        failed(e.code, e.message if e.code in ("no_server", "connection_failed", "bad_address") else str(e))
+    with c:
         answer = None
         try:
-            answer = c.chat(messages, max_tokens=max_tokens, temperature=temperature)
+            answer = c.chat(messages, **sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info))
             for piece in answer:
                 if not as_json:
                     click.echo(piece, nl=False)
                     sys.stdout.flush()
         except ServerError as e:
-            fail(str(e))
+            failed(e.code, str(e))
         except KeyboardInterrupt:
             if answer is not None:
                 answer.cancel()
@@ -278,6 +316,9 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
                                    "model": c.info.get("model"), "server": c.address, "error": done.get("error")}))
         else:
             click.echo()
+            if done.get("finish_reason") == "length":
+                click.echo(f"[the answer stopped at the length limit ({(done.get('usage') or {}).get('completion_tokens')}"
+                           " tokens); --max-tokens allows more]", err=True)
         if done.get("finish_reason") in ("error", "cancelled"):
             fail((done.get("error") or {}).get("message", "the request did not finish"))
 
@@ -288,11 +329,13 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
 @server_options
 @sampling_options
 @click.option("--system", default=None, help="A system prompt (also /system TEXT in the chat).")
-def chat(server, token, mdns_interface, discover_timeout, temperature, max_tokens, system):
+def chat(server, token, mdns_interface, discover_timeout, temperature, max_tokens, repeat_penalty, top_p, seed, system):
     """Chat with a server: /reset, /system TEXT, Ctrl-C stops an answer, Ctrl-D leaves."""
     from .cli_chat import ChatSession
     with connect(server, token, mdns_interface, discover_timeout) as c:
-        ChatSession(c, system=system, max_tokens=max_tokens, temperature=temperature).run()
+        session = ChatSession(c, system=system)
+        session.params = sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info)
+        session.run()
 
 
 # ---------------------------------------------------------------- ls / stats / top

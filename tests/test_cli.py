@@ -133,6 +133,19 @@ def test_ask_json_and_stdin(server):
     assert out["usage"]["completion_tokens"] > 0 and out["timings"]["ttft_s"] > 0
 
 
+
+def test_ask_defaults_end_and_errors_come_as_json(server):
+    """An answer cut at --max-tokens says so; --json reports errors as JSON too."""
+    r = cli("ask", "--server", server.address, "--max-tokens", "3", "Write a long story about a dragon.")
+    assert r.returncode == 0 and "length limit (3 tokens)" in r.stderr, r.stderr
+    r = cli("ask", "--server", server.address, "--json", "--max-tokens", "3", "--seed", "7", "--temperature", "0.8",
+            "--top-p", "0.9", "--repeat-penalty", "1.3", "Hello")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 3
+    r = cli("ask", "--server", "127.0.0.1:1", "--json", "hi")
+    out = json.loads(r.stdout)
+    assert r.returncode == 1 and out["error"]["code"] and out["error"]["message"] and out["text"] is None
+
 def test_stats_and_top(server):
     r = cli("stats", "--server", server.address, "--json")
     assert r.returncode == 0, r.stderr
