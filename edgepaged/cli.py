@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -14,7 +15,7 @@ from functools import partial
 
 import click
 
-from .client import DEFAULT_PORT, ServerError, SyncClient
+from .client import CACHE_ENV, DEFAULT_PORT, ServerError, SyncClient
 
 DEFAULT_HTTP_PORT = 7879   # edgepaged.server.httpd.DEFAULT_HTTP_PORT (not imported: client commands start fast)
 
@@ -46,7 +47,11 @@ def server_options(f):
                      help=f"Browse mDNS on this interface address only (env {MDNS_ENV}).")(f)
     f = click.option("--token", envvar=TOKEN_ENV, default=None, help=f"Shared token (env {TOKEN_ENV}).")(f)
     f = click.option("--server", default=None, metavar="HOST:PORT",
-                     help="The server; by default the least loaded one found by mDNS.")(f)
+                     help="The server; by default the last one that answered (if it still does), else the least "
+                          "loaded one found by mDNS.")(f)
+    f = click.option("--no-cache", is_flag=True, expose_value=False, is_eager=True,
+                     callback=lambda ctx, param, value: os.environ.__setitem__(CACHE_ENV, "0") if value else None,
+                     help=f"Ask the network (mDNS) instead of trying the last server first (env {CACHE_ENV}=0).")(f)
     return f
 
 
@@ -357,9 +362,14 @@ def ls(timeout, as_json, mdns_interface):
     if not records:
         click.echo(f"no edgepaged server answered within {timeout:g} s", err=True)
         return
-    rows = [("NAME", "ADDRESS", "MODEL", "CONTEXT", "AUTH", "RUNNING", "WAITING", "KV")]
-    rows += [(r.name, r.address, r.model, str(r.context_length), "token" if r.auth else "open", str(r.running),
-              str(r.waiting), f"{100 * r.kv_usage:.0f}%") for r in records]
+    def http(r):
+        if not r.http_port or not r.addresses:
+            return "-"
+        host = r.addresses[0]
+        return f"http://{f'[{host}]' if ':' in host else host}:{r.http_port}/"
+    rows = [("NAME", "ADDRESS", "HTTP", "MODEL", "CONTEXT", "AUTH", "RUNNING", "WAITING", "KV")]
+    rows += [(r.name, r.address, http(r), r.model, str(r.context_length), "token" if r.auth else "open",
+              str(r.running), str(r.waiting), f"{100 * r.kv_usage:.0f}%") for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())

@@ -6,6 +6,8 @@ import os
 
 if os.environ.get("EDGEPAGED_GPU_TESTS") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# the clients never remember a server across tests (test_cli.py checks the cache itself)
+os.environ["EDGEPAGED_SERVER_CACHE"] = "0"
 
 
 import pytest  # noqa: E402

@@ -65,6 +65,7 @@ async def scenario():
     assert rec["context_length"] > 0 and rec["running"] == 0 and rec["waiting"] == 0
     http_port = int(re.search(r"HTTP \(OpenAI API, chat page\) http://[\d.]+:(\d+)/", banner).group(1))
     assert rec["http_port"] == http_port, rec      # the TXT record says where HTTP is
+    assert f"http://127.0.0.1:{http_port}/" in cli("ls", "--timeout", "1.5")   # and the table shows its URL
 
     step("a long request: the TXT load follows")
     long = subprocess.Popen([*CLI, "ask", "--max-tokens", "300", "Write a very long story about a dragon."],

@@ -146,6 +146,33 @@ def test_ask_defaults_end_and_errors_come_as_json(server):
     out = json.loads(r.stdout)
     assert r.returncode == 1 and out["error"]["code"] and out["error"]["message"] and out["text"] is None
 
+
+def test_the_last_server_is_tried_before_discovery(server, tmp_path):
+    """A second command without --server finds the server that answered last in < 0.5 s
+    (no mDNS: it is off in tests), and a dead cached one falls back to discovery."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "EDGEPAGED_SERVER_CACHE": "1"}
+    r = subprocess.run([*CLI, "stats", "--json", "--server", server.address], env=env, capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and (tmp_path / "edgepaged" / "last_server").read_text().strip() == server.address
+    code = ("import time, trio; from edgepaged.client import open_client\n"
+            "async def main():\n"
+            "    t = time.monotonic()\n"
+            "    async with open_client(None, discover_timeout_s=0.2, mdns_interface='127.0.0.1') as c:\n"
+            "        print(c.address, time.monotonic() - t)\n"
+            "trio.run(main)")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    address, took = r.stdout.split()
+    assert r.returncode == 0 and address == server.address and float(took) < 0.5, r.stderr
+    (tmp_path / "edgepaged" / "last_server").write_text("127.0.0.1:1\n")    # a server that went away
+    # (discovery, if any, on loopback only)
+    r = subprocess.run([*CLI, "stats", "--json", "--timeout", "0.3", "--mdns-interface", "127.0.0.1"], env=env,
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode != 0 and "no edgepaged server answered" in r.stderr, r.stderr
+    r = subprocess.run([*CLI, "stats", "--json", "--no-cache", "--timeout", "0.3", "--mdns-interface", "127.0.0.1"],
+                       env={**env, "XDG_CACHE_HOME": str(tmp_path / "none")}, capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode != 0 and not (tmp_path / "none" / "edgepaged").exists()
+
 def test_stats_and_top(server):
     r = cli("stats", "--server", server.address, "--json")
     assert r.returncode == 0, r.stderr
