@@ -252,7 +252,8 @@ def test_serve_answers_and_stops_on_the_family_turn_token(name, tmp_path):
         http = s.wait_for(r"HTTP \(OpenAI API, chat page\) (http://127\.0\.0\.1:\d+)/", timeout=10).group(1)
         eot = family(name).end_of_turn
         r = subprocess.run([*CLI, "ask", "--server", f"{m.group(1)}:{m.group(2)}", "--json", "--max-tokens", "64",
-                            STOP_CHAT[0]["content"]], capture_output=True, text=True, timeout=60, cwd=ROOT)
+                            "--repeat-penalty", "1", STOP_CHAT[0]["content"]], capture_output=True, text=True,
+                           timeout=60, cwd=ROOT)
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         assert out["finish_reason"] == "stop" and out["usage"]["completion_tokens"] < 64, out
