@@ -5,11 +5,44 @@ Ctrl-C during an answer cancels that request on the server and keeps the convers
 """
 from __future__ import annotations
 
+import json
 import sys
+from contextlib import contextmanager
 
 from .client import ServerError, SyncClient
 
-HELP = "/reset clears the conversation, /system TEXT sets the system prompt, Ctrl-C stops an answer, Ctrl-D leaves"
+HELP = ('/reset clears the conversation, /system TEXT sets the system prompt, """ opens a multi-line message, '
+        "/show, /set parameter NAME VALUE, /save FILE, /load FILE, Ctrl-C stops an answer, Ctrl-D leaves")
+# /set parameter NAME: the request field it sets, and its type (Ollama's names too)
+PARAMETERS = {"temperature": ("temperature", float), "top_p": ("top_p", float), "top_k": ("top_k", int),
+              "min_p": ("min_p", float), "seed": ("seed", int), "max_tokens": ("max_tokens", int),
+              "num_predict": ("max_tokens", int), "repeat_penalty": ("repetition_penalty", float),
+              "repetition_penalty": ("repetition_penalty", float)}
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+@contextmanager
+def quiet_terminal(stream):
+    """While an answer streams: what is typed is not echoed into it, and is dropped after."""
+    try:
+        import termios
+        fd = stream.fileno()
+        old = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError, AttributeError):
+        yield
+        return
+    new = termios.tcgetattr(fd)
+    new[3] &= ~termios.ECHO
+    try:
+        termios.tcsetattr(fd, termios.TCSANOW, new)
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, old)
+        termios.tcflush(fd, termios.TCIFLUSH)
 
 
 class ChatSession:
@@ -43,12 +76,31 @@ class ChatSession:
             except KeyboardInterrupt:
                 self.out.write("\n")
                 continue
+            if line.lstrip().startswith('"""'):     # a multi-line message, up to a line ending with """
+                line = self.block(line.lstrip()[3:])
+                if line is None:
+                    continue
             line = line.strip()
             if not line:
                 continue
-            if line.startswith("/") and self.command(line):
+            if line.startswith("/") and not line.startswith("//"):
+                if not self.command(line):
+                    self.say(f"[unknown command {line.split()[0]}: /help lists them; start with // to send a "
+                             "line that begins with /]")
                 continue
-            self.turn(line)
+            self.turn(line[1:] if line.startswith("//") else line)
+
+    def block(self, first: str) -> str | None:
+        """The lines of a \"\"\" block (the opening line's rest included); None at Ctrl-C/Ctrl-D."""
+        lines = [first]
+        while not lines[-1].rstrip().endswith('"""'):
+            try:
+                lines.append(input("... " if self.prompt else ""))
+            except (EOFError, KeyboardInterrupt):
+                self.out.write("\n")
+                return None
+        lines[-1] = lines[-1].rstrip()[:-3]
+        return "\n".join(lines)
 
     def command(self, line: str) -> bool:
         """Handle a /command; False when the line is not one (it is sent as text)."""
@@ -61,11 +113,72 @@ class ChatSession:
             self.say(f"(system prompt: {self.system!r})" if self.system else "(system prompt: the model's default)")
         elif name in ("/help", "/?"):
             self.say(HELP)
+        elif name == "/show":
+            info = self.client.info
+            self.say(f"model {info.get('model')}, context {info.get('context_length')} tokens, server "
+                     f"{self.client.address} ({info.get('server')}); system prompt "
+                     f"{self.system!r}; settings {json.dumps(self.params)}; {len(self.history) // 2} turns")
+        elif name == "/set":
+            self.set(arg)
+        elif name in ("/save", "/load"):
+            path = arg.strip()
+            if not path:
+                self.say(f"[{name} FILE]")
+            elif name == "/save":
+                self.save(path)
+            else:
+                self.load(path)
         elif name in ("/exit", "/quit", "/bye"):
             raise SystemExit(0)
         else:
             return False
         return True
+
+    def set(self, arg: str) -> None:
+        parts = arg.split(None, 2)
+        if len(parts) >= 2 and parts[0] == "system":
+            self.system = arg.split(None, 1)[1].strip() or None
+            self.say(f"(system prompt: {self.system!r})")
+            return
+        if len(parts) != 3 or parts[0] != "parameter" or parts[1] not in PARAMETERS:
+            self.say(f"[/set parameter NAME VALUE, NAME one of {', '.join(PARAMETERS)}; or /set system TEXT]")
+            return
+        field, kind = PARAMETERS[parts[1]]
+        try:
+            value = kind(parts[2])
+        except ValueError:
+            self.say(f"[{parts[1]} takes {'an integer' if kind is int else 'a number'}, not {parts[2]!r}]")
+            return
+        self.params[field] = value
+        self.say(f"(set {field} {value})")
+
+    def save(self, path: str) -> None:
+        data = {"system": self.system, "messages": self.history, "params": self.params,
+                "model": self.client.info.get("model")}
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(data, f, ensure_ascii=False, indent=1)
+        except OSError as e:
+            self.say(f"[cannot save to {path}: {e.strerror or e}]")
+            return
+        self.say(f"(saved {len(self.history)} messages to {path})")
+
+    def load(self, path: str) -> None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            messages = data["messages"]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                          and isinstance(m.get("content"), str) for m in messages):
+                raise ValueError("messages must be a list of {role, content}")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.say(f"[cannot load {path}: {getattr(e, 'strerror', None) or e}]")
+            return
+        self.history = messages
+        self.system = data.get("system") or self.system
+        if isinstance(data.get("params"), dict):
+            self.params.update({k: v for k, v in data["params"].items() if k in {f for f, _ in PARAMETERS.values()}})
+        self.say(f"(loaded {len(messages)} messages from {path})")
 
     def turn(self, text: str) -> None:
         user = {"role": "user", "content": text}
@@ -73,9 +186,10 @@ class ChatSession:
         stream = None
         try:
             stream = self.client.chat(system + self.history + [user], **self.params)
-            for piece in stream:
-                self.out.write(piece)
-                self.out.flush()
+            with quiet_terminal(sys.stdin) if sys.stdin.isatty() else _nothing():
+                for piece in stream:
+                    self.out.write(piece)
+                    self.out.flush()
             self.out.write("\n")
         except KeyboardInterrupt:
             if stream is not None:

@@ -270,6 +270,39 @@ def test_chat_in_a_terminal(server):
     assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
 
 
+
+def test_chat_commands_blocks_and_saved_conversations(server, tmp_path):
+    """Unknown /commands are errors (never sent); \"\"\" opens a multi-line message; /set
+    parameter, /show, /save and /load."""
+    saved = tmp_path / "talk.json"
+    term = Pty([*CLI, "chat", "--server", server.address, "--max-tokens", "12"])
+    try:
+        pos = term.expect(rb"Ctrl-D leaves.*\n.*> ", timeout=60)
+        term.send(b"/frobnicate now\r")
+        pos = term.expect(rb"unknown command /frobnicate", start=pos)
+        term.send(b"/set parameter temperature 0.5\r")
+        pos = term.expect(rb"\(set temperature 0\.5\)", start=pos)
+        term.send(b"/show\r")
+        pos = term.expect(rb"SmolLM2-135M-Instruct.*\"temperature\": 0\.5", start=pos)
+        term.send(b'"""Say hello\r')
+        pos = term.expect(rb"\.\.\. ", start=pos)                        # the block goes on
+        term.send(b'to me."""\r')
+        pos = term.expect(rb'to me\."""\r?\n', start=pos)
+        pos = term.expect(rb"\n> ", start=pos, timeout=60)            # the answer, then the prompt again
+        term.send(f"/save {saved}\r".encode())
+        pos = term.expect(rb"\(saved 2 messages", start=pos)
+        term.send(b"/reset\r")
+        pos = term.expect(rb"conversation cleared", start=pos)
+        term.send(f"/load {saved}\r".encode())
+        pos = term.expect(rb"\(loaded 2 messages", start=pos)
+        term.send(b"\x04")
+        assert term.wait() == 0
+    finally:
+        term.kill()
+    data = json.loads(saved.read_text())
+    assert data["messages"][0] == {"role": "user", "content": "Say hello\nto me."}
+    assert data["params"]["temperature"] == 0.5 and data["messages"][1]["role"] == "assistant"
+
 def test_sigterm_finishes_running_requests_then_exits_0(server):
     """Last in this file: it stops the module's server."""
     long = subprocess.Popen([*CLI, "ask", "--server", server.address, "--max-tokens", "1000",
