@@ -395,19 +395,21 @@ def stats(server, token, mdns_interface, discover_timeout, as_json):
 @click.option("--count", type=int, default=0, help="Stop after this many refreshes (0: until Ctrl-C).")
 def top(server, token, mdns_interface, discover_timeout, interval, count):
     """A live view of the server: requests, KV blocks, prefix cache, preemptions, tokens/s."""
-    from .cli_top import render
+    from .cli_top import keys, render
     tty = sys.stdout.isatty()
-    with connect(server, token, mdns_interface, discover_timeout) as c:
+    with connect(server, token, mdns_interface, discover_timeout) as c, keys(sys.stdin) as pressed:
         n = 0
         try:
             while True:
                 view = render(c.stats(), c.address, c.info)
-                click.echo(("\x1b[H\x1b[2J" if tty else "") + view)
+                hint = "\nq quits" if pressed.live else ""
+                click.echo(("\x1b[H\x1b[2J" if tty else "") + view + hint)
                 sys.stdout.flush()
                 n += 1
                 if count and n >= count:
                     break
-                time.sleep(interval)
+                if pressed.wait(interval) in ("q", "Q"):
+                    break
         except KeyboardInterrupt:
             pass
         except ServerError as e:

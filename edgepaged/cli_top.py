@@ -1,6 +1,47 @@
 """`edgepaged top`: one screen of the server's state from a stats snapshot."""
 from __future__ import annotations
 
+import select
+import time
+from contextlib import contextmanager
+
+
+class _Keys:
+    def __init__(self, fd):
+        self.fd, self.live = fd, fd is not None
+
+    def wait(self, seconds: float) -> str | None:
+        """Sleep `seconds`, or less when a key is pressed; the key, or None."""
+        if self.fd is None:
+            time.sleep(seconds)
+            return None
+        ready, _, _ = select.select([self.fd], [], [], seconds)
+        if not ready:
+            return None
+        import os
+        data = os.read(self.fd, 16)
+        return data.decode(errors="replace")[:1] if data else None
+
+
+@contextmanager
+def keys(stream):
+    """Single key presses from a terminal (cbreak mode, no echo) for `top`; none elsewhere."""
+    try:
+        import termios
+        import tty
+        if not stream.isatty():
+            raise OSError
+        fd = stream.fileno()
+        old = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError, AttributeError):
+        yield _Keys(None)
+        return
+    try:
+        tty.setcbreak(fd)
+        yield _Keys(fd)
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, old)
+
 
 def _bar(frac: float, width: int = 30) -> str:
     n = round(max(0.0, min(1.0, frac)) * width)

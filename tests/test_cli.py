@@ -183,6 +183,22 @@ def test_stats_and_top(server):
     assert r.stdout.count("KV blocks") == 2 and "prefix" in r.stdout and "tokens/s" in r.stdout
 
 
+
+def test_top_quits_on_q_and_idle_speed_is_zero(server):
+    term = Pty([*CLI, "top", "--server", server.address, "--interval", "0.2"])
+    try:
+        pos = term.expect(rb"q quits", timeout=60)
+        term.send(b"q")
+        assert term.wait() == 0
+    finally:
+        term.kill()
+    from edgepaged.engine.metrics import Metrics
+    m = Metrics("m")
+    m.on_step(running=1, waiting=0, blocks_used=1, blocks_total=8, generated=50, preemptions=0, reserved_slots=16,
+              unused_slots=0)
+    now = time.monotonic()
+    assert m.tokens_per_s(now) > 0 and m.tokens_per_s(now + 11) == 0.0
+
 def test_unreachable_server_is_a_clear_error():
     r = cli("ask", "--server", "127.0.0.1:1", "hi")
     assert r.returncode == 1 and "cannot connect to 127.0.0.1:1" in r.stderr and "Traceback" not in r.stderr

@@ -127,12 +127,15 @@ class Metrics:
         return {**{k: v for k, v in o.items() if k != "ttft_s"}, "finished": dict(o["finished"]),
                 "ttft_s": _quantiles(o["ttft_s"])}
 
-    def tokens_per_s(self) -> float:
-        w = self._tok_window
-        if len(w) < 2:
+    def tokens_per_s(self, now: float | None = None) -> float:
+        """Tokens generated per second over the last 10 s up to now: it falls to 0 when the
+        box goes idle (no steps), instead of keeping the last busy figure."""
+        now = time.monotonic() if now is None else now
+        w = [(t, n) for t, n in self._tok_window if now - t <= 10]
+        if not w:
             return 0.0
-        span = w[-1][0] - w[0][0]
-        return round(sum(n for _, n in list(w)[1:]) / span, 2) if span > 0 else 0.0
+        span = max(now - w[0][0], w[-1][0] - w[0][0], 1.0)
+        return round(sum(n for _, n in w) / span, 2)
 
     def snapshot(self) -> dict:
         c = self.counts
