@@ -187,7 +187,7 @@ def test_stats_and_top(server):
 def test_top_quits_on_q_and_idle_speed_is_zero(server):
     term = Pty([*CLI, "top", "--server", server.address, "--interval", "0.2"])
     try:
-        pos = term.expect(rb"q quits", timeout=60)
+        term.expect(rb"q quits", timeout=60)
         term.send(b"q")
         assert term.wait() == 0
     finally:
