@@ -62,7 +62,9 @@ class ChatSession:
         info = self.client.info
         if sys.stdin.isatty():
             try:
-                import readline  # noqa: F401  (line editing and history for input())
+                import readline  # line editing and history for input()
+                # a pasted paragraph arrives as one line of input, newlines and all
+                readline.parse_and_bind("set enable-bracketed-paste on")
             except ImportError:
                 pass
         self.say(f"connected to {self.client.address}: {info.get('model')}, context {info.get('context_length')} "

@@ -204,6 +204,9 @@ def test_unreachable_server_is_a_clear_error():
     assert r.returncode == 1 and "cannot connect to 127.0.0.1:1" in r.stderr and "Traceback" not in r.stderr
 
 
+PROMPT = rb"\n(?:\x1b\[\?2004h)?> "   # the chat's prompt (readline may switch bracketed paste on before it)
+
+
 class Pty:
     def __init__(self, argv):
         self.pid, self.fd = pty.fork()
@@ -304,13 +307,16 @@ def test_chat_commands_blocks_and_saved_conversations(server, tmp_path):
         pos = term.expect(rb"\.\.\. ", start=pos)                        # the block goes on
         term.send(b'to me."""\r')
         pos = term.expect(rb'to me\."""\r?\n', start=pos)
-        pos = term.expect(rb"\n> ", start=pos, timeout=60)            # the answer, then the prompt again
+        pos = term.expect(PROMPT, start=pos, timeout=60)            # the answer, then the prompt again
+        term.send(b"\x1b[200~A pasted line,\nand the next one.\x1b[201~\r")   # bracketed paste: one message
+        pos = term.expect(rb"next one\.", start=pos)
+        pos = term.expect(PROMPT, start=pos, timeout=60)
         term.send(f"/save {saved}\r".encode())
-        pos = term.expect(rb"\(saved 2 messages", start=pos)
+        pos = term.expect(rb"\(saved 4 messages", start=pos)
         term.send(b"/reset\r")
         pos = term.expect(rb"conversation cleared", start=pos)
         term.send(f"/load {saved}\r".encode())
-        pos = term.expect(rb"\(loaded 2 messages", start=pos)
+        pos = term.expect(rb"\(loaded 4 messages", start=pos)
         term.send(b"\x04")
         assert term.wait() == 0
     finally:
@@ -318,6 +324,7 @@ def test_chat_commands_blocks_and_saved_conversations(server, tmp_path):
     data = json.loads(saved.read_text())
     assert data["messages"][0] == {"role": "user", "content": "Say hello\nto me."}
     assert data["params"]["temperature"] == 0.5 and data["messages"][1]["role"] == "assistant"
+    assert data["messages"][2] == {"role": "user", "content": "A pasted line,\nand the next one."}
 
 def test_sigterm_finishes_running_requests_then_exits_0(server):
     """Last in this file: it stops the module's server."""
