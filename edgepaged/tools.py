@@ -17,8 +17,9 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from .model.grammar import JSON_STYLE   # JSON as models write it
+
 MAX_TOOLS = 128
-from .model.grammar import JSON_STYLE  # noqa: E402  (JSON as models write it)
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 

@@ -212,7 +212,7 @@ class Engine:
                                                        batch.logits_indices[[j for j, _ in forks]]])
             prev = [r.all_ids if r.params.needs_history else [] for r in rows]
             params = [r.params for r in rows]
-            matchers = [r.matcher for r in rows]
+            matchers = [r.matcher for r in rows] if any(r.matcher is not None for r in rows) else None
             outputs = [r.output_ids if r.params.counts_output else [] for r in rows] \
                 if any(r.params.counts_output for r in rows) else None
             tokens, ok = None, False
@@ -247,8 +247,8 @@ class Engine:
         rows' token masks)."""
         if self.step_hook is not None:
             self.step_hook(batch)
-        extra = {}
-        if matchers is not None and any(m is not None for m in matchers):
+        extra = {}        # only what is in use: a plain runner.step(batch, params, prev) still fits
+        if matchers is not None:
             extra["matchers"] = matchers
         if outputs is not None:
             extra["outputs"] = outputs
