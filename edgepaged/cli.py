@@ -15,6 +15,7 @@ from functools import partial
 
 import click
 
+from .cli_markdown import writer_for
 from .client import CACHE_ENV, DEFAULT_PORT, ServerError, SyncClient
 
 DEFAULT_HTTP_PORT = 7879   # edgepaged.server.httpd.DEFAULT_HTTP_PORT (not imported: client commands start fast)
@@ -279,9 +280,11 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
 @sampling_options
 @click.option("--system", default=None, help="A system prompt.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, usage, timings.")
+@click.option("--plain", is_flag=True, help="Print the answer as the model wrote it, not rendered as Markdown "
+              "(it is plain anyway when stdout is not a terminal).")
 @click.argument("prompt", nargs=-1)
 def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens, repeat_penalty, top_p, seed, system,
-        as_json, prompt):
+        as_json, plain, prompt):
     """Ask one question (PROMPT, or stdin when none) and stream the answer. An answer cut at
     --max-tokens says so on stderr (--json: finish_reason "length"); errors exit 1 (--json:
     one JSON object with "error": {"code", "message"})."""
@@ -302,17 +305,21 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
         failed(e.code, e.message if e.code in ("no_server", "connection_failed", "bad_address") else str(e))
     with c:
         answer = None
+        writer = None if as_json else writer_for(click.get_text_stream("stdout"), plain)
         try:
             answer = c.chat(messages, **sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info))
             for piece in answer:
-                if not as_json:
-                    click.echo(piece, nl=False)
-                    sys.stdout.flush()
+                if writer is not None:
+                    writer.write(piece)
         except ServerError as e:
+            if writer is not None:
+                writer.close()
             failed(e.code, str(e))
         except KeyboardInterrupt:
             if answer is not None:
                 answer.cancel()
+            if writer is not None:
+                writer.close()
             sys.exit(130)
         done = answer.done or {}
         if as_json:
@@ -320,7 +327,7 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
                                    "usage": done.get("usage"), "timings": done.get("timings"),
                                    "model": c.info.get("model"), "server": c.address, "error": done.get("error")}))
         else:
-            click.echo()
+            writer.close()
             if done.get("finish_reason") == "length":
                 click.echo(f"[the answer stopped at the length limit ({(done.get('usage') or {}).get('completion_tokens')}"
                            " tokens); --max-tokens allows more]", err=True)
@@ -334,11 +341,14 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
 @server_options
 @sampling_options
 @click.option("--system", default=None, help="A system prompt (also /system TEXT in the chat).")
-def chat(server, token, mdns_interface, discover_timeout, temperature, max_tokens, repeat_penalty, top_p, seed, system):
+@click.option("--plain", is_flag=True, help="Show answers as the model wrote them, not rendered as Markdown "
+              "(they are plain anyway when stdout is not a terminal).")
+def chat(server, token, mdns_interface, discover_timeout, temperature, max_tokens, repeat_penalty, top_p, seed, system,
+         plain):
     """Chat with a server: /reset, /system TEXT, Ctrl-C stops an answer, Ctrl-D leaves."""
     from .cli_chat import ChatSession
     with connect(server, token, mdns_interface, discover_timeout) as c:
-        session = ChatSession(c, system=system)
+        session = ChatSession(c, system=system, plain=plain)
         session.params = sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info)
         session.run()
 

@@ -9,6 +9,7 @@ import json
 import sys
 from contextlib import contextmanager
 
+from .cli_markdown import writer_for
 from .client import ServerError, SyncClient
 
 HELP = ('/reset clears the conversation, /system TEXT sets the system prompt, """ opens a multi-line message, '
@@ -47,8 +48,9 @@ def quiet_terminal(stream):
 
 class ChatSession:
     def __init__(self, client: SyncClient, *, system: str | None = None, max_tokens: int | None = None,
-                 temperature: float = 0.0, out=None, err=None):
+                 temperature: float = 0.0, out=None, err=None, plain: bool = False):
         self.client, self.system = client, system
+        self.plain = plain                # no Markdown rendering (it is off anyway when stdout is no terminal)
         self.params = {"max_tokens": max_tokens, "temperature": temperature}
         self.history: list[dict] = []
         self.out, self.err = out or sys.stdout, err or sys.stderr
@@ -186,23 +188,23 @@ class ChatSession:
         user = {"role": "user", "content": text}
         system = [{"role": "system", "content": self.system}] if self.system else []
         stream = None
+        writer = writer_for(self.out, self.plain)
         try:
             stream = self.client.chat(system + self.history + [user], **self.params)
             with quiet_terminal(sys.stdin) if sys.stdin.isatty() else _nothing():
                 for piece in stream:
-                    self.out.write(piece)
-                    self.out.flush()
-            self.out.write("\n")
+                    writer.write(piece)
+            writer.close()
         except KeyboardInterrupt:
             if stream is not None:
                 try:
                     stream.cancel()
                 except (KeyboardInterrupt, ServerError):
                     pass
-            self.out.write("\n")
+            writer.close()
             self.say("[stopped]")
         except ServerError as e:
-            self.out.write("\n")
+            writer.close()
             self.say(f"[error] {e.message}" + (" (try /reset)" if e.code in ("prompt_too_long", "context_exceeded")
                                                else ""))
             if e.code == "connection_lost":

@@ -302,7 +302,7 @@ class FrontEnd:
         box's load at a coarse grain (nothing that moves with another user's prompt)."""
         if caller.sees_all:
             return full
-        return {"model": self.model, "max_model_len": full.get("max_model_len"),
+        return {"model": self.model, "box": full.get("box"), "max_model_len": full.get("max_model_len"),
                 "num_requests_running": full["num_requests_running"],
                 "num_requests_waiting": full["num_requests_waiting"],
                 "kv_cache_usage_perc": round(full["kv_cache_usage_perc"], 1), "scope": "own",

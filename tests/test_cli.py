@@ -326,6 +326,48 @@ def test_chat_commands_blocks_and_saved_conversations(server, tmp_path):
     assert data["params"]["temperature"] == 0.5 and data["messages"][1]["role"] == "assistant"
     assert data["messages"][2] == {"role": "user", "content": "A pasted line,\nand the next one."}
 
+CODE_QUESTION = "Show me a Python hello world program."   # the embedded model answers with a ```python block
+
+
+def screen_text(data: bytes, columns: int = 80) -> str:
+    """The text a terminal shows after `data` (pyte, a terminal emulator), blank lines dropped."""
+    import pyte
+    screen = pyte.Screen(columns, 400)
+    pyte.ByteStream(screen).feed(data)
+    return "\n".join(line.rstrip() for line in screen.display if line.strip())
+
+
+def _one_chat_answer(server, question: str, *flags: str) -> bytes:
+    """The bytes `chat` writes to its terminal for one answer."""
+    term = Pty([*CLI, "chat", "--server", server.address, *flags])
+    try:
+        pos = term.expect(rb"Ctrl-D leaves.*\n.*> ", timeout=60)
+        term.send(question.encode() + b"\r")
+        pos = term.expect(re.escape(question[-8:].encode()) + rb"\r?\n", start=pos)
+        end = term.expect(PROMPT, start=pos, timeout=90)
+        term.send(b"\x04")
+        assert term.wait() == 0
+        return term.out[pos:end]
+    finally:
+        term.kill()
+
+
+def test_answers_render_as_markdown_in_a_terminal(server):
+    """In a terminal the answer is rendered (rich): no ``` fences or `backticks` left, code styled;
+    --plain, and any stdout that is not a terminal, get the model's text as it is."""
+    rendered = _one_chat_answer(server, CODE_QUESTION)
+    text = screen_text(rendered)   # what the terminal shows (the raw text of a block is erased once rendered)
+    assert "print(" in text and "Hello World" in text, text
+    assert "```" not in text and "`" not in text, text                   # fences and backticks rendered away
+    assert re.search(rb"\x1b\[[0-9;]*m[^\x1b]*print", rendered), rendered  # the code is styled
+
+    plain = _one_chat_answer(server, CODE_QUESTION, "--plain")
+    assert b"```python" in plain and not re.search(rb"\x1b\[[0-9;]*m", plain.split(b"\n> ")[0]), plain
+
+    piped = cli("ask", "--server", server.address, CODE_QUESTION)        # stdout is a pipe: plain
+    assert piped.returncode == 0 and "```python" in piped.stdout and "\x1b[" not in piped.stdout
+
+
 def test_sigterm_finishes_running_requests_then_exits_0(server):
     """Last in this file: it stops the module's server."""
     long = subprocess.Popen([*CLI, "ask", "--server", server.address, "--max-tokens", "1000",
@@ -353,3 +395,25 @@ def test_addresses():
         with pytest.raises(ServerError):
             parse_address(bad)
 
+
+
+def test_markdown_blocks_are_cut_where_they_end():
+    """A block is printed rendered once complete: a paragraph at a blank line, a fenced block at
+    its own closing fence (not at a blank line inside it, not at a shorter or other fence)."""
+    from edgepaged.cli_markdown import Blocks
+    b = Blocks()
+    text = ("Intro line\nstill intro\n\n````python\nx = 1\n\n```\nnot the end\n````\nAfter\n\n"
+            "~~~\ncode\n~~~\n- a\n- b")
+    done = [blk for i in range(len(text)) for blk in b.feed(text[i])]   # a character at a time
+    assert done == ["Intro line\nstill intro", "````python\nx = 1\n\n```\nnot the end\n````", "After",
+                    "~~~\ncode\n~~~"]
+    assert b.pending() == "- a\n- b" and b.close() == "- a\n- b" and b.pending() == ""
+
+
+def test_every_serve_flag_says_what_it_does():
+    """`serve --help`: each flag has a description; the benchmark-only one says it is for benchmarks."""
+    from edgepaged.cli import serve
+    missing = [p.opts[0] for p in serve.params if not p.hidden and not (getattr(p, "help", None) or "").strip()]
+    assert not missing, missing
+    contiguous = next(p for p in serve.params if "--contiguous" in p.opts)
+    assert contiguous.hidden or "benchmark" in contiguous.help

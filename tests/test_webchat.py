@@ -39,7 +39,8 @@ async def serving(runner):
         yield server.http
 
 
-def open_phone_browser(chromium: str, driver_path: str):
+def open_phone_browser(chromium: str, driver_path: str, phone: bool = True, size=(1280, 800)):
+    """Headless Chromium as a phone (mobile emulation at PHONE's size) or as a desktop window."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -49,10 +50,13 @@ def open_phone_browser(chromium: str, driver_path: str):
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--no-first-run",
                 "--disable-extensions", "--disable-background-networking", "--hide-scrollbars"):
         opts.add_argument(arg)
-    opts.add_experimental_option("mobileEmulation", {
-        "deviceMetrics": PHONE,
-        "userAgent": "Mozilla/5.0 (Linux; Android 14; Pixel 8) AppleWebKit/537.36 (KHTML, like Gecko) "
-                     "Chrome/126.0 Mobile Safari/537.36"})
+    if phone:
+        opts.add_experimental_option("mobileEmulation", {
+            "deviceMetrics": PHONE,
+            "userAgent": "Mozilla/5.0 (Linux; Android 14; Pixel 8) AppleWebKit/537.36 (KHTML, like Gecko) "
+                         "Chrome/126.0 Mobile Safari/537.36"})
+    else:
+        opts.add_argument(f"--window-size={size[0]},{size[1]}")
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(options=opts, service=Service(executable_path=driver_path))
 
@@ -162,3 +166,236 @@ async def test_the_chat_page_on_a_phone(embedded_runner):
     assert not [m for m in out["console"] if "Content Security Policy" in m or "SEVERE" in m and "favicon" in m]
     assert not out["overflow_x"]                                # nothing wider than the phone
     assert SCREENSHOT.exists() and SCREENSHOT.stat().st_size < 200_000
+
+
+# ---- the page as llama.cpp's users expect it: Markdown, copy buttons, conversations, keys ----------------
+
+CODE_QUESTION = "Show me a Python hello world program."   # the embedded model answers with a ```python block
+HOSTILE = ("<img src=x onerror=\"window.pwned=1\">\n\n<script>window.pwned=2</script>\n\n"
+           "[click me](javascript:window.pwned=3) and **bold** and <b onmouseover=\"window.pwned=4\">b</b>\n\n"
+           "```html\n<script>window.pwned=5</script>\n```")
+
+
+def _set(driver, **values):
+    for key, value in values.items():
+        driver.execute_script("localStorage.setItem(arguments[0], JSON.stringify(arguments[1]))",
+                              "edgepaged." + key, value)
+
+
+def _answer_done(driver):
+    return (a := last_answer(driver)) and a["done"] and a
+
+
+def _convs(driver) -> list[str]:
+    return driver.execute_script("return [...document.querySelectorAll('#conversations .conv .open')]"
+                                 ".map(b => b.textContent)")
+
+
+def desktop_scenario(base: str, chromium: str, driver_path: str, shots: Path) -> dict:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    out = {}
+    driver = open_phone_browser(chromium, driver_path, phone=False, size=(1280, 860))
+    try:
+        driver.get(base + "/")
+        _set(driver, temperature=0, maxTokens=160)
+        driver.refresh()
+        wait(driver, lambda d: d.find_element(By.ID, "box-name").text)
+        out["viewport"] = driver.execute_script("return [window.innerWidth, window.innerHeight]")
+        out["header"] = {k: driver.find_element(By.ID, k).text for k in ("model-name", "box-name")}
+        out["panel_shown"] = driver.find_element(By.ID, "panel").is_displayed()
+
+        # a Markdown answer with a code block, and its copy button
+        driver.find_element(By.ID, "input").send_keys(CODE_QUESTION, Keys.ENTER)
+        out["code_answer"] = wait(driver, _answer_done)
+        out["rendered"] = driver.execute_script("""
+            const t = [...document.querySelectorAll('.msg.assistant .text')].pop();
+            const pre = t.querySelector('pre'), code = pre && pre.querySelector('code');
+            return {pre: !!pre, code: code ? code.textContent : null, lang: code ? code.className : null,
+                    inline: t.querySelectorAll('p code').length, copy: pre ? !!pre.querySelector('button.copy') : false,
+                    fence_left: t.textContent.includes('```')};""")
+        try:
+            driver.execute_cdp_cmd("Browser.grantPermissions", {
+                "origin": base, "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]})
+        except Exception as e:                      # noqa: BLE001 - then only the label is checked
+            out["grant"] = str(e)
+        driver.find_element(By.CSS_SELECTOR, ".msg.assistant pre button.copy").click()
+        out["copy_label"] = wait(driver, lambda d: (t := d.find_element(By.CSS_SELECTOR, "pre button.copy").text)
+                                 != "Copy" and t, timeout=5)
+        out["clipboard"] = driver.execute_async_script(
+            "const done = arguments[0]; navigator.clipboard.readText().then(done, e => done('ERR ' + e))")
+        out["widths"] = driver.execute_script("""
+            const r = (s) => document.querySelector(s).getBoundingClientRect();
+            return {thread: r('#thread').width, answer: r('.msg.assistant').width, page: window.innerWidth,
+                    left: r('#thread').left, right: window.innerWidth - r('#thread').right,
+                    panel: r('#panel').width};""")
+        time.sleep(1.2)
+        driver.save_screenshot(str(shots / "page-desktop.png"))
+
+        # Shift+Enter is a new line, Enter sends; the status line is current within a second while it runs;
+        # Escape stops the answer; then the status says idle within a second
+        _set(driver, maxTokens=400)
+        driver.refresh()
+        wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
+        box_ = driver.find_element(By.ID, "input")
+        box_.send_keys("Write a very long story", Keys.SHIFT, Keys.ENTER, Keys.SHIFT,
+                       "about a dragon who learns to cook.")
+        out["typed"] = driver.execute_script("return document.getElementById('input').value")
+        out["users_before_enter"] = len(driver.find_elements(By.CSS_SELECTOR, ".msg.user"))
+        box_.send_keys(Keys.ENTER)
+        wait(driver, lambda d: len((last_answer(d) or {}).get("text", "")) > 20)
+        t0 = time.monotonic()
+        wait(driver, lambda d: "1 running" in d.find_element(By.ID, "load-text").text, timeout=5, every=0.02)
+        out["running_seen_s"] = time.monotonic() - t0
+        out["running_text"] = driver.find_element(By.ID, "load-text").text
+        ActionChains(driver).send_keys(Keys.ESCAPE).perform()
+        out["stopped"] = wait(driver, _answer_done, timeout=10)
+        t0 = time.monotonic()
+        wait(driver, lambda d: "idle" in d.find_element(By.ID, "load-text").text, timeout=5, every=0.02)
+        out["idle_seen_s"] = time.monotonic() - t0
+        out["idle_text"] = driver.find_element(By.ID, "load-text").text
+        out["user_msgs"] = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".msg.user")]
+
+        # conversations in the side panel: new, switch, delete, kept over a reload
+        _set(driver, maxTokens=16)
+        driver.refresh()
+        wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
+        driver.find_element(By.ID, "new-chat").click()
+        out["after_new"] = {"msgs": len(driver.find_elements(By.CSS_SELECTOR, ".msg")),
+                            "empty": bool(driver.find_elements(By.ID, "empty")), "list": _convs(driver)}
+        driver.find_element(By.ID, "input").send_keys("What is the capital of France?", Keys.ENTER)
+        wait(driver, _answer_done)
+        out["two"] = _convs(driver)
+        driver.find_elements(By.CSS_SELECTOR, "#conversations .conv .open")[1].click()   # back to the first
+        out["switched"] = [e.text[:40] for e in driver.find_elements(By.CSS_SELECTOR, ".msg.user")]
+        delete = driver.find_elements(By.CSS_SELECTOR, "#conversations .conv .delete")[0]  # the France one
+        delete.click()
+        out["after_one_click"] = _convs(driver)
+        delete.click()
+        out["after_delete"] = _convs(driver)
+        driver.refresh()
+        wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.user"))
+        out["after_reload"] = {"list": _convs(driver),
+                               "users": [e.text[:40] for e in driver.find_elements(By.CSS_SELECTOR, ".msg.user")]}
+        out["kept"] = driver.execute_script("return localStorage.getItem('edgepaged.conversations')")
+
+        # what the model writes is shown, never run: its HTML is text, no script, no handler, no javascript: link
+        _set(driver, conversations=[{"id": "x", "title": "hostile", "updated": 1, "messages": [
+            {"role": "user", "content": "<b>hi</b>"}, {"role": "assistant", "content": HOSTILE}]}], current="x")
+        driver.refresh()
+        wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
+        time.sleep(0.5)
+        out["hostile"] = driver.execute_script("""
+            const t = document.querySelector('#thread');
+            return {pwned: window.pwned === undefined ? null : window.pwned,
+                    scripts: t.querySelectorAll('script').length, imgs: t.querySelectorAll('img').length,
+                    handlers: [...t.querySelectorAll('*')].filter(e => [...e.attributes].some(
+                        a => a.name.startsWith('on'))).length,
+                    hrefs: [...t.querySelectorAll('a')].map(a => a.getAttribute('href')),
+                    strong: t.querySelectorAll('strong').length, text: t.textContent,
+                    user_b: t.querySelectorAll('.msg.user b').length};""")
+        out["resources"] = driver.execute_script(
+            "return performance.getEntriesByType('resource').map(e => e.name)")
+        out["console"] = [e["message"] for e in driver.get_log("browser")]
+    finally:
+        driver.quit()
+    return out
+
+
+def phone_markdown_scenario(base: str, chromium: str, driver_path: str, shots: Path, kept: str) -> dict:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    out = {}
+    driver = open_phone_browser(chromium, driver_path)
+    try:
+        driver.get(base + "/")
+        driver.execute_script("localStorage.setItem('edgepaged.conversations', arguments[0])", kept)
+        driver.refresh()
+        wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant pre button.copy"))
+        wait(driver, lambda d: d.find_element(By.ID, "box-name").text)
+        time.sleep(1.2)
+        out["panel_hidden"] = not driver.find_element(By.ID, "panel").is_displayed()
+        out["overflow_x"] = driver.execute_script("return document.documentElement.scrollWidth > window.innerWidth")
+        driver.execute_script("document.querySelector('#messages').scrollTop = 0")
+        driver.save_screenshot(str(shots / "page-phone.png"))
+        driver.find_element(By.ID, "panel-button").click()
+        out["panel_opened"] = driver.find_element(By.ID, "panel").is_displayed()
+        ActionChains(driver).send_keys(Keys.ESCAPE).perform()
+        time.sleep(0.2)
+        out["panel_closed"] = not driver.find_element(By.ID, "panel").is_displayed()
+    finally:
+        driver.quit()
+    return out
+
+
+async def test_the_page_markdown_conversations_and_keys(embedded_runner, tmp_path):
+    """Issue 26's page: Markdown rendered safely by libraries the box serves itself, code blocks with
+    a copy button, a readable line length, the model's and the box's names in the header, a status line
+    current within a second and 'idle' when idle, conversations in a side panel, Enter / Shift+Enter /
+    Escape; screenshots at desktop and phone width in the test's temporary directory."""
+    import httpx
+    chromium, driver_path, problem = browser_problem()
+    if problem:
+        pytest.skip(problem)
+    async with serving(embedded_runner) as http:
+        base = f"http://127.0.0.1:{http.port}"
+        async with httpx.AsyncClient() as c:
+            page = await c.get(base + "/")
+            lib = await c.get(base + "/static/marked.min.js")
+            other = await c.get(base + "/static/chat.html")
+            stats = (await c.get(base + "/stats")).json()
+        with trio.fail_after(240):
+            out = await trio.to_thread.run_sync(desktop_scenario, base, chromium, driver_path, tmp_path)
+            phone = await trio.to_thread.run_sync(phone_markdown_scenario, base, chromium, driver_path, tmp_path,
+                                                  out["kept"])
+        engine_stats = http.engine.stats()
+    print(f"screenshots: {tmp_path / 'page-desktop.png'} {tmp_path / 'page-phone.png'}")
+    print(json.dumps({k: v for k, v in out.items() if k not in ("console", "kept")}, indent=1)[:4000])
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "default-src 'none'" in csp
+    assert lib.status_code == 200 and lib.headers["content-type"].startswith("text/javascript")
+    assert lib.headers["x-content-type-options"] == "nosniff" and b"marked" in lib.content[:200]
+    assert other.status_code == 404                       # only the two libraries are served there
+    assert stats["box"] and stats["model"]
+
+    assert out["viewport"][0] == 1280 and out["panel_shown"]
+    assert out["header"] == {"model-name": stats["model"], "box-name": stats["box"]}
+    r = out["rendered"]
+    assert r["pre"] and "print(" in r["code"] and r["lang"] == "language-python" and r["copy"], r
+    assert r["inline"] >= 1 and not r["fence_left"], r
+    assert out["copy_label"] == "Copied"
+    assert out["clipboard"] == r["code"], out["clipboard"]
+    w = out["widths"]
+    assert w["thread"] <= 740 and w["answer"] <= 740 and w["left"] > w["panel"] + 100 and w["right"] > 100, w
+
+    assert out["typed"] == "Write a very long story\nabout a dragon who learns to cook."
+    assert out["users_before_enter"] == 1                 # Shift+Enter sent nothing
+    assert out["running_seen_s"] < 1.5 and "1 running" in out["running_text"] and "tok/s" in out["running_text"]
+    assert out["stopped"]["done"] == "stopped"            # Escape stopped it
+    assert out["idle_seen_s"] < 1.5 and "0 running" in out["idle_text"] and "tok/s" not in out["idle_text"]
+    assert out["user_msgs"][1] == "Write a very long story\nabout a dragon who learns to cook."
+    assert engine_stats["finished"].get("cancelled", 0) >= 1 and engine_stats["kv_blocks_used"] == 0
+
+    assert out["after_new"] == {"msgs": 0, "empty": True, "list": [CODE_QUESTION]}
+    assert out["two"] == ["What is the capital of France?", CODE_QUESTION]
+    assert out["switched"] == [CODE_QUESTION, "Write a very long story\nabout a dragon w"]
+    assert out["after_one_click"] == out["two"]          # one click only arms the delete
+    assert out["after_delete"] == [CODE_QUESTION]
+    assert out["after_reload"] == {"list": [CODE_QUESTION], "users": out["switched"]}
+
+    h = out["hostile"]
+    assert h["pwned"] is None and h["scripts"] == 0 and h["imgs"] == 0 and h["handlers"] == 0, h
+    assert not [x for x in h["hrefs"] if x and x.strip().lower().startswith("javascript")], h
+    assert h["strong"] == 1 and "<img src=x" in h["text"] and "<script>window.pwned=5</script>" in h["text"]
+    assert h["user_b"] == 0 and "<b>hi</b>" in h["text"]
+    assert all(x.startswith(base + "/") for x in out["resources"]), out["resources"]
+    assert not [m for m in out["console"] if "Content Security Policy" in m or "SEVERE" in m], out["console"]
+
+    assert phone["panel_hidden"] and phone["panel_opened"] and phone["panel_closed"], phone
+    assert not phone["overflow_x"]
+    for name in ("page-desktop.png", "page-phone.png"):
+        assert (tmp_path / name).stat().st_size > 10_000

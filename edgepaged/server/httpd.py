@@ -44,7 +44,7 @@ from .openai_api import (ApiError, Generation, Logprobs, Shaper, done_error, err
 log = logging.getLogger("edgepaged.http")
 DEFAULT_HTTP_PORT = 7879
 # The chat page loads nothing from outside the box: the browser enforces it.
-PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+PAGE_CSP = ("default-src 'none'; script-src 'self' 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
             "img-src 'self' data:; manifest-src 'self'; base-uri 'none'; form-action 'none'; "
             "frame-ancestors 'none'")
 
@@ -64,10 +64,24 @@ class HttpConfig:
         self.max_inflight = max_inflight    # generations in flight over HTTP, all clients together
         self.keep_alive_s = keep_alive_s
         self.page = page                    # serve the chat page at GET /
+        self.box_name: str | None = None    # the name the page shows (default: the host's name)
+
+
+# the libraries the page loads, served by the box itself (web/vendor/README.md): only these names
+STATIC = {"marked.min.js": "text/javascript; charset=utf-8", "purify.min.js": "text/javascript; charset=utf-8"}
+
+
+def box_name() -> str:
+    """The box's own name, as the household knows it (the host name, without a domain)."""
+    return socket.gethostname().split(".")[0] or "edgepaged"
 
 
 def _page() -> bytes:
     return importlib.resources.files("edgepaged.server").joinpath("web/chat.html").read_bytes()
+
+
+def _static(name: str) -> bytes:
+    return importlib.resources.files("edgepaged.server").joinpath("web/vendor", name).read_bytes()
 
 
 def api_error_response(e: ApiError) -> JSONResponse:
@@ -87,6 +101,7 @@ class HttpServer:
         self.created = int(time.time())
         self._stop = trio.Event()
         self._page = _page() if self.config.page else None
+        self._static: dict[str, bytes] = {}
         self.app = Guard(self._build_app(), self.config.allowed_hosts, self.config.cors_origins)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -148,6 +163,7 @@ class HttpServer:
         ]
         if self._page is not None:
             routes.append(Route("/", self.page, methods=["GET"]))
+            routes.append(Route("/static/{name}", self.static, methods=["GET"]))
         return Starlette(routes=routes, exception_handlers={
             ApiError: self._api_error,
             HTTPException: self._http_error,
@@ -220,6 +236,15 @@ class HttpServer:
                         headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-cache",
                                  "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
 
+    async def static(self, request: HttpRequest) -> Response:
+        name = request.path_params["name"]
+        if name not in STATIC:
+            raise HTTPException(404)
+        if name not in self._static:
+            self._static[name] = _static(name)
+        return Response(self._static[name], media_type=STATIC[name],
+                        headers={"Cache-Control": "public, max-age=86400", "X-Content-Type-Options": "nosniff"})
+
     async def health(self, request: HttpRequest) -> Response:
         ok = self.engine.accepting
         return JSONResponse({"status": "ok" if ok else "shutting_down", "model": self.front.model},
@@ -237,6 +262,7 @@ class HttpServer:
         s = self._stats()
         s["http"] = {"requests_inflight": self.inflight}
         s["model"] = self.front.model
+        s["box"] = self.config.box_name or box_name()
         return JSONResponse(self.front.stats(caller, s))
 
     async def models(self, request: HttpRequest) -> Response:
