@@ -273,6 +273,8 @@ def test_chat_in_a_terminal(server):
         pos = term.expect(rb"learns to cook\.\r?\n", start=pos)          # the echo of the line
         pos = term.expect(rb"\w+\W+\w+\W+\w+\W+\w+", start=pos, timeout=60)   # the answer is streaming
         streamed_before_stop = term.out[pos - 20:pos]
+        term.send(b"zzqq")                              # typed while the answer streams: neither echoed nor kept
+        time.sleep(0.3)
         term.send(b"\x03")                                                # Ctrl-C mid-answer
         pos = term.expect(rb"\[stopped\]", start=pos, timeout=30)
         pos = term.expect(rb"> ", start=pos)
@@ -284,6 +286,7 @@ def test_chat_in_a_terminal(server):
     finally:
         term.kill()
     assert streamed_before_stop
+    assert b"zzqq" not in term.out, term.out[-600:]
     stats = json.loads(cli("stats", "--server", server.address, "--json").stdout)
     assert stats["finished"].get("cancelled", 0) >= 1
     assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
