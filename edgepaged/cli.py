@@ -123,8 +123,10 @@ def main(verbose):
 # ---------------------------------------------------------------- serve
 
 @main.command()
-@click.option("--model", "model_path", default=None, metavar="PATH",
-              help="A GGUF file or a Hugging Face folder (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--model", "model_path", default=None, metavar="MODEL",
+              help="A GGUF file, a Hugging Face folder, a name from `edgepaged models` (the store, the Hugging "
+                   "Face cache, Ollama's store: llama3.2:3b), or a hub repository OWNER/NAME[:FILE] (pulled "
+                   "into the store first). Default: the embedded SmolLM2-135M-Instruct.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
 @click.option("--host", default="0.0.0.0", show_default=True,
               help="Address to listen on; 0.0.0.0 makes the server reachable from the local network.")
@@ -199,9 +201,11 @@ def serve(model_path, device, host, port, kv_memory, block_size, kv_dtype, max_b
     except ValueError as e:
         fail(f"--kv-memory {kv_memory}: {e}", 2)
     from .model.runner import KvBudgetError
+    model_path, served_name = resolve_model(model_path)
     try:
         runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens,
                              None if kv_dtype == "auto" else kv_dtype, quant_math)
+        runner.served_name = served_name
     except KvBudgetError as e:
         fail(f"--kv-memory {kv_memory}: {e}" if kv_memory else str(e))
     except (FileNotFoundError, ValueError) as e:
@@ -252,6 +256,25 @@ def _leaves(group) -> list[BaseException]:
     return [x for e in group.exceptions for x in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])]
 
 
+def resolve_model(spec: str | None) -> tuple[str | None, str | None]:
+    """serve --model: (the file, the name it is served under). A path as it is (its file's
+    name); else what the store finds by that name; a hub repository not on the box is pulled
+    first."""
+    if spec is None or os.path.exists(spec):
+        return spec, None
+    from . import store
+    try:
+        entry = store.find(spec)
+    except store.StoreError as e:
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+(:.+)?", spec):
+            fail(str(e))
+        try:
+            entry = store.pull_hub(spec)
+        except store.StoreError as e2:
+            fail(str(e2))
+    return entry.path, entry.name
+
+
 def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_dtype=None, quant_math=None):
     import dataclasses
 
@@ -271,6 +294,87 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
     click.echo(f"loaded {runner.model_path.name} in {time.monotonic() - t0:.1f} s ({runner.products} products)",
                err=True)
     return runner
+
+
+# ---------------------------------------------------------------- the model store
+
+@main.command()
+@click.argument("spec", metavar="REPO[:FILE] | FILE")
+@click.option("--name", default=None, help="The name in the store (default: from the file's name).")
+@click.option("--json", "as_json", is_flag=True, help="Print the new entry as one JSON object (last line).")
+def pull(spec, name, as_json):
+    """Bring a GGUF model into the store: from the Hugging Face hub (REPO, or REPO:FILE; the
+    Q4_K_M file when the repository holds several) with a progress bar, resumed when the
+    connection breaks and checked against the repository's sha256; or a local FILE. A file the
+    runtime cannot serve (truncated, not GGUF, an unsupported architecture) is refused here."""
+    from . import store
+    try:
+        entry = store.pull(spec, name)
+    except store.StoreError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted; pull again to retry", 130)
+    if as_json:
+        click.echo(json.dumps(entry.to_dict()))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"
+
+
+def _loaded_models(server: str | None) -> set[str] | None:
+    """The models a running server has loaded (its /api/ps), or None when none answers."""
+    import urllib.request
+    target = server or f"127.0.0.1:{DEFAULT_HTTP_PORT}"
+    if "://" not in target:
+        target = "http://" + target
+    try:
+        with urllib.request.urlopen(target.rstrip("/") + "/api/ps", timeout=0.5) as r:
+            return {m.get("name", "").removesuffix(":latest") for m in json.load(r).get("models", [])}
+    except (OSError, ValueError):
+        return None
+
+
+@main.command(name="models")
+@click.option("--json", "as_json", is_flag=True, help="One JSON array as the last line.")
+@click.option("--server", default=None, metavar="HOST:PORT",
+              help="The HTTP port of the server to ask which models are loaded (default: this box's).")
+def models_cmd(as_json, server):
+    """The models on this box: the store, the Hugging Face cache and Ollama's store."""
+    from . import store
+    found = store.entries()
+    loaded = _loaded_models(server) or set()
+    for e in found:
+        e.loaded = e.name in loaded
+    if as_json:
+        click.echo(json.dumps([e.to_dict() for e in found]))
+        return
+    if not found:
+        click.echo(f"no models yet (the store is {store.store_dir()}); `edgepaged pull REPO` fetches one, "
+                   "`edgepaged pull ./file.gguf` imports one", err=True)
+        return
+    rows = [("NAME", "SIZE", "QUANT", "ARCH", "CONTEXT", "SOURCE", "")] + [
+        (e.name, _size(e.size_bytes), e.quantization or "?", e.architecture or "?", str(e.context or "?"), e.source,
+         "loaded" if e.loaded else (f"cannot serve: {e.problem}" if e.problem else "")) for e in found]
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r[:6], widths)) + ("  " + r[6] if r[6] else ""))
+
+
+main.add_command(models_cmd, name="list")
+
+
+@main.command(name="rm")
+@click.argument("name")
+def rm(name):
+    """Remove a model from the store (files found in the Hugging Face cache or Ollama's store
+    are left to the tools that keep them)."""
+    from . import store
+    try:
+        e = store.remove(name)
+    except store.StoreError as err:
+        fail(str(err))
+    click.echo(f"removed {e.name} ({_size(e.size_bytes)})")
 
 
 # ---------------------------------------------------------------- ask

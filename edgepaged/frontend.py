@@ -142,6 +142,9 @@ def load_users(path) -> Users:
 
 
 def model_display_name(engine) -> str:
+    served = getattr(getattr(engine, "runner", None), "served_name", None)   # a name from the store
+    if served:
+        return served
     name = Path(str(engine.model_name)).name
     return name[:-5] if name.endswith(".gguf") else name
 

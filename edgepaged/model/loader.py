@@ -172,6 +172,12 @@ class ModelFiles:
         if self.reader is not None:
             ftype = gguf_field(self.reader, "general.file_type")
             quant = FILE_TYPES.get(ftype, f"type {ftype}" if ftype is not None else None)
+            if quant is None:   # no file type written: the type most of the matrices' bytes are in
+                by_type: dict[str, int] = {}
+                for t in self.reader.tensors:
+                    if len(t.shape) > 1:
+                        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+                quant = max(by_type, key=by_type.get) if by_type else None
         return {"format": "gguf" if self.reader is not None else "safetensors",
                 "size": sum(f.stat().st_size for f in files),
                 "modified": max((f.stat().st_mtime for f in files), default=0.0),

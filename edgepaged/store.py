@@ -1,0 +1,413 @@
+"""Models as a household keeps them: a store of GGUF files with a manifest each, and the GGUF
+files already on the box (the Hugging Face cache, Ollama's store), found without copying.
+
+    root = store_dir()                      # EDGEPAGED_STORE, else the systemd StateDirectory's
+                                            # models/, else $XDG_DATA_HOME/edgepaged/models
+    pull("org/repo")                        # from the hub (huggingface_hub): Q4_K_M when several
+    pull("./model.gguf")                    # a local file, imported
+    entries()                               # the store, the HF cache, Ollama's store
+    find("llama3.2:3b")                     # a store name, an Ollama name, a path, a repository
+    remove("name")
+
+Every file is checked when it comes in (truncated, not GGUF, an architecture or tensor the
+runtime does not run): a bad file is refused at pull time, never at the first request.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+STORE_ENV = "EDGEPAGED_STORE"
+MANIFEST_SUFFIX = ".json"
+PREFERRED_QUANT = "Q4_K_M"
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._:/-]{0,127}$")
+OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"
+
+
+class StoreError(Exception):
+    """A model that cannot be pulled, found or removed; the message says why and what to do."""
+
+
+@dataclass
+class Entry:
+    name: str
+    path: str
+    size_bytes: int
+    architecture: str | None
+    quantization: str | None
+    context: int | None
+    source: str                      # "store", "hf-cache" or "ollama"
+    origin: str = ""                 # where it came from: a repository and file, a path, an Ollama manifest
+    sha256: str | None = None
+    problem: str | None = None       # why the runtime cannot serve it (found files only: pulled ones are checked)
+    loaded: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- where things are
+
+def store_dir() -> Path:
+    """The store: $EDGEPAGED_STORE; under systemd, the unit's StateDirectory (its first
+    entry) + /models; else $XDG_DATA_HOME (default ~/.local/share) /edgepaged/models."""
+    if os.environ.get(STORE_ENV):
+        return Path(os.environ[STORE_ENV])
+    if os.environ.get("STATE_DIRECTORY"):
+        return Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / "models"
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "edgepaged" / "models"
+
+
+def hf_cache_dir() -> Path:
+    """Hugging Face's hub cache, where its tools put downloads (HF_HUB_CACHE, HF_HOME/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                                            / "huggingface")
+    return Path(home) / "hub"
+
+
+def ollama_dirs() -> list[Path]:
+    """Ollama's model stores: $OLLAMA_MODELS, the user's, and the one its Linux service keeps."""
+    dirs = [Path(os.environ["OLLAMA_MODELS"])] if os.environ.get("OLLAMA_MODELS") else []
+    dirs += [Path.home() / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
+    seen, out = set(), []
+    for d in dirs:
+        if d not in seen and (d / "manifests").is_dir():
+            seen.add(d)
+            out.append(d)
+    return out
+
+
+# ---------------------------------------------------------------- checking a file
+
+def inspect(path: Path) -> dict:
+    """architecture, quantization and context of a GGUF file the runtime can serve; StoreError
+    saying why not (truncated, not GGUF, an architecture or tensor it does not run)."""
+    from .model.loader import ModelFiles
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it starts with {head!r}, not b'GGUF')")
+        files = ModelFiles(path)
+        if files.reader is None:
+            raise ValueError(f"{path} is not a GGUF file")
+        info = files.info()
+        cfg = files.config
+        files.reader.close()
+    except (ValueError, OSError) as e:     # ModelFileError is a ValueError
+        raise StoreError(str(e)) from None
+    return {"architecture": cfg.arch, "quantization": info["quantization"],
+            "context": int(cfg.context_length), "size_bytes": info["size"]}
+
+
+def sha256_of(path: Path, progress=None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            if progress:
+                progress(len(chunk))
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- the store
+
+def _manifests(root: Path) -> list[Path]:
+    return sorted(root.glob("*" + MANIFEST_SUFFIX)) if root.is_dir() else []
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9._-]", "-", name)
+
+
+def default_name(filename: str) -> str:
+    stem = Path(filename).name
+    stem = stem[:-5] if stem.lower().endswith(".gguf") else stem
+    return re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).strip("-.") or "model"
+
+
+def check_name(name: str) -> str:
+    if not NAME_RE.match(name):
+        raise StoreError(f"{name!r} is not a model name: lower-case letters, digits and . _ - : / (at most 128)")
+    return name
+
+
+def store_entries(root: Path | None = None) -> list[Entry]:
+    root = root or store_dir()
+    out = []
+    for m in _manifests(root):
+        try:
+            data = json.loads(m.read_text())
+            e = Entry(**{k: v for k, v in data.items() if k in Entry.__dataclass_fields__})
+        except (OSError, ValueError, TypeError):
+            continue                       # a manifest being written, or damaged by hand: skipped
+        e.source, e.loaded = "store", False
+        if not Path(e.path).is_file():
+            e.problem = f"its file {e.path} is gone"
+        out.append(e)
+    return out
+
+
+def _write_manifest(root: Path, entry: Entry) -> None:
+    tmp = root / f".{_slug(entry.name)}{MANIFEST_SUFFIX}.tmp"
+    data = entry.to_dict()
+    data.pop("loaded", None)
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, root / f"{_slug(entry.name)}{MANIFEST_SUFFIX}")
+
+
+def _drop(work: Path) -> None:
+    """Remove a download's working folder, and the downloads folder when it is left empty."""
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        work.parent.rmdir()
+    except OSError:
+        pass
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _add(root: Path, name: str, file: Path, origin: str, sha256: str) -> Entry:
+    """Check `file` (already inside the store's folder) and record it under `name`."""
+    try:
+        info = inspect(file)
+    except StoreError:
+        file.unlink(missing_ok=True)
+        raise
+    final = root / f"{_slug(name)}.gguf"
+    os.replace(file, final)
+    entry = Entry(name=name, path=str(final), size_bytes=info["size_bytes"], architecture=info["architecture"],
+                  quantization=info["quantization"], context=info["context"], source="store", origin=origin,
+                  sha256=sha256)
+    _write_manifest(root, entry)
+    return entry
+
+
+def pull(spec: str, name: str | None = None, root: Path | None = None) -> Entry:
+    """Bring a model into the store: `spec` is a local GGUF file or REPO[:FILE] on the hub."""
+    root = root or store_dir()
+    local = Path(spec).expanduser()
+    if local.exists() or spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf") and ":" not in spec:
+        if not local.is_file():
+            raise StoreError(f"no file {spec}")
+        return import_file(local, name, root)
+    return pull_hub(spec, name, root)
+
+
+def _claim(root: Path, name: str) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    if (root / f"{_slug(name)}{MANIFEST_SUFFIX}").exists():
+        raise StoreError(f"the store already has a model named {name!r}: `edgepaged rm {name}` first, or pull "
+                         "with --name OTHER")
+
+
+def import_file(path: Path, name: str | None = None, root: Path | None = None) -> Entry:
+    root = root or store_dir()
+    name = check_name(name or default_name(path.name))
+    inspect(path)                           # refused before anything is copied
+    _claim(root, name)
+    part = root / f".{_slug(name)}.gguf.part"
+    try:
+        try:
+            os.link(path, part)             # same filesystem: no second copy of the bytes
+        except OSError:
+            shutil.copyfile(path, part)
+        digest = sha256_of(part)
+        entry = _add(root, name, part, str(path.resolve()), digest)
+    finally:
+        part.unlink(missing_ok=True)
+    _say(f"imported {path} as {name} ({entry.size_bytes / 2**20:.1f} MiB, {entry.architecture}, "
+         f"{entry.quantization}, context {entry.context})")
+    return entry
+
+
+def _pick_file(repo: str, files: list) -> object:
+    ggufs = [f for f in files if f.path.lower().endswith(".gguf")]
+    if not ggufs:
+        raise StoreError(f"{repo} holds no GGUF file")
+    if len(ggufs) == 1:
+        return ggufs[0]
+    preferred = [f for f in ggufs if PREFERRED_QUANT.lower() in Path(f.path).name.lower()]
+    if preferred:
+        f = min(preferred, key=lambda f: len(f.path))
+        others = ", ".join(Path(g.path).name for g in ggufs if g is not f)
+        _say(f"{repo} holds {len(ggufs)} GGUF files; taking {f.path} ({PREFERRED_QUANT}, the usual choice). "
+             f"Others: {others}. Name one with `edgepaged pull {repo}:FILE`.")
+        return f
+    names = ", ".join(g.path for g in ggufs)
+    raise StoreError(f"{repo} holds several GGUF files and none is {PREFERRED_QUANT}: name one with "
+                     f"`edgepaged pull {repo}:FILE` ({names})")
+
+
+def pull_hub(spec: str, name: str | None = None, root: Path | None = None) -> Entry:
+    """REPO[:FILE] from the hub, with huggingface_hub (its progress bar, its resumption of a
+    cut transfer); the bytes are checked against the repository's sha256 before they count."""
+    root = root or store_dir()
+    repo, _, filename = spec.partition(":")
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise StoreError(f"{spec!r} is neither a file here nor a repository (OWNER/NAME[:FILE])")
+    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub.errors import RepositoryNotFoundError
+    api = HfApi()
+    try:
+        files = [f for f in api.list_repo_tree(repo, recursive=True) if hasattr(f, "size")]
+    except RepositoryNotFoundError:
+        raise StoreError(f"no repository {repo} on the hub (or it is private)") from None
+    except Exception as e:                   # noqa: BLE001 - the hub's client raises its own kinds
+        raise StoreError(f"cannot list {repo} on the hub ({type(e).__name__}: {e})") from None
+    if filename:
+        chosen = next((f for f in files if f.path == filename or Path(f.path).name == filename), None)
+        if chosen is None:
+            raise StoreError(f"{repo} has no file {filename} (its GGUF files: "
+                             f"{', '.join(f.path for f in files if f.path.endswith('.gguf')) or 'none'})")
+    else:
+        chosen = _pick_file(repo, files)
+    if re.search(r"-\d{5}-of-\d{5}\.gguf$", chosen.path):
+        raise StoreError(f"{chosen.path} is one part of a split GGUF; edgepaged takes single-file GGUF models")
+    name = check_name(name or default_name(chosen.path))
+    _claim(root, name)
+    expected = chosen.lfs.sha256 if getattr(chosen, "lfs", None) is not None else None
+    work = root / ".downloads" / _slug(f"{repo}-{chosen.path}")
+    _say(f"pulling {repo}/{chosen.path} ({chosen.size / 2**20:.1f} MiB) as {name}")
+    try:
+        got = Path(hf_hub_download(repo, chosen.path, local_dir=work))
+    except Exception as e:                   # noqa: BLE001 - the hub's client raises its own kinds
+        _drop(work)
+        raise StoreError(f"the download of {repo}/{chosen.path} failed: {e}; pull again to retry") from None
+    _say("checking the file...")
+    digest = sha256_of(got)
+    if expected and digest != expected:
+        _drop(work)
+        raise StoreError(f"{repo}/{chosen.path}: checksum mismatch (sha256 {digest}, the repository says "
+                         f"{expected}); the file was removed, pull again")
+    part = root / f".{_slug(name)}.gguf.part"
+    os.replace(got, part)
+    _drop(work)
+    entry = _add(root, name, part, f"{repo}:{chosen.path}", digest)
+    _say(f"pulled {name}: {entry.architecture}, {entry.quantization}, context {entry.context}, "
+         f"{entry.size_bytes / 2**20:.1f} MiB")
+    return entry
+
+
+def remove(name: str, root: Path | None = None) -> Entry:
+    root = root or store_dir()
+    for e in store_entries(root):
+        if e.name == name:
+            Path(e.path).unlink(missing_ok=True)
+            (root / f"{_slug(name)}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
+            return e
+    found = next((e for e in found_entries() if e.name == name), None)
+    if found is not None:
+        raise StoreError(f"{name} is not in edgepaged's store: it lives in {found.source} at {found.path}; "
+                         f"remove it with the tool that keeps it")
+    raise StoreError(f"no model {name} in the store ({root})")
+
+
+# ---------------------------------------------------------------- found without copying
+
+def _inspected(e: Entry) -> Entry:
+    try:
+        info = inspect(Path(e.path))
+        e.architecture, e.quantization, e.context = info["architecture"], info["quantization"], info["context"]
+    except StoreError as err:
+        e.problem = str(err)
+    return e
+
+
+def hf_cache_entries(cache: Path | None = None) -> list[Entry]:
+    """GGUF files in the Hugging Face cache: named REPO:FILE (what `pull` takes)."""
+    cache = cache or hf_cache_dir()
+    out = []
+    for repo_dir in sorted(cache.glob("models--*")) if cache.is_dir() else []:
+        repo = repo_dir.name[len("models--"):].replace("--", "/", 1)
+        ref = repo_dir / "refs" / "main"
+        snaps = [repo_dir / "snapshots" / ref.read_text().strip()] if ref.is_file() else \
+            sorted((repo_dir / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True)
+        seen = set()
+        for snap in snaps:
+            for f in sorted(snap.rglob("*.gguf")) if snap.is_dir() else []:
+                rel = f.relative_to(snap).as_posix()
+                if rel in seen or not f.exists():
+                    continue
+                seen.add(rel)
+                real = f.resolve()
+                out.append(_inspected(Entry(name=f"{repo}:{rel}", path=str(real), size_bytes=real.stat().st_size,
+                                            architecture=None, quantization=None, context=None,
+                                            source="hf-cache", origin=f"{repo}:{rel}")))
+    return out
+
+
+def ollama_entries(dirs: list[Path] | None = None) -> list[Entry]:
+    """Models in Ollama's store: its manifests point at its blobs. Named as Ollama names them
+    (`llama3.2:3b`; `owner/model:tag` outside its library)."""
+    out, seen = [], set()
+    for root in dirs if dirs is not None else ollama_dirs():
+        manifests = root / "manifests"
+        for m in sorted(p for p in manifests.rglob("*") if p.is_file()):
+            parts = m.relative_to(manifests).parts
+            if len(parts) < 3:
+                continue
+            *_, namespace, model, tag = parts
+            name = f"{model}:{tag}" if namespace == "library" else f"{namespace}/{model}:{tag}"
+            if name in seen:
+                continue
+            try:
+                layers = json.loads(m.read_text()).get("layers", [])
+                digest = next(x["digest"] for x in layers if x.get("mediaType") == OLLAMA_MODEL_MEDIA)
+            except (OSError, ValueError, StopIteration, KeyError, TypeError, AttributeError):
+                continue
+            blob = root / "blobs" / digest.replace(":", "-")
+            if not blob.is_file():
+                continue
+            seen.add(name)
+            out.append(_inspected(Entry(name=name, path=str(blob), size_bytes=blob.stat().st_size, architecture=None,
+                                        quantization=None, context=None, source="ollama", origin=str(m),
+                                        sha256=digest.partition(":")[2] or None)))
+    return out
+
+
+def found_entries() -> list[Entry]:
+    return hf_cache_entries() + ollama_entries()
+
+
+def entries(root: Path | None = None) -> list[Entry]:
+    """Every model on the box: the store first, then what was found in place."""
+    mine = store_entries(root)
+    names = {e.name for e in mine}
+    return mine + [e for e in found_entries() if e.name not in names]
+
+
+def find(spec: str, root: Path | None = None) -> Entry:
+    """The model `spec` names: a path, a store name, an Ollama name (`:latest` when no tag), a
+    REPO:FILE or a repository in the HF cache. StoreError when there is none."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return Entry(name=default_name(path.name) if path.is_file() else path.name, path=str(path),
+                     size_bytes=path.stat().st_size if path.is_file() else 0, architecture=None,
+                     quantization=None, context=None, source="path", origin=str(path))
+    everything = entries(root)
+    for want in (spec, f"{spec}:latest"):
+        for e in everything:
+            if e.name == want:
+                if e.problem:
+                    raise StoreError(f"{e.name} ({e.source}, {e.path}) cannot be served: {e.problem}")
+                return e
+    in_repo = [e for e in everything if e.source == "hf-cache" and e.name.split(":", 1)[0] == spec
+               and not e.problem]
+    if in_repo:
+        preferred = [e for e in in_repo if PREFERRED_QUANT.lower() in e.name.lower()]
+        return (preferred or in_repo)[0]
+    known = ", ".join(e.name for e in everything) or "none"
+    raise StoreError(f"no model {spec!r}: not a file, and not in the store, the Hugging Face cache or Ollama's "
+                     f"store (models here: {known}); `edgepaged pull {spec}` fetches one")
