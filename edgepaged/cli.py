@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import click
 
@@ -83,6 +84,8 @@ DEFAULT_REPEAT_PENALTY = 1.1
 
 
 def sampling_options(f):
+    f = click.option("--model", default=None, metavar="NAME",
+                     help="Which of the server's models answers (default: its default; `edgepaged ls`).")(f)
     f = click.option("--seed", type=int, default=None, help="Same seed, same sampled answer.")(f)
     f = click.option("--top-p", type=float, default=1.0, show_default=True,
                      help="Sample from the likeliest tokens that make up this much probability.")(f)
@@ -95,7 +98,7 @@ def sampling_options(f):
     return f
 
 
-def sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, info=None) -> dict:
+def sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, info=None, model=None) -> dict:
     """The request's sampling fields; max_tokens within what the server takes (its hello)."""
     if max_tokens and info:
         cap = (info.get("limits") or {}).get("max_tokens") or max_tokens
@@ -104,6 +107,8 @@ def sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, info=N
               "top_p": top_p}
     if seed is not None:
         params["seed"] = seed
+    if model:
+        params["model"] = model
     return params
 
 
@@ -123,10 +128,19 @@ def main(verbose):
 # ---------------------------------------------------------------- serve
 
 @main.command()
-@click.option("--model", "model_path", default=None, metavar="MODEL",
+@click.option("--model", "model_paths", multiple=True, metavar="MODEL",
               help="A GGUF file, a Hugging Face folder, a name from `edgepaged models` (the store, the Hugging "
                    "Face cache, Ollama's store: llama3.2:3b), or a hub repository OWNER/NAME[:FILE] (pulled "
-                   "into the store first). Default: the embedded SmolLM2-135M-Instruct.")
+                   "into the store first). Repeat it to serve several models (the first is the default; each "
+                   "loads on its first request and unloads when idle); `all`: every model `edgepaged models` "
+                   "lists. Default: the embedded SmolLM2-135M-Instruct.")
+@click.option("--keep-alive", default="5m", show_default=True, metavar="DURATION",
+              help="Several models: how long an idle model stays loaded (30s, 5m, 1h; -1: always). A request's "
+                   "keep_alive sets it for its model, as Ollama's does.")
+@click.option("--memory-budget", default=None, metavar="BYTES",
+              help="Several models: memory for all loaded models' weights and KV caches together, e.g. 6G "
+                   "(default: 70% of the RAM available at start). A model that does not fit unloads the least "
+                   "recently used idle ones first.")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
 @click.option("--host", default="0.0.0.0", show_default=True,
               help="Address to listen on; 0.0.0.0 makes the server reachable from the local network.")
@@ -174,10 +188,10 @@ def main(verbose):
                    "8-bit dot products: llama.cpp's math, 2-3x faster), exact (fp32 activations), auto (int8 "
                    "from 0.7 B parameters on). Default: $EDGEPAGED_QUANT_MATH or auto.")
 @click.option("--mdns-refresh", type=float, default=5.0, hidden=True)
-def serve(model_path, device, host, port, kv_memory, block_size, kv_dtype, max_batched_tokens, token, http_port, no_http,
-          no_mdns, mdns_interface, max_connections, max_unauthenticated, max_unauthenticated_per_address,
-          allowed_hosts, cors_origins, max_inflight, max_prompt_tokens, max_tokens, grace, users_file, contiguous,
-          quant_math, mdns_refresh):
+def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, block_size, kv_dtype,
+          max_batched_tokens, token, http_port, no_http, no_mdns, mdns_interface, max_connections, max_unauthenticated,
+          max_unauthenticated_per_address, allowed_hosts, cors_origins, max_inflight, max_prompt_tokens, max_tokens,
+          grace, users_file, contiguous, quant_math, mdns_refresh):
     """Serve a model on the network (msgpack over TCP and HTTP, advertised by mDNS)."""
     # the ports first: a port in use is said at once, not after imports and the model's load
     server_sock = _bind(host, port, "--port")
@@ -201,17 +215,21 @@ def serve(model_path, device, host, port, kv_memory, block_size, kv_dtype, max_b
     except ValueError as e:
         fail(f"--kv-memory {kv_memory}: {e}", 2)
     from .model.runner import KvBudgetError
-    model_path, served_name = resolve_model(model_path)
-    try:
-        runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens,
-                             None if kv_dtype == "auto" else kv_dtype, quant_math)
-        runner.served_name = served_name
-    except KvBudgetError as e:
-        fail(f"--kv-memory {kv_memory}: {e}" if kv_memory else str(e))
-    except (FileNotFoundError, ValueError) as e:
-        fail(str(e))
-    except KeyboardInterrupt:
-        fail("interrupted while loading the model", 130)
+    kv_kind = None if kv_dtype == "auto" else kv_dtype
+    if len(model_paths) > 1 or model_paths == ("all",):
+        runner = model_set(model_paths, keep_alive, memory_budget, kv_bytes, device, block_size, max_batched_tokens,
+                           kv_kind, quant_math, grace)
+    else:
+        model_path, served_name = resolve_model(model_paths[0] if model_paths else None)
+        try:
+            runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_kind, quant_math)
+            runner.served_name = served_name
+        except KvBudgetError as e:
+            fail(f"--kv-memory {kv_memory}: {e}" if kv_memory else str(e))
+        except (FileNotFoundError, ValueError) as e:
+            fail(str(e))
+        except KeyboardInterrupt:
+            fail("interrupted while loading the model", 130)
     cfg = AppConfig(
         server=ServerConfig(host=host, port=port, max_connections=max_connections, max_inflight=max_inflight,
                             max_unauthenticated=max_unauthenticated,
@@ -223,6 +241,8 @@ def serve(model_path, device, host, port, kv_memory, block_size, kv_dtype, max_b
         mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
     if cfg.http is not None:
         cfg.http.sock = http_sock
+    if hasattr(runner, "slots"):     # several models: every one gets the box's settings
+        runner.front_config, runner.engine_config = cfg.front, cfg.engine
     try:
         trio.run(partial(run, runner, cfg, say=lambda line: click.echo(line) or sys.stdout.flush()))
     except BaseExceptionGroup as group:   # e.g. the port is taken: say so without a traceback
@@ -273,6 +293,55 @@ def resolve_model(spec: str | None) -> tuple[str | None, str | None]:
         except store.StoreError as e2:
             fail(str(e2))
     return entry.path, entry.name
+
+
+def model_set(specs, keep_alive, memory_budget, kv_bytes, device, block_size, max_batched_tokens, kv_dtype,
+              quant_math, grace):
+    """serve --model A --model B ...: a models.ModelSet (nothing loaded yet)."""
+    from . import store
+    from .models import ModelSet, ModelSpec
+    from .model.runner import CPU_KV_MAX_BYTES, available_ram
+    from .protocol import parse_keep_alive
+    try:
+        keep = parse_keep_alive(keep_alive)
+    except ValueError as e:
+        fail(f"--keep-alive {keep_alive}: {e}", 2)
+    try:
+        budget = parse_bytes(memory_budget) if memory_budget else int(0.7 * available_ram())
+    except ValueError as e:
+        fail(f"--memory-budget {memory_budget}: {e}", 2)
+    if specs == ("all",):
+        entries = [e for e in store.entries() if not e.problem]
+        if not entries:
+            fail(f"--model all: no models here (the store is {store.store_dir()}); `edgepaged pull` fetches one")
+    else:
+        entries = []
+        for spec in specs:
+            path, name = resolve_model(spec)
+            entry = store.Entry(name=name or store.default_name(Path(path).name), path=path,
+                                size_bytes=Path(path).stat().st_size, architecture=None, quantization=None,
+                                context=None, source="path")
+            entries.append(entry)
+    models = []
+    for e in entries:
+        try:
+            info = store.inspect(Path(e.path))
+        except store.StoreError as err:
+            fail(str(err))
+        models.append(ModelSpec(e.name, e.path, info["size_bytes"], info["context"], info["architecture"],
+                                info["quantization"]))
+
+    def load(spec, kv):
+        runner = load_runner(spec.path, device, kv, block_size, max_batched_tokens, kv_dtype, quant_math)
+        runner.served_name = spec.name
+        return runner
+    from .engine import EngineConfig
+    try:
+        return ModelSet(models, load, budget_bytes=budget, kv_bytes=kv_bytes or min(CPU_KV_MAX_BYTES, budget // 4),
+                        keep_alive_s=keep, grace_s=grace,
+                        engine_config=EngineConfig(max_num_batched_tokens=max_batched_tokens))
+    except ValueError as e:
+        fail(str(e))
 
 
 def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_dtype=None, quant_math=None):
@@ -387,8 +456,8 @@ def rm(name):
 @click.option("--plain", is_flag=True, help="Print the answer as the model wrote it, not rendered as Markdown "
               "(it is plain anyway when stdout is not a terminal).")
 @click.argument("prompt", nargs=-1)
-def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens, repeat_penalty, top_p, seed, system,
-        as_json, plain, prompt):
+def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens, repeat_penalty, top_p, seed, model,
+        system, as_json, plain, prompt):
     """Ask one question (PROMPT, or stdin when none) and stream the answer. An answer cut at
     --max-tokens says so on stderr (--json: finish_reason "length"); errors exit 1 (--json:
     one JSON object with "error": {"code", "message"})."""
@@ -411,7 +480,8 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
         answer = None
         writer = None if as_json else writer_for(click.get_text_stream("stdout"), plain)
         try:
-            answer = c.chat(messages, **sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info))
+            answer = c.chat(messages, **sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info,
+                                                        model))
             for piece in answer:
                 if writer is not None:
                     writer.write(piece)
@@ -429,7 +499,8 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
         if as_json:
             click.echo(json.dumps({"text": answer.text, "finish_reason": done.get("finish_reason"),
                                    "usage": done.get("usage"), "timings": done.get("timings"),
-                                   "model": c.info.get("model"), "server": c.address, "error": done.get("error")}))
+                                   "model": done.get("model") or c.info.get("model"), "server": c.address,
+                                   "error": done.get("error")}))
         else:
             writer.close()
             if done.get("finish_reason") == "length":
@@ -447,13 +518,13 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
 @click.option("--system", default=None, help="A system prompt (also /system TEXT in the chat).")
 @click.option("--plain", is_flag=True, help="Show answers as the model wrote them, not rendered as Markdown "
               "(they are plain anyway when stdout is not a terminal).")
-def chat(server, token, mdns_interface, discover_timeout, temperature, max_tokens, repeat_penalty, top_p, seed, system,
-         plain):
+def chat(server, token, mdns_interface, discover_timeout, temperature, max_tokens, repeat_penalty, top_p, seed, model,
+         system, plain):
     """Chat with a server: /reset, /system TEXT, Ctrl-C stops an answer, Ctrl-D leaves."""
     from .cli_chat import ChatSession
     with connect(server, token, mdns_interface, discover_timeout) as c:
         session = ChatSession(c, system=system, plain=plain)
-        session.params = sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info)
+        session.params = sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info, model)
         session.run()
 
 
@@ -482,7 +553,8 @@ def ls(timeout, as_json, mdns_interface):
         host = r.addresses[0]
         return f"http://{f'[{host}]' if ':' in host else host}:{r.http_port}/"
     rows = [("NAME", "ADDRESS", "HTTP", "MODEL", "CONTEXT", "AUTH", "RUNNING", "WAITING", "KV")]
-    rows += [(r.name, r.address, http(r), r.model, str(r.context_length), "token" if r.auth else "open",
+    rows += [(r.name, r.address, http(r), r.extra.get("models") or r.model, str(r.context_length),
+              "token" if r.auth else "open",
               str(r.running), str(r.waiting), f"{100 * r.kv_usage:.0f}%") for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:

@@ -293,7 +293,7 @@ class FrontEnd:
                            matcher=None if grammar is None else self.grammars.matcher(grammar),
                            calls=None if calls is None else tl.ToolStream(calls.syntax, tok),
                            lazy=None if lazy is None else tl.LazyCall(lazy.marker, lazy.grammar, lazy.grammars, tok),
-                           fork_of=parent)
+                           fork_of=parent, engine=self.engine, model=self.model)
         req = one(0)
         req.children = [one(k, req) for k in range(1, n)]
         return req

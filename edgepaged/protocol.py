@@ -6,6 +6,8 @@ engine and no sockets beyond a Trio receive stream: both the server and the clie
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,8 @@ CODES = {
     "kv_capacity": "prompt + max_tokens could never fit in the KV cache",
     "bad_token": "a token id outside the vocabulary",
     "shutdown": "the server is shutting down",
+    "model_not_found": "the request names a model this box does not serve",
+    "model_unavailable": "the model cannot be loaded now: the box's model memory is held by models in use",
     "internal_error": "a bug or a failed model step on the server",
 }
 
@@ -59,7 +63,8 @@ SAMPLING_FIELDS = {   # name -> accepted python types (after msgpack decoding)
     "presence_penalty": (int, float), "frequency_penalty": (int, float), "logit_bias": (dict,), "logprobs": (int,),
 }
 REQUEST_FIELDS = {"type", "id", "max_tokens", "priority", "stop", "stop_token_ids", "share_prefix_cache",
-                  "format", "tools", "tool_choice", "parallel_tool_calls", "n", *SAMPLING_FIELDS}
+                  "format", "tools", "tool_choice", "parallel_tool_calls", "n", "model", "keep_alive",
+                  *SAMPLING_FIELDS}
 
 
 class ProtocolError(Exception):
@@ -183,6 +188,8 @@ class GenerateRequest:
     tool_choice: str = "none"      # auto | none | required | a function's name
     parallel_tool_calls: bool = True
     n: int = 1                     # parallel samples of the prompt (copy-on-write forks)
+    model: str | None = None       # which of the box's models (None: its default)
+    keep_alive_s: float | None = None  # how long the model stays loaded after this (-1: always)
 
 
 @dataclass
@@ -300,6 +307,16 @@ def _parse_generate(msg: dict) -> GenerateRequest:
     if msg.get("n") is not None:
         _type_check("n", msg["n"], (int,), rid)
         req.n = msg["n"]
+    if msg.get("model") is not None:
+        _type_check("model", msg["model"], (str,), rid)
+        if not 0 < len(msg["model"]) <= MAX_NAME_LEN:
+            raise ProtocolError("bad_request", f"model must be a name of 1..{MAX_NAME_LEN} characters", rid)
+        req.model = msg["model"]
+    if msg.get("keep_alive") is not None:
+        try:
+            req.keep_alive_s = parse_keep_alive(msg["keep_alive"])
+        except ValueError as e:
+            raise ProtocolError("bad_request", str(e), rid) from None
     fmt = msg.get("format")
     if fmt is not None:
         if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
@@ -317,6 +334,30 @@ def _parse_generate(msg: dict) -> GenerateRequest:
             _type_check("parallel_tool_calls", msg["parallel_tool_calls"], (bool,), rid)
             req.parallel_tool_calls = msg["parallel_tool_calls"]
     return req
+
+
+def parse_keep_alive(value) -> float:
+    """Ollama's keep_alive: seconds (a number), a duration ("30s", "5m", "1h", "1h30m"), or
+    negative for always. ValueError saying what it takes."""
+    if isinstance(value, bool):
+        raise ValueError("keep_alive must be a duration (\"5m\") or a number of seconds")
+    if isinstance(value, (int, float)):
+        return -1.0 if value < 0 else float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            n = float(text)
+            return -1.0 if n < 0 else n
+        except ValueError:
+            pass
+        parts = re.fullmatch(r"(-)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", text)
+        if parts and text and any(parts.group(i) for i in (2, 3, 4)):
+            if parts.group(1):
+                return -1.0
+            h, m, sec = (float(parts.group(i) or 0) for i in (2, 3, 4))
+            return h * 3600 + m * 60 + sec
+    raise ValueError("keep_alive must be a duration (\"5m\", \"30s\", \"1h\") or a number of seconds; negative "
+                     "keeps the model loaded")
 
 
 def _parse_simple(msg: dict) -> Simple:

@@ -221,3 +221,156 @@ def serve_and_ask(env, spec: str) -> dict:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+# ---- several models on one box -----------------------------------------------------------------------------
+
+QUESTION = [{"role": "user", "content": "hello"}]
+
+
+class Serve:
+    """`edgepaged serve` with the given arguments on loopback (msgpack and HTTP ports)."""
+
+    def __init__(self, env, *args):
+        import re
+        self.proc = subprocess.Popen([*CLI, "serve", "--port", "0", "--http-port", "0", "--host", "127.0.0.1",
+                                      "--no-mdns", "--grace", "1", *args], cwd=ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines = []
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = re.search(r"ready on ([\d.]+):(\d+).*HTTP \(OpenAI API, chat page\) http://([\d.]+:\d+)/", line)
+            if m:
+                self.address, self.http = f"{m.group(1)}:{m.group(2)}", f"http://{m.group(3)}"
+                break
+        else:
+            raise AssertionError("serve did not start:\n" + "".join(self.lines))
+        import threading
+        threading.Thread(target=lambda: [self.lines.append(x) for x in self.proc.stdout], daemon=True).start()
+
+    def stats(self) -> dict:
+        import httpx
+        return httpx.get(self.http + "/stats", timeout=10).json()
+
+    def loaded(self) -> dict[str, int]:
+        return {m["name"]: m["loads"] for m in self.stats()["models"] if m["loaded"]}
+
+    def stop(self) -> None:
+        import signal
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def reference_answer(path: Path) -> str:
+    """The model's greedy answer, served alone (in process) through the OpenAI API."""
+    import httpx
+    import trio
+
+    from edgepaged.model import ModelRunner
+    from edgepaged.testing import serving as box
+
+    async def main():
+        async with box.serving(ModelRunner(path, num_blocks=64), http=True) as server:
+            async with httpx.AsyncClient(timeout=60) as c:
+                r = await c.post(f"http://127.0.0.1:{server.http.port}/v1/chat/completions",
+                                 json={"messages": QUESTION, "max_tokens": 8, "temperature": 0})
+                return r.json()["choices"][0]["message"]["content"]
+    return trio.run(main)
+
+
+def test_two_models_served_loaded_on_demand_and_unloaded_when_idle(tiny, env):
+    """Each request is answered by the model it names, on every door (Ollama's client, OpenAI's API,
+    the msgpack protocol); an idle model unloads after --keep-alive and loads again when asked."""
+    import httpx
+    import ollama
+    import time
+    want = {"tiny-llama-q8_0": reference_answer(tiny["llama"]), "tiny-qwen2-q8_0": reference_answer(tiny["qwen2"])}
+    assert want["tiny-llama-q8_0"] != want["tiny-qwen2-q8_0"]          # the two can tell themselves apart
+    for name, path in (("tiny-llama-q8_0", tiny["llama"]), ("tiny-qwen2-q8_0", tiny["qwen2"])):
+        assert cli(env, "pull", str(path), "--name", name).returncode == 0
+    s = Serve(env, "--model", "tiny-llama-q8_0", "--model", "tiny-qwen2-q8_0", "--keep-alive", "1s",
+              "--kv-memory", "4M")
+    try:
+        assert "models tiny-llama-q8_0, tiny-qwen2-q8_0 (default tiny-llama-q8_0" in s.lines[-1]
+        assert s.loaded() == {}                                         # nothing loads before it is asked for
+        c = ollama.Client(host=s.http)
+        assert sorted(m.model for m in c.list().models) == ["tiny-llama-q8_0:latest", "tiny-qwen2-q8_0:latest"]
+        assert c.ps().models == []
+        for name in want:
+            r = c.chat(model=name, messages=QUESTION, options={"num_predict": 8, "temperature": 0}, keep_alive="30s")
+            assert r.model == name and r.message.content == want[name], (name, r)
+        assert sorted(m.model for m in c.ps().models) == ["tiny-llama-q8_0:latest", "tiny-qwen2-q8_0:latest"]
+        body = {"messages": QUESTION, "max_tokens": 8, "temperature": 0}
+        for name in want:                                               # OpenAI's `model` picks one too
+            r = httpx.post(s.http + "/v1/chat/completions", json={**body, "model": name}, timeout=60).json()
+            assert r["model"] == name and r["choices"][0]["message"]["content"] == want[name], r
+        r = httpx.post(s.http + "/v1/chat/completions", json={**body, "model": "nope"}, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        assert [m["id"] for m in httpx.get(s.http + "/v1/models").json()["data"]] == list(want)
+        for name in want:                                               # and the msgpack protocol's
+            a = json.loads(cli(env, "ask", "--server", s.address, "--model", name, "--max-tokens", "8",
+                               "--repeat-penalty", "1", "--json", "hello").stdout.strip().splitlines()[-1])
+            assert a["model"] == name and a["text"] == want[name], a
+        r = cli(env, "models", "--json", "--server", s.http.removeprefix("http://"))
+        listed = {e["name"]: (e["loaded"], e["source"]) for e in json.loads(r.stdout.strip().splitlines()[-1])}
+        assert listed == {name: (True, "store") for name in want}, listed
+        assert s.loaded() == {"tiny-llama-q8_0": 1, "tiny-qwen2-q8_0": 1}
+        metrics = httpx.get(s.http + "/metrics").text                 # one exposition, the model as a label
+        for name in want:
+            assert f'edgepaged:generation_tokens_total{{model_name="{name}"}}' in metrics, metrics[:2000]
+        assert metrics.count("# TYPE edgepaged:generation_tokens_total counter") == 1
+
+        c.generate(model="tiny-qwen2-q8_0", prompt="", keep_alive="1s")  # back to a short keep_alive
+        c.generate(model="tiny-llama-q8_0", prompt="", keep_alive="1s")
+        deadline = time.monotonic() + 10
+        while s.loaded() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert s.loaded() == {} and c.ps().models == []                 # idle past keep_alive: unloaded
+        r = c.chat(model="tiny-qwen2-q8_0", messages=QUESTION, options={"num_predict": 8, "temperature": 0})
+        assert r.message.content == want["tiny-qwen2-q8_0"]
+        assert s.loaded() == {"tiny-qwen2-q8_0": 2}                     # loaded again, on the next request
+        c.generate(model="tiny-qwen2-q8_0", prompt="", keep_alive=0)    # Ollama's unload call
+        assert s.loaded() == {}
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0, "".join(s.lines)
+
+
+def test_the_memory_budget_unloads_the_least_recently_used(tiny, env):
+    """Room for one model at a time: asking for the other unloads the idle one first; while the
+    one loaded is busy, the other is refused with model_unavailable (a clear 503), then served."""
+    import httpx
+    import ollama
+    size = max(p.stat().st_size for p in tiny.values())
+    budget = 2 * size + (6 << 20)          # each model takes its file + 4 MiB of KV: one fits, not two
+    s = Serve(env, "--model", str(tiny["llama"]), "--model", str(tiny["qwen2"]), "--kv-memory", "4M",
+              "--memory-budget", str(budget))
+    try:
+        c = ollama.Client(host=s.http)
+        opts = {"num_predict": 4, "temperature": 0}
+        c.chat(model="tiny-llama-q8_0", messages=QUESTION, options=opts)
+        assert s.loaded() == {"tiny-llama-q8_0": 1}
+        c.chat(model="tiny-qwen2-q8_0", messages=QUESTION, options=opts)
+        assert s.loaded() == {"tiny-qwen2-q8_0": 1}                     # the idle llama made room
+        assert [m.model for m in c.ps().models] == ["tiny-qwen2-q8_0:latest"]
+
+        # a long answer keeps qwen2 busy: llama cannot come in now, and says why
+        body = {"messages": QUESTION, "max_tokens": 1000, "ignore_eos": True, "temperature": 0, "stream": True,
+                "model": "tiny-qwen2-q8_0"}
+        with httpx.stream("POST", s.http + "/v1/chat/completions", json=body, timeout=60) as long:
+            it = long.iter_lines()
+            next(it)                                                    # it is streaming
+            r = httpx.post(s.http + "/v1/chat/completions", timeout=60, json={
+                "messages": QUESTION, "max_tokens": 4, "model": "tiny-llama-q8_0"})
+            rest = list(it)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_unavailable", r.text
+        assert "tiny-qwen2-q8_0" in r.json()["error"]["message"]
+        assert any('"finish_reason":"length"' in x.replace(" ", "") for x in rest)   # the long one finished
+        c.chat(model="tiny-llama-q8_0", messages=QUESTION, options=opts)
+        assert s.loaded() == {"tiny-llama-q8_0": 2}
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0, "".join(s.lines)

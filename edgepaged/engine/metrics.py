@@ -163,3 +163,23 @@ class Metrics:
 
     def prometheus_text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def merge_prometheus(texts: list[bytes]) -> bytes:
+    """Several registries' expositions as one: each metric family once (its HELP and TYPE),
+    with every registry's samples (they differ by their model_name label)."""
+    families: dict[str, dict] = {}
+    for text in texts:
+        current = None
+        for line in text.decode().splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                current = line.split(" ", 3)[2]
+                fam = families.setdefault(current, {"meta": [], "samples": []})
+                if line[:6] not in [m[:6] for m in fam["meta"]]:
+                    fam["meta"].append(line)
+            elif line and current is not None:
+                families[current]["samples"].append(line)
+    out = []
+    for fam in families.values():
+        out += fam["meta"] + fam["samples"]
+    return ("\n".join(out) + "\n").encode() if out else b""

@@ -91,6 +91,9 @@ class Request:
     fork_of: Any = None            # the parent of a child sample
     send: Any = None               # the engine's side of the event channel
     reserve_tokens: int = 0        # contiguous mode: tokens reserved at admission
+    # where it runs: the engine of the model the front end picked, and that model's name
+    engine: Any = field(default=None, repr=False)
+    model: str = ""
 
     @property
     def all_ids(self) -> list[int]:

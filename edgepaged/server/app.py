@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -55,13 +55,21 @@ def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig,
     host = sc.host or "0.0.0.0"
     where = (f"{host}:{server.port} (all interfaces: reachable from the local network)"
              if host in ("0.0.0.0", "::") else f"{host}:{server.port}")
-    capacity = e.kv_capacity_blocks * e.block_size
-    parts = [f"edgepaged ready on {where}", f"model {front.model}",
-             f"products {getattr(e.runner, 'products', '?')}", f"context {e.max_model_len} tokens",
-             f"KV capacity {capacity} tokens ({e.kv_capacity_blocks} blocks of {e.block_size}, "
-             f"{getattr(e.runner, 'kv_dtype_name', '?')})",
-             f"HTTP (OpenAI API, chat page) {http_url(http)}" if http else "HTTP off",
-             f"mDNS {adv.name!r}" if adv else "mDNS off"]
+    models = getattr(front, "modelset", None)
+    if models is not None:
+        parts = [f"edgepaged ready on {where}", f"models {', '.join(models.slots)} (default {models.default}; "
+                 f"loaded on first use, unloaded after {models.slots[models.default].keep_alive_s:g} s idle)",
+                 f"model memory {models.budget_bytes >> 20} MiB (weights + KV)",
+                 f"HTTP (OpenAI API, chat page) {http_url(http)}" if http else "HTTP off",
+                 f"mDNS {adv.name!r}" if adv else "mDNS off"]
+    else:
+        capacity = e.kv_capacity_blocks * e.block_size
+        parts = [f"edgepaged ready on {where}", f"model {front.model}",
+                 f"products {getattr(e.runner, 'products', '?')}", f"context {e.max_model_len} tokens",
+                 f"KV capacity {capacity} tokens ({e.kv_capacity_blocks} blocks of {e.block_size}, "
+                 f"{getattr(e.runner, 'kv_dtype_name', '?')})",
+                 f"HTTP (OpenAI API, chat page) {http_url(http)}" if http else "HTTP off",
+                 f"mDNS {adv.name!r}" if adv else "mDNS off"]
     fc = front.config
     access = (f"per-user tokens ({len(fc.users)} users)" if fc.users else "token required" if fc.token is not None
               else "no --token: open to anyone on the local network")
@@ -82,12 +90,28 @@ async def _refresh_load(adv: mdns.Advertiser, server: Server, every_s: float) ->
             log.warning("mDNS load update failed: %s", e)
 
 
+@asynccontextmanager
+async def _front_end(runner, cfg: AppConfig):
+    """The front end of one model (a runner: its engine runs while the block does), or of a
+    model set (models.ModelSet: its models load and unload on their own)."""
+    from ..models import ModelSet, MultiFront
+    if isinstance(runner, ModelSet):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runner.run)
+            yield MultiFront(runner)
+            nursery.cancel_scope.cancel()
+        return
+    async with Engine(runner, cfg.engine) as engine:
+        yield FrontEnd(engine, cfg.front)
+
+
 async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
               task_status=trio.TASK_STATUS_IGNORED) -> int:
-    """Serve until SIGINT/SIGTERM; returns the number of requests cancelled at shutdown."""
+    """Serve until SIGINT/SIGTERM; returns the number of requests cancelled at shutdown.
+    `runner`: a loaded model, or a models.ModelSet (several, loaded on demand)."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with Engine(runner, cfg.engine) as engine:
-            front = FrontEnd(engine, cfg.front)
+        async with _front_end(runner, cfg) as front:
+            engine = front.engine
             server = Server(front, cfg.server)
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.serve)
@@ -104,6 +128,8 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
                         props = mdns.txt_properties(version=PROTOCOL_VERSION, model=front.model,
                                                     context_length=engine.max_model_len, auth=front.auth_required,
                                                     http_port=http.port if http else None)
+                        if getattr(front, "modelset", None) is not None:   # every model of the box
+                            props["models"] = ",".join(front.modelset.slots)[:200]
                         try:
                             addresses = await trio.to_thread.run_sync(
                                 mdns.advertised_addresses, cfg.server.host, cfg.mdns_interface)

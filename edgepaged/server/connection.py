@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgepaged.server")
 
 
-def event_frame(rid, ev: TokenEvent | DoneEvent) -> dict:
+def event_frame(rid, ev: TokenEvent | DoneEvent, model: str = "") -> dict:
     if isinstance(ev, TokenEvent):
         frame = {"type": "token", "id": rid, "text": ev.text, "token_ids": ev.token_ids}
         if ev.logprobs:
@@ -35,6 +35,8 @@ def event_frame(rid, ev: TokenEvent | DoneEvent) -> dict:
         frame["stop"] = ev.stop
     if ev.error:
         frame["error"] = ev.error
+    if model:
+        frame["model"] = model       # the model that answered
     return frame
 
 
@@ -248,14 +250,14 @@ class Connection:
                             rest, calls = req.calls.finish()
                             if rest:
                                 await self.send(event_frame(rid, TokenEvent([], rest)))
-                            frame = event_frame(rid, ev)
+                            frame = event_frame(rid, ev, req.model)
                             if calls and ev.finish_reason in ("stop", "length"):
                                 frame["finish_reason"] = "tool_calls"
                                 frame["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
                                     "name": c["name"], "arguments": c["arguments"]}} for c in calls]
                             await self.send(frame)
                             continue
-                    await self.send(event_frame(rid, ev))
+                    await self.send(event_frame(rid, ev, req.model))
         finally:
             self.inflight.pop(rid, None)
             if not self.inflight and self.idle_scope is not None:   # idle again: arm the timeout
@@ -269,7 +271,7 @@ class Connection:
             async with self.engine.stream_samples(req) as events:
                 task_status.started()
                 async for k, ev in events:
-                    frame = event_frame(rid, ev)
+                    frame = event_frame(rid, ev, req.model)
                     frame["index"] = k
                     await self.send(frame)
         finally:

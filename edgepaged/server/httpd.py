@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine import EngineClosed, RequestRejected, TokenEvent
+from ..protocol import parse_keep_alive
 from ..frontend import AuthFailed, FrontEnd
 from .guard import Guard
 from . import ollama_api
@@ -93,6 +94,7 @@ class HttpServer:
     def __init__(self, front: FrontEnd, config: HttpConfig | None = None, stats=None):
         """stats: what /stats shows (default: the engine's stats)."""
         self.front, self.engine = front, front.engine
+        self.modelset = getattr(front, "modelset", None)   # several models (models.py), else None
         self.config = config or HttpConfig()
         self.host = self.config.host or "0.0.0.0"
         self._stats = stats or self.engine.stats
@@ -267,11 +269,19 @@ class HttpServer:
 
     async def models(self, request: HttpRequest) -> Response:
         await self._authorize(request)
-        return JSONResponse(models_list(self.front.model, self.engine.max_model_len, self.created))
+        others = self.modelset.listing() if self.modelset is not None else ()
+        return JSONResponse(models_list(self.front.model, self.engine.max_model_len, self.created, others))
 
     async def model(self, request: HttpRequest) -> Response:
         await self._authorize(request)
         name = request.path_params["model"]
+        if self.modelset is not None:
+            try:
+                slot = self.modelset.slot(name)
+            except RequestRejected as e:
+                raise ApiError(404, str(e), "model_not_found") from None
+            m = next(m for m in self.modelset.listing() if m["name"] == slot.spec.name)
+            return JSONResponse({**model_card(m["name"], m["context_length"], self.created), "loaded": m["loaded"]})
         if name != self.front.model:
             raise ApiError(404, f"no model {name!r} here; this server has {self.front.model!r}", "model_not_found")
         return JSONResponse(model_card(name, self.engine.max_model_len, self.created))
@@ -297,26 +307,57 @@ class HttpServer:
     async def ollama_chat(self, request: HttpRequest) -> Response:
         return await self._generation(request, ollama_api.parse_chat, chat=True, ollama=True)
 
+    async def _ollama_slot_front(self, name: str, keep_alive=None):
+        """The FrontEnd of the model an Ollama call names, loaded (several models), in Ollama's errors."""
+        try:
+            return await self.modelset.get(name, keep_alive)
+        except RequestRejected as e:
+            raise OllamaError.of(ApiError.from_rejected(e)) from None
+
     async def ollama_generate(self, request: HttpRequest) -> Response:
         body = await self._ollama(request)
-        if not body.get("prompt") and not body.get("raw"):   # Ollama's "load the model" call: it is loaded
-            ollama_api.check_model(body.get("model") or "", self.front.model)
-            return JSONResponse({"model": body["model"], "created_at": ollama_api.now_iso(), "response": "",
-                                 "done": True, "done_reason": "load"})
+        if not body.get("prompt") and not body.get("raw"):   # Ollama's "load (or unload) the model" call
+            name = body.get("model") or ""
+            reason = "load"
+            if self.modelset is None:
+                ollama_api.check_model(name, self.front.model)
+            else:
+                try:
+                    keep = parse_keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
+                except ValueError as e:
+                    raise OllamaError(400, str(e), "bad_request") from None
+                if keep == 0:
+                    try:
+                        await self.modelset.unload(name)
+                    except RequestRejected as e:
+                        raise OllamaError.of(ApiError.from_rejected(e)) from None
+                    reason = "unload"
+                else:
+                    await self._ollama_slot_front(name, keep)
+            return JSONResponse({"model": body.get("model"), "created_at": ollama_api.now_iso(), "response": "",
+                                 "done": True, "done_reason": reason})
         return await self._generation(request, ollama_api.parse_generate, chat=False, ollama=True, body=body)
 
     async def ollama_tags(self, request: HttpRequest) -> Response:
         await self._ollama(request, with_body=False)
+        if self.modelset is not None:
+            return JSONResponse({"models": [ollama_api.listed_entry(m) for m in self.modelset.listing()]})
         return JSONResponse({"models": [ollama_api.model_entry(f"{self.front.model}:latest", self._runner())]})
 
     async def ollama_ps(self, request: HttpRequest) -> Response:
         await self._ollama(request, with_body=False)
+        if self.modelset is not None:
+            return JSONResponse({"models": [ollama_api.listed_entry(m, running=True)
+                                            for m in self.modelset.listing() if m["loaded"]]})
         return JSONResponse({"models": [ollama_api.model_entry(f"{self.front.model}:latest", self._runner(),
                                                                running=True, context=self.engine.max_model_len)]})
 
     async def ollama_show(self, request: HttpRequest) -> Response:
         body = await self._ollama(request)
         name = body.get("model") or body.get("name") or ""
+        if self.modelset is not None:
+            front = await self._ollama_slot_front(name)
+            return JSONResponse(ollama_api.show(name, front.engine.runner, front.engine.max_model_len))
         ollama_api.check_model(name, self.front.model)
         return JSONResponse(ollama_api.show(name, self._runner(), self.engine.max_model_len))
 
@@ -336,7 +377,7 @@ class HttpServer:
                                 body: dict | None) -> Response:
         user = await self._authorize(request)
         gen = parse(body if body is not None else await self._json_body(request), new_id(chat))
-        if ollama:
+        if ollama and self.modelset is None:
             ollama_api.check_model(gen.model, self.front.model)
         if not self.engine.accepting:
             raise ApiError(503, "the server is shutting down", "shutdown")
@@ -353,12 +394,18 @@ class HttpServer:
             if isinstance(e, RequestRejected):
                 raise ApiError.from_rejected(e) from None
             raise
-        return GenerationResponse(self, gen, req, OllamaShaper(gen, self.front.model) if ollama else None)
+        model = req.model or self.front.model
+        if ollama and self.modelset is None:
+            model = self.front.model
+        return GenerationResponse(self, gen, req, OllamaShaper(gen, model) if ollama else Shaper(gen, model))
 
 
 def prometheus_text(engine) -> bytes:
     """The engine's Prometheus exposition, with the load gauges made current (the engine sets
-    them once per step, so a request aborted between steps would show until the next one)."""
+    them once per step, so a request aborted between steps would show until the next one).
+    Several models (models.BoxEngine): every loaded model's, merged (label model_name)."""
+    if hasattr(engine, "prometheus_text"):
+        return engine.prometheus_text()
     s, m = engine.stats(), engine.metrics
     m.num_requests_running.set(s["num_requests_running"])
     m.num_requests_waiting.set(s["num_requests_waiting"])
@@ -384,7 +431,8 @@ class GenerationResponse:
 
     def __init__(self, http: HttpServer, gen: Generation, req, shaper=None):
         self.http, self.gen, self.req = http, gen, req
-        self.shaper = shaper or Shaper(gen, http.front.model)
+        self.shaper = shaper or Shaper(gen, req.model or http.front.model)
+        self.tokenizer = req.engine.tokenizer if req.engine is not None else http.front.tokenizer
         self.n = 1 + len(req.children)     # parallel samples (the parent's list empties as they fork)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -405,7 +453,7 @@ class GenerationResponse:
                 return
 
     async def _run(self, send) -> None:
-        engine = self.http.engine
+        engine = self.req.engine or self.http.engine
         if self.n > 1:   # parallel samples: (index, event)
             opened, stream, answer = engine.stream_samples(self.req), self._stream_samples, self._answer_samples
         else:
@@ -421,7 +469,7 @@ class GenerationResponse:
             await self._send_json(send, err.status, self.shaper.error_body(err))
 
     def _samples_logprobs(self):
-        return [Logprobs(self.http.front.tokenizer, self.gen.chat) if self.req.params.logprobs is not None else None
+        return [Logprobs(self.tokenizer, self.gen.chat) if self.req.params.logprobs is not None else None
                 for _ in range(self.n)]
 
     async def _answer_samples(self, events, send) -> None:
@@ -507,12 +555,12 @@ class GenerationResponse:
                 parts.append(rest)
             logprobs = None
             if self.req.params.logprobs is not None and isinstance(self.shaper, Shaper):
-                logprobs = Logprobs(self.http.front.tokenizer, self.gen.chat).of(lp_ids, lp_infos)
+                logprobs = Logprobs(self.tokenizer, self.gen.chat).of(lp_ids, lp_infos)
             return await self._send_json(send, 200, self.shaper.full("".join(parts), ev, found, logprobs))
 
     async def _stream(self, events, send) -> None:
         sh = self.shaper
-        lp = Logprobs(self.http.front.tokenizer, self.gen.chat) \
+        lp = Logprobs(self.tokenizer, self.gen.chat) \
             if self.req.params.logprobs is not None and isinstance(sh, Shaper) else None
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", sh.media_type.encode()), (b"cache-control", b"no-cache"),

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from ..protocol import MAX_MESSAGES, MAX_STOP, GenerateRequest
+from ..protocol import MAX_MESSAGES, MAX_STOP, GenerateRequest, parse_keep_alive
 from ..tools import check_message, check_tools
 from .openai_api import ApiError, Generation
 
@@ -113,9 +113,12 @@ def _common(body: dict, item: GenerateRequest, gen: OllamaGeneration) -> None:
     gen.stream = stream
     if body.get("images"):
         raise bad("images are not supported: this server runs text-only models")
-    keep_alive = body.get("keep_alive")
-    if keep_alive is not None and not isinstance(keep_alive, (str, int, float)):
-        raise bad("keep_alive must be a duration (\"5m\") or a number of seconds")
+    item.model = model
+    if body.get("keep_alive") is not None:
+        try:
+            item.keep_alive_s = parse_keep_alive(body["keep_alive"])
+        except ValueError as e:
+            raise bad(str(e)) from None
     item.format = _format(body)
     _options(body, item, gen)
 
@@ -278,6 +281,22 @@ def model_entry(name: str, runner, running: bool = False, context: int | None = 
                          "parameter_size": _size_label(cfg.num_params), "quantization_level": info["quantization"]}}
     if running:    # always loaded: it expires when the server stops
         entry.update(expires_at="0001-01-01T00:00:00Z", size_vram=0, context_length=context)
+    return entry
+
+
+def listed_entry(m: dict, running: bool = False) -> dict:
+    """An Ollama list entry for a model of the set that may not be loaded (ModelSet.listing)."""
+    name = m["name"] if ":" in m["name"] else f"{m['name']}:latest"
+    digest = hashlib.sha256(f"{name}:{m['size_bytes']}".encode()).hexdigest()
+    entry = {"name": name, "model": name, "modified_at": "0001-01-01T00:00:00Z", "size": m["size_bytes"],
+             "digest": digest, "details": {"parent_model": "", "format": "gguf", "family": m["architecture"] or "",
+                                           "families": [m["architecture"] or ""], "parameter_size": "",
+                                           "quantization_level": m["quantization"] or ""}}
+    if running:
+        expires = m.get("expires_in_s")
+        entry.update(expires_at="0001-01-01T00:00:00Z" if expires is None else datetime.fromtimestamp(
+            datetime.now(timezone.utc).timestamp() + expires, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            size_vram=0, context_length=m["context_length"])
     return entry
 
 

@@ -26,7 +26,8 @@ from ..tools import check_choice, check_message, check_tools
 STATUS = {
     "bad_request": 400, "invalid_params": 400, "empty_prompt": 400, "prompt_too_long": 400,
     "context_exceeded": 400, "kv_capacity": 400, "bad_token": 400,
-    "too_many_requests": 429, "shutdown": 503, "internal_error": 500,
+    "too_many_requests": 429, "shutdown": 503, "internal_error": 500, "model_not_found": 404,
+    "model_unavailable": 503,
 }
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
@@ -174,6 +175,10 @@ def output_format(body: dict) -> dict | None:
 def _common(body: dict, item: GenerateRequest, gen: Generation, default_max_tokens: int | None) -> None:
     _refuse_unsupported(body)
     _sampling(body, item)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model must be a string", "model")
+    item.model = model or None
     item.n = body.get("n") or 1
     item.format = output_format(body)
     for name in ("max_completion_tokens", "max_tokens"):   # the newer name wins
@@ -431,7 +436,11 @@ def done_error(done) -> ApiError | None:
     return ApiError(STATUS.get(err["code"], 500), err["message"], err["code"])
 
 
-def models_list(name: str, context_length: int, created: int) -> dict:
+def models_list(name: str, context_length: int, created: int, others: list[dict] = ()) -> dict:
+    """The served model, or (`others`: the model set's listing) every model of the box."""
+    if others:
+        return {"object": "list", "data": [{**model_card(m["name"], m["context_length"], created),
+                                            "loaded": m["loaded"]} for m in others]}
     return {"object": "list", "data": [model_card(name, context_length, created)]}
 
 

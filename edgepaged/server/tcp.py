@@ -71,7 +71,8 @@ class Server:
                 "model": f.model, "context_length": e.max_model_len, "block_size": e.block_size,
                 "kv_capacity_tokens": e.kv_capacity_blocks * e.block_size, "auth_required": f.auth_required,
                 "limits": {"max_frame_bytes": self.config.max_frame_bytes, "max_inflight": self.config.max_inflight,
-                           "max_prompt_tokens": f.max_prompt_tokens, "max_tokens": f.max_tokens}}
+                           "max_prompt_tokens": f.max_prompt_tokens, "max_tokens": f.max_tokens},
+                "models": [m["name"] for m in f.models()]}
 
     def stats(self) -> dict:
         s = self.engine.stats()

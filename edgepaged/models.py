@@ -1,0 +1,388 @@
+"""Several models on one box: loaded on their first request, unloaded when idle, within one
+memory budget for weights + KV.
+
+    models = ModelSet(specs, load, budget_bytes=..., kv_bytes=..., engine_config=..., front_config=...)
+    async with trio.open_nursery() as n:
+        await n.start(models.run)
+        front = MultiFront(models)          # what every door talks to, as to a one-model FrontEnd
+
+A request names its model (`model` on every door; none: the box's default, the first given).
+`ModelSet.get` returns that model's FrontEnd, loading it first when it is not loaded (the
+request waits like a queued one: no error). Each loaded model runs an Engine of its own with a
+KV pool sized from what the budget leaves: min(kv_bytes, budget - every loaded model's
+weights and KV - its own weights). When a model does not fit, the least recently used idle
+models are unloaded first; when none can go (all busy), the request gets `model_unavailable`.
+A model unloads after `keep_alive` seconds with nothing to do (default 300; a request's
+`keep_alive` sets it for that model, Ollama's way; negative: never).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import trio
+
+from .engine import Engine, EngineConfig, RequestRejected
+from .engine.metrics import merge_prometheus
+from .frontend import AuthThrottle, FrontEnd, FrontEndConfig
+
+log = logging.getLogger("edgepaged.models")
+KEEP_ALIVE_S = 300.0
+IDLE_FLOOR_S = 0.5          # a model is idle this long at least before it unloads (keep_alive 0 included)
+MIN_KV_BYTES = 8 << 20      # less KV than this is no model worth loading
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    path: str
+    size_bytes: int                       # the file's size: what its weights take, near enough
+    context: int | None = None
+    architecture: str | None = None
+    quantization: str | None = None
+
+
+class Slot:
+    """One model of the set: unloaded, loading, or loaded (its FrontEnd and Engine)."""
+
+    def __init__(self, spec: ModelSpec, keep_alive_s: float):
+        self.spec, self.keep_alive_s = spec, keep_alive_s
+        self.front: FrontEnd | None = None
+        self.kv_bytes = 0                 # reserved from the budget while loading or loaded
+        self.reserved = False
+        self.lock = trio.Lock()           # one load at a time; requests for it wait on it
+        self.unload_now = trio.Event()
+        self.gone = trio.Event()
+        self.last_used = 0.0
+        self.loads = 0
+        self.runner_info: dict | None = None   # what the last load reported (file info, config), kept for lists
+
+    @property
+    def loaded(self) -> bool:
+        return self.front is not None
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.front.engine if self.front is not None else None
+
+    @property
+    def busy(self) -> bool:
+        e = self.engine
+        return e is not None and bool(e.requests)
+
+    def footprint(self) -> int:
+        return self.spec.size_bytes + self.kv_bytes if self.reserved else 0
+
+
+class ModelUnavailable(RequestRejected):
+    pass
+
+
+class ModelSet:
+    def __init__(self, specs: list[ModelSpec], load: Callable[[ModelSpec, int], object], *, budget_bytes: int,
+                 kv_bytes: int, engine_config: EngineConfig | None = None, front_config: FrontEndConfig | None = None,
+                 keep_alive_s: float = KEEP_ALIVE_S, grace_s: float = 10.0, check_every_s: float = 0.25):
+        if not specs:
+            raise ValueError("no models to serve")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a model is named twice: {names}")
+        self.slots = {s.name: Slot(s, keep_alive_s) for s in specs}
+        self.default = specs[0].name
+        self.load_fn = load
+        self.budget_bytes, self.kv_bytes = budget_bytes, kv_bytes
+        self.engine_config = engine_config or EngineConfig()
+        self.front_config = front_config or FrontEndConfig()
+        self.throttle = AuthThrottle()        # one for the box: a wrong token is wrong for every model
+        self.grace_s, self.check_every_s = grace_s, check_every_s
+        self.accepting = True
+        self._budget = trio.Lock()
+        self._nursery: trio.Nursery | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._janitor)
+            task_status.started(self)
+            await trio.sleep_forever()
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop taking requests; every loaded model's engine drains (at once). Returns how many
+        requests were cancelled."""
+        self.accepting = False
+        counts = []
+
+        async def one(engine):
+            counts.append(await engine.drain(grace_s))
+        async with trio.open_nursery() as n:
+            for slot in self.slots.values():
+                if slot.engine is not None:
+                    n.start_soon(one, slot.engine)
+        return sum(counts)
+
+    # -- picking, loading, unloading --------------------------------------------------------------
+    def slot(self, name: str | None) -> Slot:
+        """The slot a request's `model` names (Ollama's `name:latest` too); model_not_found."""
+        if not name:
+            return self.slots[self.default]
+        for candidate in (name, name.removesuffix(":latest")):
+            if candidate in self.slots:
+                return self.slots[candidate]
+        raise RequestRejected("model_not_found", f"no model {name!r} on this box; it serves "
+                              f"{', '.join(self.slots)}")
+
+    async def get(self, name: str | None, keep_alive_s: float | None = None) -> FrontEnd:
+        """The FrontEnd of the model `name`, loaded first when it is not."""
+        if not self.accepting:
+            raise RequestRejected("shutdown", "the server is shutting down")
+        slot = self.slot(name)
+        if keep_alive_s is not None:
+            slot.keep_alive_s = keep_alive_s
+        slot.last_used = trio.current_time()
+        if slot.front is None:
+            async with slot.lock:
+                if slot.front is None:
+                    await self._load(slot)
+        slot.last_used = trio.current_time()
+        return slot.front
+
+    def _in_use(self, but: Slot) -> int:
+        return sum(s.footprint() for s in self.slots.values() if s is not but)
+
+    async def _load(self, slot: Slot) -> None:
+        spec = slot.spec
+        async with self._budget:       # the reservation is decided one model at a time
+            need = spec.size_bytes + min(MIN_KV_BYTES, self.kv_bytes)
+            if need > self.budget_bytes:
+                raise ModelUnavailable("model_unavailable", f"{spec.name} needs about {_mib(need)} MiB and the box's "
+                                       f"model memory is {_mib(self.budget_bytes)} MiB (serve --memory-budget)")
+            while self.budget_bytes - self._in_use(slot) < need:
+                idle = [s for s in self.slots.values() if s is not slot and s.loaded and not s.busy]
+                if not idle:
+                    busy = [s.spec.name for s in self.slots.values() if s.reserved and s is not slot]
+                    raise ModelUnavailable("model_unavailable", f"{spec.name} needs about {_mib(need)} MiB and the "
+                                           f"box's model memory ({_mib(self.budget_bytes)} MiB) is held by models in "
+                                           f"use ({', '.join(busy)}); try again when they are idle")
+                victim = min(idle, key=lambda s: s.last_used)
+                log.info("unloading %s to make room for %s", victim.spec.name, spec.name)
+                await self._unload(victim)
+            slot.kv_bytes = min(self.kv_bytes, self.budget_bytes - self._in_use(slot) - spec.size_bytes)
+            slot.reserved = True
+        try:
+            runner = await trio.to_thread.run_sync(self.load_fn, spec, slot.kv_bytes)
+            slot.runner_info = getattr(runner, "file_info", None)
+            slot.unload_now, slot.gone = trio.Event(), trio.Event()
+            await self._nursery.start(self._serve, slot, runner)
+        except BaseException:
+            slot.reserved, slot.kv_bytes = False, 0
+            raise
+        slot.loads += 1
+        log.info("loaded %s (KV %d MiB)", spec.name, _mib(slot.kv_bytes))
+
+    async def _serve(self, slot: Slot, runner, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with Engine(runner, self.engine_config) as engine:
+                slot.front = FrontEnd(engine, self.front_config, self.throttle)
+                task_status.started()
+                await slot.unload_now.wait()
+                slot.front = None        # no new request finds it from here
+                await engine.drain(self.grace_s)
+        finally:
+            slot.front = None
+            slot.reserved, slot.kv_bytes = False, 0
+            del runner
+            gc.collect()
+            slot.gone.set()
+
+    async def _unload(self, slot: Slot) -> None:
+        if slot.loaded:
+            slot.unload_now.set()
+            await slot.gone.wait()
+
+    async def unload(self, name: str | None) -> bool:
+        """Unload a model now (Ollama's keep_alive 0 with no prompt); whether it was loaded."""
+        slot = self.slot(name)
+        async with slot.lock:
+            was = slot.loaded
+            await self._unload(slot)
+            return was
+
+    async def _janitor(self) -> None:
+        """Unload what has been idle past its keep_alive."""
+        while True:
+            await trio.sleep(self.check_every_s)
+            now = trio.current_time()
+            for slot in list(self.slots.values()):
+                if not slot.loaded or slot.lock.locked():
+                    continue
+                if slot.busy:
+                    slot.last_used = now
+                elif slot.keep_alive_s >= 0 and now - slot.last_used > max(slot.keep_alive_s, IDLE_FLOOR_S):
+                    log.info("unloading %s: idle for %.1f s", slot.spec.name, now - slot.last_used)
+                    async with slot.lock:
+                        await self._unload(slot)
+
+    # -- what the box says about its models ---------------------------------------------------------
+    def listing(self) -> list[dict]:
+        now = trio.current_time()
+        out = []
+        for s in self.slots.values():
+            e = s.engine
+            out.append({"name": s.spec.name, "loaded": s.loaded, "default": s.spec.name == self.default,
+                        "context_length": e.max_model_len if e is not None else s.spec.context,
+                        "size_bytes": s.spec.size_bytes, "architecture": s.spec.architecture,
+                        "quantization": s.spec.quantization, "kv_bytes": s.kv_bytes if s.loaded else 0,
+                        "keep_alive_s": s.keep_alive_s,
+                        "expires_in_s": None if not s.loaded or s.keep_alive_s < 0 else
+                        round(max(0.0, s.keep_alive_s - (now - s.last_used)), 1),
+                        "loads": s.loads})
+        return out
+
+
+def _mib(n: int) -> int:
+    return int(n) >> 20
+
+
+class BoxEngine:
+    """The doors' view of every loaded engine at once: requests go to the engine of their own
+    model (`req.engine`), the load is the sum, shutdown drains them all."""
+
+    def __init__(self, models: ModelSet):
+        self.models = models
+
+    def _engines(self) -> list[Engine]:
+        return [s.engine for s in self.models.slots.values() if s.engine is not None]
+
+    @property
+    def accepting(self) -> bool:
+        return self.models.accepting
+
+    def _default_spec(self) -> Slot:
+        return self.models.slots[self.models.default]
+
+    @property
+    def max_model_len(self) -> int:
+        s = self._default_spec()
+        return s.engine.max_model_len if s.engine is not None else (s.spec.context or 0)
+
+    @property
+    def block_size(self) -> int:
+        return next((e.block_size for e in self._engines()), 16)
+
+    @property
+    def kv_capacity_blocks(self) -> int:
+        return sum(e.kv_capacity_blocks for e in self._engines())
+
+    @property
+    def runner(self):
+        s = self._default_spec()
+        return s.engine.runner if s.engine is not None else None
+
+    @property
+    def tokenizer(self):
+        s = self._default_spec()
+        return s.engine.tokenizer if s.engine is not None else None
+
+    def stream(self, req):
+        return req.engine.stream(req)
+
+    def stream_samples(self, req):
+        return req.engine.stream_samples(req)
+
+    def cancel(self, req) -> None:
+        req.engine.cancel(req)
+
+    async def drain(self, grace_s: float) -> int:
+        return await self.models.drain(grace_s)
+
+    def stats(self) -> dict:
+        """The box's load: every loaded model's figures added up (quantiles of the default's),
+        and `models`, each model's state."""
+        engines = self._engines()
+        per = [e.stats() for e in engines]
+        base = dict(per[0]) if per else {"num_requests_running": 0, "num_requests_waiting": 0, "kv_blocks_used": 0,
+                                         "kv_blocks_total": 0, "kv_blocks_free": 0, "kv_cache_usage_perc": 0.0,
+                                         "tokens_per_s": 0.0, "finished": {}, "prompt_tokens": 0,
+                                         "generation_tokens": 0, "num_steps": 0}
+        for s in per[1:]:
+            for k in ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_total",
+                      "kv_blocks_free", "prompt_tokens", "generation_tokens", "num_steps", "tokens_per_s",
+                      "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "evictions"):
+                if k in s:
+                    base[k] = base.get(k, 0) + s[k]
+            for reason, n in s.get("finished", {}).items():
+                base.setdefault("finished", {})
+                base["finished"][reason] = base["finished"].get(reason, 0) + n
+        total = base.get("kv_blocks_total") or 0
+        base["kv_cache_usage_perc"] = round(base.get("kv_blocks_used", 0) / total, 4) if total else 0.0
+        base["max_model_len"] = self.max_model_len
+        base["models"] = self.models.listing()
+        base["memory_budget_bytes"] = self.models.budget_bytes
+        return base
+
+    def prometheus_text(self) -> bytes:
+        from .server.httpd import prometheus_text
+        return merge_prometheus([prometheus_text(e) for e in self._engines()])
+
+    @property
+    def metrics(self):
+        return _NoOwnerMetrics(self._engines())
+
+
+class _NoOwnerMetrics:
+    """A caller's own figures over every loaded engine (FrontEnd.stats for ordinary users)."""
+
+    def __init__(self, engines):
+        self.engines = engines
+
+    def owner_snapshot(self, owner: str) -> dict:
+        snaps = [e.metrics.owner_snapshot(owner) for e in self.engines]
+        if not snaps:
+            return {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "finished": {}, "ttft_s": {}}
+        out = dict(snaps[0])
+        for s in snaps[1:]:
+            for k in ("requests", "prompt_tokens", "completion_tokens"):
+                out[k] += s[k]
+        return out
+
+
+class MultiFront(FrontEnd):
+    """The front end every door talks to when the box serves several models: auth and identity
+    are the box's; a request is validated, rendered and tokenized by its model's FrontEnd."""
+
+    def __init__(self, models: ModelSet):       # no engine of its own: FrontEnd.__init__ is not run
+        self.modelset = models
+        self.config = models.front_config
+        self.throttle = models.throttle
+        self.engine = BoxEngine(models)
+        self._grammars = None
+
+    @property
+    def model(self) -> str:
+        return self.modelset.default
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        ctx = self.engine.max_model_len
+        return min(self.config.max_prompt_tokens or ctx - 1, ctx - 1)
+
+    @property
+    def max_tokens(self) -> int:
+        ctx = self.engine.max_model_len
+        return min(self.config.max_tokens or ctx, ctx)
+
+    async def build(self, item, caller):
+        front = await self.modelset.get(item.model, item.keep_alive_s)
+        return await front.build(item, caller)
+
+    def models(self) -> list[dict]:
+        """The protocol's `models` answer: every model of the box, loaded or not."""
+        return [{"name": m["name"], "context_length": m["context_length"], "default": m["default"],
+                 "loaded": m["loaded"]} for m in self.modelset.listing()]
