@@ -115,6 +115,10 @@ def test_bad_files_are_refused_at_pull(tiny, env, tmp_path):
     assert r.returncode == 1 and "truncated" in r.stderr, r.stderr
     r = cli(env, "pull", str(text))
     assert r.returncode == 1 and "is not a GGUF file (it starts with b'this'" in r.stderr, r.stderr
+    other = tmp_path / "other-arch.gguf"          # the same file, said to be of an architecture not run here
+    other.write_bytes(data.replace(b"llama", b"bamba"))
+    r = cli(env, "pull", str(other))
+    assert r.returncode == 1 and "unsupported model architecture 'bamba'" in r.stderr, r.stderr
     with FakeHub({"house/cut": {"cut-Q4_K_M.gguf": truncated.read_bytes()}}) as hub:
         r = cli({**env, "HF_ENDPOINT": hub.url}, "pull", "house/cut")
     assert r.returncode == 1 and "truncated" in r.stderr, r.stderr
@@ -374,3 +378,42 @@ def test_the_memory_budget_unloads_the_least_recently_used(tiny, env):
     finally:
         s.stop()
     assert s.proc.returncode == 0, "".join(s.lines)
+
+
+def test_several_models_in_the_mdns_record_and_ls(tiny, env):
+    """Inside a network namespace of its own (only `lo`): the record names every model, `ls` shows them."""
+    from test_mdns import namespace_problem
+    problem = namespace_problem()
+    if problem:
+        pytest.skip(problem)
+    script = f"""
+import json, subprocess, sys, time, re
+cmd = {CLI!r}
+p = subprocess.Popen(cmd + ["serve", "--model", {str(tiny["llama"])!r}, "--model", {str(tiny["qwen2"])!r},
+                      "--port", "0", "--http-port", "0", "--mdns-interface", "127.0.0.1"],
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+for line in p.stdout:
+    if "ready on" in line:
+        break
+try:
+    r = subprocess.run(cmd + ["ls", "--json", "--timeout", "1.5", "--mdns-interface", "127.0.0.1"],
+                       capture_output=True, text=True)
+    t = subprocess.run(cmd + ["ls", "--timeout", "1.5", "--mdns-interface", "127.0.0.1"], capture_output=True,
+                       text=True)
+    print(json.dumps({{"ls": json.loads(r.stdout), "table": t.stdout}}))
+finally:
+    p.terminate()
+    p.wait(timeout=20)
+"""
+    r = subprocess.run(["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {sys.executable} -c \"$S\""],
+                       env={**env, "S": script}, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    (record,) = out["ls"]
+    assert record["model"] == "tiny-llama-q8_0" and record["extra"]["models"] == "tiny-llama-q8_0,tiny-qwen2-q8_0"
+    assert "tiny-llama-q8_0,tiny-qwen2-q8_0" in out["table"]
+
+
+def test_list_is_models(env):
+    a, b = cli(env, "models", "--json", "--server", "127.0.0.1:1"), cli(env, "list", "--json", "--server", "127.0.0.1:1")
+    assert a.returncode == b.returncode == 0 and a.stdout == b.stdout
