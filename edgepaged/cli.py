@@ -112,8 +112,17 @@ def sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, info=N
     return params
 
 
+def _version() -> str:
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("edgepaged")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 @click.group()
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+@click.version_option(_version(), "--version", prog_name="edgepaged", message="%(prog)s %(version)s")
 def main(verbose):
     """edgepaged: a local LLM runtime for a home server."""
     level = logging.WARNING - 10 * min(verbose, 2)
@@ -188,6 +197,10 @@ def main(verbose):
                    "8-bit dot products: llama.cpp's math, 2-3x faster), exact (fp32 activations), auto (int8 "
                    "from 0.7 B parameters on). Default: $EDGEPAGED_QUANT_MATH or auto.")
 @click.option("--mdns-refresh", type=float, default=5.0, hidden=True)
+@click.option("--config", "config_file", default=None, metavar="FILE", envvar="EDGEPAGED_CONFIG", is_eager=True,
+              expose_value=False, callback=lambda ctx, param, value: _load_config(ctx, value),
+              help="A TOML file of serve's settings, one key per flag (`edgepaged config --example` writes one); "
+                   "flags given here win over it. Env EDGEPAGED_CONFIG.")
 def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, block_size, kv_dtype,
           max_batched_tokens, token, http_port, no_http, no_mdns, mdns_interface, max_connections, max_unauthenticated,
           max_unauthenticated_per_address, allowed_hosts, cors_origins, max_inflight, max_prompt_tokens, max_tokens,
@@ -363,6 +376,90 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
     click.echo(f"loaded {runner.model_path.name} in {time.monotonic() - t0:.1f} s ({runner.products} products)",
                err=True)
     return runner
+
+
+# ---------------------------------------------------------------- the config file
+
+def config_keys(command: click.Command) -> dict[str, click.Option]:
+    """serve's settings by their key in the config file: the flag's long name with - as _
+    (`--http-port` is `http_port`, `--no-mdns` is `no_mdns`)."""
+    keys = {}
+    for p in command.params:
+        if isinstance(p, click.Option) and not p.hidden and p.expose_value:
+            longest = max(p.opts, key=len)
+            keys[longest.lstrip("-").replace("-", "_")] = p
+    return keys
+
+
+def _read_toml(path: str) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:      # Python 3.10
+        import tomli as tomllib
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def _load_config(ctx: click.Context, path: str | None) -> None:
+    """--config FILE: its keys become the defaults of serve's flags (a flag given wins)."""
+    if not path:
+        return
+    try:
+        data = _read_toml(path)
+    except OSError as e:
+        raise click.BadParameter(f"cannot read {path}: {e.strerror or e}", param_hint="--config") from None
+    except ValueError as e:          # tomllib.TOMLDecodeError
+        raise click.BadParameter(f"{path} is not valid TOML: {e}", param_hint="--config") from None
+    data = data.get("serve", data) if isinstance(data.get("serve"), dict) else data
+    keys = config_keys(ctx.command)
+    out = {}
+    for key, value in data.items():
+        option = keys.get(key.replace("-", "_"))
+        if option is None:
+            raise click.BadParameter(f"{path}: unknown key {key!r}; the keys are: {', '.join(sorted(keys))}",
+                                     param_hint="--config")
+        if option.multiple and not isinstance(value, list):
+            value = [value]
+        out[option.name] = value
+    ctx.default_map = {**(ctx.default_map or {}), **out}
+
+
+EXAMPLE_VALUES = {"model": ["llama3.2:3b"], "kv_memory": "1G", "memory_budget": "6G", "token": "a-long-secret",
+                  "mdns_interface": "192.168.1.10", "max_prompt_tokens": 4096, "max_tokens": 2048,
+                  "users": "/etc/edgepaged/users", "allowed_host": ["box.example.org"],
+                  "cors_origin": ["http://tools.local:8080"], "quant_math": "auto"}
+
+
+def _toml_value(value) -> str:
+    return json.dumps(value) if not isinstance(value, bool) else ("true" if value else "false")
+
+
+@main.command(name="config")
+@click.option("--example", is_flag=True, help="Print a commented config file with every setting of serve.")
+def config_cmd(example):
+    """The config file of `serve --config FILE`: TOML, one key per flag of serve."""
+    if not example:
+        click.echo("edgepaged config --example prints a commented config file (serve --config FILE reads it)",
+                   err=True)
+        sys.exit(2)
+    import textwrap
+    lines = ["# edgepaged serve's settings: `edgepaged serve --config FILE` (or EDGEPAGED_CONFIG=FILE).",
+             "# One key per flag of `edgepaged serve --help` (--http-port is http_port). A key left",
+             "# commented keeps its default (shown); a flag given on the command line wins over the file.",
+             "# Environment: EDGEPAGED_TOKEN (token), EDGEPAGED_MDNS_INTERFACE (mdns_interface),",
+             "# EDGEPAGED_STORE (the model store), EDGEPAGED_NUM_THREADS and the kernel settings of README.", ""]
+    ctx = click.Context(serve)
+    for key, option in config_keys(serve).items():
+        lines += ["# " + x for x in textwrap.wrap(option.help or "", 94)]
+        default = option.get_default(ctx)
+        if key in EXAMPLE_VALUES:
+            lines.append(f"#{key} = {_toml_value(EXAMPLE_VALUES[key])}")
+        elif default is None or default == () or (option.multiple and not default):
+            lines.append(f"#{key} = ")
+        else:
+            lines.append(f"#{key} = {_toml_value(list(default) if option.multiple else default)}")
+        lines.append("")
+    click.echo("\n".join(lines).rstrip())
 
 
 # ---------------------------------------------------------------- the model store

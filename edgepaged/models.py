@@ -286,6 +286,15 @@ class BoxEngine:
         s = self._default_spec()
         return s.engine.tokenizer if s.engine is not None else None
 
+    def alive(self, limit_s: float) -> bool:
+        return all(e.alive(limit_s) for e in self._engines())
+
+    def memory(self) -> dict:
+        from .model.runner import rss_bytes
+        per = [e.memory() for e in self._engines()]
+        total = {k: sum(m.get(k) or 0 for m in per) for k in ("weights_bytes", "kv_reserved_bytes", "kv_used_bytes")}
+        return {**total, "rss_bytes": rss_bytes(), "budget_bytes": self.models.budget_bytes}
+
     def stream(self, req):
         return req.engine.stream(req)
 

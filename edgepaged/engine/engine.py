@@ -82,6 +82,7 @@ class Engine:
         self._idle = trio.Event()
         self._idle.set()
         self._steps_since_trim = 0
+        self.step_started: float | None = None   # trio time the running model step began (None: no step)
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> "Engine":
@@ -165,6 +166,18 @@ class Engine:
     def kv_capacity_blocks(self) -> int:
         return self.allocator.num_blocks
 
+    def memory(self) -> dict:
+        """What the model holds (runner.memory) plus the KV blocks in use now."""
+        m = dict(self.runner.memory()) if hasattr(self.runner, "memory") else {}
+        if "block_bytes" in m:
+            m["kv_used_bytes"] = self.allocator.stats()["used_blocks"] * m.pop("block_bytes")
+        return m
+
+    def alive(self, limit_s: float) -> bool:
+        """False when a model step has run for more than `limit_s` (a stuck engine: the
+        service watchdog stops being petted and systemd restarts the server)."""
+        return self.step_started is None or trio.current_time() - self.step_started < limit_s
+
     def cancel(self, req: Request) -> None:
         """End a request now (finish_reason `cancelled`); its done event follows."""
         if not req.finished:
@@ -217,6 +230,7 @@ class Engine:
                 if any(r.params.counts_output for r in rows) else None
             tokens, ok = None, False
             self._in_step = frozenset(batch.requests)
+            self.step_started = trio.current_time()
             try:
                 tokens = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers, outputs)
                 ok = True
@@ -226,6 +240,7 @@ class Engine:
                     self._end(req, "error", error={"code": "internal_error",
                                                    "message": f"model step failed: {type(e).__name__}: {e}"})
             finally:
+                self.step_started = None
                 self._free_after_step(batch, cache=ok)
             if ok:
                 self._process(batch, tokens, forks)

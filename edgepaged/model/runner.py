@@ -62,6 +62,15 @@ def _as_tensor(x, dtype, device) -> torch.Tensor:
     return torch.as_tensor(x, dtype=dtype).to(device)
 
 
+def rss_bytes() -> int | None:
+    """The process's resident memory (Linux), or None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class KvBudgetError(ValueError):
     """A KV cache budget this machine cannot hold (or too small for one block)."""
 
@@ -201,9 +210,28 @@ class ModelRunner:
                                 f"({self.block_bytes} bytes; e.g. 256M)")
 
     def _new_kv(self, num_blocks: int) -> torch.Tensor:
+        """The KV pool. On CPU its memory is committed as it fills, not up front: numpy's zeros
+        come from calloc, whose large blocks are fresh zero pages the system hands out when
+        first written (torch.zeros writes them all at once)."""
         cfg = self.config
-        return torch.zeros(cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                           device=self.device, dtype=self.kv_dtype)
+        shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        if self.device.type != "cpu":
+            return torch.zeros(shape, device=self.device, dtype=self.kv_dtype)
+        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
+        raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+        return torch.from_numpy(raw).view(self.kv_dtype).view(shape)
+
+    def memory(self) -> dict:
+        """What the model holds: weights, the KV pool (reserved: its size; used: blocks in
+        use, passed in by the engine), and the process's resident memory."""
+        from .quant.modules import weight_bytes
+        try:
+            w = weight_bytes(self.model)
+            weights = w["quantized"] + w["dense"]
+        except Exception:  # noqa: BLE001 - a model without the usual modules: say nothing wrong
+            weights = None
+        return {"weights_bytes": weights, "kv_reserved_bytes": self.num_blocks * self.block_bytes,
+                "block_bytes": self.block_bytes, "rss_bytes": rss_bytes()}
 
     def _gpu_kv_budget(self, utilization: float, max_tokens: int) -> int:
         """Like vLLM: total * utilization - (memory of others + weights + activation peak of a

@@ -19,7 +19,7 @@ import trio
 from ..engine import Engine, EngineConfig
 from ..frontend import FrontEnd, FrontEndConfig
 from ..protocol import PROTOCOL_VERSION
-from . import mdns
+from . import mdns, systemd
 from .httpd import HttpConfig, HttpServer
 from .tcp import Server, ServerConfig
 
@@ -68,12 +68,28 @@ def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig,
                  f"products {getattr(e.runner, 'products', '?')}", f"context {e.max_model_len} tokens",
                  f"KV capacity {capacity} tokens ({e.kv_capacity_blocks} blocks of {e.block_size}, "
                  f"{getattr(e.runner, 'kv_dtype_name', '?')})",
+                 memory_line(e.memory()),
                  f"HTTP (OpenAI API, chat page) {http_url(http)}" if http else "HTTP off",
                  f"mDNS {adv.name!r}" if adv else "mDNS off"]
     fc = front.config
     access = (f"per-user tokens ({len(fc.users)} users)" if fc.users else "token required" if fc.token is not None
               else "no --token: open to anyone on the local network")
     return ", ".join(parts) + f"; {access}"
+
+
+def memory_line(m: dict) -> str:
+    mib = lambda n: f"{(n or 0) / 2**20:.0f} MiB"  # noqa: E731
+    return (f"memory: weights {mib(m.get('weights_bytes'))}, KV {mib(m.get('kv_reserved_bytes'))} reserved "
+            f"(committed as it fills), process {mib(m.get('rss_bytes'))}")
+
+
+async def _watchdog(engine, every_s: float) -> None:
+    """Pet systemd's watchdog while the engine loop is alive: no model step has run for
+    longer than the watchdog's whole period (twice `every_s`)."""
+    while True:
+        if engine.alive(2 * every_s):
+            systemd.notify("WATCHDOG=1")
+        await trio.sleep(every_s)
 
 
 async def _next_signal(signals) -> int:
@@ -147,8 +163,13 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
                                     await _refresh_load(adv, server, cfg.mdns_refresh_s)
                             nursery.start_soon(refresher)
                     say(banner(server, adv, cfg, http))
+                    systemd.notify(f"READY=1\nSTATUS=serving {front.model}")
+                    pet = systemd.watchdog_interval_s()
+                    if pet is not None:
+                        nursery.start_soon(_watchdog, engine, pet)
                     task_status.started(server)
                     signum = await _next_signal(signals)
+                    systemd.notify("STOPPING=1\nSTATUS=draining")
                     server.stop_accepting()
                     say(f"{signal.Signals(signum).name}: stopping (no new connections, "
                         + ("withdrawing the mDNS record, " if adv else "")

@@ -249,8 +249,8 @@ class HttpServer:
 
     async def health(self, request: HttpRequest) -> Response:
         ok = self.engine.accepting
-        return JSONResponse({"status": "ok" if ok else "shutting_down", "model": self.front.model},
-                            status_code=200 if ok else 503)
+        return JSONResponse({"status": "ok" if ok else "shutting_down", "model": self.front.model,
+                             "memory": self.engine.memory()}, status_code=200 if ok else 503)
 
     async def metrics(self, request: HttpRequest) -> Response:
         caller = self.front.caller(await self._authorize(request), None, self._peer(request))

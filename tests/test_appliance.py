@@ -1,0 +1,122 @@
+"""The box as an appliance (issue 24's service part): `--version`, `serve --config FILE` (TOML,
+a key per flag, flags win), `config --example`, the systemd unit (systemd-analyze verify) and
+the notify protocol a `Type=notify` unit relies on: READY=1 once the model is loaded and the
+ports listen, WATCHDOG=1 while the engine is alive, STOPPING=1 on SIGTERM."""
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import pytest
+
+from edgepaged.cli import _load_config, config_keys, serve
+from edgepaged.client import SyncClient
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+CLI = [str(BIN / "edgepaged")] if (BIN / "edgepaged").exists() else [sys.executable, "-m", "edgepaged.cli"]
+ENV = {k: v for k, v in os.environ.items() if k not in ("EDGEPAGED_TOKEN", "EDGEPAGED_CONFIG", "NOTIFY_SOCKET",
+                                                         "WATCHDOG_USEC", "WATCHDOG_PID")}
+
+
+def test_version():
+    r = subprocess.run([*CLI, "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and re.fullmatch(r"edgepaged \d+\.\d+\.\d+\S*\n", r.stdout), r.stdout
+
+
+def test_the_example_config_names_every_flag(tmp_path):
+    import tomllib
+    r = subprocess.run([*CLI, "config", "--example"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    assert tomllib.loads(r.stdout) == {}                      # all commented: the defaults
+    keys = config_keys(serve)
+    set_lines = [line[1:] for line in r.stdout.splitlines() if re.match(r"#[a-z_]+ = ", line)]
+    assert {line.split(" = ")[0] for line in set_lines} == set(keys)   # every flag has its key, with a value
+    every = tmp_path / "every.toml"
+    every.write_text("\n".join(set_lines) + "\n")
+    ctx = click.Context(serve)
+    _load_config(ctx, str(every))                             # each key is taken
+    assert set(ctx.default_map) == {o.name for o in keys.values()}
+    assert ctx.default_map["model_paths"] == ["llama3.2:3b"] and ctx.default_map["http_port"] == 7879
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('htp_port = 1\n')
+    r = subprocess.run([*CLI, "serve", "--config", str(bad)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown key 'htp_port'" in r.stderr and "http_port" in r.stderr, r.stderr
+    bad.write_text('port = [\n')
+    r = subprocess.run([*CLI, "serve", "--config", str(bad)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "is not valid TOML" in r.stderr, r.stderr
+
+
+def test_systemd_accepts_the_unit():
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("no systemd-analyze (Debian: apt-get install systemd; ./run.sh test installs it as root)")
+    r = subprocess.run(["systemd-analyze", "verify", str(ROOT / "packaging" / "edgepaged.service")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+    unit = (ROOT / "packaging" / "edgepaged.service").read_text()
+    for line in ("Type=notify", "DynamicUser=yes", "StateDirectory=edgepaged", "CacheDirectory=edgepaged",
+                 "ProtectSystem=strict", "ProtectHome=yes", "NoNewPrivileges=yes", "PrivateTmp=yes",
+                 "Restart=on-failure", "WatchdogSec=", "RestrictAddressFamilies=", "#MemoryMax="):
+        assert line in unit, line
+
+
+def test_serve_from_a_config_file_tells_systemd_ready_watchdog_stopping(tmp_path):
+    """A config file sets the server up and a flag overrides it; a NOTIFY_SOCKET of the test's own
+    receives READY=1 after the banner, WATCHDOG=1 while it serves, STOPPING=1 on SIGTERM."""
+    cfg = tmp_path / "edgepaged.toml"
+    cfg.write_text('host = "127.0.0.1"\nport = 0\nhttp_port = 0\nno_mdns = true\nkv_memory = "2G"\n'
+                   'grace = 1\nmax_tokens = 5\n')
+    sock_path = str(tmp_path / "notify.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(sock_path)
+    listener.settimeout(0.1)
+    env = {**ENV, "NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "400000", "EDGEPAGED_VENV": sys.prefix}
+    proc = subprocess.Popen([*CLI, "serve", "--config", str(cfg), "--max-tokens", "7"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    messages: list[tuple[float, str]] = []
+
+    def drain(until: float):
+        while time.monotonic() < until:
+            try:
+                messages.append((time.monotonic(), listener.recv(4096).decode()))
+            except socket.timeout:
+                pass
+    try:
+        banner = None
+        for line in proc.stdout:
+            if "ready on" in line:
+                banner = line
+                break
+        assert banner is not None and "127.0.0.1:" in banner and "mDNS off" in banner, banner
+        ready_seen_at = time.monotonic()
+        address = re.search(r"ready on ([\d.]+:\d+)", banner).group(1)
+        with SyncClient(address) as c:
+            assert c.info["limits"]["max_tokens"] == 7              # the flag won over the file's 5
+            assert c.info["context_length"] > 7
+        import httpx
+        http = re.search(r"HTTP \(OpenAI API, chat page\) (http://[\d.:]+)/", banner).group(1)
+        health = httpx.get(http + "/health", timeout=10).json()
+        mem = health["memory"]
+        assert mem["kv_reserved_bytes"] > 1.9 * 2**30 and mem["kv_used_bytes"] == 0 and mem["weights_bytes"] > 0
+        assert mem["rss_bytes"] < mem["kv_reserved_bytes"], mem     # the KV pool is committed as it fills
+        assert "memory: weights" in banner and "reserved (committed as it fills)" in banner
+        drain(time.monotonic() + 1.5)
+        proc.send_signal(signal.SIGTERM)
+        drain(time.monotonic() + 1.0)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        listener.close()
+    kinds = [m.split("\n")[0] for _, m in messages]
+    assert kinds[0] == "READY=1" and messages[0][0] <= ready_seen_at + 1.0, messages
+    assert "STATUS=serving SmolLM2-135M-Instruct.Q4_1" in messages[0][1]
+    assert kinds.count("WATCHDOG=1") >= 4, kinds              # every 0.2 s for 1.5 s
+    assert "STOPPING=1" in kinds and kinds.index("STOPPING=1") > kinds.index("READY=1")
