@@ -189,8 +189,7 @@ def test_found_in_place_listed_and_served_by_name(tiny, env, tmp_path):
     assert r.returncode == 1 and "lives in ollama" in r.stderr and Path(t["path"]).exists()
 
     # served by its Ollama name: the banner names the file it found, an answer comes
-    for spec, name in (("tiny:1b", "tiny:1b"), ("someone/other", "someone/other:latest"),
-                       ("house/tiny-GGUF", "house/tiny-GGUF:tiny-Q4_K_M.gguf")):
+    for spec, name in (("tiny:1b", "tiny:1b"), ("house/tiny-GGUF", "house/tiny-GGUF:tiny-Q4_K_M.gguf")):
         r = serve_and_ask(env, spec)
         assert r["rc"] == 0 and r["model"] == name and r["text"] is not None, (spec, r)
     r = cli(env, "serve", "--model", "broken", "--port", "0", "--no-http", "--no-mdns", "--host", "127.0.0.1")
