@@ -53,6 +53,7 @@ class ChatSession:
         self.plain = plain                # no Markdown rendering (it is off anyway when stdout is no terminal)
         self.params = {"max_tokens": max_tokens, "temperature": temperature}
         self.history: list[dict] = []
+        self.told_truncated = False       # "the oldest messages no longer fit" is said once
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.prompt = "> " if sys.stdin.isatty() else ""
 
@@ -190,7 +191,7 @@ class ChatSession:
         stream = None
         writer = writer_for(self.out, self.plain)
         try:
-            stream = self.client.chat(system + self.history + [user], **self.params)
+            stream = self.client.chat(system + self.history + [user], truncate="auto", **self.params)
             with quiet_terminal(sys.stdin) if sys.stdin.isatty() else _nothing():
                 for piece in stream:
                     writer.write(piece)
@@ -215,6 +216,11 @@ class ChatSession:
         if done and done.get("finish_reason") == "error":
             self.say(f"[error] {(done.get('error') or {}).get('message', 'the request failed')}")
             return
+        if done and done.get("truncated_messages") and not self.told_truncated:
+            self.told_truncated = True
+            self.say(f"[the conversation is longer than the model's context: the oldest "
+                     f"{done['truncated_messages']} messages were left out of this answer (and will be of the "
+                     "next ones); /reset starts afresh]")
         if done and done.get("error"):
             self.say(f"[{done['error'].get('message')}]")
         elif done and done.get("finish_reason") == "length":

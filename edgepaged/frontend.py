@@ -149,6 +149,9 @@ def model_display_name(engine) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
+DEFAULT_ANSWER_ROOM = 512   # truncate "auto" keeps this much room for an answer when max_tokens is not given
+
+
 class FrontEnd:
     def __init__(self, engine, config: FrontEndConfig | None = None, throttle: AuthThrottle | None = None):
         self.engine = engine
@@ -252,8 +255,17 @@ class FrontEnd:
                         raise RequestRejected("invalid_params", str(e)) from None
         else:
             job = partial(tok.encode, item.prompt)
+        dropped = 0
         try:
-            ids = await trio.to_thread.run_sync(job)
+            if item.truncate == "auto" and item.messages is not None:
+                room = min(item.max_tokens or DEFAULT_ANSWER_ROOM, self.max_tokens)
+                limit = min(self.max_prompt_tokens, self.engine.max_model_len - room,
+                            (item.context_limit or self.engine.max_model_len) - room)
+                ids, dropped = await trio.to_thread.run_sync(self._fit, item, offered, limit)
+            else:
+                ids = await trio.to_thread.run_sync(job)
+        except RequestRejected:
+            raise
         except Exception as e:  # a chat template may refuse a conversation (e.g. roles out of order)
             raise RequestRejected("bad_request", f"cannot render the prompt: {e}") from None
         if len(ids) > self.max_prompt_tokens:
@@ -293,10 +305,31 @@ class FrontEnd:
                            matcher=None if grammar is None else self.grammars.matcher(grammar),
                            calls=None if calls is None else tl.ToolStream(calls.syntax, tok),
                            lazy=None if lazy is None else tl.LazyCall(lazy.marker, lazy.grammar, lazy.grammars, tok),
-                           fork_of=parent, engine=self.engine, model=self.model)
+                           fork_of=parent, engine=self.engine, model=self.model, truncated=dropped)
         req = one(0)
         req.children = [one(k, req) for k in range(1, n)]
         return req
+
+    def _fit(self, item: GenerateRequest, offered, limit: int) -> tuple[list[int], int]:
+        """truncate "auto": the conversation's ids with its oldest turns dropped (a turn: a user
+        message and what answered it) until the prompt is at most `limit` tokens; the system
+        messages at its start and the last turn always stay. (ids, messages dropped)."""
+        from . import tools as tl
+        tok = self.tokenizer
+        kwargs = {"tools": offered} if offered and tl.template_takes_tools(tok.chat_template) else {}
+        messages = item.messages
+        head = 0
+        while head < len(messages) and messages[head]["role"] == "system":
+            head += 1
+        starts = [i for i in range(head, len(messages)) if messages[i]["role"] == "user"]
+        cut = head                           # messages[head:cut] are dropped
+        for nxt in [s for s in starts if s > head] + [None]:
+            kept = messages[:head] + messages[cut:]
+            ids = tok.apply_chat_template(tl.prepare_messages(kept, offered, tok.chat_template), **kwargs)
+            if len(ids) <= limit or nxt is None:
+                return ids, cut - head
+            cut = nxt
+        return ids, cut - head
 
     # -- what the box says about itself ---------------------------------------------------------
     def stats(self, caller: Caller, full: dict) -> dict:

@@ -63,7 +63,7 @@ SAMPLING_FIELDS = {   # name -> accepted python types (after msgpack decoding)
     "presence_penalty": (int, float), "frequency_penalty": (int, float), "logit_bias": (dict,), "logprobs": (int,),
 }
 REQUEST_FIELDS = {"type", "id", "max_tokens", "priority", "stop", "stop_token_ids", "share_prefix_cache",
-                  "format", "tools", "tool_choice", "parallel_tool_calls", "n", "model", "keep_alive",
+                  "format", "tools", "tool_choice", "parallel_tool_calls", "n", "model", "keep_alive", "truncate",
                   *SAMPLING_FIELDS}
 
 
@@ -190,6 +190,7 @@ class GenerateRequest:
     n: int = 1                     # parallel samples of the prompt (copy-on-write forks)
     model: str | None = None       # which of the box's models (None: its default)
     keep_alive_s: float | None = None  # how long the model stays loaded after this (-1: always)
+    truncate: str | None = None    # "auto": drop the oldest turns (after the system message) to fit
 
 
 @dataclass
@@ -312,6 +313,8 @@ def _parse_generate(msg: dict) -> GenerateRequest:
         if not 0 < len(msg["model"]) <= MAX_NAME_LEN:
             raise ProtocolError("bad_request", f"model must be a name of 1..{MAX_NAME_LEN} characters", rid)
         req.model = msg["model"]
+    if msg.get("truncate") is not None:
+        req.truncate = parse_truncate(msg["truncate"], kind)
     if msg.get("keep_alive") is not None:
         try:
             req.keep_alive_s = parse_keep_alive(msg["keep_alive"])
@@ -334,6 +337,17 @@ def _parse_generate(msg: dict) -> GenerateRequest:
             _type_check("parallel_tool_calls", msg["parallel_tool_calls"], (bool,), rid)
             req.parallel_tool_calls = msg["parallel_tool_calls"]
     return req
+
+
+def parse_truncate(value, kind: str = "chat") -> str | None:
+    """`truncate`: "auto" (chat only) or "none"/false; ProtocolError otherwise."""
+    if value in (None, False, "none", "disabled"):
+        return None
+    if value != "auto":
+        raise ProtocolError("bad_request", 'truncate must be "auto" or "none"')
+    if kind != "chat":
+        raise ProtocolError("bad_request", 'truncate "auto" is for chat requests (it drops whole turns)')
+    return "auto"
 
 
 def parse_keep_alive(value) -> float:

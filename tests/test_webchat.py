@@ -399,3 +399,41 @@ async def test_the_page_markdown_conversations_and_keys(embedded_runner, tmp_pat
     assert not phone["overflow_x"]
     for name in ("page-desktop.png", "page-phone.png"):
         assert (tmp_path / name).stat().st_size > 10_000
+
+
+def truncation_scenario(base: str, chromium: str, driver_path: str) -> dict:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    driver = open_phone_browser(chromium, driver_path, phone=False)
+    try:
+        driver.get(base + "/")
+        old = []
+        for i in range(8):
+            old += [{"role": "user", "content": f"Question {i} about the garden, the kitchen and the weather."},
+                    {"role": "assistant", "content": f"Answer {i}: the garden is green, the kitchen warm, it rains."}]
+        _set(driver, temperature=0, maxTokens=12,
+             conversations=[{"id": "long", "title": "long", "updated": 1, "messages": old}], current="long")
+        driver.refresh()
+        wait(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg")) == 16)
+        out = {}
+        for k in range(2):
+            driver.find_element(By.ID, "input").send_keys(f"One more question, number {k}?", Keys.ENTER)
+            wait(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done]")) == k + 1)
+            out[f"notices_{k}"] = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".notice")]
+        out["errors"] = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".meta.error")]
+        return out
+    finally:
+        driver.quit()
+
+
+async def test_the_page_says_once_that_old_messages_were_left_out(embedded_runner):
+    chromium, driver_path, problem = browser_problem()
+    if problem:
+        pytest.skip(problem)
+    async with box.serving(embedded_runner, http=True, max_prompt_tokens=200) as server:
+        with trio.fail_after(120):
+            out = await trio.to_thread.run_sync(truncation_scenario, server.http_base, chromium, driver_path)
+    assert out["errors"] == [], out
+    assert len(out["notices_0"]) == 1 and "oldest" in out["notices_0"][0], out
+    assert out["notices_1"] == out["notices_0"], out               # said once

@@ -94,6 +94,7 @@ class Request:
     # where it runs: the engine of the model the front end picked, and that model's name
     engine: Any = field(default=None, repr=False)
     model: str = ""
+    truncated: int = 0             # messages the front end dropped to fit the context (truncate "auto")
 
     @property
     def all_ids(self) -> list[int]:

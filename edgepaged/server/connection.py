@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgepaged.server")
 
 
-def event_frame(rid, ev: TokenEvent | DoneEvent, model: str = "") -> dict:
+def event_frame(rid, ev: TokenEvent | DoneEvent, model: str = "", truncated: int = 0) -> dict:
     if isinstance(ev, TokenEvent):
         frame = {"type": "token", "id": rid, "text": ev.text, "token_ids": ev.token_ids}
         if ev.logprobs:
@@ -37,6 +37,8 @@ def event_frame(rid, ev: TokenEvent | DoneEvent, model: str = "") -> dict:
         frame["error"] = ev.error
     if model:
         frame["model"] = model       # the model that answered
+    if truncated:
+        frame["truncated_messages"] = truncated   # truncate "auto" dropped this many old messages
     return frame
 
 
@@ -250,14 +252,14 @@ class Connection:
                             rest, calls = req.calls.finish()
                             if rest:
                                 await self.send(event_frame(rid, TokenEvent([], rest)))
-                            frame = event_frame(rid, ev, req.model)
+                            frame = event_frame(rid, ev, req.model, req.truncated)
                             if calls and ev.finish_reason in ("stop", "length"):
                                 frame["finish_reason"] = "tool_calls"
                                 frame["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
                                     "name": c["name"], "arguments": c["arguments"]}} for c in calls]
                             await self.send(frame)
                             continue
-                    await self.send(event_frame(rid, ev, req.model))
+                    await self.send(event_frame(rid, ev, req.model, req.truncated))
         finally:
             self.inflight.pop(rid, None)
             if not self.inflight and self.idle_scope is not None:   # idle again: arm the timeout

@@ -556,7 +556,10 @@ class GenerationResponse:
             logprobs = None
             if self.req.params.logprobs is not None and isinstance(self.shaper, Shaper):
                 logprobs = Logprobs(self.tokenizer, self.gen.chat).of(lp_ids, lp_infos)
-            return await self._send_json(send, 200, self.shaper.full("".join(parts), ev, found, logprobs))
+            body = self.shaper.full("".join(parts), ev, found, logprobs)
+            if self.req.truncated:
+                body["truncated_messages"] = self.req.truncated
+            return await self._send_json(send, 200, body)
 
     async def _stream(self, events, send) -> None:
         sh = self.shaper
@@ -595,6 +598,9 @@ class GenerationResponse:
                     if rest:
                         out.append(sh.frame(sh.text_chunk(rest)))
                 chunks = [sh.error_chunk(err)] if err is not None else sh.last_chunks(done, found)
+                if self.req.truncated and err is None:
+                    for c in chunks:
+                        c["truncated_messages"] = self.req.truncated
                 out += [sh.frame(c) for c in chunks]
                 out.append(sh.trailer)
             if out:

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from ..protocol import MAX_MESSAGES, MAX_STOP, GenerateRequest, parse_keep_alive
+from ..protocol import MAX_MESSAGES, MAX_STOP, GenerateRequest, ProtocolError, parse_keep_alive, parse_truncate
 from ..tools import check_message, check_tools
 from .openai_api import ApiError, Generation
 
@@ -114,6 +114,11 @@ def _common(body: dict, item: GenerateRequest, gen: OllamaGeneration) -> None:
     if body.get("images"):
         raise bad("images are not supported: this server runs text-only models")
     item.model = model
+    if body.get("truncate") is not None:
+        try:
+            item.truncate = parse_truncate(body["truncate"], item.kind)
+        except ProtocolError as e:
+            raise bad(str(e)) from None
     if body.get("keep_alive") is not None:
         try:
             item.keep_alive_s = parse_keep_alive(body["keep_alive"])

@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..protocol import MAX_MESSAGES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, GenerateRequest
+from ..protocol import MAX_MESSAGES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, GenerateRequest, ProtocolError, parse_truncate
 from ..tools import check_choice, check_message, check_tools
 
 # protocol error code -> HTTP status (the code itself goes to the client as error.code)
@@ -179,6 +179,11 @@ def _common(body: dict, item: GenerateRequest, gen: Generation, default_max_toke
     if model is not None and not isinstance(model, str):
         raise bad("model must be a string", "model")
     item.model = model or None
+    if body.get("truncate") is not None:
+        try:
+            item.truncate = parse_truncate(body["truncate"], item.kind)
+        except ProtocolError as e:
+            raise bad(str(e), "truncate") from None
     item.n = body.get("n") or 1
     item.format = output_format(body)
     for name in ("max_completion_tokens", "max_tokens"):   # the newer name wins
