@@ -73,7 +73,9 @@ class Serve:
         self.port = free_port()
         cmd = [sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--no-mdns", "--no-http", "--kv-memory", str(kv_bytes), "--max-batched-tokens", str(max_batched),
-               "--max-connections", "512", "--grace", "1"] + (["--contiguous"] if contiguous else []) + (
+               "--max-connections", "512", "--grace", "1",
+               # the clients all come from loopback here: each stands for a device of its own
+               "--max-unauthenticated", "256", "--max-unauthenticated-per-address", "256"] + (["--contiguous"] if contiguous else []) + (
                ["--model", str(model)] if model else [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -450,6 +452,46 @@ def serve_model(args) -> None:
                                            rate=args.rate, kv_memory=args.kv_memory)}))
 
 
+def by_class(r: dict) -> dict:
+    return {k: {"n": len(v), "ttft_p50_s": pct(v, 0.5), "ttft_p90_s": pct(v, 0.9), "ttft_max_s": pct(v, 1.0)}
+            for k, v in r["ttfts_by_class"].items() if v}
+
+
+def clients_mode(args) -> None:
+    """`--clients N`: N closed-loop household clients, the same draws against each scheduler
+    setting, alternated: today's (`paged`) and the one before it (`paged_before`)."""
+    from edgepaged.model import ModelRunner
+    runner = ModelRunner(num_blocks=args.kv_tokens // 16, block_size=16)
+    tok, kv_bytes = runner.tokenizer, args.kv_tokens // 16 * runner.block_bytes
+    del runner
+    out = {"clients": args.clients, "per_client": args.per_client, "kv_tokens": args.kv_tokens}
+    for mode, env in (("paged", {}), ("paged_before", {"EDGEPAGED_SCHEDULER": "before"})):
+        t = time.monotonic()
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            srv = Serve(kv_bytes, False, 512)
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        try:
+            r = trio.run(run_closed_loop, srv.addr, tok, args.clients, args.per_client, 1.0, args.scale,
+                         args.answer_scale, args.seed)
+        finally:
+            srv.stop()
+        out[mode] = {k: r[k] for k in ("tok_s", "wall_s", "requests", "completed", "failed", "ttft_p50_s",
+                                        "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "preemptions")}
+        out[mode]["by_class"] = by_class(r)
+        print(f"{mode}: {r['tok_s']} tok/s, home TTFT p90 {out[mode]['by_class'].get('home', {}).get('ttft_p90_s')} s, "
+              f"failed {r['failed']} ({time.monotonic() - t:.0f} s)", flush=True)
+        for k, v in out[mode]["by_class"].items():
+            print(f"  {k:9} n={v['n']:<3} TTFT p50 {v['ttft_p50_s']} p90 {v['ttft_p90_s']} max {v['ttft_max_s']}")
+    out["tok_s_ratio"] = round(out["paged"]["tok_s"] / out["paged_before"]["tok_s"], 3)
+    out["machine"] = platform.processor() or platform.machine()
+    if args.json:
+        print(json.dumps(out))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="about 4 minutes on a 2-core CPU")
@@ -467,7 +509,13 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--model", default=None, help="a GGUF file: only the end-to-end run against it (see above)")
     ap.add_argument("--kv-memory", type=int, default=512 << 20, help="--model: the server's KV budget in bytes")
+    ap.add_argument("--clients", type=int, default=None,
+                    help="closed loop only: this many household clients (each asks, reads, thinks ~1 s, asks "
+                         "again), against the scheduler as it is and as it was (EDGEPAGED_SCHEDULER=before)")
+    ap.add_argument("--per-client", type=int, default=4, help="--clients: requests per client")
     args = ap.parse_args()
+    if args.clients:
+        return clients_mode(args)
     if args.model:
         if "--requests" not in sys.argv:
             args.requests = 16

@@ -222,3 +222,59 @@ def test_a_shared_tail_block_counts_its_copy():
         a.append_tokens(r.id, [5])
         r.output_ids.append(5)
         assert s.blocks_needed(r, 1) == a.blocks_needed(r.id, 1) == 1
+
+
+def _blocked_pool(**kw):
+    """A pool mostly held by a running request, a long interactive prompt waiting at the head
+    (the pool cannot take even its first chunk yet) and a home question behind it."""
+    import time as _time
+    s = make(num_blocks=24, max_num_batched_tokens=256, **kw)
+    running = req(n=320, max_tokens=40, client="reader")
+    s.add(running)
+    while not running.is_decoding:
+        step(s)                                 # 20 of 24 blocks held: 3 free past the watermark
+    doc = req(n=300, max_tokens=4, client="doc", base=3)
+    home = req(n=12, max_tokens=4, client="home", base=5)
+    doc.arrival, home.arrival = _time.monotonic(), _time.monotonic() + 0.001
+    s.add(doc)
+    s.add(home)
+    return s, running, doc, home
+
+
+def test_a_short_prompt_goes_ahead_of_one_the_pool_cannot_take_yet():
+    s, running, doc, home = _blocked_pool()
+    b = step(s)
+    assert home in b.requests and doc not in b.requests     # the home question did not wait
+    assert doc.status is Status.WAITING and s.num_waiting == 1
+
+
+def test_skipping_ahead_off_keeps_arrival_order():
+    s, running, doc, home = _blocked_pool(short_prompt_tokens=0)     # EDGEPAGED_SCHEDULER=before
+    b = step(s)
+    assert home not in b.requests and home.status is Status.WAITING
+
+
+def test_nothing_passes_a_prompt_that_waited_too_long():
+    s, running, doc, home = _blocked_pool(skip_ahead_max_wait_s=0.0)
+    b = step(s)
+    assert home not in b.requests                            # the document is not starved
+    while running.status is Status.RUNNING:                  # once the pool frees, the document goes first
+        step(s)
+    b = step(s)
+    assert doc in b.requests
+
+
+def test_a_new_short_prompt_starts_before_running_long_prefills_take_the_step():
+    """Four long prompts mid-prefill use the whole step budget; a home question arriving then
+    starts in the next step (before: it waited for their prefills to end)."""
+    for short, expect in ((256, True), (0, False)):
+        s = make(num_blocks=256, max_num_batched_tokens=128, short_prompt_tokens=short)
+        longs = [req(n=400, max_tokens=4, client=f"doc{i}", base=10 * i) for i in range(4)]
+        for r in longs:
+            s.add(r)
+        step(s)
+        home = req(n=12, max_tokens=4, client="home", base=7)
+        s.add(home)
+        b = step(s)
+        assert (home in b.requests) is expect, short
+        assert sum(1 for r in longs if r in b.requests) >= 2          # the long ones go on too

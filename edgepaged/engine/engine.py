@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -69,7 +70,9 @@ class Engine:
             max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, watermark_frac=cfg.watermark_frac,
             contiguous=cfg.contiguous, background_share=cfg.background_share,
-            long_prefill_tokens=cfg.long_prefill_tokens))
+            long_prefill_tokens=cfg.long_prefill_tokens,
+            # EDGEPAGED_SCHEDULER=before: admission in arrival order only, as before short prompts went first
+            short_prompt_tokens=0 if os.environ.get("EDGEPAGED_SCHEDULER") == "before" else 256))
         path = getattr(runner, "model_path", None)
         self.model_name = getattr(runner, "model_name", None) or (path.stem if hasattr(path, "stem") else "model")
         self.metrics = Metrics(self.model_name)

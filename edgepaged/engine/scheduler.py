@@ -20,6 +20,7 @@ another client's single request to the back.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -40,6 +41,11 @@ class SchedulerConfig:
     # its turn in the step; what budget is left then lengthens the chunks again (None: a
     # quarter of max_num_batched_tokens; 0: no such cap)
     long_prefill_tokens: int | None = None
+    # a waiting prompt this short may be admitted ahead of one of its priority that the pool
+    # cannot take yet (a home question behind a document), unless that one has waited
+    # skip_ahead_max_wait_s already: then nothing passes it, so it is never starved (0: off)
+    short_prompt_tokens: int = 256
+    skip_ahead_max_wait_s: float = 10.0
 
 
 @dataclass
@@ -97,6 +103,11 @@ class _Queue:
         q.remove(req)
         if not q:
             del self.clients[req.client]
+
+    def waiting(self):
+        """Every waiting request, preempted ones first, then by arrival."""
+        yield from self.preempted
+        yield from sorted((r for q in self.clients.values() for r in q), key=lambda r: r.arrival)
 
     def remove(self, req: Request) -> bool:
         if req in self.preempted:
@@ -239,7 +250,10 @@ class Scheduler:
         rank = {INTERACTIVE: 0, BACKGROUND: 1}
         self.running.sort(key=lambda r: (rank[r.priority], r.arrival))
         for prio in PRIORITIES:
-            self._schedule_running(step, prio)
+            self._schedule_running(step, prio, (True,))          # decodes
+            if prio == INTERACTIVE:                               # short new prompts before long prefills
+                self._admit_short(step, prio)
+            self._schedule_running(step, prio, (False,))         # prefill chunks of running requests
             self._admit(step, prio)
             self._lengthen_chunks(step, prio)
             if prio == INTERACTIVE and any(not r.is_decoding for r in step.plan):
@@ -298,10 +312,10 @@ class Scheduler:
         self._preempt(victim)
         step.preempted.append(victim)
 
-    def _schedule_running(self, step: _Step, prio: str) -> None:
-        """Running sequences of one priority: decodes first, then prefill chunks. A sequence
-        that cannot get its blocks preempts the lowest ranked running one not yet planned."""
-        for decoding in (True, False):
+    def _schedule_running(self, step: _Step, prio: str, kinds=(True, False)) -> None:
+        """Running sequences of one priority: decodes (kind True), prefill chunks (False). A
+        sequence that cannot get its blocks preempts the lowest ranked running one not yet planned."""
+        for decoding in kinds:
             for req in list(self.running):
                 if (req.priority != prio or req.status is not Status.RUNNING or req in step.plan
                         or req.is_decoding != decoding):
@@ -329,8 +343,11 @@ class Scheduler:
         limit = cfg.max_num_seqs
         if prio == BACKGROUND:   # keep room for interactive arrivals
             limit = max(1, int(cfg.max_num_seqs * cfg.background_share))
+        passed: set = set()         # waiting requests the pool cannot take this step
         while self._chunk_budget(step, prio) > 0:
             req = queue.peek(running_per_client)
+            if req is not None and req in passed:
+                req = self._short_one(queue, step, passed)
             if req is None or req in step.preempted:
                 return
             tokens = req.all_ids
@@ -350,23 +367,78 @@ class Scheduler:
                 if victims:
                     self._preempt_in_step(step, victims[-1])
                     continue
-                return
-            queue.pop(req)
-            cached = self.alloc.add_sequence(req.id, tokens, req.salt, reserve)
-            self._free_blocks = None
-            if not req.admitted:
-                req.num_cached = cached
-                req.admitted = True
-            req.num_known, req.num_slots = len(tokens), cached
-            req.num_blocks = self._blocks_for(reserve) if reserve is not None else cached // self.block_size
-            req.tail_shared = False
-            req.status = Status.RUNNING
-            self.running.append(req)
+                if full or not self._may_pass(req):
+                    return
+                passed.add(req)         # the pool cannot take it yet: a short prompt may go first
+                continue
+            self._start(step, queue, req, reserve)
             running_per_client[req.client] = running_per_client.get(req.client, 0) + 1
-            n = min(len(tokens) - cached, self._first_chunk(step, prio))
-            step.plan[req] = n
-            step.need[req] = self.blocks_needed(req, n)
-            self._planned(step, req, n)
+
+    def _start(self, step: _Step, queue: _Queue, req: Request, reserve: int | None) -> None:
+        """Admit `req`: its sequence in the allocator (the prefix cache's blocks shared), its
+        first chunk in the step."""
+        tokens = req.all_ids
+        queue.remove(req)
+        cached = self.alloc.add_sequence(req.id, tokens, req.salt, reserve)
+        self._free_blocks = None
+        if not req.admitted:
+            req.num_cached = cached
+            req.admitted = True
+        req.num_known, req.num_slots = len(tokens), cached
+        req.num_blocks = self._blocks_for(reserve) if reserve is not None else cached // self.block_size
+        req.tail_shared = False
+        req.status = Status.RUNNING
+        self.running.append(req)
+        n = min(len(tokens) - cached, self._first_chunk(step, req.priority))
+        step.plan[req] = n
+        step.need[req] = self.blocks_needed(req, n)
+        self._planned(step, req, n)
+
+    def _admit_short(self, step: _Step, prio: str) -> None:
+        """New short prompts (a home question) start before the running requests' long
+        prefills take the step: oldest first, up to half the step's budget, as the pool allows.
+        Long prompts then share what is left, as before; the skip-ahead wait bound keeps them
+        from starving behind a stream of short ones."""
+        cfg = self.config
+        if cfg.short_prompt_tokens <= 0 or cfg.contiguous:
+            return
+        queue, cap = self.queues[prio], min(step.budget, cfg.max_num_batched_tokens // 2)
+        if any(self._may_pass(r) is False and len(r.all_ids) > cfg.short_prompt_tokens for r in queue.waiting()):
+            return                      # a long prompt has waited its limit: nothing goes ahead of it
+        per_client: dict[str, int] = {}
+        for r in self.running:
+            per_client[r.client] = per_client.get(r.client, 0) + 1
+        candidates = [r for r in queue.waiting() if len(r.all_ids) <= cfg.short_prompt_tokens
+                      and r not in step.preempted]
+        while candidates and len(self.running) < cfg.max_num_seqs:
+            # fair across clients, as the queue is: the client running least first, then arrival
+            req = min(candidates, key=lambda r: (per_client.get(r.client, 0), r.arrival))
+            candidates.remove(req)
+            n = len(req.all_ids)
+            if n > cap:
+                continue
+            cached, free_cached = self.alloc.prefix_match(req.all_ids, req.salt)
+            k = free_cached + self._blocks_for(n) - cached // self.block_size
+            if k > self._free(step) - self.watermark:
+                continue
+            self._start(step, queue, req, None)
+            per_client[req.client] = per_client.get(req.client, 0) + 1
+            cap -= n
+
+    def _may_pass(self, head: Request) -> bool:
+        """Whether short prompts may go ahead of `head` (it has not waited too long)."""
+        cfg = self.config
+        return cfg.short_prompt_tokens > 0 and time.monotonic() - head.arrival < cfg.skip_ahead_max_wait_s
+
+    def _short_one(self, queue: _Queue, step: _Step, passed: set) -> Request | None:
+        """The oldest waiting short prompt the pool can take now, or None."""
+        for r in queue.waiting():
+            if r in passed or r in step.preempted or len(r.all_ids) > self.config.short_prompt_tokens:
+                continue
+            if self._blocks_for(len(r.all_ids)) <= self._free(step) - self.watermark:
+                return r
+            passed.add(r)
+        return None
 
     def _build(self, step: _Step) -> Batch:
         reqs = list(step.plan)
