@@ -437,3 +437,62 @@ async def test_the_page_says_once_that_old_messages_were_left_out(embedded_runne
     assert out["errors"] == [], out
     assert len(out["notices_0"]) == 1 and "oldest" in out["notices_0"][0], out
     assert out["notices_1"] == out["notices_0"], out               # said once
+
+
+def model_picker_scenario(base: str, chromium: str, driver_path: str) -> dict:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
+
+    driver = open_phone_browser(chromium, driver_path, phone=False)
+    try:
+        driver.get(base + "/")
+        _set(driver, temperature=0, maxTokens=6)
+        driver.refresh()
+        wait(driver, lambda d: d.find_element(By.ID, "box-name").text)
+        driver.find_element(By.ID, "settings-button").click()
+        out = {"shown": driver.find_element(By.ID, "model-select").is_displayed(),
+               "options": [o.text for o in Select(driver.find_element(By.ID, "model-select")).options]}
+        Select(driver.find_element(By.ID, "model-select")).select_by_visible_text("kitchen")
+        driver.find_element(By.ID, "settings-button").click()
+        time.sleep(1.2)
+        out["header"] = driver.find_element(By.ID, "model-name").text
+        driver.find_element(By.ID, "input").send_keys("Hello?", Keys.ENTER)
+        wait(driver, _answer_done)
+        driver.refresh()                                     # the choice is kept
+        wait(driver, lambda d: d.find_element(By.ID, "model-name").text)
+        time.sleep(1.2)
+        out["after_reload"] = driver.find_element(By.ID, "model-name").text
+        return out
+    finally:
+        driver.quit()
+
+
+async def test_a_box_with_several_models_lets_the_page_pick_one(tmp_path):
+    """Two models (the embedded file under two names, loaded on demand): the page lists them in ⚙,
+    the one picked answers (it is the one the box loads), the choice survives a reload."""
+    from edgepaged.model import ModelRunner
+    from edgepaged.model.loader import default_model_path
+    from edgepaged.models import ModelSet, ModelSpec, MultiFront
+    from edgepaged.server.httpd import HttpConfig, HttpServer
+    chromium, driver_path, problem = browser_problem()
+    if problem:
+        pytest.skip(problem)
+    path = default_model_path()
+    specs = [ModelSpec(n, str(path), path.stat().st_size, 8192, "llama", "Q4_1") for n in ("house", "kitchen")]
+    models = ModelSet(specs, lambda spec, kv: ModelRunner(spec.path, num_blocks=128), budget_bytes=8 << 30,
+                      kv_bytes=64 << 20)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(models.run)
+        http = HttpServer(MultiFront(models), HttpConfig(host="127.0.0.1", port=0))
+        await nursery.start(http.serve)
+        with trio.fail_after(120):
+            out = await trio.to_thread.run_sync(model_picker_scenario, f"http://127.0.0.1:{http.port}", chromium,
+                                                driver_path)
+        loaded = {m["name"]: m["loads"] for m in models.listing() if m["loaded"]}
+        http.stop_accepting()
+        await models.drain(1)
+        nursery.cancel_scope.cancel()
+    assert out["shown"] and out["options"] == ["house", "kitchen"], out
+    assert out["header"] == "kitchen" and out["after_reload"] == "kitchen", out
+    assert loaded == {"kitchen": 1}, loaded                  # the default was never needed
