@@ -264,8 +264,6 @@ class FrontEnd:
                 ids, dropped = await trio.to_thread.run_sync(self._fit, item, offered, limit)
             else:
                 ids = await trio.to_thread.run_sync(job)
-        except RequestRejected:
-            raise
         except Exception as e:  # a chat template may refuse a conversation (e.g. roles out of order)
             raise RequestRejected("bad_request", f"cannot render the prompt: {e}") from None
         if len(ids) > self.max_prompt_tokens:

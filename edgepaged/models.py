@@ -57,7 +57,6 @@ class Slot:
         self.gone = trio.Event()
         self.last_used = 0.0
         self.loads = 0
-        self.runner_info: dict | None = None   # what the last load reported (file info, config), kept for lists
 
     @property
     def loaded(self) -> bool:
@@ -173,7 +172,6 @@ class ModelSet:
             slot.reserved = True
         try:
             runner = await trio.to_thread.run_sync(self.load_fn, spec, slot.kv_bytes)
-            slot.runner_info = getattr(runner, "file_info", None)
             slot.unload_now, slot.gone = trio.Event(), trio.Event()
             await self._nursery.start(self._serve, slot, runner)
         except BaseException:

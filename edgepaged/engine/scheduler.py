@@ -343,11 +343,8 @@ class Scheduler:
         limit = cfg.max_num_seqs
         if prio == BACKGROUND:   # keep room for interactive arrivals
             limit = max(1, int(cfg.max_num_seqs * cfg.background_share))
-        passed: set = set()         # waiting requests the pool cannot take this step
         while self._chunk_budget(step, prio) > 0:
             req = queue.peek(running_per_client)
-            if req is not None and req in passed:
-                req = self._short_one(queue, step, passed)
             if req is None or req in step.preempted:
                 return
             tokens = req.all_ids
@@ -367,10 +364,7 @@ class Scheduler:
                 if victims:
                     self._preempt_in_step(step, victims[-1])
                     continue
-                if full or not self._may_pass(req):
-                    return
-                passed.add(req)         # the pool cannot take it yet: a short prompt may go first
-                continue
+                return
             self._start(step, queue, req, reserve)
             running_per_client[req.client] = running_per_client.get(req.client, 0) + 1
 
@@ -396,14 +390,15 @@ class Scheduler:
 
     def _admit_short(self, step: _Step, prio: str) -> None:
         """New short prompts (a home question) start before the running requests' long
-        prefills take the step: oldest first, up to half the step's budget, as the pool allows.
-        Long prompts then share what is left, as before; the skip-ahead wait bound keeps them
-        from starving behind a stream of short ones."""
+        prefills take the step, and ahead of a waiting prompt the pool cannot take yet: fair
+        across clients, up to half the step's budget, as the pool allows. Long prompts then
+        share what is left, as before; once one has waited skip_ahead_max_wait_s, nothing goes
+        ahead of it any more, so a stream of short ones cannot starve it."""
         cfg = self.config
         if cfg.short_prompt_tokens <= 0 or cfg.contiguous:
             return
         queue, cap = self.queues[prio], min(step.budget, cfg.max_num_batched_tokens // 2)
-        if any(self._may_pass(r) is False and len(r.all_ids) > cfg.short_prompt_tokens for r in queue.waiting()):
+        if any(len(r.all_ids) > cfg.short_prompt_tokens and not self._may_pass(r) for r in queue.waiting()):
             return                      # a long prompt has waited its limit: nothing goes ahead of it
         per_client: dict[str, int] = {}
         for r in self.running:
@@ -429,16 +424,6 @@ class Scheduler:
         """Whether short prompts may go ahead of `head` (it has not waited too long)."""
         cfg = self.config
         return cfg.short_prompt_tokens > 0 and time.monotonic() - head.arrival < cfg.skip_ahead_max_wait_s
-
-    def _short_one(self, queue: _Queue, step: _Step, passed: set) -> Request | None:
-        """The oldest waiting short prompt the pool can take now, or None."""
-        for r in queue.waiting():
-            if r in passed or r in step.preempted or len(r.all_ids) > self.config.short_prompt_tokens:
-                continue
-            if self._blocks_for(len(r.all_ids)) <= self._free(step) - self.watermark:
-                return r
-            passed.add(r)
-        return None
 
     def _build(self, step: _Step) -> Batch:
         reqs = list(step.plan)
