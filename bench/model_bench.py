@@ -26,7 +26,7 @@ Each batch of B distinct chat prompts is prefilled in one flat batch, then decod
                       of any GEMM-based decode here
 
     python bench/model_bench.py [--json] [--batches 1,8,32] [--new-tokens 64] [--reps 2] [--no-hf] [--profile]
-                                [--quantized auto|on|off]
+                                [--quantized auto|on|off] [--runtime torch|cpu]
 """
 from __future__ import annotations
 
@@ -146,19 +146,26 @@ def main():
     ap.add_argument("--reps", type=int, default=2, help="runs per batch on each side; the best counts")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--profile", action="store_true", help="print a torch profile of decode at the largest batch")
+    ap.add_argument("--runtime", choices=["torch", "cpu"], default="torch",
+                    help="torch: ModelRunner (fused CPU forward); cpu: the torch-free CpuRunner")
     ap.add_argument("--quantized", choices=["auto", "on", "off"], default="auto",
                     help="weights kept quantized (Rust kernels) or fp32; auto = the runner's default")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
     t = time.perf_counter()
-    runner = ModelRunner(quantized={"auto": None, "on": True, "off": False}[args.quantized])
+    quantized = {"auto": None, "on": True, "off": False}[args.quantized]
+    if args.runtime == "cpu":
+        from edgepaged.model.cpu_runtime import CpuRunner
+        runner = CpuRunner(quantized=quantized)
+    else:
+        runner = ModelRunner(quantized=quantized)
     load_s = time.perf_counter() - t
     tk = runner.tokenizer
     texts = [tk.apply_chat_template([{"role": "user", "content": q}], tokenize=False) for q in QUESTIONS]
     prompts = [np.array(tk.encode(x, add_special_tokens=False), np.int64) for x in texts]
     alloc = make_allocator(runner)
-    res = {"model": runner.model_path.name, "quantized": getattr(runner, "quantized", False),
+    res = {"model": runner.model_path.name, "runtime": args.runtime, "quantized": getattr(runner, "quantized", False),
            "params": runner.config.num_params, "threads": torch.get_num_threads(),
            "products": getattr(runner, "products", None), "kv_dtype": getattr(runner, "kv_dtype_name", None),
            "new_tokens": args.new_tokens, "load_s": round(load_s, 2),

@@ -196,6 +196,10 @@ def main(verbose):
               help="How quantized weights multiply on CPU: int8 (activations quantized per block of 32, "
                    "8-bit dot products: llama.cpp's math, 2-3x faster), exact (fp32 activations), auto (int8 "
                    "from 0.7 B parameters on). Default: $EDGEPAGED_QUANT_MATH or auto.")
+@click.option("--runtime", type=click.Choice(["auto", "cpu", "torch"]), default=None,
+              help="What runs the model: cpu (numpy + the Rust kernels; GGUF files on the CPU, no torch needed), "
+                   "torch (a GPU, safetensors checkpoints), auto (cpu where it applies). Default: "
+                   "$EDGEPAGED_RUNTIME or auto.")
 @click.option("--mdns-refresh", type=float, default=5.0, hidden=True)
 @click.option("--config", "config_file", default=None, metavar="FILE", envvar="EDGEPAGED_CONFIG", is_eager=True,
               expose_value=False, callback=lambda ctx, param, value: _load_config(ctx, value),
@@ -204,7 +208,7 @@ def main(verbose):
 def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, block_size, kv_dtype,
           max_batched_tokens, token, http_port, no_http, no_mdns, mdns_interface, max_connections, max_unauthenticated,
           max_unauthenticated_per_address, allowed_hosts, cors_origins, max_inflight, max_prompt_tokens, max_tokens,
-          grace, users_file, contiguous, quant_math, mdns_refresh):
+          grace, users_file, contiguous, quant_math, runtime, mdns_refresh):
     """Serve a model on the network (msgpack over TCP and HTTP, advertised by mDNS)."""
     # the ports first: a port in use is said at once, not after imports and the model's load
     server_sock = _bind(host, port, "--port")
@@ -227,15 +231,16 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
         kv_bytes = parse_bytes(kv_memory) if kv_memory else None
     except ValueError as e:
         fail(f"--kv-memory {kv_memory}: {e}", 2)
-    from .model.runner import KvBudgetError
+    from .model.runtime import KvBudgetError
     kv_kind = None if kv_dtype == "auto" else kv_dtype
     if len(model_paths) > 1 or model_paths == ("all",):
         runner = model_set(model_paths, keep_alive, memory_budget, kv_bytes, device, block_size, max_batched_tokens,
-                           kv_kind, quant_math, grace)
+                           kv_kind, quant_math, grace, runtime)
     else:
         model_path, served_name = resolve_model(model_paths[0] if model_paths else None)
         try:
-            runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_kind, quant_math)
+            runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_kind, quant_math,
+                                 runtime)
             runner.served_name = served_name
         except KvBudgetError as e:
             fail(f"--kv-memory {kv_memory}: {e}" if kv_memory else str(e))
@@ -309,11 +314,11 @@ def resolve_model(spec: str | None) -> tuple[str | None, str | None]:
 
 
 def model_set(specs, keep_alive, memory_budget, kv_bytes, device, block_size, max_batched_tokens, kv_dtype,
-              quant_math, grace):
+              quant_math, grace, runtime=None):
     """serve --model A --model B ...: a models.ModelSet (nothing loaded yet)."""
     from . import store
     from .models import ModelSet, ModelSpec
-    from .model.runner import CPU_KV_MAX_BYTES, available_ram
+    from .model.runtime import CPU_KV_MAX_BYTES, available_ram
     from .protocol import parse_keep_alive
     try:
         keep = parse_keep_alive(keep_alive)
@@ -345,7 +350,7 @@ def model_set(specs, keep_alive, memory_budget, kv_bytes, device, block_size, ma
                                 info["quantization"]))
 
     def load(spec, kv):
-        runner = load_runner(spec.path, device, kv, block_size, max_batched_tokens, kv_dtype, quant_math)
+        runner = load_runner(spec.path, device, kv, block_size, max_batched_tokens, kv_dtype, quant_math, runtime)
         runner.served_name = spec.name
         return runner
     from .engine import EngineConfig
@@ -357,22 +362,22 @@ def model_set(specs, keep_alive, memory_budget, kv_bytes, device, block_size, ma
         fail(str(e))
 
 
-def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_dtype=None, quant_math=None):
+def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_dtype=None, quant_math=None,
+                runtime=None):
     import dataclasses
 
-    import torch
-
-    from .model import ModelRunner
+    from .model.runtime import choose_runtime, open_runner, resolve_device
     from .model.settings import CpuConfig
     settings = CpuConfig.from_env()
     if quant_math:
         settings = dataclasses.replace(settings, quant_math=quant_math)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
+    kind = choose_runtime(runtime, device, model_path)
     t0 = time.monotonic()
-    click.echo(f"loading {model_path or 'the embedded model (SmolLM2-135M-Instruct)'} on {device}...", err=True)
-    runner = ModelRunner(model_path, device=device, kv_memory_bytes=kv_bytes, block_size=block_size,
-                         max_num_batched_tokens=max_batched_tokens, kv_dtype=kv_dtype, settings=settings)
+    click.echo(f"loading {model_path or 'the embedded model (SmolLM2-135M-Instruct)'} on {device} "
+               f"({'numpy + Rust' if kind == 'cpu' else 'torch'})...", err=True)
+    runner = open_runner(model_path, device, kv_bytes, block_size, max_num_batched_tokens=max_batched_tokens,
+                         kv_dtype=kv_dtype, settings=settings, runtime=kind)
     click.echo(f"loaded {runner.model_path.name} in {time.monotonic() - t0:.1f} s ({runner.products} products)",
                err=True)
     return runner
@@ -427,7 +432,7 @@ def _load_config(ctx: click.Context, path: str | None) -> None:
 EXAMPLE_VALUES = {"model": ["llama3.2:3b"], "kv_memory": "1G", "memory_budget": "6G", "token": "a-long-secret",
                   "mdns_interface": "192.0.2.10", "max_prompt_tokens": 4096, "max_tokens": 2048,
                   "users": "/etc/edgepaged/users", "allowed_host": ["box.example.org"],
-                  "cors_origin": ["http://tools.local:8080"], "quant_math": "auto"}
+                  "cors_origin": ["http://tools.local:8080"], "quant_math": "auto", "runtime": "auto"}
 
 
 def _toml_value(value) -> str:

@@ -288,7 +288,7 @@ class BoxEngine:
         return all(e.alive(limit_s) for e in self._engines())
 
     def memory(self) -> dict:
-        from .model.runner import rss_bytes
+        from .model.runtime import rss_bytes
         per = [e.memory() for e in self._engines()]
         total = {k: sum(m.get(k) or 0 for m in per) for k in ("weights_bytes", "kv_reserved_bytes", "kv_used_bytes")}
         return {**total, "rss_bytes": rss_bytes(), "budget_bytes": self.models.budget_bytes}

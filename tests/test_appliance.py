@@ -120,3 +120,41 @@ def test_serve_from_a_config_file_tells_systemd_ready_watchdog_stopping(tmp_path
     assert "STATUS=serving SmolLM2-135M-Instruct.Q4_1" in messages[0][1]
     assert kinds.count("WATCHDOG=1") >= 4, kinds              # every 0.2 s for 1.5 s
     assert "STOPPING=1" in kinds and kinds.index("STOPPING=1") > kinds.index("READY=1")
+
+
+# ---------------------------------------------------------------- the torch-free install
+
+def test_the_wheel_serves_in_a_fresh_environment_without_torch(tmp_path):
+    """`maturin build --release` gives an abi3 wheel (CPython >= 3.10); pip installs it with the
+    model package into a new virtual environment, which then has no torch, triton or test
+    tool; `edgepaged serve` from there answers "Paris" to `edgepaged ask`. Asking that
+    environment for the torch runtime or a GPU says, in one line, what to install."""
+    from edgepaged.testing.appliance import Served, build_wheel, dir_mb, runtime_venv
+    wheel = build_wheel(tmp_path / "dist")
+    assert "-cp310-abi3-" in wheel.name, wheel.name
+    venv = tmp_path / "venv"
+    py = runtime_venv(venv, wheel)
+    r = subprocess.run([str(py), "-c", "import importlib.util as u; print([m for m in ('torch', 'triton', "
+                        "'transformers', 'safetensors', 'pytest') if u.find_spec(m)])"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr
+    size = dir_mb(venv)
+    print(f"\nthe runtime's virtual environment: {size:.0f} MiB (the wheel {wheel.stat().st_size / 2**20:.1f} MiB, "
+          f"the embedded model's package included)")
+    assert size <= 300
+    env = {k: v for k, v in ENV.items() if not k.startswith("EDGEPAGED_RUNTIME")}
+    srv = Served(venv, env=env)
+    try:
+        assert any("numpy + Rust" in line for line in srv.lines), "".join(srv.lines)
+        out = subprocess.run([str(venv / "bin" / "edgepaged"), "ask", "--server", srv.address,
+                              "What is the capital of France?"], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0 and "Paris" in out.stdout, out.stdout + out.stderr
+    finally:
+        srv.stop()
+    for flags, what in ((["--runtime", "torch"], "the torch runtime needs torch"),
+                        (["--device", "cuda"], "--device cuda: the GPU path needs torch")):
+        r = subprocess.run([str(venv / "bin" / "edgepaged"), "serve", "--host", "127.0.0.1", "--port", "0",
+                            "--http-port", "0", "--no-mdns", *flags], capture_output=True, text=True, timeout=60,
+                           env=env)
+        assert r.returncode != 0 and what in r.stderr and "pip install 'edgepaged[gpu]'" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr

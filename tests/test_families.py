@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from edgepaged.model import ModelRunner
+from edgepaged.model.cpu_runtime import CpuRunner
 from edgepaged.model.forward import TorchForward
 from edgepaged.model.loader import ModelFileError, ModelFiles
 from edgepaged.model.settings import CpuConfig
@@ -57,10 +58,21 @@ def _paged_logits(r: ModelRunner, tokens: list[int], prefill: int) -> torch.Tens
     for t in tokens[prefill:]:
         ids, pos, meta = paged.batch([(0, [t])])
         got.append(r.execute(ids, pos, meta))
-    return torch.cat(got)
+    return torch.cat([torch.as_tensor(np.asarray(g)) for g in got])
 
 
 # ---------------------------------------------------------------- logits and greedy answers
+
+def _check_40_tokens(r, hf) -> torch.Tensor:
+    """A 30-token prefill and 10 decode steps on runner r, within 1e-3 of transformers."""
+    tokens = _prompt(hf)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    got = _paged_logits(r, tokens, 30)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() <= 1e-3
+    return got
+
 
 @pytest.mark.parametrize("path", ["rust", "torch"])
 @pytest.mark.parametrize("source", ["safetensors", "gguf"])
@@ -71,18 +83,40 @@ def test_logits_match_transformers(name, source, path, built):
     folder, gguf, hf = built(name)
     r = _runner(folder if source == "safetensors" else gguf, path)
     assert r.config.arch == ("llama" if name == "mistral" and source == "gguf" else name)
-    tokens = _prompt(hf)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([tokens])).logits[0]
-    got = _paged_logits(r, tokens, 30)
-    assert got.shape == ref.shape
-    assert (got - ref).abs().max().item() <= 1e-3
+    _check_40_tokens(r, hf)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_greedy_32_tokens_equal_transformers(name, built):
+def test_cpu_runtime_logits_match_transformers(name, built):
+    """The torch-free CPU runtime (numpy + Rust, every prefill row attending in Rust over the
+    paged cache) on each family's GGUF file: the same 40 tokens as above; and against the
+    torch runner's logits."""
     folder, gguf, hf = built(name)
-    r = ModelRunner(gguf, num_blocks=32, kv_dtype="f32")
+    got = _check_40_tokens(CpuRunner(gguf, num_blocks=32, kv_dtype="f32"), hf)
+    torch_path = _paged_logits(_runner(gguf, "rust"), _prompt(hf), 30)
+    assert (got - torch_path).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma2", "gemma3"])
+def test_cpu_runtime_on_quantized_files_equals_the_torch_runner(name, built, tmp_path):
+    """Q8_0 weights kept as GGUF blocks: the torch-free runtime gives the torch runner's
+    logits (qwen2: the one-call decoder with attention biases; the others layer by layer
+    with their quirks), on the prefill and the decode steps."""
+    folder, _, hf = built(name)
+    path = write_family_gguf(folder, tmp_path / f"{name}-q8.gguf", hf, qtype=8)
+    cpu = CpuRunner(path, num_blocks=32, kv_dtype="f32")
+    assert cpu.quantized and (cpu.model.decoder is not None) == (name == "qwen2")
+    ref = _runner(path, "rust")
+    tokens = _prompt(hf)
+    got, want = _paged_logits(cpu, tokens, 30), _paged_logits(ref, tokens, 30)
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("runtime", ["torch", "cpu"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_32_tokens_equal_transformers(name, runtime, built):
+    folder, gguf, hf = built(name)
+    r = (ModelRunner if runtime == "torch" else CpuRunner)(gguf, num_blocks=32, kv_dtype="f32")
     prompt = _prompt(hf, 36, seed=2)    # past the windows and phi3's original context
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
                        pad_token_id=0)[0, len(prompt):].tolist()

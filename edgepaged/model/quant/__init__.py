@@ -4,8 +4,17 @@
 - `modules`: `QuantLinear` and `QuantEmbedding`, the modules the model is built from;
 - `threads`: torch's thread count beside the kernels' own pool, the fp32 scratch + GEMM.
 """
+import importlib
+
 from .formats import BLOCK, FORMATS, QuantWeight, can_keep
-from .modules import QuantEmbedding, QuantLinear, lay_out_weights, weight_bytes
+
+_TORCH_NAMES = ("QuantEmbedding", "QuantLinear", "lay_out_weights", "weight_bytes")   # need torch
 
 __all__ = ["BLOCK", "FORMATS", "QuantEmbedding", "QuantLinear", "QuantWeight", "can_keep", "lay_out_weights",
            "weight_bytes"]
+
+
+def __getattr__(name):
+    if name in _TORCH_NAMES:
+        return getattr(importlib.import_module(".modules", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

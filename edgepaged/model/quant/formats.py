@@ -98,3 +98,37 @@ class QuantWeight:
         out = np.empty((self.rows, self.cols), np.float32)
         self.dequantize_into(out)
         return out
+
+
+def merge_segments(segments: list[QuantWeight]) -> list[QuantWeight]:
+    """Neighbouring row segments of one format (in GGUF's row layout) as one matrix: one
+    kernel call instead of several."""
+    merged: list[QuantWeight] = []
+    for s in segments:
+        if merged and merged[-1].qtype == s.qtype and s.layout == merged[-1].layout == "rows":
+            p = merged[-1]
+            merged[-1] = QuantWeight(s.qtype, np.concatenate([p.data, s.data]), p.rows + s.rows, s.cols)
+        else:
+            merged.append(s)
+    return merged
+
+
+def lay_out(weights, math: str) -> int:
+    """The layout every one of these quantized weights takes for the kernels of `math`:
+    "int8", repacked for the integer kernels (every block format; F16/BF16 stay in rows);
+    "exact", Q4_0/Q4_1/Q8_0 interleaved, the rest in GGUF's rows. Weights over one array (a
+    tied embedding and LM head) share the result. Returns how many weights changed."""
+    done: dict[int, QuantWeight] = {}   # id of a weight's original array -> the weight that re-laid it
+    n = 0
+    for s in weights:
+        if s.layout != "rows":
+            continue
+        first = done.get(id(s.data))
+        if first is not None:        # another weight over the same array: share its result
+            s.data, s.layout = first.data, first.layout
+            continue
+        key = id(s.data)
+        if s.repack() if math == "int8" else s.interleave():
+            done[key] = s
+            n += 1
+    return n

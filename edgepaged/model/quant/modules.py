@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..._native import quant as kernels
-from .formats import FORMATS, QuantWeight
+from .formats import FORMATS, QuantWeight, lay_out, merge_segments
 from .threads import gemm, scratch
 
 SCRATCH_BYTES = 16 << 20
@@ -35,13 +35,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         if not segments or len({s.cols for s in segments}) != 1:
             raise ValueError("QuantLinear needs segments with one input width")
-        merged: list[QuantWeight] = []
-        for s in segments:  # neighbours of one format become one matrix: one kernel call
-            if merged and merged[-1].qtype == s.qtype and s.layout == merged[-1].layout == "rows":
-                p = merged[-1]
-                merged[-1] = QuantWeight(s.qtype, np.concatenate([p.data, s.data]), p.rows + s.rows, s.cols)
-            else:
-                merged.append(s)
+        merged = merge_segments(segments)
         self.segments = merged
         self.offsets = np.cumsum([0] + [s.rows for s in merged]).tolist()
         self.in_features, self.out_features = segments[0].cols, self.offsets[-1]
@@ -127,21 +121,7 @@ def lay_out_weights(modules, math: str) -> int:
     "int8", repacked for the integer kernels (every block format; F16/BF16 stay in rows);
     "exact", Q4_0/Q4_1/Q8_0 interleaved, the rest in GGUF's rows. A tied embedding and LM
     head share theirs. Returns how many weights changed."""
-    done: dict[int, QuantWeight] = {}   # id of a weight's original array -> the weight that re-laid it
-    n = 0
-    for m in modules:
-        for s in quant_weights_of(m):
-            if s.layout != "rows":
-                continue
-            first = done.get(id(s.data))
-            if first is not None:        # another weight over the same array: share its result
-                s.data, s.layout = first.data, first.layout
-                continue
-            key = id(s.data)
-            if s.repack() if math == "int8" else s.interleave():
-                done[key] = s
-                n += 1
-    return n
+    return lay_out([s for m in modules for s in quant_weights_of(m)], math)
 
 
 def weight_bytes(model) -> dict[str, int]:

@@ -1,0 +1,389 @@
+"""The CPU runtime without torch: GGUF models run with numpy and the Rust extension only.
+
+Every operator of a step is Rust (`rust_alloc/cpu_kernels`): the quantized products (or, for
+a GGUF file's float matrices, numpy's GEMM), RMSNorm with the residual add, rotary and the
+KV-cache write, attention straight from the paged cache for decode rows and prefill rows
+alike (row j of a chunk of q rows over n positions attends to the first n - q + j + 1: causal,
+chunked, over a cached prefix; a layer's sliding window and gemma2's soft-capped scores in
+the same kernel), SiLU·mul. A model of llama's block whose linears all kept their GGUF
+blocks runs every layer of a step in one Rust call (`ops.QuantDecoder`) below
+`fused_max_tokens` rows. Sampling and the constrained-decoding masks are numpy
+(`sampler.py`, `grammar.py`), shared with the torch runner.
+
+`CpuRunner` has the engine's side of `runner.ModelRunner` (`runtime.RunnerBase`); the
+torch runner stays the GPU path, the safetensors path and the reference the tests compare
+this one against.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+
+from .._native import ops
+from .._native import quant as kernels
+from .loader import ModelFiles, terminal_progress
+from .placement import FUSED, PARENT, check_linear, place
+from .quant.formats import QuantWeight, lay_out, merge_segments
+from .rope import rotary_tables
+from .runtime import CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, KvBudgetError, RunnerBase, available_ram
+from .settings import CpuConfig
+from .tokenizer import Tokenizer
+
+SCRATCH_BYTES = 16 << 20
+KV_DTYPES = {"f16": np.float16, "f32": np.float32}
+
+
+def kv_numpy_dtype(name: str | None):
+    """The KV cache's element type by name (None: f16, twice the tokens of f32 in the same
+    memory); ValueError for bf16 (no CPU kernel reads it) or a name it does not know."""
+    if name is None:
+        return np.float16
+    if name == "bf16":
+        raise ValueError("a bf16 KV cache is not supported on CPU: use f16 (half the memory of f32) or f32")
+    if name not in KV_DTYPES:
+        raise ValueError(f"KV cache dtype {name!r}: use one of f16, f32, bf16")
+    return KV_DTYPES[name]
+
+
+class Linear:
+    """y = x W^T (+ b): W as GGUF row segments multiplied by the Rust kernels (from
+    `dense_min_tokens` rows on, segments on the exact kernels are decoded in tiles into a
+    scratch and multiplied by numpy's GEMM, as `QuantLinear` does with oneDNN), or a float32
+    matrix for numpy's GEMM."""
+
+    def __init__(self, parts: list, bias: np.ndarray | None, dense_min_tokens: int):
+        if all(isinstance(p, QuantWeight) for p in parts):
+            self.segments = merge_segments(parts)
+            self.offsets = np.cumsum([0] + [s.rows for s in self.segments]).tolist()
+            self.weight = None
+            self.out_features, self.in_features = self.offsets[-1], parts[0].cols
+        else:
+            self.segments = []
+            self.weight = np.ascontiguousarray(np.concatenate(
+                [p.dequantize() if isinstance(p, QuantWeight) else np.asarray(p, np.float32) for p in parts]))
+            self.out_features, self.in_features = self.weight.shape
+        self.bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+        self.dense_min_tokens = dense_min_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments) if self.weight is None else self.weight.nbytes
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        t = x.shape[0]
+        if self.weight is not None:
+            out = x @ self.weight.T
+        else:
+            out = np.empty((t, self.out_features), np.float32)
+            if t:
+                for s, a in zip(self.segments, self.offsets):
+                    if t >= self.dense_min_tokens and s.layout != "r16":
+                        self._dense(x, s, out[:, a: a + s.rows])
+                    else:
+                        kernels.matmul(s.data, s.kind, x, out, col=a, rows=s.rows)
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    def _dense(self, x: np.ndarray, s: QuantWeight, out: np.ndarray) -> None:
+        k = self.in_features
+        tile = max(1, SCRATCH_BYTES // 4 // k)
+        w = np.empty((min(tile, s.rows), k), np.float32)
+        for r0 in range(0, s.rows, tile):
+            n = min(tile, s.rows - r0)
+            s.dequantize_into(w[:n], r0)
+            np.matmul(x, w[:n].T, out=out[:, r0: r0 + n])
+
+
+class Layer:
+    __slots__ = ("norms", "qkv", "o", "gate_up", "down", "q_norm", "k_norm", "window", "rope")
+
+    def __init__(self):
+        self.norms: dict[str, np.ndarray] = {}
+        self.qkv = self.o = self.gate_up = self.down = None
+        self.window, self.rope = None, 0
+
+
+class CpuModel:
+    """A decoder's weights as numpy arrays and GGUF blocks, and its forward over the paged cache."""
+
+    def __init__(self, cfg, settings: CpuConfig, max_positions: int):
+        self.cfg, self.settings = cfg, settings
+        self.layers = [Layer() for _ in range(cfg.num_layers)]
+        for i, layer in enumerate(self.layers):
+            layer.window = cfg.window(i)
+            layer.rope = 1 if cfg.local_rope(i) else 0
+        self.embed_q: QuantWeight | None = None
+        self.embed_dense: np.ndarray | None = None
+        self.final_norm = np.ones(cfg.hidden_size, np.float32)
+        self.head: Linear | None = None
+        self.freq_factors = None
+        self.max_positions = 0
+        self.decoder = None
+        self.build_rotary(max_positions)
+
+    # ------------------------------------------------------------ weights (placement's sink)
+
+    def rope_freqs(self, w):
+        self.freq_factors = np.asarray(w, np.float32)
+        self.build_rotary(self.max_positions)
+
+    def embedding(self, w):
+        if isinstance(w, QuantWeight):
+            self.embed_q = w
+        else:
+            self.embed_dense = np.ascontiguousarray(w, dtype=np.float32)
+
+    def final_norm_weight(self, w):
+        self.final_norm = np.ascontiguousarray(w, dtype=np.float32)
+
+    def norm(self, i: int, name: str, w):
+        self.layers[i].norms[name] = np.ascontiguousarray(w, dtype=np.float32)
+
+    def linear(self, i: int, fused: str, parts: list, bias):
+        b = None if bias is None else np.concatenate([np.asarray(x, np.float32) for x in bias])
+        attr = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}[fused]
+        setattr(self.layers[i], attr, Linear(parts, b, self.settings.dense_min_tokens))
+
+    def head_weight(self, w):
+        if w is None:
+            w = self.embed_q if self.embed_q is not None else self.embed_dense
+            check_linear(self.cfg, "lm_head", [w])
+        self.head = Linear([w], None, self.settings.dense_min_tokens)
+
+    def load(self, weights, math_: str, interleave: bool) -> None:
+        sink = SimpleNamespace(rope_freqs=self.rope_freqs, embedding=self.embedding, norm=self.norm,
+                               linear=self.linear, final_norm=self.final_norm_weight, head=self.head_weight)
+        place(self.cfg, weights, sink)
+        if math_ != "exact" or interleave:
+            quant = [self.embed_q] if self.embed_q is not None else []
+            for lin in [self.head] + [getattr(la, a) for la in self.layers for a in ("qkv", "o", "gate_up", "down")]:
+                quant.extend(lin.segments)
+            lay_out(quant, math_)
+        self.decoder = self._quant_decoder()
+
+    @property
+    def quantized(self) -> bool:
+        """Whether every linear of the decoder layers kept its GGUF blocks."""
+        return all(getattr(la, a).weight is None for la in self.layers for a in ("qkv", "o", "gate_up", "down"))
+
+    def weight_bytes(self) -> int:
+        seen, n = set(), 0
+        arrays = [self.embed_q.data if self.embed_q is not None else self.embed_dense, self.final_norm]
+        for lin in [self.head] + [getattr(la, a) for la in self.layers for a in ("qkv", "o", "gate_up", "down")]:
+            arrays += [s.data for s in lin.segments] + [lin.weight, lin.bias]
+        for la in self.layers:
+            arrays += list(la.norms.values())
+        for a in arrays:
+            if a is not None and id(a) not in seen:
+                seen.add(id(a))
+                n += a.nbytes
+        return n
+
+    def build_rotary(self, max_positions: int) -> None:
+        cfg = self.cfg
+        self.max_positions = max_positions
+        self.ropes = [rotary_tables(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, self.freq_factors)]
+        if cfg.rope_local is not None:   # gemma3's sliding layers: their own base, unscaled
+            self.ropes.append(rotary_tables(cfg.head_dim, max_positions, cfg.rope_local["theta"],
+                                            cfg.rope_local["scaling"]))
+
+    def _quant_decoder(self):
+        """One Rust call for every layer of a step: llama's block (no q/k norms, sandwich norms,
+        GELU, soft-capped scores, per-layer windows or rotary tables), every linear quantized."""
+        cfg = self.cfg
+        plain = (not cfg.qk_norm and not cfg.sandwich_norms and cfg.activation == "silu" and not cfg.attn_softcap
+                 and cfg.rope_local is None and len(cfg.windows) == 1)
+        if not plain or not self.quantized:
+            return None
+
+        def lin(m: Linear):
+            return [(s.data, s.kind, s.rows, s.cols) for s in m.segments], m.bias
+        layers = [(la.norms["input_layernorm"], la.norms["post_attention_layernorm"],
+                   [lin(la.qkv), lin(la.o), lin(la.gate_up), lin(la.down)]) for la in self.layers]
+        return ops.QuantDecoder(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+                                cfg.intermediate_size, cfg.rms_eps)
+
+    # ------------------------------------------------------------ forward
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        if self.embed_q is not None:
+            h = np.empty((len(ids), self.cfg.hidden_size), np.float32)
+            kernels.gather_rows(self.embed_q.data, self.embed_q.kind, ids, h)
+        else:
+            h = self.embed_dense[ids]
+        if self.cfg.embed_scale is not None:
+            h *= np.float32(self.cfg.embed_scale)
+        return h
+
+    def _norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        y = np.empty_like(x)
+        ops.add_rms_norm(x, None, w, self.cfg.rms_eps, y)
+        return y
+
+    def forward(self, ids, positions, query_start_loc, seq_lens, block_tables, slots, kv, logits_indices):
+        """Flat batch [T] -> float32 logits [len(logits_indices), vocab]; kv is the runner's
+        [layers, 2, num_blocks, block_size, kv_heads, head_dim] pool."""
+        cfg, settings = self.cfg, self.settings
+        t = len(ids)
+        q_lens = np.diff(query_start_loc)
+        # every row attends in Rust: row j of a sequence's q rows sees n - q + j + 1 positions
+        first = np.repeat(query_start_loc[:-1], q_lens)
+        lens = (np.repeat(seq_lens - q_lens, q_lens) + (np.arange(t) - first) + 1).astype(np.int32)
+        rows = np.arange(t, dtype=np.int64)
+        tables = block_tables if len(q_lens) == t else np.repeat(block_tables, q_lens, axis=0)
+        tables = np.ascontiguousarray(tables, dtype=np.int32)
+        h = self.embed(ids)
+        if self.decoder is not None and t < settings.fused_max_tokens:
+            cos, sin = self.ropes[0]
+            self.decoder.decode(h, positions, slots, lens, tables, kv, cos, sin, cfg.scale, cfg.window(0) or 0)
+            delta = None
+        else:
+            delta = self._layers(h, positions, slots, rows, lens, tables, kv)
+        if logits_indices is None:
+            logits_indices = query_start_loc[1:] - 1
+        if len(logits_indices) == 0:
+            return np.empty((0, cfg.vocab_size), np.float32)
+        last = h[logits_indices]
+        if delta is not None:
+            last += delta[logits_indices]
+        logits = self.head(self._norm(np.ascontiguousarray(last), self.final_norm))
+        if cfg.final_softcap:
+            cap = np.float32(cfg.final_softcap)
+            logits = np.tanh(logits / cap) * cap
+        return logits
+
+    def _layers(self, h, positions, slots, rows, lens, tables, kv) -> np.ndarray:
+        """Layer by layer (every family); h holds the residual stream without the last
+        block's output, which is returned."""
+        cfg = self.cfg
+        t, nh, nkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = nh * d, nkv * d
+        softcap = cfg.attn_softcap or 0.0
+        a = np.empty_like(h)
+        out = np.empty((t, q_size), np.float32)
+        delta = None
+        sandwich = cfg.sandwich_norms
+        mlp_in_name = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
+        for li, layer in enumerate(self.layers):
+            kc, vc = kv[li, 0], kv[li, 1]
+            n = layer.norms
+            ops.add_rms_norm(h, delta, n["input_layernorm"], cfg.rms_eps, a)
+            qkv = np.ascontiguousarray(layer.qkv(a))
+            if cfg.qk_norm:        # per-head q/k norms before the rotary
+                qkv[:, :q_size] = self._norm(np.ascontiguousarray(qkv[:, :q_size]).reshape(t * nh, d),
+                                             n["q_norm"]).reshape(t, q_size)
+                k = qkv[:, q_size: q_size + kv_size]
+                qkv[:, q_size: q_size + kv_size] = self._norm(np.ascontiguousarray(k).reshape(t * nkv, d),
+                                                              n["k_norm"]).reshape(t, kv_size)
+            cos, sin = self.ropes[layer.rope]
+            ops.rope_write_kv(qkv, positions, cos, sin, slots, kc, vc, nh, nkv)
+            ops.paged_decode(qkv, out, rows, lens, tables, kc, vc, nh, nkv, cfg.scale, layer.window or 0, softcap)
+            delta = layer.o(out)
+            if sandwich:
+                delta = self._norm(delta, n["post_attention_layernorm"])
+            ops.add_rms_norm(h, delta, n[mlp_in_name], cfg.rms_eps, a)
+            gu = layer.gate_up(a)
+            inter = cfg.intermediate_size
+            if cfg.activation == "silu":
+                m = np.empty((t, inter), np.float32)
+                ops.silu_mul(gu, m)
+            else:
+                g = gu[:, :inter]
+                m = (np.float32(0.5) * g * (np.float32(1) + np.tanh(np.float32(math.sqrt(2 / math.pi))
+                                                                     * (g + np.float32(0.044715) * g * g * g))))
+                m *= gu[:, inter:]
+            delta = layer.down(np.ascontiguousarray(m, dtype=np.float32))
+            if sandwich:
+                delta = self._norm(delta, n["post_feedforward_layernorm"])
+        return delta
+
+
+class CpuRunner(RunnerBase):
+    """Weights, KV cache and forward of a GGUF model on the CPU, with numpy and the Rust
+    extension only. Not thread-safe: one step at a time. `kv_cache` is one numpy array
+    [layers, 2, num_blocks, block_size, kv_heads, head_dim] (f16 by default)."""
+
+    def __init__(self, model_path=None, kv_memory_bytes=None, block_size=16, num_blocks=None, *, progress=None,
+                 settings: CpuConfig | None = None, kv_dtype: str | None = None, quantized: bool | None = None):
+        """quantized: keep the file's quantized weights as GGUF blocks (None or True; False
+        decodes them to float32 matrices)."""
+        self.settings = settings = settings or CpuConfig.from_env()
+        self.kv_np_dtype = kv_numpy_dtype(kv_dtype)
+        self.kv_dtype_name = {np.float16: "f16", np.float32: "f32"}[self.kv_np_dtype]
+        self.block_size = block_size
+        files = ModelFiles(model_path)
+        if files.reader is None:
+            from .loader import NEEDS_TORCH, ModelFileError
+            raise ModelFileError(f"{files.path}: a safetensors checkpoint runs on the torch runtime: {NEEDS_TORCH}")
+        self.model_path, self.config = files.path, files.config
+        self.file_info = files.info()
+        self._init_stats()
+        cfg = self.config
+        self.block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
+                            * np.dtype(self.kv_np_dtype).itemsize)
+        if num_blocks is None and kv_memory_bytes is not None:   # say so before loading the weights
+            self._check_budget(kv_memory_bytes, files.path)
+        self.tokenizer = Tokenizer.load(files.path, reader=files.reader)
+        keep = files.has_quantized and quantized is not False
+        if quantized and not files.has_quantized:
+            from .quant.formats import FORMATS
+            raise ValueError(f"quantized=True but the file has no tensor in {'/'.join(FORMATS.values())}")
+        self.quantized = keep
+        self.quant_math = settings.math(cfg.num_params) if keep else None
+        self.model = CpuModel(cfg, settings, cfg.context_length)
+        progress = progress or terminal_progress(f"loading {files.path.name}")
+        self.model.load(files.weights(None, progress=progress, keep_quantized=keep), self.quant_math or "exact",
+                        settings.quant_interleave)
+        del files
+        if num_blocks is None:
+            if kv_memory_bytes is None:
+                kv_memory_bytes = min(CPU_KV_MAX_BYTES, int(CPU_KV_RAM_FRACTION * available_ram()))
+            num_blocks = int(kv_memory_bytes // self.block_bytes)
+        if num_blocks < 1:
+            raise KvBudgetError(f"KV cache budget too small: {kv_memory_bytes} bytes, one block of this model is "
+                                f"{self.block_bytes} (e.g. 256M or more)")
+        self.num_blocks = num_blocks
+        # committed as it fills: numpy's zeros are calloc's fresh zero pages
+        self.kv_cache = np.zeros((cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+                                 self.kv_np_dtype)
+        self.max_model_len = min(cfg.context_length, num_blocks * block_size)
+        if self.max_model_len != self.model.max_positions:
+            self.model.build_rotary(self.max_model_len)
+        self.forward_name = "cpu (numpy + rust" + (", one-call decoder)" if self.model.decoder else ")")
+
+    dense_products = "fp32"
+
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes()
+
+    def copy_blocks(self, copies) -> None:
+        """Copy-on-write: for each (src, dst) row copy block src to dst in every layer's K and V."""
+        copies = np.asarray(copies, dtype=np.int64).reshape(-1, 2)
+        if len(copies):
+            self.kv_cache[:, :, copies[:, 1]] = self.kv_cache[:, :, copies[:, 0]]
+
+    def execute(self, input_ids, positions, attn_metadata, logits_indices=None) -> np.ndarray:
+        """One forward over a flat batch -> float32 logits [len(logits_indices), vocab].
+        attn_metadata: a mapping with query_start_loc, seq_lens, block_tables, slot_mapping."""
+        m = attn_metadata
+        seq_lens = np.asarray(m["seq_lens"], dtype=np.int64)
+        if len(seq_lens) and seq_lens.max() > self.max_model_len:
+            raise ValueError(f"context of {seq_lens.max()} tokens exceeds max_model_len {self.max_model_len}")
+        qsl = np.asarray(m["query_start_loc"], dtype=np.int64)
+        tables = np.asarray(m["block_tables"], dtype=np.int32).reshape(len(seq_lens), -1)
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        slots = np.ascontiguousarray(m["slot_mapping"], dtype=np.int64)
+        idx = None if logits_indices is None else np.asarray(logits_indices, dtype=np.int64)
+        return self.model.forward(ids, pos, qsl, seq_lens, tables, slots, self.kv_cache, idx)
+
+
+def torch_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("torch") is not None
+
+
+__all__ = ["CpuModel", "CpuRunner", "FUSED", "PARENT", "kv_numpy_dtype", "torch_available"]

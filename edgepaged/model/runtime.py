@@ -1,0 +1,223 @@
+"""What every runner shares, torch-free: memory figures, the KV budget's errors, and the
+engine step around a forward path (copy-on-write, constrained rows' masks, sampling).
+
+Two runners: `runner.ModelRunner` (torch: the GPU, safetensors checkpoints, the reference
+forward) and `cpu_runtime.CpuRunner` (numpy and the Rust kernels: GGUF files on the CPU).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import time
+
+from .grammar import Masks
+from .params import SamplingParams
+from .sampler import as_array, logprob_info, prepare, sample, sample_prepared
+
+
+class _Background:
+    """fn(*args) in a thread of its own; `result()` waits for it (and raises what it raised)."""
+
+    def __init__(self, fn, *args):
+        import threading
+        self._out = self._err = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args):
+        try:
+            self._out = fn(*args)
+        except BaseException as e:   # handed to the caller
+            self._err = e
+
+    def result(self):
+        self._thread.join()
+        if self._err is not None:
+            raise self._err
+        return self._out
+
+CPU_KV_MAX_BYTES = 1 << 30       # CPU default budget: min(1 GiB, 25% of available RAM)
+CPU_KV_RAM_FRACTION = 0.25
+
+
+def available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def rss_bytes() -> int | None:
+    """The process's resident memory (Linux), or None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class KvBudgetError(ValueError):
+    """A KV cache budget this machine cannot hold (or too small for one block)."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n < 2**40 else f"{n / 2**40:.1f} TiB"
+
+
+class RunnerBase:
+    """The engine's side of a runner. A runner sets: config, tokenizer, model_path,
+    file_info, block_size, block_bytes, num_blocks, max_model_len, quantized, quant_math,
+    kv_dtype_name, and implements `execute` and `copy_blocks`."""
+
+    mask_ms: collections.deque
+
+    def _init_stats(self) -> None:
+        self.mask_ms = collections.deque(maxlen=10000)   # constrained steps' mask times
+
+    @property
+    def products(self) -> str:
+        """How the weights multiply, for banners: "int8 (avx512-vnni)", "exact (avx2)" (GGUF
+        blocks kept quantized), "fp32" (dense)."""
+        if not self.quantized:
+            return self.dense_products
+        from .._native import quant
+        info = quant.info()
+        return f"{self.quant_math} ({info['int8_isa'] if self.quant_math == 'int8' else info['isa']})"
+
+    def memory(self) -> dict:
+        """What the model holds: weights, the KV pool (reserved: its size; used: blocks in
+        use, passed in by the engine), and the process's resident memory."""
+        try:
+            weights = self.weight_bytes()
+        except Exception:  # noqa: BLE001 - a model without the usual modules: say nothing wrong
+            weights = None
+        return {"weights_bytes": weights, "kv_reserved_bytes": self.num_blocks * self.block_bytes,
+                "block_bytes": self.block_bytes, "rss_bytes": rss_bytes()}
+
+    def _free_memory(self) -> tuple[int, str]:
+        return available_ram(), "available memory"
+
+    def _check_budget(self, kv_bytes: int, path) -> None:
+        """KvBudgetError for a budget the device's free memory cannot hold, next to the weights."""
+        free, where = self._free_memory()
+        weights = path.stat().st_size if path.is_file() else 0
+        room = free - weights
+        if kv_bytes > room:
+            hint = f"at most about {_gib(max(room, 0) * 0.9)}" if room > 2**28 else "a smaller model or more memory"
+            raise KvBudgetError(f"{_gib(kv_bytes)} of KV cache does not fit: this machine has {_gib(free)} of "
+                                f"{where}, and the weights take about {_gib(weights)} of it (try {hint})")
+        if kv_bytes < self.block_bytes:
+            raise KvBudgetError(f"{kv_bytes} bytes of KV cache is less than one block of this model "
+                                f"({self.block_bytes} bytes; e.g. 256M)")
+
+    def _masks(self, matchers) -> Masks | None:
+        t0 = time.perf_counter()
+        masks = Masks.compute(matchers, self.config.vocab_size)
+        self.mask_ms.append((time.perf_counter() - t0) * 1000)
+        return masks
+
+    def step(self, batch, params: list[SamplingParams], prev_tokens=None, matchers=None, outputs=None) -> list:
+        """One engine step: the batch's copy-on-write copies, the forward, one sampled token
+        per logits row. `batch` has the scheduler's arrays (input_ids, positions,
+        query_start_loc, seq_lens, block_tables, slot_mapping, copies, logits_indices);
+        params[i] / prev_tokens[i] (the sequence's tokens so far) / matchers[i] (a constrained
+        output's llguidance matcher, or None) / outputs[i] (the answer's tokens, for presence and
+        frequency penalties) belong to logits row i. The constrained rows' token masks are
+        computed in a thread of their own while the forward runs. A row that asked for
+        logprobs gets (token, info) instead of its token (sampler.logprob_info)."""
+        if len(batch.copies):
+            self.copy_blocks(batch.copies)
+        meta = dict(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+                    block_tables=batch.block_tables, slot_mapping=batch.slot_mapping)
+        masks = None
+        if matchers is not None and any(m is not None for m in matchers):
+            masks = _Background(self._masks, matchers)
+        logits = as_array(self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices))
+        if masks is not None:
+            masks = masks.result()
+            masks.apply(logits)
+        if len(logits) == 0:
+            return []
+        try:
+            if any(p.logprobs is not None for p in params):
+                logits = prepare(logits, params, prev_tokens, outputs)
+                tokens = sample_prepared(logits, params, prev_tokens)
+                infos = logprob_info(logits, tokens, params)
+                return [t if info is None else (t, info) for t, info in zip(tokens.tolist(), infos)]
+            return sample(logits, params, prev_tokens, outputs).tolist()
+        except Exception as e:
+            if len(params) == 1:     # that row's failure, reported as its own
+                return [e]
+        # one row's sampling failed: sample row by row, so the failure stays that row's
+        out: list = []
+        for i, p in enumerate(params):
+            try:
+                out.append(int(sample(logits[i:i + 1], [p], None if prev_tokens is None else [prev_tokens[i]],
+                                      None if outputs is None else [outputs[i]])[0]))
+            except Exception as e:
+                out.append(e)
+        return out
+
+
+RUNTIMES = ("auto", "cpu", "torch")
+
+
+def has_torch() -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ValueError:         # torch in sys.modules as None (blocked)
+        return False
+
+
+def resolve_device(device: str) -> str:
+    """"auto": a GPU when torch is installed and sees one (torch is imported only where an
+    NVIDIA driver is present), else "cpu". A GPU asked for without torch: ValueError saying
+    what to install."""
+    from .loader import NEEDS_TORCH
+    if device == "auto":
+        if not has_torch() or not (os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")):
+            return "cpu"
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not has_torch():
+        raise ValueError(f"--device {device}: the GPU path needs torch: {NEEDS_TORCH}")
+    return device
+
+
+def choose_runtime(runtime: str | None, device: str, model_path) -> str:
+    """Which runner serves: "cpu" (numpy + Rust: a GGUF file on the CPU; the default there)
+    or "torch" (a GPU, a safetensors checkpoint, or asked for). runtime None: the
+    EDGEPAGED_RUNTIME variable, else "auto"."""
+    from .loader import NEEDS_TORCH, default_model_path, is_gguf
+    runtime = (runtime or os.environ.get("EDGEPAGED_RUNTIME") or "auto").strip().lower()
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
+    gguf = is_gguf(model_path if model_path is not None else default_model_path())
+    if runtime == "cpu" and (device != "cpu" or not gguf):
+        raise ValueError("the cpu runtime runs GGUF files on the CPU" + ("" if gguf else f" ({model_path} is not one)"))
+    if runtime == "auto":
+        runtime = "cpu" if device == "cpu" and gguf else "torch"
+    if runtime == "torch" and not has_torch():
+        what = "a safetensors checkpoint" if not gguf else f"--device {device}" if device != "cpu" else "the torch runtime"
+        raise ValueError(f"{what} needs torch: {NEEDS_TORCH}")
+    return runtime
+
+
+def open_runner(model_path=None, device: str = "auto", kv_memory_bytes=None, block_size: int = 16, *,
+                max_num_batched_tokens: int = 2048, kv_dtype: str | None = None, settings=None,
+                runtime: str | None = None, num_blocks=None):
+    """The runner a server uses for this model and device (`choose_runtime`)."""
+    device = resolve_device(device)
+    if choose_runtime(runtime, device, model_path) == "cpu":
+        from .cpu_runtime import CpuRunner
+        return CpuRunner(model_path, kv_memory_bytes=kv_memory_bytes, block_size=block_size, num_blocks=num_blocks,
+                         settings=settings, kv_dtype=kv_dtype)
+    from .runner import ModelRunner
+    return ModelRunner(model_path, device=device, kv_memory_bytes=kv_memory_bytes, block_size=block_size,
+                       num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
+                       settings=settings)
