@@ -110,13 +110,15 @@ def prompts(vocab: int, n: int, length: int, seed: int) -> list[np.ndarray]:
     return [rng.integers(300, vocab - 300, length).astype(np.int64) for _ in range(n)]
 
 
-def ours(path: Path, new_tokens: int, reps: int) -> dict:
-    runner = ModelRunner(path, num_blocks=(32 * (32 + new_tokens) + PREFILL) // 16 + 64)
+def ours(path: Path, new_tokens: int, reps: int, runtime: str = "cpu") -> dict:
+    from edgepaged.model.runtime import open_runner
+    runner = open_runner(path, "cpu", runtime=runtime, num_blocks=(32 * (32 + new_tokens) + PREFILL) // 16 + 64)
     alloc = make_allocator(runner)
     vocab = runner.config.vocab_size
     run_batch(runner, alloc, prompts(vocab, 2, 8, 9), 4, seq_base=1_000_000)   # warm-up
     res = {"tok_s_b1": 0.0, "tok_s_b32": 0.0, "prefill_tok_s": 0.0, "params": runner.config.num_params,
-           "forward": runner.forward.name, "kv_dtype": runner.kv_dtype_name, "math": runner.quant_math,
+           "runtime": runtime,
+           "forward": getattr(runner, "forward_name", None) or runner.forward.name, "kv_dtype": runner.kv_dtype_name, "math": runner.quant_math,
            "isa": runner.products.split("(")[-1].rstrip(")")}
     for r in range(reps):
         base = 10_000 * (r + 1)
@@ -169,6 +171,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="runs of each figure; the best counts")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "edgepaged" / "bench")
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--runtime", choices=["cpu", "torch"], default="cpu",
+                    help="ours: the torch-free runtime (what serve runs on a CPU) or the torch runner")
     args = ap.parse_args()
     from edgepaged._native import quant
     machine = cpu_flags()
@@ -181,7 +185,7 @@ def main() -> None:
         w = weights_rss(path)
         res["weights_rss_mb"] = round(w["rss"] / 2**20, 1)
         res["weights_rss_frac"] = round(res["weights_rss_mb"] / res["file_mb"], 3)
-        res.update(ours(path, args.new_tokens, args.reps))
+        res.update(ours(path, args.new_tokens, args.reps, args.runtime))
         gflops = max(gflops, gemm_gflops())
         res["roofline_frac_b32"] = round(2 * res["params"] * res["tok_s_b32"] / (gflops * 1e9), 3)
         if args.no_llama_cpp:

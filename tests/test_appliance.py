@@ -151,8 +151,12 @@ def test_the_wheel_serves_in_a_fresh_environment_without_torch(tmp_path):
         assert out.returncode == 0 and "Paris" in out.stdout, out.stdout + out.stderr
     finally:
         srv.stop()
+    hf = tmp_path / "hf-folder"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
     for flags, what in ((["--runtime", "torch"], "the torch runtime needs torch"),
-                        (["--device", "cuda"], "--device cuda: the GPU path needs torch")):
+                        (["--device", "cuda"], "--device cuda: the GPU path needs torch"),
+                        (["--model", str(hf)], "a safetensors checkpoint needs torch")):
         r = subprocess.run([str(venv / "bin" / "edgepaged"), "serve", "--host", "127.0.0.1", "--port", "0",
                             "--http-port", "0", "--no-mdns", *flags], capture_output=True, text=True, timeout=60,
                            env=env)

@@ -29,6 +29,15 @@ def paged_decode(
     """Attention of the query at row rows[b] of q over sequence b's paged context (its last
     `window` positions when window > 0) -> out[rows[b]]."""
 
+def paged_prefill(
+    q: F32, out: F32, starts: I64, seq_lens: I32, block_tables: I32, k_cache: F32, v_cache: F32, num_heads: int,
+    num_kv_heads: int, scale: float, window: int = 0, softcap: float = 0.0,
+) -> None:
+    """Attention of rows starts[b] .. starts[b + 1] of q (a prefill chunk of sequence b) over
+    the sequence's paged context of seq_lens[b] positions: row j of a chunk of q rows sees the
+    first seq_lens[b] - q + j + 1 (their last `window` when window > 0) -> out[row]. Tiles
+    of rows share each K/V row read (rust_alloc/cpu_kernels/src/prefill.rs)."""
+
 # one linear: (segments, bias or None); a segment: (uint8 blocks, ggml type (+ x8 flag), rows, cols)
 _Linear = tuple[Sequence[tuple[npt.NDArray[np.uint8], int, int, int]], F32 | None]
 

@@ -236,12 +236,17 @@ class CpuModel:
         tables = block_tables if len(q_lens) == t else np.repeat(block_tables, q_lens, axis=0)
         tables = np.ascontiguousarray(tables, dtype=np.int32)
         h = self.embed(ids)
+        # decode-only steps attend row by row (one call per sequence); a step with a prefill
+        # chunk attends in tiles of rows per sequence (ops.paged_prefill)
+        chunks = None if len(q_lens) == t else (np.ascontiguousarray(query_start_loc, dtype=np.int64),
+                                                 np.ascontiguousarray(seq_lens, dtype=np.int32),
+                                                 np.ascontiguousarray(block_tables, dtype=np.int32))
         if self.decoder is not None and t < settings.fused_max_tokens:
             cos, sin = self.ropes[0]
             self.decoder.decode(h, positions, slots, lens, tables, kv, cos, sin, cfg.scale, cfg.window(0) or 0)
             delta = None
         else:
-            delta = self._layers(h, positions, slots, rows, lens, tables, kv)
+            delta = self._layers(h, positions, slots, rows, lens, tables, kv, chunks)
         if logits_indices is None:
             logits_indices = query_start_loc[1:] - 1
         if len(logits_indices) == 0:
@@ -255,7 +260,7 @@ class CpuModel:
             logits = np.tanh(logits / cap) * cap
         return logits
 
-    def _layers(self, h, positions, slots, rows, lens, tables, kv) -> np.ndarray:
+    def _layers(self, h, positions, slots, rows, lens, tables, kv, chunks) -> np.ndarray:
         """Layer by layer (every family); h holds the residual stream without the last
         block's output, which is returned."""
         cfg = self.cfg
@@ -280,7 +285,10 @@ class CpuModel:
                                                               n["k_norm"]).reshape(t, kv_size)
             cos, sin = self.ropes[layer.rope]
             ops.rope_write_kv(qkv, positions, cos, sin, slots, kc, vc, nh, nkv)
-            ops.paged_decode(qkv, out, rows, lens, tables, kc, vc, nh, nkv, cfg.scale, layer.window or 0, softcap)
+            if chunks is None:
+                ops.paged_decode(qkv, out, rows, lens, tables, kc, vc, nh, nkv, cfg.scale, layer.window or 0, softcap)
+            else:
+                ops.paged_prefill(qkv, out, *chunks, kc, vc, nh, nkv, cfg.scale, layer.window or 0, softcap)
             delta = layer.o(out)
             if sandwich:
                 delta = self._norm(delta, n["post_attention_layernorm"])

@@ -1,5 +1,7 @@
-"""Forward paths: how one flat batch becomes logits. The runner picks one at load, from the
-device, the weights' formats and the settings (`choose`); nothing is decided again per step.
+"""The torch runner's forward paths: how one flat batch becomes logits. The runner picks one
+at load, from the device, the weights' formats and the settings (`choose`); nothing is
+decided again per step. (GGUF files on the CPU run by default on the torch-free runtime,
+`cpu_runtime.py`, whose forward uses the same Rust operators.)
 
 | path               | where                          | what                                             |
 |--------------------|--------------------------------|--------------------------------------------------|

@@ -26,7 +26,7 @@ struct DecodeArgs<'a, E> {
 
 /// Gemma 2's soft-capping of scaled scores: cap · tanh(s / cap) (`cap` 0: off).
 #[inline]
-fn cap_scores(s: &mut [f32], cap: f32) {
+pub(crate) fn cap_scores(s: &mut [f32], cap: f32) {
     if cap > 0.0 {
         for x in s {
             *x = cap * (*x / cap).tanh();
@@ -102,7 +102,7 @@ unsafe fn decode_item<E: KvElem>(a: &DecodeArgs<E>, item: usize, scores: &mut Ve
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use super::{cap_scores, DecodeArgs, Heads, KvElem};
     use crate::ops::x86::exp8;
     use crate::quant::avx2::hsum;
@@ -115,7 +115,7 @@ mod x86 {
     /// `len % 8` one by one, and the slot offsets are computed block by block, with no
     /// division per position (both measured: bench/RESULTS.md, "Seventh session").
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn item<E: KvElem, const NV: usize>(
+    pub(super) unsafe fn item<E: KvElem, const NV: usize>(
         a: &DecodeArgs<E>, b: usize, scores: &mut Vec<f32>, slots: &mut Vec<usize>,
     ) {
         let Heads { nh, nkv, d } = a.hs;
@@ -217,7 +217,7 @@ mod x86 {
 
     /// Lane `u` of the result: the sum of the 8 lanes of `a[u]`.
     #[inline(always)]
-    unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
+    pub(crate) unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
         let h01 = _mm256_hadd_ps(a[0], a[1]);
         let h23 = _mm256_hadd_ps(a[2], a[3]);
         let h45 = _mm256_hadd_ps(a[4], a[5]);
@@ -228,7 +228,7 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn hmax(v: __m256) -> f32 {
+    pub(crate) unsafe fn hmax(v: __m256) -> f32 {
         let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
         _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps::<1>(s, s)))
@@ -236,17 +236,17 @@ mod x86 {
 
     /// All-ones in the first `n` (< 8) lanes.
     #[inline(always)]
-    unsafe fn tail_mask(n: usize) -> __m256 {
+    pub(crate) unsafe fn tail_mask(n: usize) -> __m256 {
         let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), idx))
     }
 
     /// Whether `items` runs these heads (else the portable loop does).
-    pub fn supports(hs: Heads) -> bool { hs.d % 8 == 0 && hs.nh <= 64 && matches!(hs.d / 8, 4 | 8 | 16) }
+    pub(super) fn supports(hs: Heads) -> bool { hs.d % 8 == 0 && hs.nh <= 64 && matches!(hs.d / 8, 4 | 8 | 16) }
 
     /// Sequences `i0..i1`, every KV head of each.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn items<E: KvElem>(a: &DecodeArgs<E>, i0: usize, i1: usize) {
+    pub(super) unsafe fn items<E: KvElem>(a: &DecodeArgs<E>, i0: usize, i1: usize) {
         let (mut scores, mut slots) = (Vec::new(), Vec::new());
         let nv = a.hs.d / 8;
         for b in i0..i1 {

@@ -51,3 +51,16 @@ impl Isa {
         Ok(self.min(top))
     }
 }
+
+/// Whether the CPU has AVX-512 F (with AVX2, FMA and F16C): the float kernels' 16-lane paths.
+pub fn has_avx512f() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| is_x86_feature_detected!("avx512f") && crate::ops::has_avx2()
+            && std::env::var("EDGEPAGED_NO_AVX512").map_or(true, |v| v.is_empty() || v == "0"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}

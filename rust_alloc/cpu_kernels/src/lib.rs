@@ -24,6 +24,7 @@ pub mod decoder;
 pub mod isa;
 pub mod kv;
 pub mod ops;
+pub mod prefill;
 pub mod q8;
 pub mod quant;
 pub mod threads;
@@ -31,6 +32,7 @@ pub mod threads;
 mod testing;
 
 pub use attention::paged_decode;
+pub use prefill::paged_prefill;
 pub use decoder::{decode_layers, DecodeStep, QLayer, QLinear};
 pub use ops::{add_rms_norm, rope_write_kv, silu_mul, Heads, OpError};
 pub use isa::Isa;

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use cpu_kernels::decoder::{decode_layers, DecodeStep, Part, QLayer, QLinear};
 use cpu_kernels::kv::F16;
 use cpu_kernels::ops::{self, Heads, OpError};
-use cpu_kernels::{attention, QMatrix, QType};
+use cpu_kernels::{attention, prefill, QMatrix, QType};
 
 use crate::quant::{contiguous, contiguous_mut, qtype, rmatrix, rows_cols, Lay};
 
@@ -161,6 +161,43 @@ fn paged_decode<'py>(
         (CacheRef::F16(k), CacheRef::F16(v)) => {
             let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
             py.detach(|| attention::paged_decode(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap))
+        }
+        _ => return Err(PyValueError::new_err(MIXED)),
+    }
+    .map_err(verr)
+}
+
+/// Prefill attention: rows starts[b]..starts[b + 1] of q (a chunk of sequence b) over the
+/// sequence's paged context of seq_lens[b] positions, causal within the chunk.
+/// starts int64 [B + 1], seq_lens int32 [B], block_tables int32 [B, M]; caches as above.
+#[pyfunction]
+#[pyo3(signature = (q, out, starts, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads, scale, window = 0, softcap = 0.0))]
+#[allow(clippy::too_many_arguments)]
+fn paged_prefill<'py>(
+    py: Python<'py>, q: PyReadonlyArrayDyn<'py, f32>, mut out: PyReadwriteArrayDyn<'py, f32>,
+    starts: PyReadonlyArrayDyn<'py, i64>, seq_lens: PyReadonlyArrayDyn<'py, i32>, block_tables: PyReadonlyArrayDyn<'py, i32>,
+    k_cache: Bound<'py, PyAny>, v_cache: Bound<'py, PyAny>, num_heads: usize, num_kv_heads: usize,
+    scale: f32, window: usize, softcap: f32,
+) -> PyResult<()> {
+    let (k_cache, v_cache) = (cache_ref(&k_cache, "k_cache")?, cache_ref(&v_cache, "v_cache")?);
+    let kshape = k_cache.shape();
+    if kshape.len() != 4 || v_cache.shape() != kshape || kshape[2] != num_kv_heads {
+        return Err(PyValueError::new_err("paged_prefill: caches must be [num_blocks, block_size, Hkv, D]"));
+    }
+    let (bs, d) = (kshape[1], kshape[3]);
+    let hs = Heads { nh: num_heads, nkv: num_kv_heads, d };
+    let (_, q_stride) = rows_cols(q.shape());
+    let (_, out_stride) = rows_cols(out.shape());
+    let (qs, st, l, t) = (contiguous(&q, "q")?, contiguous(&starts, "starts")?, contiguous(&seq_lens, "seq_lens")?, contiguous(&block_tables, "block_tables")?);
+    let os = contiguous_mut(&mut out, "out")?;
+    match (&k_cache, &v_cache) {
+        (CacheRef::F32(k), CacheRef::F32(v)) => {
+            let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
+            py.detach(|| prefill::paged_prefill(qs, q_stride, os, out_stride, st, l, t, kc, vc, bs, hs, scale, window, softcap))
+        }
+        (CacheRef::F16(k), CacheRef::F16(v)) => {
+            let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
+            py.detach(|| prefill::paged_prefill(qs, q_stride, os, out_stride, st, l, t, kc, vc, bs, hs, scale, window, softcap))
         }
         _ => return Err(PyValueError::new_err(MIXED)),
     }
@@ -329,6 +366,7 @@ pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     m.add_function(wrap_pyfunction!(silu_mul, &m)?)?;
     m.add_function(wrap_pyfunction!(rope_write_kv, &m)?)?;
     m.add_function(wrap_pyfunction!(paged_decode, &m)?)?;
+    m.add_function(wrap_pyfunction!(paged_prefill, &m)?)?;
     m.add_class::<QuantDecoder>()?;
     Ok(m)
 }

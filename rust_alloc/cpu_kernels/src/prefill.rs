@@ -1,0 +1,540 @@
+//! Paged prefill attention on the CPU: a chunk of q query rows of one sequence over its
+//! paged context, causal (row j of a chunk over n positions sees the first n - q + j + 1),
+//! over a cached prefix, within a sliding window, scores soft-capped on request.
+//!
+//! Decode attention (`attention.rs`) reads every K and V row once per query row. Here the
+//! rows of a chunk go in tiles of `TILE` rows: each K and V row the tile sees is read from
+//! the cache and converted to f32 once, into a small buffer that stays in L1, and every query
+//! head of the tile's rows uses it there (scores, then a causal softmax per row and head, then
+//! the probability-weighted V rows). On a CPU without AVX2, or head sizes the vector kernel
+//! does not take, the rows go through `paged_decode` one by one (same results).
+
+use crate::attention::paged_decode;
+use crate::kv::KvElem;
+use crate::ops::{bad, has_avx2, Heads, OpError, P};
+use crate::threads::{num_threads, parallel_for};
+
+/// Query rows per tile.
+const TILE: usize = 32;
+
+struct PrefillArgs<'a, E> {
+    q: P,
+    q_stride: usize,
+    out: P,
+    out_stride: usize,
+    starts: &'a [i64],
+    lens: &'a [i32],
+    tables: &'a [i32],
+    max_blocks: usize,
+    k: &'a [E],
+    v: &'a [E],
+    bs: usize,
+    hs: Heads,
+    scale: f32,
+    window: usize,
+    softcap: f32,
+}
+
+impl<E> PrefillArgs<'_, E> {
+    /// Sequence b's rows: (first row, count).
+    fn rows(&self, b: usize) -> (usize, usize) {
+        let s = self.starts[b] as usize;
+        (s, self.starts[b + 1] as usize - s)
+    }
+
+    /// Positions row j (of q) of sequence b sees: lo..hi.
+    fn span(&self, b: usize, q: usize, j: usize) -> (usize, usize) {
+        let hi = self.lens[b] as usize - q + j + 1;
+        (if self.window > 0 { hi.saturating_sub(self.window) } else { 0 }, hi)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{PrefillArgs, TILE};
+    use crate::attention::cap_scores;
+    use crate::attention::x86::{hmax, tail_mask};
+    use crate::kv::KvElem;
+    use crate::ops::x86::exp8;
+    use crate::ops::Heads;
+    use crate::quant::avx2::hsum;
+    use std::arch::x86_64::*;
+
+    pub(super) fn supports(hs: Heads) -> bool { hs.d % 8 == 0 && matches!(hs.d / 8, 4 | 8 | 16) && hs.nh / hs.nkv <= 64 }
+
+    /// Scratch one thread reuses from tile to tile.
+    #[derive(Default)]
+    pub(super) struct Scratch {
+        slots: Vec<usize>,
+        scores: Vec<f32>,
+        kt: Vec<f32>,
+        vb: Vec<f32>,
+    }
+
+    /// The 8 x 8 block `r` transposed: lane u of result j is lane j of r[u].
+    #[inline(always)]
+    unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4), _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6), _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4), _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6), _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
+    }
+
+    /// Tile `tile` (rows tile * TILE ..) of sequence b, KV head kh; head_dim = 8 * NV.
+    ///
+    /// The K rows the tile sees are converted to f32 once, transposed in chunks of 16
+    /// positions (`kt[c][j][u]`: position 16c + u, dimension j), so 4 query vectors x 16
+    /// positions of scores build up in 8 registers with no horizontal sums; the V rows are
+    /// converted once too (`vb`, row by row), and 2 query vectors x 32 dimensions of the
+    /// output build up in 8 registers over every position.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile<E: KvElem, const NV: usize>(
+        a: &PrefillArgs<E>, b: usize, tile: usize, kh: usize, s: &mut Scratch, w512: bool,
+    ) {
+        let Heads { nh, nkv, d } = a.hs;
+        let g = nh / nkv;
+        let (row0, q) = a.rows(b);
+        let j0 = tile * TILE;
+        let r = TILE.min(q - j0);
+        let (lo, _) = a.span(b, q, j0);
+        let (_, hi) = a.span(b, q, j0 + r - 1);
+        let span = hi - lo;
+        let stride = span.next_multiple_of(16);
+        let table = &a.tables[b * a.max_blocks..(b + 1) * a.max_blocks];
+        let kvw = nkv * d;
+        s.slots.clear();
+        for bi in lo / a.bs..hi.div_ceil(a.bs) {
+            let first = bi * a.bs;
+            let base = table[bi] as usize * a.bs;
+            s.slots.extend((first.max(lo)..(first + a.bs).min(hi)).map(|p| (base + p - first) * kvw + kh * d));
+        }
+        let nq = r * g; // query vectors of the tile, (row, head) in order
+        s.kt.clear();
+        s.kt.resize(stride * d, 0.0);
+        s.vb.clear();
+        s.vb.resize(stride * d, 0.0);
+        s.scores.clear();
+        s.scores.resize(nq * stride, 0.0);
+        let (kp, vp) = (a.k.as_ptr(), a.v.as_ptr());
+        let (kt, vb, sp) = (s.kt.as_mut_ptr(), s.vb.as_mut_ptr(), s.scores.as_mut_ptr());
+        // K transposed per chunk of 16 positions, V as rows, both f32; padding positions are 0
+        for c0 in (0..stride).step_by(8) {
+            for jb in 0..NV {
+                let rows: [__m256; 8] = std::array::from_fn(|u| {
+                    if c0 + u < span { E::load8(kp.add(s.slots[c0 + u] + 8 * jb)) } else { _mm256_setzero_ps() }
+                });
+                let cols = transpose8(rows);
+                let (chunk, half) = (c0 / 16, (c0 % 16) / 8);
+                for (jj, col) in cols.iter().enumerate() {
+                    _mm256_storeu_ps(kt.add(chunk * 16 * d + (8 * jb + jj) * 16 + 8 * half), *col);
+                }
+            }
+            for u in c0..(c0 + 8).min(span) {
+                let src = vp.add(s.slots[u]);
+                for j in 0..NV {
+                    _mm256_storeu_ps(vb.add(u * d + 8 * j), E::load8(src.add(8 * j)));
+                }
+            }
+        }
+        let qptr = |qi: usize| a.q.0.add((row0 + j0 + qi / g) * a.q_stride + (kh * g + qi % g) * d) as *const f32;
+        let optr = |qi: usize| a.out.0.add((row0 + j0 + qi / g) * a.out_stride + (kh * g + qi % g) * d);
+        let sc = _mm256_set1_ps(a.scale);
+        let mut qps = [std::ptr::null::<f32>(); TILE * 64];
+        let mut ops = [std::ptr::null_mut::<f32>(); TILE * 64];
+        let mut spans = [(0usize, 0usize); TILE * 64];
+        for qi in 0..nq {
+            qps[qi] = qptr(qi);
+            ops[qi] = optr(qi);
+            let (rlo, rhi) = a.span(b, q, j0 + qi / g);
+            spans[qi] = (rlo - lo, rhi - lo);
+        }
+        // scores: 4 query vectors x 16 positions per register block (8 x 16 with AVX-512)
+        let mut qi = if w512 { scores512(kt, sp, stride, d, &qps[..nq], a.scale); nq } else { 0 };
+        while qi < nq {
+            let m = 4.min(nq - qi);
+            let qs: [*const f32; 4] = std::array::from_fn(|i| qptr(qi + i.min(m - 1)));
+            for c in 0..stride / 16 {
+                let kc = kt.add(c * 16 * d);
+                let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+                for j in 0..d {
+                    let k0 = _mm256_loadu_ps(kc.add(j * 16));
+                    let k1 = _mm256_loadu_ps(kc.add(j * 16 + 8));
+                    for (i, x) in acc.iter_mut().enumerate() {
+                        let qb = _mm256_broadcast_ss(&*qs[i].add(j));
+                        x[0] = _mm256_fmadd_ps(qb, k0, x[0]);
+                        x[1] = _mm256_fmadd_ps(qb, k1, x[1]);
+                    }
+                }
+                for (i, x) in acc.iter().enumerate().take(m) {
+                    let o = sp.add((qi + i) * stride + 16 * c);
+                    _mm256_storeu_ps(o, _mm256_mul_ps(x[0], sc));
+                    _mm256_storeu_ps(o.add(8), _mm256_mul_ps(x[1], sc));
+                }
+            }
+            qi += m;
+        }
+        // causal softmax per (row, head) over its own span; the rest of its scores become 0
+        let mut inv = [0f32; TILE * 64];
+        for i in 0..r {
+            let (rlo, rhi) = a.span(b, q, j0 + i);
+            let (a0, a1) = (rlo - lo, rhi - lo);
+            for h in 0..g {
+                let row = std::slice::from_raw_parts_mut(sp.add((i * g + h) * stride), stride);
+                if a.softcap > 0.0 {
+                    cap_scores(&mut row[a0..a1], a.softcap);
+                }
+                let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
+                let mut c = a0;
+                while c + 8 <= a1 {
+                    mv = _mm256_max_ps(mv, _mm256_loadu_ps(row.as_ptr().add(c)));
+                    c += 8;
+                }
+                let mut mx = hmax(mv);
+                for &x in &row[c..a1] {
+                    mx = mx.max(x);
+                }
+                let neg = _mm256_set1_ps(-mx);
+                let mut sum = _mm256_setzero_ps();
+                let mut c = a0;
+                while c + 8 <= a1 {
+                    let e = exp8(_mm256_add_ps(_mm256_loadu_ps(row.as_ptr().add(c)), neg));
+                    _mm256_storeu_ps(row.as_mut_ptr().add(c), e);
+                    sum = _mm256_add_ps(sum, e);
+                    c += 8;
+                }
+                let mut total = hsum(sum);
+                if c < a1 {
+                    let mut tail = [f32::NEG_INFINITY; 8];
+                    tail[..a1 - c].copy_from_slice(&row[c..a1]);
+                    let e = _mm256_and_ps(exp8(_mm256_add_ps(_mm256_loadu_ps(tail.as_ptr()), neg)), tail_mask(a1 - c));
+                    _mm256_storeu_ps(tail.as_mut_ptr(), e);
+                    row[c..a1].copy_from_slice(&tail[..a1 - c]);
+                    total += hsum(e);
+                }
+                row[..a0].fill(0.0);
+                row[a1..].fill(0.0);
+                inv[i * g + h] = 1.0 / total;
+            }
+        }
+        // out = Σ p V / Σ p: 2 query vectors x 32 dimensions per register block (4 x 64 with
+        // AVX-512)
+        let mut qi = if w512 { pv512(vb, sp, stride, d, &ops[..nq], &spans[..nq], &inv[..nq]); nq } else { 0 };
+        while qi < nq {
+            let m = 2.min(nq - qi);
+            let (qa, qb) = (qi, qi + m - 1);
+            // positions either of the two sees (their scores are 0 elsewhere)
+            let span_of = |x: usize| {
+                let (rlo, rhi) = a.span(b, q, j0 + x / g);
+                (rlo - lo, rhi - lo)
+            };
+            let (sa, sb) = (span_of(qa), span_of(qb));
+            let (t0, t1) = (sa.0.min(sb.0), sa.1.max(sb.1));
+            let (pa, pb) = (sp.add(qa * stride), sp.add(qb * stride));
+            for db in 0..NV.div_ceil(4) {
+                let nr = 4.min(NV - 4 * db);
+                let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+                for t in t0..t1 {
+                    let v = vb.add(t * d + 32 * db);
+                    let (wa, wb) = (_mm256_broadcast_ss(&*pa.add(t)), _mm256_broadcast_ss(&*pb.add(t)));
+                    for j in 0..nr {
+                        let vj = _mm256_loadu_ps(v.add(8 * j));
+                        acc[0][j] = _mm256_fmadd_ps(wa, vj, acc[0][j]);
+                        acc[1][j] = _mm256_fmadd_ps(wb, vj, acc[1][j]);
+                    }
+                }
+                for (k, x) in acc.iter().enumerate().take(m) {
+                    let qk = qi + k;
+                    let o = a.out.0.add((row0 + j0 + qk / g) * a.out_stride + (kh * g + qk % g) * d + 32 * db);
+                    let iv = _mm256_set1_ps(inv[qk]);
+                    for (j, y) in x.iter().enumerate().take(nr) {
+                        _mm256_storeu_ps(o.add(8 * j), _mm256_mul_ps(*y, iv));
+                    }
+                }
+            }
+            qi += m;
+        }
+    }
+
+    /// Scores of every query vector (`qps`) against every position, 8 vectors x 16 positions
+    /// per block of 8 registers: sp[q * stride + t] = q · k_t * scale.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn scores512(kt: *const f32, sp: *mut f32, stride: usize, d: usize, qps: &[*const f32], scale: f32) {
+        let sc = _mm512_set1_ps(scale);
+        let nq = qps.len();
+        let mut qi = 0;
+        while qi < nq {
+            let m = 8.min(nq - qi);
+            let qs: [*const f32; 8] = std::array::from_fn(|i| qps[qi + i.min(m - 1)]);
+            let nc = stride / 16;
+            let mut c = 0;
+            while c < nc {
+                // two chunks of 16 positions at a time (16 accumulators), the last one alone
+                let two = c + 1 < nc;
+                let (k0p, k1p) = (kt.add(c * 16 * d), kt.add((c + two as usize) * 16 * d));
+                let mut acc = [[_mm512_setzero_ps(); 2]; 8];
+                for j in 0..d {
+                    let k0 = _mm512_loadu_ps(k0p.add(j * 16));
+                    let k1 = _mm512_loadu_ps(k1p.add(j * 16));
+                    for (i, x) in acc.iter_mut().enumerate() {
+                        let qb = _mm512_set1_ps(*qs[i].add(j));
+                        x[0] = _mm512_fmadd_ps(qb, k0, x[0]);
+                        x[1] = _mm512_fmadd_ps(qb, k1, x[1]);
+                    }
+                }
+                for (i, x) in acc.iter().enumerate().take(m) {
+                    let o = sp.add((qi + i) * stride + 16 * c);
+                    _mm512_storeu_ps(o, _mm512_mul_ps(x[0], sc));
+                    if two {
+                        _mm512_storeu_ps(o.add(16), _mm512_mul_ps(x[1], sc));
+                    }
+                }
+                c += 1 + two as usize;
+            }
+            qi += m;
+        }
+    }
+
+    /// out_q = inv_q · Σ_t p[q, t] v_t over each query vector's positions, 4 vectors x 64
+    /// dimensions per block of 16 registers.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn pv512(vb: *const f32, sp: *const f32, stride: usize, d: usize, ops: &[*mut f32], spans: &[(usize, usize)],
+                    inv: &[f32]) {
+        let nq = ops.len();
+        let nz = d / 16;
+        let mut qi = 0;
+        while qi < nq {
+            let m = 4.min(nq - qi);
+            let t0 = (qi..qi + m).map(|x| spans[x].0).min().unwrap_or(0);
+            let t1 = (qi..qi + m).map(|x| spans[x].1).max().unwrap_or(0);
+            let ps: [*const f32; 4] = std::array::from_fn(|k| sp.add((qi + k.min(m - 1)) * stride));
+            for db in 0..nz.div_ceil(4) {
+                let nr = 4.min(nz - 4 * db);
+                let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+                for t in t0..t1 {
+                    let v = vb.add(t * d + 64 * db);
+                    let w: [__m512; 4] = std::array::from_fn(|k| _mm512_set1_ps(*ps[k].add(t)));
+                    for j in 0..nr {
+                        let vj = _mm512_loadu_ps(v.add(16 * j));
+                        for k in 0..4 {
+                            acc[k][j] = _mm512_fmadd_ps(w[k], vj, acc[k][j]);
+                        }
+                    }
+                }
+                for (k, x) in acc.iter().enumerate().take(m) {
+                    let iv = _mm512_set1_ps(inv[qi + k]);
+                    for (j, y) in x.iter().enumerate().take(nr) {
+                        _mm512_storeu_ps(ops[qi + k].add(64 * db + 16 * j), _mm512_mul_ps(*y, iv));
+                    }
+                }
+            }
+            qi += m;
+        }
+    }
+
+    /// Work items i0..i1 (`items` lists (sequence, tile, KV head)).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn run<E: KvElem>(a: &PrefillArgs<E>, items: &[(usize, usize, usize)], w512: bool) {
+        let mut s = Scratch::default();
+        for &(b, t, kh) in items {
+            match a.hs.d / 8 {
+                4 => tile::<E, 4>(a, b, t, kh, &mut s, w512),
+                8 => tile::<E, 8>(a, b, t, kh, &mut s, w512),
+                16 => tile::<E, 16>(a, b, t, kh, &mut s, w512),
+                _ => unreachable!(),
+            }
+        }
+    }
+}
+
+/// Attention of the rows `starts[b] .. starts[b + 1]` of sequence b (a prefill chunk of
+/// q rows) over its paged context of `lens[b]` positions, the chunk's own among them: row j
+/// sees positions `0 .. lens[b] - q + j + 1` (the last `window` of those when window > 0),
+/// scaled scores soft-capped as cap · tanh(s / cap) when softcap > 0. `q` holds each row's
+/// query heads at `q[row * q_stride ..]` (e.g. the Q part of fused QKV rows); the result
+/// goes to `out[row * out_stride ..]`. `tables` is `[B, max_blocks]`, caches are
+/// `[num_blocks * bs, nkv, d]`.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_prefill<E: KvElem>(
+    q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, starts: &[i64], lens: &[i32], tables: &[i32],
+    k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32,
+) -> Result<(), OpError> {
+    prefill(q, q_stride, out, out_stride, starts, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap, true)
+}
+
+/// `paged_prefill`, the AVX-512 micro-kernels allowed or not (the tests run both).
+#[allow(clippy::too_many_arguments)]
+fn prefill<E: KvElem>(
+    q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, starts: &[i64], lens: &[i32], tables: &[i32],
+    k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32, allow512: bool,
+) -> Result<(), OpError> {
+    let nseq = lens.len();
+    if starts.len() != nseq + 1 || (nseq > 0 && tables.len() % nseq != 0) {
+        return bad("paged_prefill: starts, lens and tables disagree on the number of sequences");
+    }
+    let mut rows = Vec::new();
+    let mut row_lens = Vec::new();
+    for b in 0..nseq {
+        let (s, e, n) = (starts[b], starts[b + 1], lens[b] as i64);
+        if s < 0 || e < s || e - s > n {
+            return bad(format!("paged_prefill: sequence {b}: rows {s}..{e} over a context of {n}"));
+        }
+        for (j, r) in (s..e).enumerate() {
+            rows.push(r);
+            row_lens.push((n - (e - s) + j as i64 + 1) as i32);
+        }
+    }
+    let max_blocks = if nseq > 0 { tables.len() / nseq } else { 0 };
+    #[cfg(target_arch = "x86_64")]
+    let vector = has_avx2() && x86::supports(hs);
+    #[cfg(target_arch = "x86_64")]
+    let w512 = allow512 && vector && crate::isa::has_avx512f();
+    #[cfg(not(target_arch = "x86_64"))]
+    let vector = false;
+    if !vector || rows.is_empty() {
+        // one row at a time: the decode kernel checks every row, length and block id
+        let mut row_tables = Vec::with_capacity(rows.len() * max_blocks);
+        for b in 0..nseq {
+            for _ in starts[b]..starts[b + 1] {
+                row_tables.extend_from_slice(&tables[b * max_blocks..(b + 1) * max_blocks]);
+            }
+        }
+        return paged_decode(q, q_stride, out, out_stride, &rows, &row_lens, &row_tables, k_cache, v_cache, bs, hs, scale,
+                            window, softcap);
+    }
+    // the same checks as paged_decode's, once per sequence
+    let Heads { nh, nkv, d } = hs;
+    if nkv == 0 || nh % nkv != 0 || d == 0 || bs == 0 {
+        return bad(format!("paged_prefill: unsupported heads {nh}/{nkv} x {d}"));
+    }
+    let kvw = nkv * d;
+    let num_blocks = k_cache.len().min(v_cache.len()) / kvw / bs;
+    let last = *starts.last().unwrap_or(&0) as usize;
+    if last > 0 && ((last - 1) * q_stride + nh * d > q.len() || (last - 1) * out_stride + nh * d > out.len()) {
+        return bad("paged_prefill: rows outside q/out");
+    }
+    for b in 0..nseq {
+        let n = lens[b].max(0) as usize;
+        if n < 1 || n > max_blocks * bs {
+            return bad(format!("paged_prefill: context length {n} does not fit the block table"));
+        }
+        if let Some(&blk) = tables[b * max_blocks..b * max_blocks + n.div_ceil(bs)].iter().find(|&&x| x < 0 || x as usize >= num_blocks) {
+            return bad(format!("paged_prefill: block {blk} outside the cache of {num_blocks} blocks"));
+        }
+    }
+    let args = PrefillArgs {
+        q: P(q.as_ptr() as *mut f32), q_stride, out: P(out.as_mut_ptr()), out_stride, starts, lens, tables, max_blocks,
+        k: k_cache, v: v_cache, bs, hs, scale, window, softcap,
+    };
+    let mut items = Vec::new();
+    for b in 0..nseq {
+        let (_, q) = args.rows(b);
+        for t in 0..q.div_ceil(TILE) {
+            for kh in 0..nkv {
+                items.push((b, t, kh));
+            }
+        }
+    }
+    // later tiles see more positions: hand them out first, in small chunks taken in turn
+    items.reverse();
+    let per = items.len().div_ceil(num_threads() * 4).max(1);
+    let run = |c: usize| {
+        let chunk = &items[c * per..((c + 1) * per).min(items.len())];
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: rows, lengths and block ids were checked against q, out and the caches above;
+        // items write disjoint (row, head) slices of `out`; the CPU has AVX2, FMA and F16C.
+        unsafe {
+            x86::run(&args, chunk, w512)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = chunk;
+    };
+    let chunks = items.len().div_ceil(per);
+    if chunks < 2 {
+        (0..chunks).for_each(run);
+    } else {
+        parallel_for(chunks, &run);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tile kernel against the decode kernel row by row: f32 and f16 caches, chunks over
+    /// a cached prefix, a chunk longer than a tile, windows, soft-capping, odd lengths.
+    #[test]
+    fn prefill_matches_decode_row_by_row() {
+        for (d, nh) in [(32usize, 6usize), (64, 6), (128, 10)] {
+            let hs = Heads { nh, nkv: 2, d };
+            let (bs, nblocks) = (4usize, 40usize);
+            let kvw = hs.nkv * hs.d;
+            let mut seed = 11u64;
+            let mut rnd = || {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+            };
+            let k: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd()).collect();
+            let v: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd()).collect();
+            let k16: Vec<crate::kv::F16> = k.iter().map(|&x| crate::kv::F16::from_f32(x)).collect();
+            let v16: Vec<crate::kv::F16> = v.iter().map(|&x| crate::kv::F16::from_f32(x)).collect();
+            // three sequences: 37 rows over 41 positions, 3 over 3, 20 over 60
+            let starts = [0i64, 37, 40, 60];
+            let lens = [41i32, 3, 60];
+            let mb = 15;
+            let tables: Vec<i32> = (0..3).flat_map(|b| (0..mb).map(move |i| ((b * 13 + i * 7) % 40) as i32)).collect();
+            let q: Vec<f32> = (0..60 * hs.nh * hs.d).map(|_| rnd()).collect();
+            for (window, cap, w512) in [(0usize, 0f32, true), (9, 0.0, true), (0, 0.3, true), (9, 0.3, true),
+                                        (0, 0.0, false), (9, 0.3, false)] {
+                let mut got = vec![0f32; 60 * hs.nh * d];
+                let mut want = vec![0f32; 60 * hs.nh * d];
+                prefill(&q, hs.nh * d, &mut got, hs.nh * d, &starts, &lens, &tables, &k, &v, bs, hs, 0.3, window, cap, w512)
+                    .unwrap();
+                let mut rows = Vec::new();
+                let mut rl = Vec::new();
+                let mut rt = Vec::new();
+                for b in 0..3 {
+                    let qn = (starts[b + 1] - starts[b]) as i32;
+                    for j in 0..qn {
+                        rows.push(starts[b] + j as i64);
+                        rl.push(lens[b] - qn + j + 1);
+                        rt.extend_from_slice(&tables[b * mb..(b + 1) * mb]);
+                    }
+                }
+                paged_decode(&q, hs.nh * d, &mut want, hs.nh * d, &rows, &rl, &rt, &k, &v, bs, hs, 0.3, window, cap).unwrap();
+                let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(err < 1e-5, "d {d} window {window} cap {cap} avx512 {w512}: max error {err}");
+                let mut got16 = vec![0f32; 60 * hs.nh * d];
+                let mut want16 = vec![0f32; 60 * hs.nh * d];
+                prefill(&q, hs.nh * d, &mut got16, hs.nh * d, &starts, &lens, &tables, &k16, &v16, bs, hs, 0.3, window, cap,
+                        w512).unwrap();
+                paged_decode(&q, hs.nh * d, &mut want16, hs.nh * d, &rows, &rl, &rt, &k16, &v16, bs, hs, 0.3, window, cap)
+                    .unwrap();
+                let err = got16.iter().zip(&want16).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(err < 1e-5, "f16 d {d} window {window} cap {cap}: max error {err}");
+            }
+            // a row outside the table is refused, not read
+            let mut out = vec![0f32; 60 * hs.nh * d];
+            assert!(paged_prefill(&q, hs.nh * d, &mut out, hs.nh * d, &[0, 5], &[4], &tables[..mb], &k, &v, bs, hs, 0.3, 0, 0.0)
+                .is_err());
+        }
+    }
+}
