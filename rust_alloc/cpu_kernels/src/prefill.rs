@@ -57,7 +57,7 @@ mod x86 {
     use crate::kv::KvElem;
     use crate::ops::x86::exp8;
     use crate::ops::Heads;
-    use crate::quant::avx2::hsum;
+    use crate::quant::avx2::{hsum, transpose8};
     use std::arch::x86_64::*;
 
     pub(super) fn supports(hs: Heads) -> bool { hs.d % 8 == 0 && matches!(hs.d / 8, 4 | 8 | 16) && hs.nh / hs.nkv <= 64 }
@@ -69,33 +69,6 @@ mod x86 {
         scores: Vec<f32>,
         kt: Vec<f32>,
         vb: Vec<f32>,
-    }
-
-    /// The 8 x 8 block `r` transposed: lane u of result j is lane j of r[u].
-    #[inline(always)]
-    unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
-        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-        [
-            _mm256_permute2f128_ps::<0x20>(u0, u4), _mm256_permute2f128_ps::<0x20>(u1, u5),
-            _mm256_permute2f128_ps::<0x20>(u2, u6), _mm256_permute2f128_ps::<0x20>(u3, u7),
-            _mm256_permute2f128_ps::<0x31>(u0, u4), _mm256_permute2f128_ps::<0x31>(u1, u5),
-            _mm256_permute2f128_ps::<0x31>(u2, u6), _mm256_permute2f128_ps::<0x31>(u3, u7),
-        ]
     }
 
     /// Tile `tile` (rows tile * TILE ..) of sequence b, KV head kh; head_dim = 8 * NV.
@@ -138,10 +111,10 @@ mod x86 {
         // K transposed per chunk of 16 positions, V as rows, both f32; padding positions are 0
         for c0 in (0..stride).step_by(8) {
             for jb in 0..NV {
-                let rows: [__m256; 8] = std::array::from_fn(|u| {
+                let mut cols: [__m256; 8] = std::array::from_fn(|u| {
                     if c0 + u < span { E::load8(kp.add(s.slots[c0 + u] + 8 * jb)) } else { _mm256_setzero_ps() }
                 });
-                let cols = transpose8(rows);
+                transpose8(&mut cols);
                 let (chunk, half) = (c0 / 16, (c0 % 16) / 8);
                 for (jj, col) in cols.iter().enumerate() {
                     _mm256_storeu_ps(kt.add(chunk * 16 * d + (8 * jb + jj) * 16 + 8 * half), *col);

@@ -132,20 +132,23 @@ fn rope_write_kv<'py>(
 
 /// Paged attention of one query token per sequence (scores soft-capped when softcap > 0). q [T, >= H D] (the first H D values of
 /// row rows[b] are sequence b's query heads, e.g. a fused QKV batch), out [T, H D];
-/// rows int64 [B], seq_lens int32 [B], block_tables int32 [B, M]; caches as above.
-#[pyfunction]
-#[pyo3(signature = (q, out, rows, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads, scale, window = 0, softcap = 0.0))]
+/// The attention kernels' common signature (paged_decode's and paged_prefill's).
+type AttnKernel<E> = fn(&[f32], usize, &mut [f32], usize, &[i64], &[i32], &[i32], &[E], &[E], usize, Heads, f32, usize, f32)
+    -> Result<(), OpError>;
+
+/// Checks the caches and runs `f32k` or `f16k` on them, the GIL released. `rows`: decode's
+/// row per sequence, or prefill's row starts.
 #[allow(clippy::too_many_arguments)]
-fn paged_decode<'py>(
-    py: Python<'py>, q: PyReadonlyArrayDyn<'py, f32>, mut out: PyReadwriteArrayDyn<'py, f32>,
+fn attend<'py>(
+    py: Python<'py>, what: &str, q: PyReadonlyArrayDyn<'py, f32>, mut out: PyReadwriteArrayDyn<'py, f32>,
     rows: PyReadonlyArrayDyn<'py, i64>, seq_lens: PyReadonlyArrayDyn<'py, i32>, block_tables: PyReadonlyArrayDyn<'py, i32>,
     k_cache: Bound<'py, PyAny>, v_cache: Bound<'py, PyAny>, num_heads: usize, num_kv_heads: usize,
-    scale: f32, window: usize, softcap: f32,
+    scale: f32, window: usize, softcap: f32, f32k: AttnKernel<f32>, f16k: AttnKernel<F16>,
 ) -> PyResult<()> {
     let (k_cache, v_cache) = (cache_ref(&k_cache, "k_cache")?, cache_ref(&v_cache, "v_cache")?);
     let kshape = k_cache.shape();
     if kshape.len() != 4 || v_cache.shape() != kshape || kshape[2] != num_kv_heads {
-        return Err(PyValueError::new_err("paged_decode: caches must be [num_blocks, block_size, Hkv, D]"));
+        return Err(PyValueError::new_err(format!("{what}: caches must be [num_blocks, block_size, Hkv, D]")));
     }
     let (bs, d) = (kshape[1], kshape[3]);
     let hs = Heads { nh: num_heads, nkv: num_kv_heads, d };
@@ -156,15 +159,29 @@ fn paged_decode<'py>(
     match (&k_cache, &v_cache) {
         (CacheRef::F32(k), CacheRef::F32(v)) => {
             let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
-            py.detach(|| attention::paged_decode(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap))
+            py.detach(|| f32k(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap))
         }
         (CacheRef::F16(k), CacheRef::F16(v)) => {
             let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
-            py.detach(|| attention::paged_decode(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap))
+            py.detach(|| f16k(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap))
         }
         _ => return Err(PyValueError::new_err(MIXED)),
     }
     .map_err(verr)
+}
+
+/// rows int64 [B], seq_lens int32 [B], block_tables int32 [B, M]; caches as above.
+#[pyfunction]
+#[pyo3(signature = (q, out, rows, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads, scale, window = 0, softcap = 0.0))]
+#[allow(clippy::too_many_arguments)]
+fn paged_decode<'py>(
+    py: Python<'py>, q: PyReadonlyArrayDyn<'py, f32>, out: PyReadwriteArrayDyn<'py, f32>,
+    rows: PyReadonlyArrayDyn<'py, i64>, seq_lens: PyReadonlyArrayDyn<'py, i32>, block_tables: PyReadonlyArrayDyn<'py, i32>,
+    k_cache: Bound<'py, PyAny>, v_cache: Bound<'py, PyAny>, num_heads: usize, num_kv_heads: usize,
+    scale: f32, window: usize, softcap: f32,
+) -> PyResult<()> {
+    attend(py, "paged_decode", q, out, rows, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads, scale,
+           window, softcap, attention::paged_decode::<f32>, attention::paged_decode::<F16>)
 }
 
 /// Prefill attention: rows starts[b]..starts[b + 1] of q (a chunk of sequence b) over the
@@ -174,34 +191,13 @@ fn paged_decode<'py>(
 #[pyo3(signature = (q, out, starts, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads, scale, window = 0, softcap = 0.0))]
 #[allow(clippy::too_many_arguments)]
 fn paged_prefill<'py>(
-    py: Python<'py>, q: PyReadonlyArrayDyn<'py, f32>, mut out: PyReadwriteArrayDyn<'py, f32>,
+    py: Python<'py>, q: PyReadonlyArrayDyn<'py, f32>, out: PyReadwriteArrayDyn<'py, f32>,
     starts: PyReadonlyArrayDyn<'py, i64>, seq_lens: PyReadonlyArrayDyn<'py, i32>, block_tables: PyReadonlyArrayDyn<'py, i32>,
     k_cache: Bound<'py, PyAny>, v_cache: Bound<'py, PyAny>, num_heads: usize, num_kv_heads: usize,
     scale: f32, window: usize, softcap: f32,
 ) -> PyResult<()> {
-    let (k_cache, v_cache) = (cache_ref(&k_cache, "k_cache")?, cache_ref(&v_cache, "v_cache")?);
-    let kshape = k_cache.shape();
-    if kshape.len() != 4 || v_cache.shape() != kshape || kshape[2] != num_kv_heads {
-        return Err(PyValueError::new_err("paged_prefill: caches must be [num_blocks, block_size, Hkv, D]"));
-    }
-    let (bs, d) = (kshape[1], kshape[3]);
-    let hs = Heads { nh: num_heads, nkv: num_kv_heads, d };
-    let (_, q_stride) = rows_cols(q.shape());
-    let (_, out_stride) = rows_cols(out.shape());
-    let (qs, st, l, t) = (contiguous(&q, "q")?, contiguous(&starts, "starts")?, contiguous(&seq_lens, "seq_lens")?, contiguous(&block_tables, "block_tables")?);
-    let os = contiguous_mut(&mut out, "out")?;
-    match (&k_cache, &v_cache) {
-        (CacheRef::F32(k), CacheRef::F32(v)) => {
-            let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
-            py.detach(|| prefill::paged_prefill(qs, q_stride, os, out_stride, st, l, t, kc, vc, bs, hs, scale, window, softcap))
-        }
-        (CacheRef::F16(k), CacheRef::F16(v)) => {
-            let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
-            py.detach(|| prefill::paged_prefill(qs, q_stride, os, out_stride, st, l, t, kc, vc, bs, hs, scale, window, softcap))
-        }
-        _ => return Err(PyValueError::new_err(MIXED)),
-    }
-    .map_err(verr)
+    attend(py, "paged_prefill", q, out, starts, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads,
+           scale, window, softcap, prefill::paged_prefill::<f32>, prefill::paged_prefill::<F16>)
 }
 
 /// One linear layer of the decoder: its weight segments (format, interleaved, blocks, rows,

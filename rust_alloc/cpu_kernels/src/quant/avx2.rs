@@ -809,7 +809,7 @@ const BKC: usize = 320;
 /// Transpose the 8 x 8 floats in `r` (row i = r[i]): afterwards r[j] holds column j.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn transpose8(r: &mut [__m256; 8]) {
+pub(crate) unsafe fn transpose8(r: &mut [__m256; 8]) {
     let t0 = _mm256_unpacklo_ps(r[0], r[1]);
     let t1 = _mm256_unpackhi_ps(r[0], r[1]);
     let t2 = _mm256_unpacklo_ps(r[2], r[3]);
