@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgepaged.model import ModelRunner, default_model_path
+from edgepaged.model import default_model_path
 from edgepaged.testing.decode import make_allocator, run_batch
 from edgepaged.testing.gguf_models import Q4_K_M, write_random_gguf
 
@@ -171,8 +171,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="runs of each figure; the best counts")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "edgepaged" / "bench")
     ap.add_argument("--no-llama-cpp", action="store_true")
-    ap.add_argument("--runtime", choices=["cpu", "torch"], default="cpu",
-                    help="ours: the torch-free runtime (what serve runs on a CPU) or the torch runner")
+    ap.add_argument("--runtime", default="cpu",
+                    help="ours: cpu (the torch-free runtime, what serve runs on a CPU) or torch (the torch runner); "
+                         "'cpu,torch' measures both in this run, the second's figures prefixed torch_")
     args = ap.parse_args()
     from edgepaged._native import quant
     machine = cpu_flags()
@@ -185,7 +186,12 @@ def main() -> None:
         w = weights_rss(path)
         res["weights_rss_mb"] = round(w["rss"] / 2**20, 1)
         res["weights_rss_frac"] = round(res["weights_rss_mb"] / res["file_mb"], 3)
-        res.update(ours(path, args.new_tokens, args.reps, args.runtime))
+        runtimes = args.runtime.split(",")
+        res.update(ours(path, args.new_tokens, args.reps, runtimes[0]))
+        for other in runtimes[1:]:
+            theirs = ours(path, args.new_tokens, args.reps, other)
+            res.update({f"{other}_{k}": v for k, v in theirs.items() if k in ("tok_s_b1", "tok_s_b32", "prefill_tok_s",
+                                                                              "forward")})
         gflops = max(gflops, gemm_gflops())
         res["roofline_frac_b32"] = round(2 * res["params"] * res["tok_s_b32"] / (gflops * 1e9), 3)
         if args.no_llama_cpp:

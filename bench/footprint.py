@@ -14,7 +14,11 @@ the torch-free runtime's speed against the torch runner's in the same run.
     ratio_b1, ratio_b32        alternating rep by rep in this process, best rep each (target
                                ratio >= 1.0); prefill_s_b32 / torch_prefill_s_b32 likewise
 
-    python bench/footprint.py [--json] [--venv DIR] [--reps 3] [--new-tokens 64]
+    prefill_s_nN / torch_prefill_s_nN   with --prefill N,...: one prompt of N tokens alone,
+                               best of --reps alternating (long prompts: attention in Rust
+                               tiles against torch's SDPA)
+
+    python bench/footprint.py [--json] [--venv DIR] [--reps 3] [--new-tokens 64] [--prefill 512,2048]
 
 --venv reuses a runtime venv made before (else one is built in a temporary folder). The
 torch side needs torch in the running environment (`./run.sh bench footprint`); without it
@@ -103,12 +107,32 @@ def speed(reps: int, new_tokens: int) -> dict:
     return out
 
 
+def long_prefills(lengths: list[int], reps: int) -> dict:
+    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.runner import ModelRunner
+    blocks = max(lengths) // 16 + 2
+    runners = {"": CpuRunner(num_blocks=blocks), "torch_": ModelRunner(num_blocks=blocks)}
+    out = {}
+    for n in lengths:
+        ids = (np.arange(n) * 7919 % 30000 + 100).astype(np.int64)
+        meta = dict(query_start_loc=np.array([0, n]), seq_lens=np.array([n]),
+                    block_tables=np.arange(-(-n // 16), dtype=np.int32)[None], slot_mapping=np.arange(n))
+        for _ in range(reps):
+            for k, r in runners.items():
+                t = time.perf_counter()
+                r.execute(ids, np.arange(n), meta)
+                dt = time.perf_counter() - t
+                out[f"{k}prefill_s_n{n}"] = round(min(out.get(f"{k}prefill_s_n{n}", 1e9), dt), 3)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
     ap.add_argument("--venv", type=Path, default=None, help="a runtime venv made before")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prefill", default="", help="prompt lengths to time alone, e.g. 512,2048")
     args = ap.parse_args()
     res: dict = {**cpu_flags()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,6 +148,8 @@ def main():
         res.update(serve_figures(venv))
     print("decode speed, torch-free vs torch...", file=sys.stderr)
     res.update(speed(args.reps, args.new_tokens))
+    if args.prefill:
+        res.update(long_prefills([int(x) for x in args.prefill.split(",")], args.reps))
     if not args.json:
         for k, v in res.items():
             print(f"{k:>26}: {v}", file=sys.stderr)

@@ -116,15 +116,21 @@ def run_batch(runner, alloc, prompts, new_tokens, seq_base):
     return out, t_prefill + t_decode
 
 
-def paired_tok_s(batch: int, new_tokens: int, reps: int, llama_once=None) -> dict:
+def paired_tok_s(batch: int, new_tokens: int, reps: int, llama_once=None, cpu_runtime: bool = False) -> dict:
     """The quantized and the fp32 runner side by side (and llama.cpp at batch 1), their runs
     interleaved (quantized, fp32, llama.cpp, quantized, ...) so that a slow spell of the
     shared machine hits all of them; the best of `reps` runs counts for each, at batch 1 and
-    at `batch`. -> {True: {...}, False: {...}, "llama_cpp": tok/s or None}"""
+    at `batch`; with `cpu_runtime`, the torch-free runner (quantized) runs beside them too.
+    -> {True: {...}, False: {...}, "cpu": {...} (cpu_runtime), "llama_cpp": tok/s or None}"""
     from edgepaged._native.blocks import BlockAllocator
     sides = {}
-    for quantized in (True, False):
-        runner = ModelRunner(quantized=quantized)
+    keys = (True, False, "cpu") if cpu_runtime else (True, False)
+    for quantized in keys:
+        if quantized == "cpu":
+            from edgepaged.model.cpu_runtime import CpuRunner
+            runner = CpuRunner()
+        else:
+            runner = ModelRunner(quantized=quantized)
         alloc = BlockAllocator(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
         run_batch(runner, alloc, [chat_ids(runner.tokenizer, q) for q in QUESTIONS[:2]], 4, seq_base=900_000)
         sides[quantized] = (runner, alloc, {})
@@ -132,7 +138,7 @@ def paired_tok_s(batch: int, new_tokens: int, reps: int, llama_once=None) -> dic
     llama = None
     for b in (1, batch):
         for i in range(reps):
-            for quantized in (True, False):
+            for quantized in keys:
                 runner, alloc, res = sides[quantized]
                 out, dt = run_batch(runner, alloc, (prompts * (b // len(prompts) + 1))[:b], new_tokens,
                                     seq_base=1000 * b + 100 * i)
@@ -141,7 +147,7 @@ def paired_tok_s(batch: int, new_tokens: int, reps: int, llama_once=None) -> dic
                     res["answer"] = runner.tokenizer.decode(out[0], skip_special_tokens=True)
             if b == 1 and llama_once is not None:
                 llama = max(llama or 0.0, new_tokens / llama_once())
-    return {True: sides[True][2], False: sides[False][2], "llama_cpp": llama}
+    return {**{k: sides[k][2] for k in keys}, "llama_cpp": llama}
 
 
 def llama_cpp_runner(new_tokens: int):
@@ -203,6 +209,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="runs per path and batch size (interleaved); the best counts")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--crossover", action="store_true", help="also time kernels vs GEMM per token count")
+    ap.add_argument("--cpu-runtime", action="store_true",
+                    help="also the torch-free runtime (cpu_tok_s_*, cpu_vs_torch_*), interleaved with the others")
     args = ap.parse_args()
 
     from edgepaged._native import quant
@@ -227,7 +235,11 @@ def main():
     print(f"llama.cpp: {why}", file=sys.stderr)
     res["llama_cpp"] = why
 
-    both = paired_tok_s(args.batch, args.new_tokens, args.reps, llama_once)
+    both = paired_tok_s(args.batch, args.new_tokens, args.reps, llama_once, args.cpu_runtime)
+    if args.cpu_runtime:
+        for b in (1, args.batch):
+            res[f"cpu_tok_s_b{b}"] = both["cpu"][b]
+            res[f"cpu_vs_torch_b{b}"] = both["cpu"][b] / both[True][b]
     quant, fp32 = both[True], both[False]
     res["llama_cpp_tok_s_b1"] = both["llama_cpp"]
     res["tok_s_b1"], res[f"tok_s_b{args.batch}"] = quant[1], quant[args.batch]
