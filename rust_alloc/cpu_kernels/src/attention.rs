@@ -104,7 +104,7 @@ unsafe fn decode_item<E: KvElem>(a: &DecodeArgs<E>, item: usize, scores: &mut Ve
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     use super::{cap_scores, DecodeArgs, Heads, KvElem};
-    use crate::ops::x86::exp8;
+    use crate::ops::x86::softmax_exp8;
     use crate::quant::avx2::hsum;
     use std::arch::x86_64::*;
 
@@ -188,7 +188,7 @@ pub(crate) mod x86 {
             let m = _mm256_set1_ps(-hmax(m));
             let mut sum = _mm256_setzero_ps();
             for c in (0..stride).step_by(8) {
-                let e = exp8(_mm256_add_ps(_mm256_loadu_ps(s.add(c)), m));
+                let e = softmax_exp8(_mm256_add_ps(_mm256_loadu_ps(s.add(c)), m));
                 // padding lanes hold -inf: exp8 clamps to e^-87, zero them
                 let e = if c + 8 > len { _mm256_and_ps(e, tail_mask(len - c)) } else { e };
                 _mm256_storeu_ps(s.add(c), e);

@@ -55,7 +55,7 @@ mod x86 {
     use crate::attention::cap_scores;
     use crate::attention::x86::{hmax, tail_mask};
     use crate::kv::KvElem;
-    use crate::ops::x86::exp8;
+    use crate::ops::x86::softmax_exp8;
     use crate::ops::Heads;
     use crate::quant::avx2::{hsum, transpose8};
     use std::arch::x86_64::*;
@@ -111,9 +111,10 @@ mod x86 {
         // K transposed per chunk of 16 positions, V as rows, both f32; padding positions are 0
         for c0 in (0..stride).step_by(8) {
             for jb in 0..NV {
-                let mut cols: [__m256; 8] = std::array::from_fn(|u| {
-                    if c0 + u < span { E::load8(kp.add(s.slots[c0 + u] + 8 * jb)) } else { _mm256_setzero_ps() }
-                });
+                let mut cols = [_mm256_setzero_ps(); 8];
+                for (u, c) in cols.iter_mut().enumerate().take(span.saturating_sub(c0).min(8)) {
+                    *c = E::load8(kp.add(s.slots[c0 + u] + 8 * jb));
+                }
                 transpose8(&mut cols);
                 let (chunk, half) = (c0 / 16, (c0 % 16) / 8);
                 for (jj, col) in cols.iter().enumerate() {
@@ -188,7 +189,7 @@ mod x86 {
                 let mut sum = _mm256_setzero_ps();
                 let mut c = a0;
                 while c + 8 <= a1 {
-                    let e = exp8(_mm256_add_ps(_mm256_loadu_ps(row.as_ptr().add(c)), neg));
+                    let e = softmax_exp8(_mm256_add_ps(_mm256_loadu_ps(row.as_ptr().add(c)), neg));
                     _mm256_storeu_ps(row.as_mut_ptr().add(c), e);
                     sum = _mm256_add_ps(sum, e);
                     c += 8;
@@ -197,7 +198,7 @@ mod x86 {
                 if c < a1 {
                     let mut tail = [f32::NEG_INFINITY; 8];
                     tail[..a1 - c].copy_from_slice(&row[c..a1]);
-                    let e = _mm256_and_ps(exp8(_mm256_add_ps(_mm256_loadu_ps(tail.as_ptr()), neg)), tail_mask(a1 - c));
+                    let e = _mm256_and_ps(softmax_exp8(_mm256_add_ps(_mm256_loadu_ps(tail.as_ptr()), neg)), tail_mask(a1 - c));
                     _mm256_storeu_ps(tail.as_mut_ptr(), e);
                     row[c..a1].copy_from_slice(&tail[..a1 - c]);
                     total += hsum(e);
@@ -303,7 +304,8 @@ mod x86 {
                 let mut acc = [[_mm512_setzero_ps(); 4]; 4];
                 for t in t0..t1 {
                     let v = vb.add(t * d + 64 * db);
-                    let w: [__m512; 4] = std::array::from_fn(|k| _mm512_set1_ps(*ps[k].add(t)));
+                    let w = [_mm512_set1_ps(*ps[0].add(t)), _mm512_set1_ps(*ps[1].add(t)),
+                             _mm512_set1_ps(*ps[2].add(t)), _mm512_set1_ps(*ps[3].add(t))];
                     for j in 0..nr {
                         let vj = _mm512_loadu_ps(v.add(16 * j));
                         for k in 0..4 {
