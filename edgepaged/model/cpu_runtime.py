@@ -24,7 +24,7 @@ import numpy as np
 from .._native import ops
 from .._native import quant as kernels
 from .loader import ModelFiles, terminal_progress
-from .placement import FUSED, PARENT, check_linear, place
+from .placement import check_linear, place
 from .quant.formats import QuantWeight, lay_out, merge_segments
 from .rope import rotary_tables
 from .runtime import CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, KvBudgetError, RunnerBase, available_ram
@@ -229,24 +229,26 @@ class CpuModel:
         cfg, settings = self.cfg, self.settings
         t = len(ids)
         q_lens = np.diff(query_start_loc)
-        # every row attends in Rust: row j of a sequence's q rows sees n - q + j + 1 positions
-        first = np.repeat(query_start_loc[:-1], q_lens)
-        lens = (np.repeat(seq_lens - q_lens, q_lens) + (np.arange(t) - first) + 1).astype(np.int32)
-        rows = np.arange(t, dtype=np.int64)
-        tables = block_tables if len(q_lens) == t else np.repeat(block_tables, q_lens, axis=0)
-        tables = np.ascontiguousarray(tables, dtype=np.int32)
         h = self.embed(ids)
-        # decode-only steps attend row by row (one call per sequence); a step with a prefill
-        # chunk attends in tiles of rows per sequence (ops.paged_prefill)
-        chunks = None if len(q_lens) == t else (np.ascontiguousarray(query_start_loc, dtype=np.int64),
-                                                 np.ascontiguousarray(seq_lens, dtype=np.int32),
-                                                 np.ascontiguousarray(block_tables, dtype=np.int32))
-        if self.decoder is not None and t < settings.fused_max_tokens:
+        one_call = self.decoder is not None and t < settings.fused_max_tokens
+        if len(q_lens) == t or one_call:
+            # one row per query: row j of a sequence's q rows sees n - q + j + 1 positions (a
+            # decode-only step: each sequence's own row, its table as it is)
+            first = np.repeat(query_start_loc[:-1], q_lens)
+            lens = (np.repeat(seq_lens - q_lens, q_lens) + (np.arange(t) - first) + 1).astype(np.int32)
+            tables = block_tables if len(q_lens) == t else np.repeat(block_tables, q_lens, axis=0)
+            per_row = (np.arange(t, dtype=np.int64), lens, np.ascontiguousarray(tables, dtype=np.int32))
+        if one_call:
             cos, sin = self.ropes[0]
-            self.decoder.decode(h, positions, slots, lens, tables, kv, cos, sin, cfg.scale, cfg.window(0) or 0)
+            self.decoder.decode(h, positions, slots, per_row[1], per_row[2], kv, cos, sin, cfg.scale,
+                                cfg.window(0) or 0)
             delta = None
-        else:
-            delta = self._layers(h, positions, slots, rows, lens, tables, kv, chunks)
+        elif len(q_lens) == t:           # decode rows only: paged_decode, one call per layer
+            delta = self._layers(h, positions, slots, kv, decode=per_row)
+        else:                            # a prefill chunk in the step: paged_prefill, tiles of rows
+            delta = self._layers(h, positions, slots, kv, chunks=(
+                np.ascontiguousarray(query_start_loc, dtype=np.int64), np.ascontiguousarray(seq_lens, dtype=np.int32),
+                np.ascontiguousarray(block_tables, dtype=np.int32)))
         if logits_indices is None:
             logits_indices = query_start_loc[1:] - 1
         if len(logits_indices) == 0:
@@ -260,7 +262,7 @@ class CpuModel:
             logits = np.tanh(logits / cap) * cap
         return logits
 
-    def _layers(self, h, positions, slots, rows, lens, tables, kv, chunks) -> np.ndarray:
+    def _layers(self, h, positions, slots, kv, decode=None, chunks=None) -> np.ndarray:
         """Layer by layer (every family); h holds the residual stream without the last
         block's output, which is returned."""
         cfg = self.cfg
@@ -285,8 +287,8 @@ class CpuModel:
                                                               n["k_norm"]).reshape(t, kv_size)
             cos, sin = self.ropes[layer.rope]
             ops.rope_write_kv(qkv, positions, cos, sin, slots, kc, vc, nh, nkv)
-            if chunks is None:
-                ops.paged_decode(qkv, out, rows, lens, tables, kc, vc, nh, nkv, cfg.scale, layer.window or 0, softcap)
+            if decode is not None:
+                ops.paged_decode(qkv, out, *decode, kc, vc, nh, nkv, cfg.scale, layer.window or 0, softcap)
             else:
                 ops.paged_prefill(qkv, out, *chunks, kc, vc, nh, nkv, cfg.scale, layer.window or 0, softcap)
             delta = layer.o(out)
@@ -389,9 +391,4 @@ class CpuRunner(RunnerBase):
         return self.model.forward(ids, pos, qsl, seq_lens, tables, slots, self.kv_cache, idx)
 
 
-def torch_available() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("torch") is not None
-
-
-__all__ = ["CpuModel", "CpuRunner", "FUSED", "PARENT", "kv_numpy_dtype", "torch_available"]
+__all__ = ["CpuModel", "CpuRunner", "kv_numpy_dtype"]

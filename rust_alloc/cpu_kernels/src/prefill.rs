@@ -100,12 +100,13 @@ mod x86 {
             s.slots.extend((first.max(lo)..(first + a.bs).min(hi)).map(|p| (base + p - first) * kvw + kh * d));
         }
         let nq = r * g; // query vectors of the tile, (row, head) in order
-        s.kt.clear();
-        s.kt.resize(stride * d, 0.0);
-        s.vb.clear();
-        s.vb.resize(stride * d, 0.0);
-        s.scores.clear();
-        s.scores.resize(nq * stride, 0.0);
+        // every element read below is written first (K chunks padded with zero rows, scores of
+        // every query vector and chunk, V rows of the span): grown, never cleared
+        for (buf, need) in [(&mut s.kt, stride * d), (&mut s.vb, stride * d), (&mut s.scores, nq * stride)] {
+            if buf.len() < need {
+                buf.resize(need, 0.0);
+            }
+        }
         let (kp, vp) = (a.k.as_ptr(), a.v.as_ptr());
         let (kt, vb, sp) = (s.kt.as_mut_ptr(), s.vb.as_mut_ptr(), s.scores.as_mut_ptr());
         // K transposed per chunk of 16 positions, V as rows, both f32; padding positions are 0
