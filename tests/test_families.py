@@ -86,13 +86,15 @@ def test_logits_match_transformers(name, source, path, built):
     _check_40_tokens(r, hf)
 
 
+@pytest.mark.parametrize("attention", ["rows", "tiles"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_cpu_runtime_logits_match_transformers(name, built):
+def test_cpu_runtime_logits_match_transformers(name, attention, built):
     """The torch-free CPU runtime (numpy + Rust, every prefill row attending in Rust over the
-    paged cache) on each family's GGUF file: the same 40 tokens as above; and against the
-    torch runner's logits."""
+    paged cache, row by row or in paged_prefill's tiles of rows) on each family's GGUF file:
+    the same 40 tokens as above; and against the torch runner's logits."""
     folder, gguf, hf = built(name)
-    got = _check_40_tokens(CpuRunner(gguf, num_blocks=32, kv_dtype="f32"), hf)
+    settings = CpuConfig(rust_attention_max=0 if attention == "tiles" else CpuConfig().rust_attention_max)
+    got = _check_40_tokens(CpuRunner(gguf, num_blocks=32, kv_dtype="f32", settings=settings), hf)
     torch_path = _paged_logits(_runner(gguf, "rust"), _prompt(hf), 30)
     assert (got - torch_path).abs().max().item() <= 1e-4
 

@@ -458,17 +458,19 @@ def test_forward_with_triton_kernels_equals_torch_path(tiny_model_dir):
         assert (outs[0] - outs[1]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("one_call", [True, False])
-def test_cpu_runtime_equals_torch_runner(one_call):
+@pytest.mark.parametrize("mode", ["one_call", "rows", "tiles"])
+def test_cpu_runtime_equals_torch_runner(mode):
     """The torch-free runtime (cpu_runtime.CpuRunner) on the embedded quantized model gives
     the torch runner's logits: mixed prefill chunks and decodes, a 300-row prefill (past
-    the one-call decoder's bound) over a cached prefix, with the one-call decoder on and off;
-    the KV cache ends the same."""
+    the one-call decoder's bound) over a cached prefix, with the one-call decoder on and off,
+    and with prefill chunks attending row by row or in paged_prefill's tiles; the KV cache
+    ends the same."""
     import dataclasses
 
     from edgepaged.model.cpu_runtime import CpuRunner
     ref = ModelRunner(num_blocks=48, kv_dtype="f32")
-    settings = ref.settings if one_call else dataclasses.replace(ref.settings, fused_max_tokens=0)
+    settings = ref.settings if mode == "one_call" else dataclasses.replace(
+        ref.settings, fused_max_tokens=0, rust_attention_max=0 if mode == "tiles" else ref.settings.rust_attention_max)
     cpu = CpuRunner(num_blocks=48, kv_dtype="f32", settings=settings)
     assert (cpu.model.decoder is not None) and cpu.quantized and cpu.products == ref.products
     long = [(i * 7919) % 40000 + 100 for i in range(300)]

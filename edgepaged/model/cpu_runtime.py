@@ -231,7 +231,10 @@ class CpuModel:
         q_lens = np.diff(query_start_loc)
         h = self.embed(ids)
         one_call = self.decoder is not None and t < settings.fused_max_tokens
-        if len(q_lens) == t or one_call:
+        # short chunks (q * n at most rust_attention_max each, as the torch runner decides)
+        # attend row by row too: a tile's set-up outweighs their little work
+        row_by_row = len(q_lens) == t or int((q_lens * seq_lens).max()) <= settings.rust_attention_max
+        if row_by_row or one_call:
             # one row per query: row j of a sequence's q rows sees n - q + j + 1 positions (a
             # decode-only step: each sequence's own row, its table as it is)
             first = np.repeat(query_start_loc[:-1], q_lens)
@@ -243,9 +246,9 @@ class CpuModel:
             self.decoder.decode(h, positions, slots, per_row[1], per_row[2], kv, cos, sin, cfg.scale,
                                 cfg.window(0) or 0)
             delta = None
-        elif len(q_lens) == t:           # decode rows only: paged_decode, one call per layer
+        elif row_by_row:                 # decode rows, short chunks: paged_decode, one call per layer
             delta = self._layers(h, positions, slots, kv, decode=per_row)
-        else:                            # a prefill chunk in the step: paged_prefill, tiles of rows
+        else:                            # a long prefill chunk in the step: paged_prefill, tiles of rows
             delta = self._layers(h, positions, slots, kv, chunks=(
                 np.ascontiguousarray(query_start_loc, dtype=np.int64), np.ascontiguousarray(seq_lens, dtype=np.int32),
                 np.ascontiguousarray(block_tables, dtype=np.int32)))
