@@ -13,9 +13,9 @@
 //! position of 8 rows, which is what the batched kernels multiply (8 rows side by side in a
 //! vector), so they need no byte transposes or scale gathers. `QMatrix::x8` says which layout a matrix is in; all kernels read both.
 //!
-//! Two code paths give the same results up to fp32 rounding order: AVX2 + FMA + F16C
-//! (`avx2.rs`, chosen at run time when the CPU has them) and portable scalar Rust
-//! (`scalar.rs`). Work is split over output rows on a small persistent pool (`threads.rs`).
+//! Two code paths give the same bits: AVX2 + FMA + F16C (`avx2.rs`, chosen at run time when
+//! the CPU has them) and portable scalar Rust (`scalar.rs`, the same operations in the same
+//! order). Work is split over output rows on a small persistent pool (`threads.rs`).
 
 pub(crate) mod formats;
 mod scalar;
