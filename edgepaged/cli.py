@@ -200,6 +200,14 @@ def main(verbose):
               help="What runs the model: cpu (numpy + the Rust kernels; GGUF files on the CPU, no torch needed), "
                    "torch (a GPU, safetensors checkpoints), auto (cpu where it applies). Default: "
                    "$EDGEPAGED_RUNTIME or auto.")
+@click.option("--context-policy", type=click.Choice(["full", "window"]), default="full", show_default=True,
+              help="Attention of requests that do not choose one (their context_policy field): full (the whole "
+                   "context) or window (the first --sink tokens and the last --window: KV blocks between are "
+                   "given back as a sequence grows, and an answer may run past the context).")
+@click.option("--window", "window_tokens", type=click.IntRange(1), default=1024, show_default=True,
+              help="The window policy: tokens a query attends before it (itself included), at least this many.")
+@click.option("--sink", "window_sink", type=click.IntRange(0), default=4, show_default=True,
+              help="The window policy: first tokens every query keeps attending (attention sinks).")
 @click.option("--mdns-refresh", type=float, default=5.0, hidden=True)
 @click.option("--config", "config_file", default=None, metavar="FILE", envvar="EDGEPAGED_CONFIG", is_eager=True,
               expose_value=False, callback=lambda ctx, param, value: _load_config(ctx, value),
@@ -208,8 +216,11 @@ def main(verbose):
 def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, block_size, kv_dtype,
           max_batched_tokens, token, http_port, no_http, no_mdns, mdns_interface, max_connections, max_unauthenticated,
           max_unauthenticated_per_address, allowed_hosts, cors_origins, max_inflight, max_prompt_tokens, max_tokens,
-          grace, users_file, contiguous, quant_math, runtime, mdns_refresh):
+          grace, users_file, contiguous, quant_math, runtime, context_policy, window_tokens, window_sink,
+          mdns_refresh):
     """Serve a model on the network (msgpack over TCP and HTTP, advertised by mDNS)."""
+    if context_policy == "window" and contiguous:
+        fail("--context-policy window needs the paged pool: not with --contiguous", 2)
     # the ports first: a port in use is said at once, not after imports and the model's load
     server_sock = _bind(host, port, "--port")
     http_sock = None if no_http else _bind(host, http_port, "HTTP, --http-port")
@@ -254,7 +265,8 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
                             max_unauthenticated_per_address=max_unauthenticated_per_address, sock=server_sock),
         front=FrontEndConfig(token=token or None, users=users, max_prompt_tokens=max_prompt_tokens,
                              max_tokens=max_tokens),
-        engine=EngineConfig(max_num_batched_tokens=max_batched_tokens, contiguous=contiguous),
+        engine=EngineConfig(max_num_batched_tokens=max_batched_tokens, contiguous=contiguous,
+                            context_policy=context_policy, window_tokens=window_tokens, window_sink=window_sink),
         http=None if no_http else HttpConfig(port=http_port, allowed_hosts=allowed_hosts, cors_origins=cors_origins),
         mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
     if cfg.http is not None:

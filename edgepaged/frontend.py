@@ -149,6 +149,7 @@ def model_display_name(engine) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
+WINDOW_MAX_TOKENS = 1 << 20  # the window policy's cap on max_tokens when the server sets none
 DEFAULT_ANSWER_ROOM = 512   # truncate "auto" keeps this much room for an answer when max_tokens is not given
 
 
@@ -275,14 +276,20 @@ class FrontEnd:
             if len(ids) >= context:
                 raise RequestRejected("prompt_too_long", f"the prompt has {len(ids)} tokens, the context asked for "
                                       f"(num_ctx) {context}")
+        ecfg = getattr(self.engine, "config", None)
+        policy = item.context_policy or getattr(ecfg, "context_policy", "full")
+        window = (ecfg.window_sink, ecfg.window_tokens) if policy == "window" and ecfg is not None else None
+        # under the window policy an answer may run past the context (the server's --max-tokens caps it)
+        cap = self.max_tokens if window is None else (self.config.max_tokens or WINDOW_MAX_TOKENS)
         max_tokens = item.max_tokens
         if max_tokens is not None and item.context_limit is not None:
             max_tokens = max(1, min(max_tokens, context - len(ids)))
         if max_tokens is None:   # none sent: up to the context, as chat clients expect
             max_tokens = max(1, min(self.max_tokens, context - len(ids)))
-        elif not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= self.max_tokens:
-            raise RequestRejected("invalid_params", f"max_tokens must be in 1..{self.max_tokens} on this server, "
-                                  f"got {max_tokens}")
+        elif not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= cap:
+            hint = ' (context_policy "window" may run past the context)' if window is None else ""
+            raise RequestRejected("invalid_params", f"max_tokens must be in 1..{cap} on this server, "
+                                  f"got {max_tokens}{hint}")
         params.max_tokens = max_tokens
         grammar = None
         if fmt is not None:   # compiled off the event loop: a schema may take a while
@@ -303,7 +310,8 @@ class FrontEnd:
                            matcher=None if grammar is None else self.grammars.matcher(grammar),
                            calls=None if calls is None else tl.ToolStream(calls.syntax, tok),
                            lazy=None if lazy is None else tl.LazyCall(lazy.marker, lazy.grammar, lazy.grammars, tok),
-                           fork_of=parent, engine=self.engine, model=self.model, truncated=dropped)
+                           fork_of=parent, engine=self.engine, model=self.model, truncated=dropped,
+                           context_window=window)
         req = one(0)
         req.children = [one(k, req) for k in range(1, n)]
         return req

@@ -64,7 +64,7 @@ SAMPLING_FIELDS = {   # name -> accepted python types (after msgpack decoding)
 }
 REQUEST_FIELDS = {"type", "id", "max_tokens", "priority", "stop", "stop_token_ids", "share_prefix_cache",
                   "format", "tools", "tool_choice", "parallel_tool_calls", "n", "model", "keep_alive", "truncate",
-                  *SAMPLING_FIELDS}
+                  "context_policy", *SAMPLING_FIELDS}
 
 
 class ProtocolError(Exception):
@@ -191,6 +191,7 @@ class GenerateRequest:
     model: str | None = None       # which of the box's models (None: its default)
     keep_alive_s: float | None = None  # how long the model stays loaded after this (-1: always)
     truncate: str | None = None    # "auto": drop the oldest turns (after the system message) to fit
+    context_policy: str | None = None  # "full" | "window" (None: the server's)
 
 
 @dataclass
@@ -315,6 +316,8 @@ def _parse_generate(msg: dict) -> GenerateRequest:
         req.model = msg["model"]
     if msg.get("truncate") is not None:
         req.truncate = parse_truncate(msg["truncate"], kind)
+    if msg.get("context_policy") is not None:
+        req.context_policy = parse_context_policy(msg["context_policy"])
     if msg.get("keep_alive") is not None:
         try:
             req.keep_alive_s = parse_keep_alive(msg["keep_alive"])
@@ -348,6 +351,17 @@ def parse_truncate(value, kind: str = "chat") -> str | None:
     if kind != "chat":
         raise ProtocolError("bad_request", 'truncate "auto" is for chat requests (it drops whole turns)')
     return "auto"
+
+
+CONTEXT_POLICIES = ("full", "window")
+
+
+def parse_context_policy(value) -> str:
+    """`context_policy`: "full" (attention over the whole context) or "window" (the server's
+    sink + window: out-of-window KV blocks given back, generation past the context)."""
+    if value not in CONTEXT_POLICIES:
+        raise ProtocolError("bad_request", 'context_policy must be "full" or "window"')
+    return value
 
 
 def parse_keep_alive(value) -> float:

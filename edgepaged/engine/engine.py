@@ -47,6 +47,12 @@ class EngineConfig:
     background_share: float = 0.5            # most of max_num_seqs background work may hold
     long_prefill_tokens: int | None = None   # first cut of a prefill chunk (None: budget / 4; 0: off)
     trim_memory_when_idle: bool = True       # malloc_trim when the last request ends (glibc)
+    # the context policy of requests that do not choose one: "full" attention over the whole
+    # context, or "window": the first window_sink tokens and the last window_tokens kept, the
+    # blocks between given back as a sequence grows (it may generate past the context)
+    context_policy: str = "full"
+    window_tokens: int = 1024
+    window_sink: int = 4
 
 
 
@@ -325,7 +331,8 @@ class Engine:
             if req.detok.stopped is not None:
                 req.stop_reason = req.detok.stopped
                 self._end(req, "stop")
-            elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            elif len(req.output_ids) >= p.max_tokens or (req.num_tokens >= self.max_model_len
+                                                          and req.context_window is None):
                 self._end(req, "length")
         blocks_used = self.allocator.num_used_blocks
         self.metrics.on_step(

@@ -95,6 +95,10 @@ class Request:
     engine: Any = field(default=None, repr=False)
     model: str = ""
     truncated: int = 0             # messages the front end dropped to fit the context (truncate "auto")
+    # the window policy: (sink, window) tokens kept, the blocks between given back as the
+    # sequence grows (it may then generate past the context); None: full attention
+    context_window: tuple[int, int] | None = None
+    released_upto: int = 0         # blocks before this index were checked for release
 
     @property
     def all_ids(self) -> list[int]:

@@ -188,12 +188,18 @@ class Scheduler:
         if n >= cfg.max_model_len:
             raise RequestRejected("prompt_too_long", f"the prompt has {n} tokens; this server's context is "
                                   f"{cfg.max_model_len} tokens (including the answer)")
-        if req.max_total > cfg.max_model_len:
+        win = req.context_window
+        if win is not None and (cfg.contiguous or win[1] < 1 or win[0] < 0):
+            raise RequestRejected("invalid_params", "the window policy needs a window of at least one token and "
+                                  "the paged pool")
+        if req.max_total > cfg.max_model_len and win is None:
             raise RequestRejected("context_exceeded", f"prompt ({n} tokens) + max_tokens ({req.params.max_tokens}) "
                                   f"exceeds the context of {cfg.max_model_len} tokens")
+        # under the window policy a sequence holds at most about a context's worth at once
+        most = req.max_total if win is None else min(req.max_total, cfg.max_model_len)
         usable = self.alloc.num_blocks - self.watermark
-        if self._blocks_for(req.max_total) > usable:
-            raise RequestRejected("kv_capacity", f"prompt + max_tokens needs {self._blocks_for(req.max_total)} KV "
+        if self._blocks_for(most) > usable:
+            raise RequestRejected("kv_capacity", f"prompt + max_tokens needs {self._blocks_for(most)} KV "
                                   f"blocks; the pool has {usable}")
 
     def add(self, req: Request) -> None:
@@ -225,6 +231,7 @@ class Scheduler:
         else:
             child.tail_shared = parent.tail_shared
         child.num_cached, child.admitted, child.first_scheduled = parent.num_cached, True, parent.first_scheduled
+        child.released_upto = parent.released_upto
         child.status = Status.RUNNING
         self.running.append(child)
         self._free_blocks = None
@@ -234,7 +241,7 @@ class Scheduler:
         self.alloc.free_sequence(req.id)
         self._free_blocks = None
         req.status = Status.WAITING
-        req.num_known = req.num_slots = req.num_blocks = 0
+        req.num_known = req.num_slots = req.num_blocks = req.released_upto = 0
         req.tail_shared = False
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -245,6 +252,7 @@ class Scheduler:
         """Plan one step: interactive work first (decodes, prefill chunks, admissions), then
         background work — unless an interactive prefill runs this step: background then
         waits one step, so an interactive request's first token never waits behind it."""
+        self._release_windows()
         budget = self.config.max_num_batched_tokens
         step = _Step(budget=budget, bg_prefill_left=max(16, budget // 8))
         rank = {INTERACTIVE: 0, BACKGROUND: 1}
@@ -261,6 +269,21 @@ class Scheduler:
         if not step.plan:
             return None
         return self._build(step)
+
+    def _release_windows(self) -> None:
+        """The window policy: blocks of running sequences that no later query attends go back
+        to the pool before the step is planned (no step uses them now). One call into the
+        allocator per sequence and block boundary crossed."""
+        bs = self.block_size
+        for r in self.running:
+            if r.context_window is None:
+                continue
+            sink, window = r.context_window
+            end = (r.num_slots + 1 - window) // bs
+            if end > max(r.released_upto, -(-sink // bs)):
+                if self.alloc.release_outside(r.id, sink, window):
+                    self._free_blocks = None
+                r.released_upto = end
 
     def _chunk_budget(self, step: _Step, prio: str) -> int:
         """Background prefill takes at most an eighth of the step budget per step, all
@@ -378,7 +401,7 @@ class Scheduler:
         if not req.admitted:
             req.num_cached = cached
             req.admitted = True
-        req.num_known, req.num_slots = len(tokens), cached
+        req.num_known, req.num_slots, req.released_upto = len(tokens), cached, 0
         req.num_blocks = self._blocks_for(reserve) if reserve is not None else cached // self.block_size
         req.tail_shared = False
         req.status = Status.RUNNING

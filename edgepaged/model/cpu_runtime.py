@@ -372,6 +372,9 @@ class CpuRunner(RunnerBase):
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()
 
+    def _rotary_size(self) -> int:
+        return self.model.max_positions
+
     def copy_blocks(self, copies) -> None:
         """Copy-on-write: for each (src, dst) row copy block src to dst in every layer's K and V."""
         copies = np.asarray(copies, dtype=np.int64).reshape(-1, 2)
@@ -389,6 +392,7 @@ class CpuRunner(RunnerBase):
         tables = np.asarray(m["block_tables"], dtype=np.int32).reshape(len(seq_lens), -1)
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         pos = np.ascontiguousarray(positions, dtype=np.int64)
+        self.rotary_positions(pos)
         slots = np.ascontiguousarray(m["slot_mapping"], dtype=np.int64)
         idx = None if logits_indices is None else np.asarray(logits_indices, dtype=np.int64)
         return self.model.forward(ids, pos, qsl, seq_lens, tables, slots, self.kv_cache, idx)

@@ -116,6 +116,9 @@ class ModelRunner(RunnerBase):
         self.forward = forward.choose(self.model, self.backend, self.kv_cache, self.device, self.dtype, settings,
                                       self.quantized)
 
+    def _rotary_size(self) -> int:
+        return self.model.rotary.max_positions
+
     @property
     def dense_products(self) -> str:
         return str(self.dtype).replace("torch.", "").replace("float", "fp")
@@ -189,6 +192,7 @@ class ModelRunner(RunnerBase):
             if max(meta.seq_lens_host) > self.max_model_len:
                 raise ValueError(f"context of {max(meta.seq_lens_host)} tokens exceeds max_model_len "
                                  f"{self.max_model_len}")
+            self.rotary_positions(positions)
             ids = _as_tensor(input_ids, torch.int64, dev)
             pos = _as_tensor(positions, torch.int64, dev)
             idx = None if logits_indices is None else _as_tensor(logits_indices, torch.int64, dev)

@@ -88,6 +88,22 @@ class RunnerBase:
         info = quant.info()
         return f"{self.quant_math} ({info['int8_isa'] if self.quant_math == 'int8' else info['isa']})"
 
+    def rotary_positions(self, positions) -> None:
+        """The window policy writes positions past the context (the kernels see only the kept
+        blocks, each token rotated at its true position): the rotary tables grow to twice what
+        is needed, with the same frequencies (a model whose frequencies depend on the table's
+        length, longrope, cannot go past it)."""
+        have = self._rotary_size()
+        if not len(positions):
+            return
+        need = int(positions.max()) + 1
+        if need <= have:
+            return
+        if (getattr(self.config, "rope_scaling", None) or {}).get("rope_type") == "longrope":
+            raise ValueError(f"position {need - 1} is past this model's rotary tables ({have}): its longrope "
+                             "frequencies depend on the context, so it cannot generate past it")
+        self.model.build_rotary(max(2 * need, have))
+
     def memory(self) -> dict:
         """What the model holds: weights, the KV pool (reserved: its size; used: blocks in
         use, passed in by the engine), and the process's resident memory."""

@@ -65,7 +65,9 @@ def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig,
     else:
         capacity = e.kv_capacity_blocks * e.block_size
         parts = [f"edgepaged ready on {where}", f"model {front.model}",
-                 f"products {getattr(e.runner, 'products', '?')}", f"context {e.max_model_len} tokens",
+                 f"products {getattr(e.runner, 'products', '?')}", f"context {e.max_model_len} tokens"
+                 + (f" (window policy: {e.config.window_sink} sink + {e.config.window_tokens} window tokens)"
+                    if e.config.context_policy == "window" else ""),
                  f"KV capacity {capacity} tokens ({e.kv_capacity_blocks} blocks of {e.block_size}, "
                  f"{getattr(e.runner, 'kv_dtype_name', '?')})",
                  memory_line(e.memory()),

@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from ..protocol import MAX_MESSAGES, MAX_STOP, GenerateRequest, ProtocolError, parse_keep_alive, parse_truncate
+from ..protocol import (MAX_MESSAGES, MAX_STOP, GenerateRequest, ProtocolError, parse_context_policy,
+                        parse_keep_alive, parse_truncate)
 from ..tools import check_message, check_tools
 from .openai_api import ApiError, Generation
 
@@ -117,6 +118,11 @@ def _common(body: dict, item: GenerateRequest, gen: OllamaGeneration) -> None:
     if body.get("truncate") is not None:
         try:
             item.truncate = parse_truncate(body["truncate"], item.kind)
+        except ProtocolError as e:
+            raise bad(str(e)) from None
+    if body.get("context_policy") is not None:
+        try:
+            item.context_policy = parse_context_policy(body["context_policy"])
         except ProtocolError as e:
             raise bad(str(e)) from None
     if body.get("keep_alive") is not None:

@@ -19,7 +19,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..protocol import MAX_MESSAGES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, GenerateRequest, ProtocolError, parse_truncate
+from ..protocol import (MAX_MESSAGES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, GenerateRequest, ProtocolError,
+                        parse_context_policy, parse_truncate)
 from ..tools import check_choice, check_message, check_tools
 
 # protocol error code -> HTTP status (the code itself goes to the client as error.code)
@@ -184,6 +185,11 @@ def _common(body: dict, item: GenerateRequest, gen: Generation, default_max_toke
             item.truncate = parse_truncate(body["truncate"], item.kind)
         except ProtocolError as e:
             raise bad(str(e), "truncate") from None
+    if body.get("context_policy") is not None:
+        try:
+            item.context_policy = parse_context_policy(body["context_policy"])
+        except ProtocolError as e:
+            raise bad(str(e), "context_policy") from None
     item.n = body.get("n") or 1
     item.format = output_format(body)
     for name in ("max_completion_tokens", "max_tokens"):   # the newer name wins

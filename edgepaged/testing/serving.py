@@ -16,12 +16,14 @@ _FRONT = {f.name for f in fields(FrontEndConfig)}
 
 
 @asynccontextmanager
-async def serving(runner, *, http: HttpConfig | bool = False, max_num_seqs: int = 32, **config):
+async def serving(runner, *, http: HttpConfig | bool = False, max_num_seqs: int = 32, engine: dict | None = None,
+                  **config):
     """Serve `runner` until the block ends. `config` holds ServerConfig and FrontEndConfig
-    fields (token, users, max_tokens, idle_timeout_s, ...). Yields the msgpack Server, with
-    `.address` ("127.0.0.1:PORT"), `.http` (the HttpServer or None) and `.http_base`."""
+    fields (token, users, max_tokens, idle_timeout_s, ...), `engine` EngineConfig fields.
+    Yields the msgpack Server, with `.address` ("127.0.0.1:PORT"), `.http` (the HttpServer
+    or None) and `.http_base`."""
     front_cfg = FrontEndConfig(**{k: config.pop(k) for k in list(config) if k in _FRONT})
-    async with Engine(runner, EngineConfig(max_num_seqs=max_num_seqs)) as engine:
+    async with Engine(runner, EngineConfig(max_num_seqs=max_num_seqs, **(engine or {}))) as engine:
         server = Server(FrontEnd(engine, front_cfg), ServerConfig(host="127.0.0.1", port=0, **config))
         server.http = None
         async with trio.open_nursery() as nursery:

@@ -70,6 +70,9 @@ pub struct Sequence {
     /// Leading blocks already registered in (or taken from) the prefix cache.
     pub num_hashed_blocks: usize,
     pub salt: u64,
+    /// Entries of `blocks` given back by `release_outside` (the window policy): `NIL`
+    /// there, never read again; the step's block tables leave them out.
+    pub released: usize,
     /// Stamp of the last `prepare_step` that named this sequence.
     step: u64,
 }
@@ -240,6 +243,9 @@ impl Store {
         while seq.num_hashed_blocks < full {
             let i = seq.num_hashed_blocks;
             let id = seq.blocks[i];
+            if id == NIL || (i > 0 && seq.blocks[i - 1] == NIL) {
+                break; // released (or its parent is): nothing to chain it to
+            }
             if self.blocks[id as usize].hash.is_some() {
                 seq.num_hashed_blocks += 1;
                 continue;
@@ -464,6 +470,7 @@ impl BlockPool {
                 num_computed: cached_tokens,
                 num_hashed_blocks,
                 salt,
+                released: 0,
                 step: 0,
             },
         );
@@ -483,7 +490,7 @@ impl BlockPool {
             return Err(AllocError::DuplicateSequence(child_id));
         }
         let child = self.sequence(parent_id)?.clone();
-        for &id in &child.blocks {
+        for &id in child.blocks.iter().filter(|&&id| id != NIL) {
             self.store.acquire(id);
         }
         self.seqs.insert(child_id, child);
@@ -499,10 +506,40 @@ impl BlockPool {
             seq.num_computed = seq.num_slots;
             self.store.hash_computed_blocks(&mut seq, false);
         }
-        for &id in seq.blocks.iter().rev() {
+        for &id in seq.blocks.iter().rev().filter(|&&id| id != NIL) {
             self.store.release(id);
         }
         Ok(())
+    }
+
+    /// The window policy: give back the blocks of `seq_id` that no later query attends, every
+    /// block wholly inside `[sink_tokens, num_slots - window_tokens]` (a query at position
+    /// `q` attends its first `sink_tokens` and the `window_tokens` up to `q`; the next one is
+    /// at `num_slots`). A block shared with other sequences (or the prefix cache) stays
+    /// theirs: only this sequence's reference goes. Call it only while no step uses the
+    /// sequence's blocks. Returns how many entries were released now.
+    pub fn release_outside(&mut self, seq_id: i64, sink_tokens: usize, window_tokens: usize) -> Result<usize> {
+        if window_tokens == 0 {
+            return Err(AllocError::Invalid("the window must hold at least one token".into()));
+        }
+        if self.contiguous {
+            return Err(AllocError::Invalid("the window policy needs the paged pool, not contiguous".into()));
+        }
+        let bs = self.store.block_size;
+        let seq = self.seqs.get_mut(&seq_id).ok_or(AllocError::UnknownSequence(seq_id))?;
+        let first = sink_tokens.div_ceil(bs);
+        let end = ((seq.num_slots + 1).saturating_sub(window_tokens) / bs).min(seq.blocks.len());
+        let mut n = 0;
+        for j in first..end {
+            let id = seq.blocks[j];
+            if id != NIL {
+                seq.blocks[j] = NIL;
+                self.store.release(id);
+                n += 1;
+            }
+        }
+        seq.released += n;
+        Ok(n)
     }
 
     /// Blocks `prepare_step` would take from the free list for `n` more tokens of a sequence
@@ -567,7 +604,7 @@ impl BlockPool {
             }
             need += st.blocks_needed_for(seq, n);
             total += n;
-            width = width.max(blocks_after);
+            width = width.max(blocks_after - seq.released);
         }
         if need > st.num_free {
             return Err(AllocError::NoFreeBlocks { needed: need, free: st.num_free });
@@ -593,9 +630,11 @@ impl BlockPool {
         for (row, (&sid, &n)) in seq_ids.iter().zip(num_new).enumerate() {
             let seq = self.seqs.get_mut(&sid).unwrap();
             self.store.reserve(seq, n as usize, &mut plan.slot_mapping, &mut plan.copies);
-            plan.seq_lens.push(seq.num_slots as i32);
-            let dst = &mut plan.block_tables[row * width..row * width + seq.blocks.len()];
-            for (d, &b) in dst.iter_mut().zip(&seq.blocks) {
+            // released blocks are left out: the kernels see the kept positions as one shorter
+            // sequence (the sinks, then the window), rotated at their true positions
+            plan.seq_lens.push((seq.num_slots - seq.released * self.store.block_size) as i32);
+            let dst = &mut plan.block_tables[row * width..row * width + seq.blocks.len() - seq.released];
+            for (d, &b) in dst.iter_mut().zip(seq.blocks.iter().filter(|&&b| b != NIL)) {
                 *d = b as i32;
             }
         }
@@ -613,8 +652,11 @@ impl BlockPool {
             if seq.num_computed > seq.num_slots || seq.num_slots > seq.tokens.len() {
                 return Err(format!("sequence {sid}: computed <= slots <= tokens violated"));
             }
-            for &b in &seq.blocks {
+            for &b in seq.blocks.iter().filter(|&&b| b != NIL) {
                 refs[b as usize] += 1;
+            }
+            if seq.blocks.iter().filter(|&&b| b == NIL).count() != seq.released {
+                return Err(format!("sequence {sid}: {} released entries counted", seq.released));
             }
         }
         let free: std::collections::HashSet<u32> = self.free_list().into_iter().collect();

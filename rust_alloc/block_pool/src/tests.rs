@@ -253,3 +253,77 @@ fn random_operations_keep_invariants() {
     assert_eq!(p.num_used_blocks(), 0);
     ok(&p);
 }
+
+#[test]
+fn the_window_policy_releases_blocks_no_query_attends() {
+    // blocks of 4; sink 4 tokens (block 0), window 8 tokens
+    let mut p = pool(16, 4);
+    p.add_sequence(1, (0..10).collect(), 0, None).unwrap();
+    p.prepare_step(&[1], &[10], None).unwrap();
+    // next query at 10 attends 0..4 and 3..10: nothing wholly dead yet
+    assert_eq!(p.release_outside(1, 4, 8).unwrap(), 0);
+    let mut tok = 100;
+    for _ in 0..6 {
+        p.prepare_step(&[1], &[1], Some(&[tok])).unwrap();
+        tok += 1;
+    }
+    // 16 slots: the next query (16) attends 0..4 and 9..16: block 1 (4..8) is dead, block 2 (8..12) not
+    let table = p.sequence(1).unwrap().blocks.clone();
+    assert_eq!(p.release_outside(1, 4, 8).unwrap(), 1);
+    assert_eq!(p.release_outside(1, 4, 8).unwrap(), 0);           // once
+    assert_eq!(p.refcount(table[1] as usize).unwrap(), 0);
+    assert_eq!(p.refcount(table[0] as usize).unwrap(), 1);        // the sink stays
+    ok(&p);
+    // tables leave it out; the kernels see 12 positions: the sink block, then 8..16 (+ the new one)
+    let plan = p.prepare_step(&[1], &[1], Some(&[tok])).unwrap();
+    let now = p.sequence(1).unwrap().blocks.clone();
+    assert_eq!(plan.seq_lens, vec![13]);
+    assert_eq!(plan.width, 4);
+    assert_eq!(plan.block_tables, vec![table[0] as i32, table[2] as i32, table[3] as i32, now[4] as i32]);
+    assert_eq!(now[1], u32::MAX);
+    assert_eq!(plan.slot_mapping, vec![now[4] as i64 * 4]);        // written at its true place
+    ok(&p);
+    // a fork shares the kept blocks; releasing in one keeps what the other holds
+    p.fork(1, 2).unwrap();
+    for _ in 0..7 {
+        p.prepare_step(&[1], &[1], Some(&[tok])).unwrap();
+        tok += 1;
+    }
+    let kept = p.sequence(1).unwrap().blocks.clone();
+    assert!(p.release_outside(1, 4, 8).unwrap() >= 1);
+    assert_eq!(p.refcount(kept[2] as usize).unwrap(), 1);          // seq 2 still holds block 2
+    ok(&p);
+    p.free_sequence(1, true).unwrap();
+    p.free_sequence(2, true).unwrap();
+    assert_eq!(p.num_free_blocks(), 16);
+    ok(&p);
+    // the contiguous pool has no window policy
+    let mut c = BlockPool::new(8, 4, false, true).unwrap();
+    c.add_sequence(1, (0..4).collect(), 0, Some(8)).unwrap();
+    assert!(matches!(c.release_outside(1, 0, 4), Err(AllocError::Invalid(_))));
+}
+
+#[test]
+fn a_released_block_keeps_its_prefix_cache_entry_valid() {
+    let mut p = pool(12, 4);
+    let prompt: Vec<u32> = (0..12).collect();
+    p.add_sequence(1, prompt.clone(), 0, None).unwrap();
+    p.prepare_step(&[1], &[12], None).unwrap();
+    let mut tok = 50;
+    for _ in 0..8 {
+        p.prepare_step(&[1], &[1], Some(&[tok])).unwrap();
+        tok += 1;
+    }
+    // blocks 0..3 hashed by now; window 4, no sink: blocks 0..4 dead
+    let table = p.sequence(1).unwrap().blocks.clone();
+    assert_eq!(p.release_outside(1, 0, 4).unwrap(), 4);
+    ok(&p);
+    assert!(p.is_cached(table[0] as usize) && p.refcount(table[0] as usize).unwrap() == 0);
+    // a new request with the same prompt finds the released blocks' content, intact
+    assert_eq!(p.add_sequence(2, prompt, 0, None).unwrap(), 8);
+    assert_eq!(p.sequence(2).unwrap().blocks[..2], table[..2]);
+    ok(&p);
+    p.free_sequence(1, true).unwrap();
+    p.free_sequence(2, true).unwrap();
+    ok(&p);
+}

@@ -147,6 +147,13 @@ impl BlockAllocator {
         ))
     }
 
+    /// The window policy: release the blocks no later query of the sequence attends.
+    fn release_outside(&mut self, seq_id: i64, sink_tokens: usize, window_tokens: usize) -> PyResult<usize> {
+        self.pool.release_outside(seq_id, sink_tokens, window_tokens).map_err(err)
+    }
+    fn seq_num_released(&self, seq_id: i64) -> PyResult<usize> {
+        Ok(self.pool.sequence(seq_id).map_err(err)?.released)
+    }
     fn block_table(&self, seq_id: i64) -> PyResult<Vec<u32>> {
         Ok(self.pool.sequence(seq_id).map_err(err)?.blocks.clone())
     }
