@@ -48,6 +48,14 @@ from edgepaged.testing.workloads import CLASSES, burst, drive_arrivals, make_ite
 from edgepaged.client import ServerError, open_client  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+MODES = ("paged", "contiguous", "window")
+
+
+def kv_bound_ratio(out: dict) -> float | None:
+    """paged / contiguous kv_bound_active: how many more sequences the same memory holds."""
+    p, c = out["paged"].get("kv_bound_active"), out["contiguous"].get("kv_bound_active")
+    return round(p / c, 2) if p and c else None
 
 
 def pct(values, q):
@@ -69,14 +77,15 @@ def free_port() -> int:
 
 # ------------------------------------------------------------------------------ end to end
 class Serve:
-    def __init__(self, kv_bytes: int, contiguous: bool, max_batched: int, model: Path | None = None):
+    def __init__(self, kv_bytes: int, contiguous: bool, max_batched: int, model: Path | None = None,
+                 extra: list[str] | None = None):
         self.port = free_port()
         cmd = [sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--no-mdns", "--no-http", "--kv-memory", str(kv_bytes), "--max-batched-tokens", str(max_batched),
                "--max-connections", "512", "--grace", "1",
                # the clients all come from loopback here: each stands for a device of its own
                "--max-unauthenticated", "256", "--max-unauthenticated-per-address", "256"] + (["--contiguous"] if contiguous else []) + (
-               ["--model", str(model)] if model else [])
+               ["--model", str(model)] if model else []) + (extra or [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.banner = None
@@ -185,6 +194,13 @@ def summarize(results, wall, final, samples) -> dict:
         "tpot_p50_s": pct([r["tpot_s"] for r in results if r["tpot_s"]], 0.5),
         "queue_p99_s": pct([r["queue_s"] for r in results if r.get("queue_s") is not None], 0.99),
         "kv_blocks_max": max((s[3] for s in samples), default=0), "kv_blocks_total": final["kv_blocks_total"],
+        # while anything ran: the mean of the half-second samples
+        "mean_active": round(sum(s[1] for s in busy) / len(busy), 2) if (busy := [s for s in samples if s[1]]) else None,
+        "kv_blocks_mean": round(sum(s[3] for s in busy) / len(busy), 1) if busy else None,
+        "queue_p50_s": pct([r["queue_s"] for r in results if r.get("queue_s") is not None], 0.5),
+        # what memory allows, whatever the box's speed: sequences running when the pool held the next back
+        "kv_bound_active": final.get("kv_bound_active"), "kv_bound_active_max": final.get("kv_bound_active_max"),
+        "kv_bound_moments": final.get("kv_bound_moments"),
         "per_class": per_class, "samples": samples,
         "ttfts_by_class": {k: sorted(r["ttft_s"] for r in results if r["klass"] == k and r["ttft_s"] is not None)
                            for k in CLASSES},
@@ -355,14 +371,16 @@ def day_trace(tok, n: int, seed: int, scale: float, context: int):
 
 
 # ------------------------------------------------------------------------------ plots
-def plots(out: Path, paged: dict, contiguous: dict, hf: dict, sim: dict) -> list[str]:
+def plots(out_dir: Path, runs: dict, hf: dict, sim: dict) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    out = out_dir
     out.mkdir(parents=True, exist_ok=True)
     files = []
     fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
-    for name, r in (("paged", paged), ("contiguous", contiguous)):
+    for name in MODES:
+        r = runs[name]
         ax[0].plot([s[0] for s in r["samples"]], [s[3] for s in r["samples"]], label=f"{name} (KV blocks used)")
         ax[0].plot([s[0] for s in r["samples"]], [s[1] * 10 for s in r["samples"]], ":", label=f"{name} active x10")
     ax[0].set(xlabel="seconds", ylabel="blocks", title="End to end: KV blocks used and active sequences")
@@ -378,12 +396,10 @@ def plots(out: Path, paged: dict, contiguous: dict, hf: dict, sim: dict) -> list
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for k, v in paged["ttfts_by_class"].items():
-        if v:
-            ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=f"paged {k}")
-    for k, v in contiguous["ttfts_by_class"].items():
-        if v:
-            ax.step(v, [(i + 1) / len(v) for i in range(len(v))], ":", where="post", label=f"contiguous {k}")
+    for name, style in zip(MODES, ("-", ":", "--")):
+        for k, v in runs[name]["ttfts_by_class"].items():
+            if v:
+                ax.step(v, [(i + 1) / len(v) for i in range(len(v))], style, where="post", label=f"{name} {k}")
     ax.set(xscale="log", xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF per request class")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -392,7 +408,8 @@ def plots(out: Path, paged: dict, contiguous: dict, hf: dict, sim: dict) -> list
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for name, r in (("paged", paged), ("contiguous", contiguous)):
+    for name in MODES:
+        r = runs[name]
         pts = [(s[1], s[4]) for s in r["samples"] if s[4] > 0]
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=10, label=name)
     ax.scatter([hf["max_active"]], [hf["tok_s"]], marker="x", s=60, label="transformers (static batch 8)")
@@ -501,7 +518,10 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (1.0; 4.0 with --quick)")
     ap.add_argument("--kv-tokens", type=int, default=8192)
     ap.add_argument("--day-requests", type=int, default=3000)
-    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--window", type=int, default=None,
+                    help="the window policy's window in tokens (the `window` mode and the simulation): 1024, "
+                         "256 with --quick (its prompts are short)")
+    ap.add_argument("--sink", type=int, default=4, help="the window policy's sink tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--caps", default="", help="override the max_tokens a class's clients send, e.g. "
                     "'home=64,agent=512' (sensitivity runs; the default is workloads.CLASSES)")
@@ -526,8 +546,11 @@ def main() -> None:
         # bench/RESULTS.md has both)
         args.requests, args.scale, args.answer_scale, args.day_requests = 24, 0.1, 0.3, 600
         args.rate = 4.0 if args.rate is None else args.rate
+        args.window = 256 if args.window is None else args.window
     elif args.rate is None:
         args.rate = 1.0
+    if args.window is None:
+        args.window = 1024
 
     from edgepaged.model import ModelRunner
     from edgepaged.model.loader import default_model_path
@@ -542,14 +565,16 @@ def main() -> None:
           f"KV budget {args.kv_tokens} tokens ({kv_bytes >> 20} MiB) for both modes", flush=True)
 
     out = {}
-    for mode in ("paged", "contiguous"):
+    window_flags = ["--context-policy", "window", "--window", str(args.window), "--sink", str(args.sink)]
+    for mode in MODES:
         t = time.monotonic()
-        srv = Serve(kv_bytes, mode == "contiguous", 512)
+        srv = Serve(kv_bytes, mode == "contiguous", 512, extra=window_flags if mode == "window" else None)
         try:
             out[mode] = trio.run(run_e2e, srv.addr, items)
         finally:
             srv.stop()
-        print(f"{mode}: {out[mode]['tok_s']} tok/s, max active {out[mode]['max_active']}, "
+        print(f"{mode}: {out[mode]['tok_s']} tok/s, max active {out[mode]['max_active']}, kv_bound_active "
+              f"{out[mode]['kv_bound_active']} ({out[mode]['kv_bound_moments']} steps), "
               f"{time.monotonic() - t:.0f} s", flush=True)
 
     # other arrival patterns, paged: everyone at once after dinner, and closed-loop users
@@ -571,6 +596,18 @@ def main() -> None:
         print(f"paged, {name}: {r['tok_s']} tok/s, max active {r['max_active']}, TTFT p99 {r['ttft_p99_s']} s, "
               f"failed {r['failed']}", flush=True)
 
+    # the window's cost in quality, on the same model: perplexity of a public-domain text
+    from perplexity import perplexity, text_ids
+    ids = text_ids(runner.tokenizer, 2048 if args.quick else None)
+    ppl = {"text_tokens": len(ids), "window": args.window, "sink": args.sink}
+    for name, w, sk in (("full", None, 0), ("window", args.window, args.sink), ("window_no_sink", args.window, 0)):
+        ppl[name] = perplexity(runner, ids, w, sk)["ppl"]
+    print(f"perplexity ({len(ids)} tokens): full {ppl['full']}, window {ppl['window']}, window without sinks "
+          f"{ppl['window_no_sink']}", flush=True)
+    out["perplexity"] = ppl
+    out["paged"]["perplexity"] = out["contiguous"]["perplexity"] = ppl["full"]
+    out["window"]["perplexity"] = ppl["window"]
+
     coef, measured = fit_cost_model(runner)
     print(f"cost model (fitted to this machine): step_s = {coef[0]:.4f} + {coef[1]:.2e} * tokens + "
           f"{coef[2]:.2e} * attention", flush=True)
@@ -588,25 +625,30 @@ def main() -> None:
         print(f"simulated day, {mode}: max active {sim[mode]['max_active']}, preemptions "
               f"{sim[mode]['preemptions']}, queue p99 {sim[mode]['queue_wait_p99_s']} s ({time.monotonic() - t:.0f} s)",
               flush=True)
-    files = plots(Path(args.out), out["paged"], out["contiguous"], out["hf"], sim)
+    files = plots(Path(args.out), out, out["hf"], sim)
 
-    keys = ["tok_s", "max_active", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "queue_p99_s",
-            "preemptions", "prefix_hit_rate", "kv_blocks_max", "completed", "failed"]
-    print(f"\n{'':18}{'paged':>12}{'contiguous':>12}{'transformers':>14}")
+    keys = ["tok_s", "max_active", "mean_active", "kv_bound_active", "kv_bound_moments", "ttft_p50_s", "ttft_p90_s",
+            "ttft_p99_s", "tpot_p50_s", "queue_p50_s", "queue_p99_s", "preemptions", "prefix_hit_rate",
+            "kv_blocks_max", "kv_blocks_mean", "perplexity", "completed", "failed"]
+    print(f"\n{'':18}{'paged':>12}{'contiguous':>12}{'window':>12}{'transformers':>14}")
     for k in keys:
-        print(f"{k:18}{out['paged'].get(k)!s:>12}{out['contiguous'].get(k)!s:>12}{out['hf'].get(k, '-')!s:>14}")
+        print(f"{k:18}{out['paged'].get(k)!s:>12}{out['contiguous'].get(k)!s:>12}{out['window'].get(k)!s:>12}"
+              f"{out['hf'].get(k, '-')!s:>14}")
     for k in ("home", "chat", "document", "agent"):
-        for mode in ("paged", "contiguous"):
+        for mode in MODES:
             pc = out[mode]["per_class"].get(k)
             if pc:
                 print(f"  {mode:10} {k:9} n={pc['n']:<3} TTFT {pc['ttft_s']}  TPOT {pc['tpot_s']}")
     print(f"plots: {', '.join(files)}")
     print(f"paged/transformers tok_s {out['paged']['tok_s'] / out['hf']['tok_s']:.2f}x; paged/contiguous max_active "
-          f"{out['paged']['max_active'] / max(1, out['contiguous']['max_active']):.1f}x")
+          f"{out['paged']['max_active'] / max(1, out['contiguous']['max_active']):.1f}x; kv_bound_active paged/"
+          f"contiguous {kv_bound_ratio(out)}x")
+    out["kv_bound_ratio"] = kv_bound_ratio(out)
     if args.json:
-        for mode in ("paged", "contiguous"):
+        for mode in MODES:
             for k in ("samples", "ttfts_by_class"):
                 out[mode].pop(k)
+        for mode in ("paged", "contiguous"):
             sim[mode].pop("trace")
         out["simulation"] = sim
         out["patterns"] = {k: {x: v[x] for x in ("tok_s", "max_active", "ttft_p50_s", "ttft_p99_s", "failed",

@@ -278,3 +278,23 @@ def test_a_new_short_prompt_starts_before_running_long_prefills_take_the_step():
         b = step(s)
         assert (home in b.requests) is expect, short
         assert sum(1 for r in longs if r in b.requests) >= 2          # the long ones go on too
+
+
+def test_kv_bound_moments_count_the_pool_only():
+    """kv_bound_active: the running sequences at the steps where the pool (not the sequence
+    limit, the token budget or the arrivals) held a waiting request back."""
+    s = make(num_blocks=10, max_num_seqs=8, max_num_batched_tokens=256)
+    assert s.kv_bound_stats() == {"kv_bound_moments": 0, "kv_bound_active": None, "kv_bound_active_max": None}
+    for i in range(6):                       # 3 blocks each: three fit in 10 (minus the watermark)
+        s.add(req(n=40, max_tokens=4, base=10 * i + 1, client=f"c{i}"))
+    while step(s) is not None:
+        pass
+    st = s.kv_bound_stats()
+    assert st["kv_bound_moments"] >= 1 and 1 <= st["kv_bound_active"] <= st["kv_bound_active_max"] <= 3, st
+    # the sequence limit holding requests back is not the pool
+    s = make(num_blocks=200, max_num_seqs=2)
+    for i in range(6):
+        s.add(req(n=20, max_tokens=4, base=10 * i + 1, client=f"c{i}"))
+    while step(s) is not None:
+        pass
+    assert s.kv_bound_stats()["kv_bound_moments"] == 0

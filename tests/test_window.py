@@ -203,3 +203,24 @@ async def test_every_door_takes_the_policy_per_server_and_per_request(gguf_two_l
             while server.engine.stats()["kv_blocks_used"]:
                 await trio.sleep(0.05)
         server.engine.allocator.check_invariants()
+
+
+def test_perplexity_bench_measures_the_policies(embedded_runner_cpu):
+    """bench/perplexity.py on the shipped text: a window wider than the text is full attention
+    (one token a step against chunks: the same up to rounding); a narrow one holds fewer
+    blocks; every block comes back."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from perplexity import perplexity, text_ids
+    ids = text_ids(embedded_runner_cpu.tokenizer, 160)
+    full = perplexity(embedded_runner_cpu, ids)
+    wide = perplexity(embedded_runner_cpu, ids, window=1024, sink=4)
+    narrow = perplexity(embedded_runner_cpu, ids, window=32, sink=4)
+    assert 1 < full["ppl"] < 200 and abs(wide["nll"] - full["nll"]) <= 1e-3, (full, wide)
+    assert narrow["kv_blocks_max"] <= 1 + 3 + 1 < full["kv_blocks_max"] and narrow["nll"] != full["nll"]
+
+
+@pytest.fixture(scope="module")
+def embedded_runner_cpu():
+    return CpuRunner(num_blocks=64, block_size=16)

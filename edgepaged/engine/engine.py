@@ -200,7 +200,8 @@ class Engine:
                  kv_blocks_total=a["num_blocks"], kv_cache_usage_perc=round(a["used_blocks"] / a["num_blocks"], 4),
                  block_size=self.block_size, evictions=a["evictions"], max_model_len=self.max_model_len,
                  kv_dtype=getattr(self.runner, "kv_dtype_name", ""),
-                 mode="contiguous" if self.config.contiguous else "paged")
+                 mode="contiguous" if self.config.contiguous else "paged", context_policy=self.config.context_policy,
+                 **self.scheduler.kv_bound_stats())
         return s
 
     # -- the loop -----------------------------------------------------------------------------

@@ -128,6 +128,7 @@ class _Step:
     plan: dict = field(default_factory=dict)        # request -> tokens this step
     need: dict = field(default_factory=dict)        # request -> blocks it takes from the pool
     preempted: list = field(default_factory=list)
+    kv_bound: bool = False             # the pool held a waiting request back
 
 
 class Scheduler:
@@ -145,6 +146,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._free_blocks: int | None = None   # known free blocks; None: ask the allocator
+        # steps in which the pool (not the token budget, the sequence limit or the arrivals)
+        # held a waiting request back, by how many sequences were running then
+        self.kv_bound: dict[int, int] = {}
 
     # -- queue state ------------------------------------------------------------------------
     @property
@@ -266,9 +270,26 @@ class Scheduler:
             self._lengthen_chunks(step, prio)
             if prio == INTERACTIVE and any(not r.is_decoding for r in step.plan):
                 break
+        if step.kv_bound:
+            n = len(self.running)
+            self.kv_bound[n] = self.kv_bound.get(n, 0) + 1
         if not step.plan:
             return None
         return self._build(step)
+
+    def kv_bound_stats(self) -> dict:
+        """What memory allows, whatever the box's speed: in the steps where the pool held a
+        waiting request back, how many sequences ran (median and most) and how many such
+        steps there were."""
+        moments = sum(self.kv_bound.values())
+        if not moments:
+            return {"kv_bound_moments": 0, "kv_bound_active": None, "kv_bound_active_max": None}
+        acc, median = 0, None
+        for n in sorted(self.kv_bound):
+            acc += self.kv_bound[n]
+            if median is None and 2 * acc >= moments:
+                median = n
+        return {"kv_bound_moments": moments, "kv_bound_active": median, "kv_bound_active_max": max(self.kv_bound)}
 
     def _release_windows(self) -> None:
         """The window policy: blocks of running sequences that no later query attends go back
@@ -381,6 +402,8 @@ class Scheduler:
                 k = free_cached + self._blocks_for(cached + chunk) - cached // self.block_size
             same_prio = sum(r.priority == prio for r in self.running)
             full = len(self.running) >= cfg.max_num_seqs or same_prio >= limit
+            if not full and k > self._free(step) - self.watermark:
+                step.kv_bound = True
             if full or k > self._free(step) - self.watermark:
                 # an interactive request may take the place of running background work
                 victims = [r for r in self.running if r.priority == BACKGROUND] if prio == INTERACTIVE else []
@@ -438,6 +461,7 @@ class Scheduler:
             cached, free_cached = self.alloc.prefix_match(req.all_ids, req.salt)
             k = free_cached + self._blocks_for(n) - cached // self.block_size
             if k > self._free(step) - self.watermark:
+                step.kv_bound = True
                 continue
             self._start(step, queue, req, None)
             per_client[req.client] = per_client.get(req.client, 0) + 1
