@@ -482,7 +482,9 @@ def clients_mode(args) -> None:
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            srv = Serve(kv_bytes, False, 512)
+            srv = Serve(kv_bytes, False, args.max_batched_tokens if mode == "paged" else 512,
+                        extra=["--step-time", str(args.step_time)] if mode == "paged" and args.step_time is not None
+                        else None)
         finally:
             for k, v in old.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -528,6 +530,9 @@ def main() -> None:
                     help="closed loop only: this many household clients (each asks, reads, thinks ~1 s, asks "
                          "again), against the scheduler as it is and as it was (EDGEPAGED_SCHEDULER=before)")
     ap.add_argument("--per-client", type=int, default=4, help="--clients: requests per client")
+    ap.add_argument("--step-time", type=float, default=None, help="--clients: the `paged` server's --step-time")
+    ap.add_argument("--max-batched-tokens", type=int, default=512,
+                    help="--clients: the step's token budget of the `paged` server (`paged_before`: 512)")
     args = ap.parse_args()
     if args.clients:
         return clients_mode(args)

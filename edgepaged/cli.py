@@ -200,6 +200,10 @@ def main(verbose):
               help="What runs the model: cpu (numpy + the Rust kernels; GGUF files on the CPU, no torch needed), "
                    "torch (a GPU, safetensors checkpoints), auto (cpu where it applies). Default: "
                    "$EDGEPAGED_RUNTIME or auto.")
+@click.option("--step-time", "step_time", type=click.FloatRange(0), default=0.5, show_default=True,
+              help="Under load (more than one request in), a step takes about this long at most (seconds; its "
+                   "token budget follows the measured speed): a question that arrives waits for a short step. "
+                   "0: every step takes --max-batched-tokens.")
 @click.option("--context-policy", type=click.Choice(["full", "window"]), default="full", show_default=True,
               help="Attention of requests that do not choose one (their context_policy field): full (the whole "
                    "context) or window (the first --sink tokens and the last --window: KV blocks between are "
@@ -216,7 +220,7 @@ def main(verbose):
 def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, block_size, kv_dtype,
           max_batched_tokens, token, http_port, no_http, no_mdns, mdns_interface, max_connections, max_unauthenticated,
           max_unauthenticated_per_address, allowed_hosts, cors_origins, max_inflight, max_prompt_tokens, max_tokens,
-          grace, users_file, contiguous, quant_math, runtime, context_policy, window_tokens, window_sink,
+          grace, users_file, contiguous, quant_math, runtime, step_time, context_policy, window_tokens, window_sink,
           mdns_refresh):
     """Serve a model on the network (msgpack over TCP and HTTP, advertised by mDNS)."""
     if context_policy == "window" and contiguous:
@@ -266,7 +270,8 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
         front=FrontEndConfig(token=token or None, users=users, max_prompt_tokens=max_prompt_tokens,
                              max_tokens=max_tokens),
         engine=EngineConfig(max_num_batched_tokens=max_batched_tokens, contiguous=contiguous,
-                            context_policy=context_policy, window_tokens=window_tokens, window_sink=window_sink),
+                            context_policy=context_policy, window_tokens=window_tokens, window_sink=window_sink,
+                            step_time_target_s=step_time or None),
         http=None if no_http else HttpConfig(port=http_port, allowed_hosts=allowed_hosts, cors_origins=cors_origins),
         mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
     if cfg.http is not None:

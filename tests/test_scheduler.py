@@ -10,7 +10,8 @@ BS = 16
 
 
 def make(num_blocks=64, **kw):
-    cfg = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256)
+    # (steps are not timed here unless a test asks: the policy's budgets as configured)
+    cfg = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256, step_time_target_s=None)
     cfg.update(kw)
     contiguous = cfg.get("contiguous", False)
     return Scheduler(BlockAllocator(num_blocks, BS, contiguous=contiguous), SchedulerConfig(**cfg))
@@ -298,3 +299,53 @@ def test_kv_bound_moments_count_the_pool_only():
     while step(s) is not None:
         pass
     assert s.kv_bound_stats()["kv_bound_moments"] == 0
+
+
+def test_steps_are_timed_under_load():
+    """With more than one request in, a step's budget follows the measured seconds per token
+    (a small one before any is measured); a lone request keeps the whole budget."""
+    s = make(num_blocks=200, max_num_batched_tokens=512, step_time_target_s=0.5, max_model_len=4096)
+    doc = req(n=1500, max_tokens=4, client="doc")
+    s.add(doc)
+    assert s.step_budget() == 512 and step(s).num_tokens == 512          # alone: full-budget chunks
+    s.add(req(n=600, max_tokens=4, client="other"))
+    assert s.step_budget() == 128                                       # not measured yet
+    s.observe_step(512, 1.536)                                          # 3 ms a token
+    assert s.step_budget() == 166 and step(s).num_tokens <= 166
+    s.observe_step(100, 10.0)                                           # small steps say nothing
+    assert s.step_budget() == 166
+
+
+def test_a_timed_step_starts_home_questions_together_and_stays_short():
+    """A burst of short prompts starts in one step (shortest first, half the configured
+    budget), and that step takes little else, so their first tokens come out of it."""
+    s = make(num_blocks=400, max_num_batched_tokens=512, max_num_seqs=32, step_time_target_s=0.5,
+             short_step_extra_tokens=64, max_model_len=4096)
+    s.observe_step(512, 1.536)
+    doc = req(n=1400, max_tokens=4, client="doc", base=3)
+    s.add(doc)
+    s.add(req(n=700, max_tokens=4, client="doc2", base=5))
+    step(s)
+    step(s)
+    chat = req(n=200, max_tokens=4, client="chat", base=7)
+    homes = [req(n=31, max_tokens=4, client=f"home{i}", base=11 + i) for i in range(6)]
+    s.add(chat)
+    for h in homes:
+        s.add(h)
+    b = step(s)
+    assert all(h in b.requests and b.num_new[b.requests.index(h)] == 31 for h in homes)
+    others = sum(n for r, n in zip(b.requests, b.num_new) if r not in homes and n > 1)
+    assert others <= 64 + 256 - 6 * 31, b.num_new                     # the chat's first part at most, and 64 more
+    assert b.num_tokens <= 256 + 64 + len(b.requests)
+
+
+def test_a_long_prompt_past_its_wait_starts_before_short_ones():
+    s = make(num_blocks=400, max_num_batched_tokens=256, skip_ahead_max_wait_s=10.0, max_model_len=4096)
+    long = req(n=900, max_tokens=4, client="doc", arrival=0.0)        # waited "forever"
+    s.add(long)
+    shorts = [req(n=30, max_tokens=4, client=f"h{i}", base=20 + i) for i in range(3)]
+    for r in shorts:
+        s.add(r)
+    b = step(s)
+    assert long in b.requests and b.num_new[b.requests.index(long)] >= 64
+    assert all(r in b.requests for r in shorts)                          # and the short ones still start

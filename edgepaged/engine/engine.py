@@ -50,6 +50,7 @@ class EngineConfig:
     # the context policy of requests that do not choose one: "full" attention over the whole
     # context, or "window": the first window_sink tokens and the last window_tokens kept, the
     # blocks between given back as a sequence grows (it may generate past the context)
+    step_time_target_s: float | None = 0.5   # a step's length under load (None: full budget steps)
     context_policy: str = "full"
     window_tokens: int = 1024
     window_sink: int = 4
@@ -77,8 +78,10 @@ class Engine:
             max_num_batched_tokens=cfg.max_num_batched_tokens, watermark_frac=cfg.watermark_frac,
             contiguous=cfg.contiguous, background_share=cfg.background_share,
             long_prefill_tokens=cfg.long_prefill_tokens,
-            # EDGEPAGED_SCHEDULER=before: admission in arrival order only, as before short prompts went first
-            short_prompt_tokens=0 if os.environ.get("EDGEPAGED_SCHEDULER") == "before" else 256))
+            # EDGEPAGED_SCHEDULER=before: admission in arrival order only and full-budget steps, as
+            # before short prompts went first and steps were timed
+            short_prompt_tokens=0 if os.environ.get("EDGEPAGED_SCHEDULER") == "before" else 256,
+            step_time_target_s=None if os.environ.get("EDGEPAGED_SCHEDULER") == "before" else cfg.step_time_target_s))
         path = getattr(runner, "model_path", None)
         self.model_name = getattr(runner, "model_name", None) or (path.stem if hasattr(path, "stem") else "model")
         self.metrics = Metrics(self.model_name)
@@ -242,7 +245,9 @@ class Engine:
             self._in_step = frozenset(batch.requests)
             self.step_started = trio.current_time()
             try:
+                t0 = time.monotonic()
                 tokens = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers, outputs)
+                self.scheduler.observe_step(batch.num_tokens, time.monotonic() - t0)
                 ok = True
             except Exception as e:  # a failed step fails only its own requests
                 log.exception("model step failed")

@@ -46,6 +46,13 @@ class SchedulerConfig:
     # skip_ahead_max_wait_s already: then nothing passes it, so it is never starved (0: off)
     short_prompt_tokens: int = 256
     skip_ahead_max_wait_s: float = 10.0
+    # while more than one request is in the box, a step takes at most about this long: its
+    # token budget follows the measured seconds per token (a home question that arrives
+    # during a step waits for it, then for its own); None or 0: the full budget always
+    step_time_target_s: float | None = 0.5
+    # with the step timed: a step that starts a short prompt takes at most this many tokens
+    # more of other prefill, so that prompt's first token comes quickly
+    short_step_extra_tokens: int = 64
 
 
 @dataclass
@@ -125,6 +132,8 @@ class _Step:
     """One `schedule()` call's working state."""
     budget: int                        # tokens left in the step
     bg_prefill_left: int               # background prefill tokens left in the step
+    total: int = 0                     # the step's budget at its start
+    timed: bool = False                # cut to the step time target (the box is under load)
     plan: dict = field(default_factory=dict)        # request -> tokens this step
     need: dict = field(default_factory=dict)        # request -> blocks it takes from the pool
     preempted: list = field(default_factory=list)
@@ -149,6 +158,7 @@ class Scheduler:
         # steps in which the pool (not the token budget, the sequence limit or the arrivals)
         # held a waiting request back, by how many sequences were running then
         self.kv_bound: dict[int, int] = {}
+        self.sec_per_token: float | None = None   # measured on steps of 128+ tokens (observe_step)
 
     # -- queue state ------------------------------------------------------------------------
     @property
@@ -257,14 +267,18 @@ class Scheduler:
         background work — unless an interactive prefill runs this step: background then
         waits one step, so an interactive request's first token never waits behind it."""
         self._release_windows()
-        budget = self.config.max_num_batched_tokens
-        step = _Step(budget=budget, bg_prefill_left=max(16, budget // 8))
+        budget = self.step_budget()
+        step = _Step(budget=budget, total=budget, timed=budget < self.config.max_num_batched_tokens,
+                     bg_prefill_left=max(16, budget // 8))
         rank = {INTERACTIVE: 0, BACKGROUND: 1}
         self.running.sort(key=lambda r: (rank[r.priority], r.arrival))
         for prio in PRIORITIES:
             self._schedule_running(step, prio, (True,))          # decodes
             if prio == INTERACTIVE:                               # short new prompts before long prefills
-                self._admit_short(step, prio)
+                self._admit_overdue(step, prio)                   # (after prompts that waited their limit)
+                if self._admit_short(step, prio) and step.timed:
+                    # a short prompt's first token comes out of this step: keep it short
+                    step.budget = min(step.budget, self.config.short_step_extra_tokens)
             self._schedule_running(step, prio, (False,))         # prefill chunks of running requests
             self._admit(step, prio)
             self._lengthen_chunks(step, prio)
@@ -290,6 +304,25 @@ class Scheduler:
             if median is None and 2 * acc >= moments:
                 median = n
         return {"kv_bound_moments": moments, "kv_bound_active": median, "kv_bound_active_max": max(self.kv_bound)}
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The engine's measure of a step: steps of 128+ tokens update the seconds per token
+        (their fixed cost is small beside the tokens')."""
+        if num_tokens >= 128 and seconds > 0:
+            x = seconds / num_tokens
+            self.sec_per_token = x if self.sec_per_token is None else 0.7 * self.sec_per_token + 0.3 * x
+
+    def step_budget(self) -> int:
+        """The step's token budget: the configured one, cut so the step takes about
+        step_time_target_s while more than one request is in the box (at least 64 tokens).
+        A lone request (a document read alone) keeps the whole budget."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        target, spt = cfg.step_time_target_s, self.sec_per_token
+        if target and len(self.running) + self.num_waiting > 1:
+            # not measured yet (the first steps): a small step, to measure with
+            budget = max(64, min(budget, int(target / spt) if spt else 128))
+        return budget
 
     def _release_windows(self) -> None:
         """The window policy: blocks of running sequences that no later query attends go back
@@ -414,9 +447,9 @@ class Scheduler:
             self._start(step, queue, req, reserve)
             running_per_client[req.client] = running_per_client.get(req.client, 0) + 1
 
-    def _start(self, step: _Step, queue: _Queue, req: Request, reserve: int | None) -> None:
+    def _start(self, step: _Step, queue: _Queue, req: Request, reserve: int | None, first: int | None = None) -> None:
         """Admit `req`: its sequence in the allocator (the prefix cache's blocks shared), its
-        first chunk in the step."""
+        first chunk in the step (`first` tokens, else the long-prefill cut)."""
         tokens = req.all_ids
         queue.remove(req)
         cached = self.alloc.add_sequence(req.id, tokens, req.salt, reserve)
@@ -429,43 +462,73 @@ class Scheduler:
         req.tail_shared = False
         req.status = Status.RUNNING
         self.running.append(req)
-        n = min(len(tokens) - cached, self._first_chunk(step, req.priority))
+        n = min(len(tokens) - cached, self._first_chunk(step, req.priority) if first is None else first)
         step.plan[req] = n
         step.need[req] = self.blocks_needed(req, n)
         self._planned(step, req, n)
 
-    def _admit_short(self, step: _Step, prio: str) -> None:
+    def _admit_short(self, step: _Step, prio: str) -> bool:
         """New short prompts (a home question) start before the running requests' long
         prefills take the step, and ahead of a waiting prompt the pool cannot take yet: fair
-        across clients, up to half the step's budget, as the pool allows. Long prompts then
-        share what is left, as before; once one has waited skip_ahead_max_wait_s, nothing goes
-        ahead of it any more, so a stream of short ones cannot starve it."""
+        across clients, up to half the step's budget (one longer than what is left starts with
+        its first part), as the pool allows. Long prompts then share what is left, as before;
+        once one has waited skip_ahead_max_wait_s it starts first (`_admit_overdue`), and if
+        the pool cannot take it nothing goes ahead of it, so short ones cannot starve it."""
         cfg = self.config
         if cfg.short_prompt_tokens <= 0 or cfg.contiguous:
-            return
-        queue, cap = self.queues[prio], min(step.budget, cfg.max_num_batched_tokens // 2)
+            return False
+        # up to half the step; a timed step lets them have half the configured budget still (a
+        # burst of home questions starts together), and keeps the rest of it short
+        half = cfg.max_num_batched_tokens // 2 if step.timed else step.total // 2
+        queue, cap = self.queues[prio], min(max(step.budget, 0) if not step.timed else half, half)
         if any(len(r.all_ids) > cfg.short_prompt_tokens and not self._may_pass(r) for r in queue.waiting()):
-            return                      # a long prompt has waited its limit: nothing goes ahead of it
+            return False                # a long prompt has waited its limit: nothing goes ahead of it
         per_client: dict[str, int] = {}
         for r in self.running:
             per_client[r.client] = per_client.get(r.client, 0) + 1
         candidates = [r for r in queue.waiting() if len(r.all_ids) <= cfg.short_prompt_tokens
                       and r not in step.preempted]
+        started = False
         while candidates and len(self.running) < cfg.max_num_seqs:
-            # fair across clients, as the queue is: the client running least first, then arrival
-            req = min(candidates, key=lambda r: (per_client.get(r.client, 0), r.arrival))
+            # fair across clients, as the queue is: the client running least first, then the
+            # shortest prompt (a home question before a chat turn), then arrival
+            req = min(candidates, key=lambda r: (per_client.get(r.client, 0), len(r.all_ids), r.arrival))
             candidates.remove(req)
-            n = len(req.all_ids)
-            if n > cap:
-                continue
             cached, free_cached = self.alloc.prefix_match(req.all_ids, req.salt)
-            k = free_cached + self._blocks_for(n) - cached // self.block_size
+            n = min(len(req.all_ids) - cached, cap)      # a prompt longer than what is left: its first part
+            if n <= 0:
+                break
+            k = free_cached + self._blocks_for(cached + n) - cached // self.block_size
             if k > self._free(step) - self.watermark:
                 step.kv_bound = True
                 continue
-            self._start(step, queue, req, None)
+            self._start(step, queue, req, None, first=n)
             per_client[req.client] = per_client.get(req.client, 0) + 1
             cap -= n
+            started = True
+        return started
+
+    def _admit_overdue(self, step: _Step, prio: str) -> None:
+        """Long prompts that have waited skip_ahead_max_wait_s start first, oldest first, as
+        the budget and the pool allow: short prompts may then still take what is left of the
+        step (they cannot starve one that is running). One the pool cannot take yet keeps
+        every short prompt behind it (`_admit_short`)."""
+        cfg = self.config
+        if cfg.short_prompt_tokens <= 0 or cfg.contiguous:
+            return
+        queue = self.queues[prio]
+        overdue = sorted((r for r in queue.waiting() if len(r.all_ids) > cfg.short_prompt_tokens
+                          and not self._may_pass(r) and r not in step.preempted), key=lambda r: r.arrival)
+        for req in overdue:
+            if len(self.running) >= cfg.max_num_seqs or self._chunk_budget(step, prio) <= 0:
+                return
+            cached, free_cached = self.alloc.prefix_match(req.all_ids, req.salt)
+            chunk = min(len(req.all_ids) - cached, self._first_chunk(step, prio))
+            k = free_cached + self._blocks_for(cached + chunk) - cached // self.block_size
+            if k > self._free(step) - self.watermark:
+                step.kv_bound = True
+                return
+            self._start(step, queue, req, None)
 
     def _may_pass(self, head: Request) -> bool:
         """Whether short prompts may go ahead of `head` (it has not waited too long)."""

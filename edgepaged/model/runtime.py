@@ -96,7 +96,7 @@ class RunnerBase:
         have = self._rotary_size()
         if not len(positions):
             return
-        need = int(positions.max()) + 1
+        need = int(positions.max() if hasattr(positions, "max") else max(positions)) + 1
         if need <= have:
             return
         if (getattr(self.config, "rope_scaling", None) or {}).get("rope_type") == "longrope":
