@@ -70,7 +70,11 @@ def parse_address(address: str, default_port: int = DEFAULT_PORT) -> tuple[str, 
 
 class Stream:
     """One chat/generate request. Iterate for text pieces; `done` holds the final frame.
-    Raises ServerError if the server refuses the request."""
+    Raises ServerError if the server refuses the request.
+
+    With `n` > 1 (parallel samples) the pieces of every sample come through the iteration
+    (`last_index` says whose); `texts` and `dones` hold each sample's text and done frame,
+    `text`/`done` the first sample's; the stream ends when every sample is done."""
 
     def __init__(self, client: "Client", frame: dict):
         self.client, self.frame, self.id = client, frame, frame["id"]
@@ -81,14 +85,32 @@ class Stream:
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
         self.started = False
+        n = frame.get("n") or 1
+        self.n = n if isinstance(n, int) and n > 1 else 1
+        self.parts: list[list[str]] = [[] for _ in range(self.n)]
+        self.dones: list[dict | None] = [None] * self.n
+        self.last_index = 0
 
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
 
+    @property
+    def texts(self) -> list[str]:
+        return ["".join(p) for p in self.parts]
+
+    def _index(self, msg: dict) -> int:
+        k = msg.get("index", 0)
+        return k if isinstance(k, int) and 0 <= k < self.n else 0
+
     def _on_frame(self, msg: dict) -> None:   # from the client's reader task
         if msg.get("type") == "done":
-            self.done = msg
+            k = self._index(msg)
+            self.dones[k] = msg
+            if k == 0:
+                self.done = msg
+            if any(d is None for d in self.dones):
+                return                       # other samples still run
         elif msg.get("type") == "error":
             self.error = ServerError(msg.get("code", "?"), msg.get("message", ""))
         else:
@@ -131,8 +153,11 @@ class Stream:
             if self.error is not None:
                 raise self.error from None
             raise StopAsyncIteration from None
-        self.token_ids += msg.get("token_ids", [])
-        self.text_parts.append(msg.get("text", ""))
+        k = self.last_index = self._index(msg)
+        self.parts[k].append(msg.get("text", ""))
+        if k == 0:
+            self.token_ids += msg.get("token_ids", [])
+            self.text_parts.append(msg.get("text", ""))
         return msg.get("text", "")
 
     async def cancel(self, timeout_s: float = 10.0) -> dict | None:
@@ -373,6 +398,19 @@ class SyncStream:
     @property
     def text(self) -> str:
         return self.stream.text
+
+    @property
+    def texts(self) -> list[str]:
+        """Each sample's text (n > 1)."""
+        return self.stream.texts
+
+    @property
+    def dones(self) -> list[dict | None]:
+        return self.stream.dones
+
+    @property
+    def last_index(self) -> int:
+        return self.stream.last_index
 
     def __iter__(self) -> Iterator[str]:
         return self

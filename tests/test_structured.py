@@ -582,3 +582,17 @@ async def test_n_samples_over_the_msgpack_protocol(embedded_runner):
         assert len(set(texts.values())) > 1
         reply = await raw.ask({"type": "chat", "id": 2, "messages": Q, "n": 20})
         assert reply["type"] == "error" and "n must be" in reply["message"]
+        # the Python client: one stream, every sample's pieces, ended when all three are done
+        from edgepaged.client import open_client
+        async with open_client(server.address) as client:
+            async with client.chat(Q, n=3, max_tokens=8, temperature=1.0, seed=4) as stream:
+                seen = set()
+                async for _ in stream:
+                    seen.add(stream.last_index)
+            assert seen == {0, 1, 2} and len(stream.texts) == 3 and len(set(stream.texts)) > 1
+            assert [d["finish_reason"] for d in stream.dones] == ["length"] * 3
+            assert stream.text == stream.texts[0] and stream.done is stream.dones[0]
+            assert sorted(stream.texts) == sorted(texts.values())           # the same seed: the same samples
+        with trio.fail_after(5):
+            while server.engine.stats()["kv_blocks_used"]:
+                await trio.sleep(0.05)
