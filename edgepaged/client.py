@@ -82,12 +82,12 @@ class Stream:
         self.finished = trio.Event()
         self.done: dict | None = None
         self.error: ServerError | None = None
-        self.text_parts: list[str] = []
         self.token_ids: list[int] = []
         self.started = False
         n = frame.get("n") or 1
         self.n = n if isinstance(n, int) and n > 1 else 1
         self.parts: list[list[str]] = [[] for _ in range(self.n)]
+        self.text_parts = self.parts[0]              # the first sample's pieces
         self.dones: list[dict | None] = [None] * self.n
         self.last_index = 0
 
@@ -157,7 +157,6 @@ class Stream:
         self.parts[k].append(msg.get("text", ""))
         if k == 0:
             self.token_ids += msg.get("token_ids", [])
-            self.text_parts.append(msg.get("text", ""))
         return msg.get("text", "")
 
     async def cancel(self, timeout_s: float = 10.0) -> dict | None:

@@ -276,9 +276,9 @@ class FrontEnd:
             if len(ids) >= context:
                 raise RequestRejected("prompt_too_long", f"the prompt has {len(ids)} tokens, the context asked for "
                                       f"(num_ctx) {context}")
-        ecfg = getattr(self.engine, "config", None)
-        policy = item.context_policy or getattr(ecfg, "context_policy", "full")
-        window = (ecfg.window_sink, ecfg.window_tokens) if policy == "window" and ecfg is not None else None
+        ecfg = self.engine.config
+        policy = item.context_policy or ecfg.context_policy
+        window = (ecfg.window_sink, ecfg.window_tokens) if policy == "window" else None
         # under the window policy an answer may run past the context (the server's --max-tokens caps it)
         cap = self.max_tokens if window is None else (self.config.max_tokens or WINDOW_MAX_TOKENS)
         max_tokens = item.max_tokens

@@ -62,14 +62,25 @@ def counting(engine, seen: list):
                                                   [int(x) for x in batch.seq_lens]))
 
 
-@pytest.mark.parametrize("runtime", ["cpu", "torch"])
+@pytest.mark.parametrize("runtime", ["cpu", "torch", "triton"])
 async def test_generates_twice_the_context_with_flat_memory(gguf_two_layers, tmp_path, runtime):
     if runtime == "cpu":
         engine = engine_for(gguf_two_layers)
     else:   # the torch runner on a safetensors checkpoint: the same tables, its own rotary tables grown
         from edgepaged.model import ModelRunner
         from edgepaged.testing.tiny_models import make_tiny_model
-        runner = ModelRunner(make_tiny_model(tmp_path / "tiny", context=CONTEXT), num_blocks=48, block_size=BS)
+        runner = ModelRunner(make_tiny_model(tmp_path / "tiny", context=CONTEXT), num_blocks=48, block_size=BS,
+                             kv_dtype="f32" if runtime == "triton" else None)   # (Triton: q's dtype)
+        if runtime == "triton":   # the GPU path's attention kernels (Triton's interpreter on a CPU)
+            pytest.importorskip("triton")
+            from edgepaged import kernels
+            from edgepaged.model.attention import backend_for
+            from edgepaged.model.forward import TorchForward
+            if not kernels.is_available():
+                pytest.skip("Triton has neither a GPU nor the interpreter here (conftest.py sets TRITON_INTERPRET=1)")
+            runner.forward = TorchForward(runner.model, backend_for("cuda", runner.config, BS, runner.dtype),
+                                          runner.kv_cache)
+            assert "Triton" in runner.forward.name
         engine = Engine(runner, EngineConfig(window_tokens=WINDOW, window_sink=SINK))
     prompt = list(range(3, 23))
     seen = []

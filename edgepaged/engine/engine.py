@@ -47,10 +47,10 @@ class EngineConfig:
     background_share: float = 0.5            # most of max_num_seqs background work may hold
     long_prefill_tokens: int | None = None   # first cut of a prefill chunk (None: budget / 4; 0: off)
     trim_memory_when_idle: bool = True       # malloc_trim when the last request ends (glibc)
+    step_time_target_s: float | None = 0.5   # a step's length under load (None: full budget steps)
     # the context policy of requests that do not choose one: "full" attention over the whole
     # context, or "window": the first window_sink tokens and the last window_tokens kept, the
     # blocks between given back as a sequence grows (it may generate past the context)
-    step_time_target_s: float | None = 0.5   # a step's length under load (None: full budget steps)
     context_policy: str = "full"
     window_tokens: int = 1024
     window_sink: int = 4

@@ -424,20 +424,17 @@ class Scheduler:
             req = queue.peek(running_per_client)
             if req is None or req in step.preempted:
                 return
-            tokens = req.all_ids
             if cfg.contiguous:
                 reserve = req.reserve_tokens = min(req.max_total, cfg.max_model_len)
                 k = self._blocks_for(reserve)
             else:
                 reserve = None
-                cached, free_cached = self.alloc.prefix_match(tokens, req.salt)
-                chunk = min(len(tokens) - cached, self._first_chunk(step, prio))
-                k = free_cached + self._blocks_for(cached + chunk) - cached // self.block_size
+                _, k = self._admission(req, self._first_chunk(step, prio))
             same_prio = sum(r.priority == prio for r in self.running)
             full = len(self.running) >= cfg.max_num_seqs or same_prio >= limit
-            if not full and k > self._free(step) - self.watermark:
-                step.kv_bound = True
-            if full or k > self._free(step) - self.watermark:
+            pool_short = k > self._free(step) - self.watermark
+            step.kv_bound |= pool_short and not full
+            if full or pool_short:
                 # an interactive request may take the place of running background work
                 victims = [r for r in self.running if r.priority == BACKGROUND] if prio == INTERACTIVE else []
                 if victims:
@@ -446,6 +443,14 @@ class Scheduler:
                 return
             self._start(step, queue, req, reserve)
             running_per_client[req.client] = running_per_client.get(req.client, 0) + 1
+
+    def _admission(self, req: Request, most: int) -> tuple[int, int]:
+        """Admitting `req` now with a first chunk of at most `most` tokens: (that chunk, the
+        blocks it takes from the pool: its new blocks and the cached ones it takes out of the
+        free list)."""
+        cached, free_cached = self.alloc.prefix_match(req.all_ids, req.salt)
+        n = min(len(req.all_ids) - cached, most)
+        return n, free_cached + self._blocks_for(cached + n) - cached // self.block_size
 
     def _start(self, step: _Step, queue: _Queue, req: Request, reserve: int | None, first: int | None = None) -> None:
         """Admit `req`: its sequence in the allocator (the prefix cache's blocks shared), its
@@ -479,8 +484,8 @@ class Scheduler:
             return False
         # up to half the step; a timed step lets them have half the configured budget still (a
         # burst of home questions starts together), and keeps the rest of it short
-        half = cfg.max_num_batched_tokens // 2 if step.timed else step.total // 2
-        queue, cap = self.queues[prio], min(max(step.budget, 0) if not step.timed else half, half)
+        half = (cfg.max_num_batched_tokens if step.timed else step.total) // 2
+        queue, cap = self.queues[prio], half if step.timed else min(step.budget, half)
         if any(len(r.all_ids) > cfg.short_prompt_tokens and not self._may_pass(r) for r in queue.waiting()):
             return False                # a long prompt has waited its limit: nothing goes ahead of it
         per_client: dict[str, int] = {}
@@ -494,11 +499,9 @@ class Scheduler:
             # shortest prompt (a home question before a chat turn), then arrival
             req = min(candidates, key=lambda r: (per_client.get(r.client, 0), len(r.all_ids), r.arrival))
             candidates.remove(req)
-            cached, free_cached = self.alloc.prefix_match(req.all_ids, req.salt)
-            n = min(len(req.all_ids) - cached, cap)      # a prompt longer than what is left: its first part
+            n, k = self._admission(req, cap)           # a prompt longer than what is left: its first part
             if n <= 0:
                 break
-            k = free_cached + self._blocks_for(cached + n) - cached // self.block_size
             if k > self._free(step) - self.watermark:
                 step.kv_bound = True
                 continue
@@ -522,10 +525,7 @@ class Scheduler:
         for req in overdue:
             if len(self.running) >= cfg.max_num_seqs or self._chunk_budget(step, prio) <= 0:
                 return
-            cached, free_cached = self.alloc.prefix_match(req.all_ids, req.salt)
-            chunk = min(len(req.all_ids) - cached, self._first_chunk(step, prio))
-            k = free_cached + self._blocks_for(cached + chunk) - cached // self.block_size
-            if k > self._free(step) - self.watermark:
+            if self._admission(req, self._first_chunk(step, prio))[1] > self._free(step) - self.watermark:
                 step.kv_bound = True
                 return
             self._start(step, queue, req, None)
