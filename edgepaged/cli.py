@@ -102,7 +102,10 @@ def sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, info=N
     """The request's sampling fields; max_tokens within what the server takes (its hello)."""
     if max_tokens and info:
         cap = (info.get("limits") or {}).get("max_tokens") or max_tokens
-        max_tokens = max(1, min(max_tokens, cap, (info.get("context_length") or max_tokens + 1) - 1))
+        room = (info.get("context_length") or max_tokens + 1) - 1
+        # more than the server could ever give: ask for "up to its limit", which the server
+        # fits to the prompt (a number it would refuse when prompt + max_tokens pass the context)
+        max_tokens = None if max_tokens >= min(cap, room) else max(1, max_tokens)
     params = {"max_tokens": max_tokens or None, "temperature": temperature, "repetition_penalty": repeat_penalty,
               "top_p": top_p}
     if seed is not None:
@@ -597,7 +600,7 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
         failed(e.code, e.message if e.code in ("no_server", "connection_failed", "bad_address") else str(e))
     with c:
         answer = None
-        writer = None if as_json else writer_for(click.get_text_stream("stdout"), plain)
+        writer = None if as_json else writer_for(sys.stdout, plain)
         try:
             answer = c.chat(messages, **sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info,
                                                         model))

@@ -125,6 +125,16 @@ def test_ask_answers_paris(server):
     assert "Paris" in r.stdout
 
 
+def test_ask_for_more_than_the_context_gets_what_fits(server):
+    """--max-tokens past the context asks for "up to the server's limit": the server fits it to
+    the prompt (a number it refused: prompt + max_tokens would pass the context)."""
+    r = cli("ask", "--server", server.address, "--json", "--temperature", "0", "--max-tokens", "100000", "Say hi.")
+    assert r.returncode == 0, r.stdout + r.stderr
+    done = json.loads(r.stdout.splitlines()[-1])
+    assert done["error"] is None and done["finish_reason"] in ("stop", "length") and done["text"]
+    assert "DeprecationWarning" not in r.stderr
+
+
 def test_ask_json_and_stdin(server):
     r = cli("ask", "--server", server.address, "--json", input="What is the capital of France?")
     assert r.returncode == 0, r.stderr
@@ -373,7 +383,8 @@ def test_answers_render_as_markdown_in_a_terminal(server):
 
 def test_sigterm_finishes_running_requests_then_exits_0(server):
     """Last in this file: it stops the module's server."""
-    long = subprocess.Popen([*CLI, "ask", "--server", server.address, "--max-tokens", "1000",
+    # greedy: its first 1000 tokens are known to hold no end of turn, more than the 10 s grace makes
+    long = subprocess.Popen([*CLI, "ask", "--server", server.address, "--max-tokens", "2000", "--temperature", "0",
                              "Write a very long story about a dragon."], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
     first = long.stdout.read(1)   # the answer is streaming

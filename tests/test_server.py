@@ -122,7 +122,7 @@ async def test_ten_concurrent_clients(embedded_runner):
 async def test_cancel_frees_blocks(embedded_runner):
     async with serving(embedded_runner) as server:
         async with open_client(server.address) as c:
-            async with c.chat(STORY, max_tokens=300, temperature=0) as answer:
+            async with c.chat(STORY, max_tokens=300, temperature=0, ignore_eos=True) as answer:
                 async for _ in answer:
                     if len(answer.token_ids) >= 3:
                         break
@@ -133,7 +133,7 @@ async def test_cancel_frees_blocks(embedded_runner):
             stats = await idle(server, timeout=2)
             assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
             # leaving the stream early cancels too
-            async with c.chat(STORY, max_tokens=300) as answer:
+            async with c.chat(STORY, max_tokens=300, ignore_eos=True) as answer:
                 async for _ in answer:
                     break
             assert answer.done["finish_reason"] == "cancelled"
@@ -144,7 +144,7 @@ async def test_disconnect_frees_blocks(embedded_runner):
     async with serving(embedded_runner) as server:
         raw = await Raw.open(server)
         for rid in range(3):
-            await raw.send({"type": "chat", "id": rid, "messages": STORY, "max_tokens": 300})
+            await raw.send({"type": "chat", "id": rid, "messages": STORY, "max_tokens": 300, "ignore_eos": True})
         assert (await raw.read())["type"] == "token"
         await raw.stream.aclose()
         stats = await idle(server)
@@ -179,10 +179,10 @@ async def test_each_bad_frame_gets_its_code_and_the_server_keeps_serving(embedde
             if isinstance(frame, dict) and "id" in frame and frame["type"] != "hello":
                 assert reply["id"] == frame["id"]
         # in-flight limits
-        await raw.send({"type": "chat", "id": "a", "messages": STORY, "max_tokens": 64})
-        await raw.send({"type": "chat", "id": "a", "messages": STORY, "max_tokens": 64})
-        await raw.send({"type": "chat", "id": "b", "messages": STORY, "max_tokens": 64})
-        await raw.send({"type": "chat", "id": "c", "messages": STORY, "max_tokens": 64})
+        await raw.send({"type": "chat", "id": "a", "messages": STORY, "max_tokens": 64, "ignore_eos": True})
+        await raw.send({"type": "chat", "id": "a", "messages": STORY, "max_tokens": 64, "ignore_eos": True})
+        await raw.send({"type": "chat", "id": "b", "messages": STORY, "max_tokens": 64, "ignore_eos": True})
+        await raw.send({"type": "chat", "id": "c", "messages": STORY, "max_tokens": 64, "ignore_eos": True})
         await raw.send({"type": "cancel", "id": "a"})
         await raw.send({"type": "cancel", "id": "b"})
         errors, done = {}, {}
@@ -264,7 +264,7 @@ async def test_a_client_that_stops_reading_is_cut_off(embedded_runner, caplog):
         await sock.connect(("127.0.0.1", server.port))
         slow = Raw(trio.SocketStream(sock))
         assert (await slow.ask({"type": "hello", "version": 1}))["type"] == "hello"
-        await slow.send({"type": "chat", "id": 0, "messages": STORY, "max_tokens": 500})
+        await slow.send({"type": "chat", "id": 0, "messages": STORY, "max_tokens": 500, "ignore_eos": True})
 
         async def flood():   # many stats replies nobody reads
             try:
@@ -291,7 +291,9 @@ async def test_shutdown_lets_short_requests_finish_and_cancels_the_rest(embedded
     async with serving(embedded_runner) as server:
         async with open_client(server.address) as c:
             short = c.chat(FRANCE, max_tokens=8, temperature=0)
-            long = c.chat(STORY, max_tokens=500)
+            # ignore_eos and more tokens than the grace period can make: the long one cannot
+            # end on its own inside the 5 s (it once did, on a fast machine, with 500 sampled tokens)
+            long = c.chat(STORY, max_tokens=4000, ignore_eos=True)
             await short.start()
             await long.start()
             async for _ in long:
