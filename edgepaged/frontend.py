@@ -300,8 +300,6 @@ class FrontEnd:
         n = item.n
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
             raise RequestRejected("invalid_params", f"n must be in 1..{MAX_SAMPLES}, got {n!r}")
-        if n > 1 and calls is not None:
-            raise RequestRejected("invalid_params", "n > 1 with tools is not supported")
 
         def one(k: int, parent=None) -> Request:
             p = params if k == 0 else replace(params, seed=None if params.seed is None else params.seed + k)

@@ -262,6 +262,57 @@ async def test_tool_calls_with_the_openai_package(embedded_runner):
     assert out["answer"].finish_reason in ("stop", "length") and out["answer"].message.content
 
 
+async def test_parallel_samples_with_tools(embedded_runner):
+    """n = 3 with tool_choice required: every choice carries its own calls, each valid for
+    its tool's schema, streamed (deltas by choice index) and not; over the msgpack protocol
+    each sample's done frame carries its calls. Every block goes back."""
+    import openai
+
+    from test_server import Raw
+    async with serving(embedded_runner) as http:
+        def scenario():
+            c = openai.OpenAI(base_url=http.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            r = c.chat.completions.create(model="m", messages=Q, tools=WEATHER, tool_choice="required", n=3,
+                                          temperature=1.0, seed=3, max_tokens=200)
+            calls, ends = {}, {}
+            for chunk in c.chat.completions.create(model="m", messages=Q, tools=WEATHER, tool_choice="required",
+                                                   n=3, temperature=1.0, seed=3, max_tokens=200, stream=True):
+                for ch in chunk.choices:
+                    for tc in ch.delta.tool_calls or []:
+                        d = calls.setdefault((ch.index, tc.index), {"name": "", "arguments": ""})
+                        d["name"] += tc.function.name or ""
+                        d["arguments"] += tc.function.arguments or ""
+                    if ch.finish_reason:
+                        ends[ch.index] = ch.finish_reason
+            return r, calls, ends
+        r, streamed, ends = await trio.to_thread.run_sync(scenario)
+        raw = Raw(await trio.open_tcp_stream("127.0.0.1", http.msgpack_port))
+        assert (await raw.ask({"type": "hello", "version": 1}))["type"] == "hello"
+        await raw.send({"type": "chat", "id": 1, "messages": Q, "tools": WEATHER, "tool_choice": "required",
+                        "n": 2, "max_tokens": 200, "temperature": 1.0, "seed": 5})
+        dones = {}
+        while len(dones) < 2:
+            m = await raw.read()
+            if m["type"] == "done":
+                dones[m["index"]] = m
+        with trio.fail_after(5):
+            while http.engine.stats()["kv_blocks_used"]:
+                await trio.sleep(0.05)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls
+        for tc in c.message.tool_calls:
+            jsonschema.validate(json.loads(tc.function.arguments), SCHEMAS[tc.function.name])
+    assert ends == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
+    assert {k for k, _ in streamed} == {0, 1, 2}
+    for d in streamed.values():
+        jsonschema.validate(json.loads(d["arguments"]), SCHEMAS[d["name"]])
+    for d in dones.values():
+        assert d["finish_reason"] == "tool_calls" and d["tool_calls"], d
+        for tc in d["tool_calls"]:
+            jsonschema.validate(json.loads(tc["function"]["arguments"]), SCHEMAS[tc["function"]["name"]])
+
+
 HOME_ASSISTANT = {   # the shape Home Assistant's Ollama integration sends
     "model": "SmolLM2-135M-Instruct.Q4_1:latest", "stream": False, "keep_alive": "5m",
     "options": {"num_ctx": 8192, "top_p": 0.9, "temperature": 0.5},

@@ -42,6 +42,26 @@ def event_frame(rid, ev: TokenEvent | DoneEvent, model: str = "", truncated: int
     return frame
 
 
+def sample_frames(rid, req, ev: TokenEvent | DoneEvent) -> list[dict]:
+    """The frames of one engine event of `req` (a request, or one of its parallel samples).
+    With tools offered (`req.calls`) the text is held back while it may be a call, and the
+    calls come parsed on the done frame (finish_reason "tool_calls")."""
+    calls = req.calls
+    if calls is None:
+        return [event_frame(rid, ev, req.model, req.truncated)]
+    if isinstance(ev, TokenEvent):
+        return [event_frame(rid, TokenEvent(ev.token_ids, calls.push(ev.token_ids, ev.text), ev.logprobs))]
+    rest, found = calls.finish()
+    out = [event_frame(rid, TokenEvent([], rest))] if rest else []
+    frame = event_frame(rid, ev, req.model, req.truncated)
+    if found and ev.finish_reason in ("stop", "length"):
+        frame["finish_reason"] = "tool_calls"
+        frame["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+            "name": c["name"], "arguments": c["arguments"]}} for c in found]
+    out.append(frame)
+    return out
+
+
 def rejected(e: RequestRejected, rid) -> ProtocolError:
     """A refusal from the front end or the engine as the protocol's error frame."""
     return ProtocolError(e.code if e.code in CODES else "bad_request", str(e), rid)
@@ -245,21 +265,8 @@ class Connection:
             async with self.engine.stream(req) as events:
                 task_status.started()
                 async for ev in events:
-                    if req.calls is not None:   # tools offered: text held back while it may be a call
-                        if isinstance(ev, TokenEvent):
-                            ev = TokenEvent(ev.token_ids, req.calls.push(ev.token_ids, ev.text))
-                        else:
-                            rest, calls = req.calls.finish()
-                            if rest:
-                                await self.send(event_frame(rid, TokenEvent([], rest)))
-                            frame = event_frame(rid, ev, req.model, req.truncated)
-                            if calls and ev.finish_reason in ("stop", "length"):
-                                frame["finish_reason"] = "tool_calls"
-                                frame["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
-                                    "name": c["name"], "arguments": c["arguments"]}} for c in calls]
-                            await self.send(frame)
-                            continue
-                    await self.send(event_frame(rid, ev, req.model, req.truncated))
+                    for frame in sample_frames(rid, req, ev):
+                        await self.send(frame)
         finally:
             self.inflight.pop(rid, None)
             if not self.inflight and self.idle_scope is not None:   # idle again: arm the timeout
@@ -273,9 +280,9 @@ class Connection:
             async with self.engine.stream_samples(req) as events:
                 task_status.started()
                 async for k, ev in events:
-                    frame = event_frame(rid, ev, req.model)
-                    frame["index"] = k
-                    await self.send(frame)
+                    for frame in sample_frames(rid, samples[k], ev):
+                        frame["index"] = k
+                        await self.send(frame)
         finally:
             self.samples.pop(rid, None)
             self.inflight.pop(rid, None)

@@ -433,7 +433,8 @@ class GenerationResponse:
         self.http, self.gen, self.req = http, gen, req
         self.shaper = shaper or Shaper(gen, req.model or http.front.model)
         self.tokenizer = req.engine.tokenizer if req.engine is not None else http.front.tokenizer
-        self.n = 1 + len(req.children)     # parallel samples (the parent's list empties as they fork)
+        self.samples = [req, *req.children]   # parallel samples (the parent's list empties as they fork)
+        self.n = len(self.samples)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -475,21 +476,26 @@ class GenerationResponse:
     async def _answer_samples(self, events, send) -> None:
         n = self.n
         texts, dones, lps = [[] for _ in range(n)], [None] * n, [([], []) for _ in range(n)]
+        found = [[] for _ in range(n)]
         async for k, ev in events:
+            calls = self.samples[k].calls
             if isinstance(ev, TokenEvent):
-                texts[k].append(ev.text)
+                texts[k].append(calls.push(ev.token_ids, ev.text) if calls is not None else ev.text)
                 if ev.logprobs:
                     lps[k][0].extend(ev.token_ids)
                     lps[k][1].extend(ev.logprobs)
             else:
                 dones[k] = ev
+                if calls is not None:
+                    rest, found[k] = calls.finish()
+                    texts[k].append(rest)
         errs = [done_error(d) for d in dones if d is not None]
         err = next((e for e in errs if e is not None), None)
         if err is not None or any(d is None for d in dones):
             err = err or ApiError(500, "a sample ended without an answer", "internal_error")
             return await self._send_json(send, err.status, self.shaper.error_body(err))
         shapers = self._samples_logprobs()
-        answers = [("".join(texts[k]), dones[k], None if shapers[k] is None else shapers[k].of(*lps[k]))
+        answers = [("".join(texts[k]), dones[k], None if shapers[k] is None else shapers[k].of(*lps[k]), found[k])
                    for k in range(n)]
         await self._send_json(send, 200, self.shaper.full_n(answers))
 
@@ -511,11 +517,13 @@ class GenerationResponse:
                         "more_body": True})
         dones, err = [], None
         async for k, ev in events:
+            calls = self.samples[k].calls
             if isinstance(ev, TokenEvent):
+                text = calls.push(ev.token_ids, ev.text) if calls is not None else ev.text
                 if ev.logprobs and lps[k] is not None:
-                    body = at(sh.text_chunk(ev.text, lps[k].of(ev.token_ids, ev.logprobs)), k)
-                elif ev.text:
-                    body = at(sh.text_chunk(ev.text), k)
+                    body = at(sh.text_chunk(text, lps[k].of(ev.token_ids, ev.logprobs)), k)
+                elif text:
+                    body = at(sh.text_chunk(text), k)
                 else:
                     continue
             else:
@@ -523,8 +531,13 @@ class GenerationResponse:
                 err = err or done_error(ev)
                 if err is not None:
                     break
-                chunks = sh.last_chunks(ev)
-                body = at(chunks[0], k)   # the usage chunk (if asked) comes once, at the end
+                body, found = b"", []
+                if calls is not None:
+                    rest, found = calls.finish()
+                    if rest:
+                        body = at(sh.text_chunk(rest), k)
+                # the sample's calls and its end; the usage chunk (if asked) comes once, at the end
+                body += b"".join(at(c, k) for c in sh.last_chunks(ev, found) if c["choices"])
             await send({"type": "http.response.body", "body": body, "more_body": True})
         out = []
         if err is not None:

@@ -5,9 +5,9 @@ Bodies of `POST /v1/chat/completions` and `POST /v1/completions` become the prot
 msgpack protocol's frames), and engine events become OpenAI's response objects and
 stream chunks. No HTTP here: `httpd.py` does the serving.
 
-Fields this server cannot honour (n > 1, tools, logprobs, penalties other than
-`repetition_penalty`) are refused with a 400 naming them, never silently ignored; fields it
-does not know are ignored, as OpenAI-compatible servers do, since clients send many.
+Fields this server cannot honour (`best_of`, the deprecated `functions`, ...) are refused
+with a 400 naming them, never silently ignored; fields it does not know are ignored, as
+OpenAI-compatible servers do, since clients send many (docs/HTTP.md lists them).
 `response_format` (json_object, json_schema) and vLLM's `guided_json`, `guided_regex` and
 `guided_grammar` (Lark) constrain the output (model/grammar.py).
 """
@@ -86,8 +86,6 @@ def _refuse_unsupported(body: dict) -> None:
     n = body.get("n")
     if n is not None and (not _is_int(n) or not 1 <= n <= 8):
         raise bad("n must be an integer in 1..8", "n", "invalid_params")
-    if n not in (None, 1) and body.get("tools"):
-        raise bad("n > 1 with tools is not supported", "n", "invalid_params")
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise bad("best_of is not supported", "best_of", "invalid_params")
@@ -373,13 +371,13 @@ class Shaper:
         return c
 
     def full_n(self, answers: list) -> dict:
-        """The non-streamed answer of parallel samples: answers[k] = (text, done, logprobs)."""
-        bodies = [self.full(text, done, None, lp) for text, done, lp in answers]
+        """The non-streamed answer of parallel samples: answers[k] = (text, done, logprobs, calls)."""
+        bodies = [self.full(text, done, calls, lp) for text, done, lp, calls in answers]
         choices = []
         for k, b in enumerate(bodies):
             choices.append({**b["choices"][0], "index": k})
         prompt = answers[0][1].usage["prompt_tokens"]
-        completion = sum(d.usage["completion_tokens"] for _, d, _ in answers)
+        completion = sum(a[1].usage["completion_tokens"] for a in answers)
         return {**bodies[0], "choices": choices, "usage": {
             "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": answers[0][1].usage.get("cached_tokens", 0)}}}
