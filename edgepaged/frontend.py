@@ -235,13 +235,19 @@ class FrontEnd:
         from . import tools as tl
         if item.messages is not None:
             offered = item.tools if item.tool_choice != "none" else None
-            messages = tl.prepare_messages(item.messages, offered, tok.chat_template)
+            messages = tl.prepare_messages(item.messages, offered, tok.chat_template, tok)
             kwargs = {"tools": offered} if offered and tl.template_takes_tools(tok.chat_template) else {}
             job = partial(tok.apply_chat_template, messages, **kwargs)
             if offered:
                 syntax = tl.syntax_for(tok.chat_template, tok)
                 calls = tl.ToolStream(syntax, tok)
-                if item.tool_choice == "auto" and fmt is None:   # a call the model starts is constrained
+                if item.tool_choice == "auto" and syntax.name == "generic":   # JSON all through: calls or a reply
+                    if fmt is not None:
+                        raise RequestRejected("invalid_params", "a response format and tools cannot go together "
+                                              "on this model (its chat template takes no tools: its answers with "
+                                              "tools are JSON already)")
+                    fmt = {"type": "lark", "grammar": syntax.auto_grammar(offered)}
+                elif item.tool_choice == "auto" and fmt is None:   # a call the model starts is constrained
                     cont = syntax.continuation(offered, item.parallel_tool_calls)
                     if cont is not None:
                         lazy = tl.LazyCall(syntax.marker, cont, self.grammars, tok)
@@ -329,7 +335,7 @@ class FrontEnd:
         cut = head                           # messages[head:cut] are dropped
         for nxt in [s for s in starts if s > head] + [None]:
             kept = messages[:head] + messages[cut:]
-            ids = tok.apply_chat_template(tl.prepare_messages(kept, offered, tok.chat_template), **kwargs)
+            ids = tok.apply_chat_template(tl.prepare_messages(kept, offered, tok.chat_template, tok), **kwargs)
             if len(ids) <= limit or nxt is None:
                 return ids, cut - head
             cut = nxt

@@ -2,7 +2,8 @@
 own call syntax chosen from its template, the grammar that makes a required call parse, and
 the parser that turns an answer back into calls.
 
-    syntax = syntax_for(tokenizer.chat_template)       # hermes (<tool_call>), llama3 (JSON), mistral ([TOOL_CALLS])
+    syntax = syntax_for(tokenizer.chat_template)       # hermes (<tool_call>), llama3 (JSON), mistral ([TOOL_CALLS]),
+                                                        # generic (a template without tools: JSON all through)
     tools = check_tools(body["tools"])                  # ValueError naming the problem
     messages = prepare_messages(messages, tools, template)  # history with calls and results, tools shown
     grammar = syntax.grammar(tools, parallel, name)     # tool_choice required / a named function
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from .model.grammar import JSON_STYLE   # JSON as models write it
 
 MAX_TOOLS = 128
+GENERIC_CALLS = '{"tool_calls": '    # the generic syntax's answers: a call list or a reply, in JSON
+GENERIC_TEXT = '{"response": '
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
@@ -103,6 +106,9 @@ class ToolSyntax:
         """An earlier assistant turn's calls, written the model's way (templates without tools)."""
         if self.name == "mistral":
             return "[TOOL_CALLS] " + json.dumps([{"name": c["name"], "arguments": c["arguments"]} for c in calls])
+        if self.name == "generic":
+            return json.dumps({"tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for c in calls]},
+                              ensure_ascii=False)
         if self.name == "llama3":
             return "\n".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in calls)
         return "\n".join("<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]})
@@ -120,6 +126,11 @@ class ToolSyntax:
                     "required": ["name", key], "additionalProperties": False} for f in fns]
         one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         one = {**one, "x-guidance": JSON_STYLE}
+        if self.name == "generic":
+            arr = {"type": "array", "items": one, "minItems": 1, "x-guidance": JSON_STYLE}
+            if not parallel:
+                arr["maxItems"] = 1
+            return f'start: {json.dumps(GENERIC_CALLS)} calls "}}"\ncalls: %json {json.dumps(arr)}\n'
         if self.name == "mistral":
             arr = {"type": "array", "items": one, "minItems": 1}
             if not parallel:
@@ -131,11 +142,26 @@ class ToolSyntax:
         return ("start: call" + (' ("\\n" call)*' if parallel else "") + "\n"
                 + f'call: {self.lit("<tool_call>")} "\\n" body "\\n" {self.lit("</tool_call>")}\n' + body)
 
+    def auto_grammar(self, tools: list[dict]) -> str | None:
+        """Auto tool choice, generic syntax only: the whole answer is JSON, either one call or
+        `{"response": "<text>"}` (a small model without tool training picks between the two
+        far more reliably than it opens a call in free text; one call, as the other families'
+        auto choice: a toy model given room for more strings calls on to the length limit).
+        None for the other families, whose calls are constrained once the model opens one
+        (`continuation`)."""
+        if self.name != "generic":
+            return None
+        g = self.grammar(tools, parallel=False)
+        text = {"type": "string", "x-guidance": JSON_STYLE}
+        return ("start: calls_answer | text_answer\n"
+                + g.replace("start: ", "calls_answer: ", 1)
+                + f'text_answer: {json.dumps(GENERIC_TEXT)} text "}}"\ntext: %json {json.dumps(text)}\n')
+
     # -- what comes back ------------------------------------------------------------------------
     @property
     def marker(self) -> str:
         """The text that opens a call."""
-        return {"mistral": "[TOOL_CALLS]", "llama3": "{", "hermes": "<tool_call>"}[self.name]
+        return {"mistral": "[TOOL_CALLS]", "llama3": "{", "hermes": "<tool_call>", "generic": GENERIC_CALLS}[self.name]
 
     def find(self, text: str) -> int | None:
         """Where a call starts in an answer, or None (Llama 3: the answer must start with one)."""
@@ -152,7 +178,7 @@ class ToolSyntax:
         closing marker; the answer ends there (one call: a marker that is a special token of
         the vocabulary, as Qwen's are, cannot start a second one inside llguidance's grammar
         reliably). None where there is no marker to wait for (Llama 3)."""
-        if self.name == "llama3":
+        if self.name in ("llama3", "generic"):
             return None
         g = self.grammar(tools, parallel)
         body = g[g.index("body: %json"):]
@@ -170,7 +196,7 @@ class ToolSyntax:
             t = t.split("</think>", 1)[1].lstrip()
         elif "<think>".startswith(t):
             return None
-        marker = {"mistral": "[TOOL_CALLS]", "llama3": "{", "hermes": "<tool_call>"}[self.name]
+        marker = self.marker
         if not t:
             return None
         if t.startswith(marker):
@@ -200,6 +226,17 @@ class ToolSyntax:
                 return text, []
             calls = calls if isinstance(calls, list) else [calls]
             found = [c for c in (_call(x, "arguments") for x in calls) if c is not None]
+            return (text[:at].strip(), found) if found and len(found) == len(calls) else (text, [])
+        if self.name == "generic":
+            at = text.find(GENERIC_CALLS)
+            if at < 0:
+                return text, []
+            try:
+                obj = json.loads(text[at:].strip())
+            except ValueError:
+                return text[:at].strip(), []      # a call cut short: not content
+            calls = obj.get("tool_calls") if isinstance(obj, dict) else None
+            found = [c for c in (_call(x, "arguments") for x in calls or []) if c is not None]
             return (text[:at].strip(), found) if found and len(found) == len(calls) else (text, [])
         # llama3: the whole answer is one JSON object per line
         lines = [x for x in text.strip().splitlines() if x.strip()]
@@ -234,26 +271,35 @@ def _call(obj, key: str) -> dict | None:
 
 def syntax_for(template: str | None, tokenizer=None) -> ToolSyntax:
     """The family's tool-call syntax, from its chat template: Mistral's [TOOL_CALLS], Llama
-    3.x's bare JSON, else Hermes/Qwen's <tool_call> (also what models without tools in their
-    template are shown); with the markers that are special tokens of `tokenizer`."""
+    3.x's bare JSON, Hermes/Qwen's <tool_call> (a template that takes tools in another way
+    too), else the generic syntax (JSON answers, constrained: a template that knows no tools);
+    with the markers that are special tokens of `tokenizer`."""
     t = template or ""
-    if "[TOOL_CALLS]" in t:
-        name = "mistral"
-    elif "<|python_tag|>" in t or ("<|eot_id|>" in t and "tools" in t and "<tool_call>" not in t):
-        name = "llama3"
-    else:
-        name = "hermes"
     specials = []
     if tokenizer is not None:
         for text in ("<tool_call>", "</tool_call>", "[TOOL_CALLS]"):
             i = tokenizer.tok.token_to_id(text)
             if i is not None and text in getattr(tokenizer, "control_strings", ()):
                 specials.append((text, i))
+    if "[TOOL_CALLS]" in t:
+        name = "mistral"
+    elif "<|python_tag|>" in t or ("<|eot_id|>" in t and "tools" in t and "<tool_call>" not in t):
+        name = "llama3"
+    elif template_takes_tools(t) or "<tool_call>" in t or any(x == "<tool_call>" for x, _ in specials):
+        name = "hermes"
+    else:   # no sign the model was taught calls: JSON all through, constrained (as llama.cpp's generic)
+        name = "generic"
     return ToolSyntax(name, tuple(specials))
 
 
-def system_prompt(tools: list[dict]) -> str:
-    """The tool list for a template that does not take one (Hermes' wording)."""
+def system_prompt(tools: list[dict], syntax: str = "hermes") -> str:
+    """The tool list for a template that does not take one: Hermes' wording, or the generic
+    syntax's JSON answers."""
+    if syntax == "generic":
+        lines = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+        return ("# Tools\n\nYou may call these functions:\n" + lines + "\n\nAnswer in JSON only. When a function "
+                "can do what the user asks, call it: " + GENERIC_CALLS + '[{"name": "<function name>", '
+                '"arguments": {...}}]}. Else reply: ' + GENERIC_TEXT + ' "<your reply to the user>"}.')
     lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
@@ -262,12 +308,14 @@ def system_prompt(tools: list[dict]) -> str:
             "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
 
 
-def prepare_messages(messages: list[dict], tools: list[dict] | None, template: str | None) -> list[dict]:
+def prepare_messages(messages: list[dict], tools: list[dict] | None, template: str | None,
+                     tokenizer=None) -> list[dict]:
     """The conversation as the template renders it. Assistant calls and tool results stay
     structured for a template that takes tools (arguments as objects); for one that does
-    not, they become text in the family's syntax, and the tool list joins the system message."""
+    not, they become text in the family's syntax, and the tool list joins the system message
+    (generic syntax: the earlier answers as the JSON the model is held to)."""
     takes = template_takes_tools(template)
-    syntax = syntax_for(template)      # (text only: the history is rendered, never constrained)
+    syntax = syntax_for(template, tokenizer)   # (text only: the history is rendered, never constrained)
     out = []
     for m in messages:
         m = dict(m)
@@ -278,14 +326,19 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None, template: s
             if takes:
                 m["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": n}
                                    for c, n in zip(calls, norm)]
+            elif syntax.name == "generic":   # what the model answered: JSON all through
+                m.pop("tool_calls")
+                m["content"] = syntax.call_text(norm)
             else:
                 m.pop("tool_calls")
                 m["content"] = ((m.get("content") or "") + "\n" + syntax.call_text(norm)).strip()
+        elif tools and not takes and syntax.name == "generic" and m.get("role") == "assistant":
+            m["content"] = GENERIC_TEXT + json.dumps(m.get("content") or "", ensure_ascii=False) + "}"
         if m.get("role") == "tool" and not takes:
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
         out.append(m)
     if tools and not takes:
-        text = system_prompt(tools)
+        text = system_prompt(tools, syntax.name)
         if out and out[0].get("role") == "system":
             out[0] = {**out[0], "content": (out[0].get("content") or "") + "\n\n" + text}
         else:
@@ -338,6 +391,50 @@ def check_message(m: dict, i: int) -> dict:
     return out
 
 
+def _generic_text(raw: str) -> tuple[str, bool]:
+    """The generic syntax's reply, `{"response": "<text>"}`: (the text decoded so far, True)
+    once `raw` opens one; ("", False) otherwise. A JSON escape not yet complete waits."""
+    t = raw.lstrip()
+    head = GENERIC_TEXT + '"'
+    if not t.startswith(head):
+        return "", False
+    s, out, i = t[len(head):], [], 0
+    while i < len(s):
+        c = s[i]
+        if c == '"':
+            break
+        if c != "\\":
+            out.append(c)
+            i += 1
+            continue
+        if i + 1 >= len(s):
+            break
+        e = s[i + 1]
+        if e != "u":
+            out.append({"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f"}.get(e, e))
+            i += 2
+            continue
+        try:
+            cp = int(s[i + 2:i + 6], 16) if len(s) >= i + 6 else None
+        except ValueError:
+            cp = None
+        if cp is None:
+            break
+        if 0xD800 <= cp < 0xDC00:            # a surrogate pair: both halves, or wait
+            try:
+                lo = int(s[i + 8:i + 12], 16) if len(s) >= i + 12 and s[i + 6:i + 8] == "\\u" else None
+            except ValueError:
+                lo = None
+            if lo is None:
+                break
+            out.append(chr(0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00)))
+            i += 12
+            continue
+        out.append(chr(cp))
+        i += 6
+    return "".join(out), True
+
+
 class ToolStream:
     """One answer's text on its way out when tools were offered. The text given out is the
     decoded answer with special tokens (a call's markers may be special tokens); from a call's
@@ -373,6 +470,10 @@ class ToolStream:
         """The next event's tokens -> the content that may go out now."""
         self.ids += token_ids
         raw = self.raw()
+        if self.syntax.name == "generic":      # the reply's text, decoded from its JSON string as it comes
+            said = _generic_text(raw.rstrip("\ufffd"))[0]
+            out, self.emitted = said[self.emitted:], max(self.emitted, len(said))
+            return out
         safe = max(self._safe(raw), self.emitted)
         out, self.emitted = raw[self.emitted:safe], safe
         return out
@@ -380,6 +481,17 @@ class ToolStream:
     def finish(self) -> tuple[str, list[dict]]:
         """(content still to give out, calls)."""
         raw = self.raw()
+        if self.syntax.name == "generic":
+            said, opened = _generic_text(raw)
+            if opened:                       # a reply (cut short by the length limit, maybe)
+                out, self.emitted = said[self.emitted:], len(said)
+                return out, []
+            content, calls = self.syntax.parse(raw)
+            if calls:
+                return "", calls
+            if raw.lstrip().startswith(GENERIC_CALLS):
+                return "", []                # a call cut short: not content
+            return content, []               # no JSON at all (a response format won): as it is
         if self.call_at is None:
             self.call_at = self.syntax.find(raw)
         if self.call_at is None:
