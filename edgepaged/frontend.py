@@ -236,7 +236,7 @@ class FrontEnd:
         if item.messages is not None:
             offered = item.tools if item.tool_choice != "none" else None
             messages = tl.prepare_messages(item.messages, offered, tok.chat_template, tok)
-            kwargs = {"tools": offered} if offered and tl.template_takes_tools(tok.chat_template) else {}
+            kwargs = self._template_kwargs(item, offered)
             job = partial(tok.apply_chat_template, messages, **kwargs)
             if offered:
                 syntax = tl.syntax_for(tok.chat_template, tok)
@@ -303,6 +303,9 @@ class FrontEnd:
                 grammar = await trio.to_thread.run_sync(self.grammars.compile, fmt)
             except ValueError as e:
                 raise RequestRejected("invalid_params", f"format: {e}") from None
+        from . import thinking as th
+        thinks = item.messages is not None and item.think is not False and th.thinks(tok.chat_template)
+        think_open = thinks and tok.decode(ids[-8:], skip_special_tokens=False).rstrip().endswith(th.OPEN)
         n = item.n
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
             raise RequestRejected("invalid_params", f"n must be in 1..{MAX_SAMPLES}, got {n!r}")
@@ -315,10 +318,22 @@ class FrontEnd:
                            calls=None if calls is None else tl.ToolStream(calls.syntax, tok),
                            lazy=None if lazy is None else tl.LazyCall(lazy.marker, lazy.grammar, lazy.grammars, tok),
                            fork_of=parent, engine=self.engine, model=self.model, truncated=dropped,
-                           context_window=window)
+                           context_window=window, thinking=thinks, think_open=think_open)
         req = one(0)
         req.children = [one(k, req) for k in range(1, n)]
         return req
+
+    def _template_kwargs(self, item: GenerateRequest, offered) -> dict:
+        """What the chat template is given beside the messages: the tools (a template that
+        takes them) and the thinking switch (a template that has one)."""
+        from . import thinking
+        from . import tools as tl
+        template = self.tokenizer.chat_template
+        kwargs = {"tools": offered} if offered and tl.template_takes_tools(template) else {}
+        if item.think and not thinking.thinks(template):
+            raise RequestRejected("invalid_params", f"think: {self.model} does not think (its chat template "
+                                  "has no thinking block)")
+        return {**kwargs, **thinking.template_kwargs(template, item.think)}
 
     def _fit(self, item: GenerateRequest, offered, limit: int) -> tuple[list[int], int]:
         """truncate "auto": the conversation's ids with its oldest turns dropped (a turn: a user
@@ -326,7 +341,7 @@ class FrontEnd:
         messages at its start and the last turn always stay. (ids, messages dropped)."""
         from . import tools as tl
         tok = self.tokenizer
-        kwargs = {"tools": offered} if offered and tl.template_takes_tools(tok.chat_template) else {}
+        kwargs = self._template_kwargs(item, offered)
         messages = item.messages
         head = 0
         while head < len(messages) and messages[head]["role"] == "system":

@@ -64,7 +64,7 @@ SAMPLING_FIELDS = {   # name -> accepted python types (after msgpack decoding)
 }
 REQUEST_FIELDS = {"type", "id", "max_tokens", "priority", "stop", "stop_token_ids", "share_prefix_cache",
                   "format", "tools", "tool_choice", "parallel_tool_calls", "n", "model", "keep_alive", "truncate",
-                  "context_policy", *SAMPLING_FIELDS}
+                  "context_policy", "think", *SAMPLING_FIELDS}
 
 
 class ProtocolError(Exception):
@@ -192,6 +192,7 @@ class GenerateRequest:
     keep_alive_s: float | None = None  # how long the model stays loaded after this (-1: always)
     truncate: str | None = None    # "auto": drop the oldest turns (after the system message) to fit
     context_policy: str | None = None  # "full" | "window" (None: the server's)
+    think: bool | None = None      # a thinking model thinks (True), or not (False); None: its default
 
 
 @dataclass
@@ -339,6 +340,9 @@ def _parse_generate(msg: dict) -> GenerateRequest:
         if msg.get("parallel_tool_calls") is not None:
             _type_check("parallel_tool_calls", msg["parallel_tool_calls"], (bool,), rid)
             req.parallel_tool_calls = msg["parallel_tool_calls"]
+    if msg.get("think") is not None:
+        _type_check("think", msg["think"], (bool,), rid)
+        req.think = msg["think"]
     return req
 
 

@@ -704,3 +704,104 @@ async def test_n_samples_over_the_msgpack_protocol(embedded_runner):
         with trio.fail_after(5):
             while server.engine.stats()["kv_blocks_used"]:
                 await trio.sleep(0.05)
+
+
+# ---------------------------------------------------------------- thinking models
+
+def test_think_split_streams_thinking_apart_from_the_answer():
+    """<think>…</think> before the answer: the thinking and the answer come apart however the
+    text is cut into pieces (a marker cut between pieces waits); an answer that does not open
+    with the marker is all content; a block the prompt opened starts inside."""
+    from edgepaged.thinking import ThinkSplit
+    text = "\n<think>\nThe user wants 2+2. <b>four</b>\n</think>\n\nIt is 4. </think> stays"
+    for size in (1, 2, 3, 5, 7, 100):
+        s, thinking, content = ThinkSplit(), "", ""
+        for i in range(0, len(text), size):
+            t, c = s.feed(text[i:i + size])
+            thinking, content = thinking + t, content + c
+            assert "<think" not in thinking + content and not content.startswith("\n")
+        t, c = s.flush()
+        assert (thinking + t, content + c) == ("The user wants 2+2. <b>four</b>", "It is 4. </think> stays"), size
+    for plain in ("<thing> is not a marker", "Hello <think> later", "<thi"):
+        s = ThinkSplit()
+        t1, c1 = s.feed(plain)
+        t2, c2 = s.flush()
+        assert t1 + t2 == "" and c1 + c2 == plain
+    s = ThinkSplit(inside=True)
+    assert s.feed("step one</thi") == ("step one", "") and s.feed("nk>answer") == ("", "answer")
+    s = ThinkSplit()
+    assert s.feed("<think>cut short by the limit") == ("cut short by the limit", "") and s.flush() == ("", "")
+
+
+async def test_think_reaches_the_template_and_ollama_gives_thinking_apart(tmp_path, embedded_runner, monkeypatch):
+    """`think` on every door reaches a thinking template (Qwen3's enable_thinking: false puts
+    the empty block in the prompt); Ollama's answer keeps <think> out of `content`; `think:
+    true` for a model that does not think is a 400 naming it."""
+    import ollama
+    import torch
+
+    from edgepaged.frontend import Caller
+    from edgepaged.model import ModelRunner
+    from edgepaged.testing import families
+    from edgepaged.testing.families import make_family_model, write_family_gguf
+    hf = make_family_model(tmp_path / "q", "qwen3", seed=3)
+    runner = ModelRunner(write_family_gguf(tmp_path / "q", tmp_path / "tiny-qwen3.gguf", hf), num_blocks=64)
+    async with serving(runner) as http:
+        front, tok = http.front, runner.tokenizer
+        caller = Caller("t", "t", True)
+        texts = {}
+        for think in (None, True, False):
+            req = await front.build(GenerateRequest(1, "chat", messages=Q, max_tokens=4, think=think), caller)
+            texts[think] = tok.decode(req.prompt_ids, skip_special_tokens=False)
+            assert req.thinking == (think is not False) and not req.think_open
+        assert texts[None] == texts[True] and "<think>" not in texts[None]
+        assert texts[False].rstrip().endswith("</think>") and texts[False].startswith(texts[None])
+
+        def scenario():
+            c = ollama.Client(host=http.base, timeout=120)
+            out = [c.chat(model="tiny-qwen3", messages=Q, think=t, options={"temperature": 0, "num_predict": 24})
+                   for t in (True, False)]
+            out.append(list(c.chat(model="tiny-qwen3", messages=Q, think=True, stream=True,
+                                   options={"temperature": 0, "num_predict": 24})))
+            return out
+        on, off, streamed = await trio.to_thread.run_sync(scenario)
+        status, _, body = await afetch(http.base + "/v1/chat/completions", {
+            "messages": Q, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
+        assert status == 200, body
+    for r in (on, off):
+        assert "<think>" not in r.message.content and "</think>" not in r.message.content
+    joined = "".join(p.message.content for p in streamed)
+    assert joined == on.message.content and "".join(p.message.thinking or "" for p in streamed) == \
+        (on.message.thinking or "")
+    # a model whose weights make it open <think> at once (and never close it): all thinking.
+    # Its <think> is text (a user-defined token), not a control token, as in Qwen3's GGUF files
+    hf = make_family_model(tmp_path / "t", "qwen3", seed=3)
+    fields = families.tokenizer_gguf_fields
+
+    def user_defined_think(folder, fam):
+        f = fields(folder, fam)
+        f["types"] = [4 if t in ("<think>", "</think>") else ty for t, ty in zip(f["tokens"], f["types"])]
+        return f
+    monkeypatch.setattr(families, "tokenizer_gguf_fields", user_defined_think)
+    opener = runner.tokenizer.tok.token_to_id("<think>")
+    with torch.no_grad():
+        hf.get_input_embeddings().weight[:, 1] = 6.0
+        hf.get_output_embeddings().weight[opener, 1] = 64.0
+    thinker = ModelRunner(write_family_gguf(tmp_path / "t", tmp_path / "thinker.gguf", hf), num_blocks=64)
+    async with serving(thinker) as http:
+        status, _, body = await afetch(http.base + "/api/chat", {"model": "thinker", "messages": Q, "stream": False,
+                                                                 "options": {"temperature": 0, "num_predict": 6}})
+        status2, _, body2 = await afetch(http.base + "/api/chat", {"model": "thinker", "messages": Q, "think": True,
+                                                                   "options": {"temperature": 0, "num_predict": 6}})
+    msg = json.loads(body)["message"]
+    assert status == 200 and msg["content"] == "" and msg["thinking"] == "<think>" * 5, msg
+    pieces = [json.loads(x)["message"] for x in body2.decode().splitlines()]
+    assert status2 == 200 and "".join(p.get("thinking", "") for p in pieces) == "<think>" * 5
+    assert all("<think>" not in p["content"] for p in pieces)
+    async with serving(embedded_runner) as http:
+        status, _, body = await afetch(http.base + "/api/chat", {"model": HOME_ASSISTANT["model"], "messages": Q, "think": True,
+                                                                 "stream": False})
+        status2, _, body2 = await afetch(http.base + "/api/chat", {"model": HOME_ASSISTANT["model"], "messages": Q,
+                                                                  "think": "maybe"})
+    assert status == 400 and "does not think" in json.loads(body)["error"], body
+    assert status2 == 400 and "think must be" in json.loads(body2)["error"]

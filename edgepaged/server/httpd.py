@@ -397,7 +397,7 @@ class HttpServer:
         model = req.model or self.front.model
         if ollama and self.modelset is None:
             model = self.front.model
-        return GenerationResponse(self, gen, req, OllamaShaper(gen, model) if ollama else Shaper(gen, model))
+        return GenerationResponse(self, gen, req, OllamaShaper(gen, model, req) if ollama else Shaper(gen, model))
 
 
 def prometheus_text(engine) -> bytes:
@@ -599,8 +599,8 @@ class GenerationResponse:
                     text = calls.push(ev.token_ids, ev.text) if calls is not None else ev.text
                     if ev.logprobs and lp is not None:
                         out.append(sh.frame(sh.text_chunk(text, lp.of(ev.token_ids, ev.logprobs))))
-                    elif text:
-                        out.append(sh.frame(sh.text_chunk(text)))
+                    elif text and (chunk := sh.text_chunk(text)) is not None:
+                        out.append(sh.frame(chunk))
                 else:
                     done = ev
             if done is not None:
@@ -608,8 +608,8 @@ class GenerationResponse:
                 found = []
                 if calls is not None and err is None:
                     rest, found = calls.finish()
-                    if rest:
-                        out.append(sh.frame(sh.text_chunk(rest)))
+                    if rest and (chunk := sh.text_chunk(rest)) is not None:
+                        out.append(sh.frame(chunk))
                 chunks = [sh.error_chunk(err)] if err is not None else sh.last_chunks(done, found)
                 if self.req.truncated and err is None:
                     for c in chunks:

@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 
 from ..protocol import (MAX_MESSAGES, MAX_STOP, GenerateRequest, ProtocolError, parse_context_policy,
                         parse_keep_alive, parse_truncate)
+from ..thinking import ThinkSplit
 from ..tools import check_message, check_tools
 from .openai_api import ApiError, Generation
 
@@ -131,6 +132,11 @@ def _common(body: dict, item: GenerateRequest, gen: OllamaGeneration) -> None:
         except ValueError as e:
             raise bad(str(e)) from None
     item.format = _format(body)
+    think = body.get("think")
+    if think is not None:    # Ollama's levels are for models that take them; here they mean "think"
+        if not isinstance(think, bool) and think not in ("low", "medium", "high"):
+            raise bad('think must be true, false or "low", "medium", "high"')
+        item.think = think is not False
     _options(body, item, gen)
 
 
@@ -215,24 +221,30 @@ class OllamaShaper:
     media_type = "application/x-ndjson"
     trailer = b""
 
-    def __init__(self, gen: OllamaGeneration, model: str):
+    def __init__(self, gen: OllamaGeneration, model: str, req=None):
         self.gen, self.model = gen, model
+        # a thinking model's answer: its thinking in `thinking`, as Ollama gives it
+        self.split = ThinkSplit(req.think_open) if req is not None and req.thinking else None
 
     @staticmethod
     def frame(obj: dict) -> bytes:
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
 
-    def _obj(self, text: str, done: bool) -> dict:
+    def _obj(self, text: str, done: bool, thinking: str = "") -> dict:
         out = {"model": self.gen.model, "created_at": now_iso()}
         if self.gen.chat:
             out["message"] = {"role": "assistant", "content": text}
+            if thinking:
+                out["message"]["thinking"] = thinking
         else:
             out["response"] = text
+            if thinking:
+                out["thinking"] = thinking
         out["done"] = done
         return out
 
-    def _final(self, text: str, done) -> dict:
-        out = self._obj(text, True)
+    def _final(self, text: str, done, thinking: str = "") -> dict:
+        out = self._obj(text, True, thinking)
         t, u = done.timings, done.usage
         out.update(done_reason=done.finish_reason if done.finish_reason in ("stop", "length") else "stop",
                    total_duration=_ns(t["e2e_s"]), load_duration=0,
@@ -241,7 +253,12 @@ class OllamaShaper:
         return out
 
     def full(self, text: str, done, calls=None, logprobs=None) -> dict:
-        out = self._final(text, done)
+        thinking = ""
+        if self.split is not None:
+            thinking, text = self.split.feed(text)
+            more, rest = self.split.flush()
+            thinking, text = thinking + more, text + rest
+        out = self._final(text, done, thinking)
         if calls:
             out["message"]["tool_calls"] = ollama_calls(calls)
         return out
@@ -249,11 +266,19 @@ class OllamaShaper:
     def first_chunk(self):
         return None
 
-    def text_chunk(self, text: str) -> dict:
-        return self._obj(text, False)
+    def text_chunk(self, text: str) -> dict | None:
+        """A piece of the answer (None: nothing to give out yet, a marker may be forming)."""
+        if self.split is None:
+            return self._obj(text, False)
+        thinking, content = self.split.feed(text)
+        return self._obj(content, False, thinking) if thinking or content else None
 
     def last_chunks(self, done, calls=None) -> list[dict]:
         out = []
+        if self.split is not None:
+            thinking, content = self.split.flush()
+            if thinking or content:
+                out.append(self._obj(content, False, thinking))
         if calls:
             chunk = self._obj("", False)
             chunk["message"]["tool_calls"] = ollama_calls(calls)

@@ -273,6 +273,14 @@ def parse_chat(body: dict, rid: str) -> Generation:
         if not isinstance(ptc, bool):
             raise bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
         item.parallel_tool_calls = ptc
+    kw = body.get("chat_template_kwargs")    # vLLM's: only the thinking switch is taken
+    if kw is not None:
+        if not isinstance(kw, dict):
+            raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
+        think = kw.get("enable_thinking")
+        if think is not None and not isinstance(think, bool):
+            raise bad("chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs")
+        item.think = think
     return gen
 
 
