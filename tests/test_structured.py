@@ -768,6 +768,8 @@ async def test_think_reaches_the_template_and_ollama_gives_thinking_apart(tmp_pa
         status, _, body = await afetch(http.base + "/v1/chat/completions", {
             "messages": Q, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
         assert status == 200, body
+        shown = json.loads((await afetch(http.base + "/api/show", {"model": "tiny-qwen3"}))[2])
+        assert {"completion", "tools", "thinking"} <= set(shown["capabilities"])
     for r in (on, off):
         assert "<think>" not in r.message.content and "</think>" not in r.message.content
     joined = "".join(p.message.content for p in streamed)
@@ -803,5 +805,7 @@ async def test_think_reaches_the_template_and_ollama_gives_thinking_apart(tmp_pa
                                                                  "stream": False})
         status2, _, body2 = await afetch(http.base + "/api/chat", {"model": HOME_ASSISTANT["model"], "messages": Q,
                                                                   "think": "maybe"})
+        shown = json.loads((await afetch(http.base + "/api/show", {"model": HOME_ASSISTANT["model"]}))[2])
+    assert shown["capabilities"] == ["completion", "tools"]      # tools: the generic syntax; no thinking
     assert status == 400 and "does not think" in json.loads(body)["error"], body
     assert status2 == 400 and "think must be" in json.loads(body2)["error"]

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 
 from ..protocol import (MAX_MESSAGES, MAX_STOP, GenerateRequest, ProtocolError, parse_context_policy,
                         parse_keep_alive, parse_truncate)
-from ..thinking import ThinkSplit
+from ..thinking import ThinkSplit, thinks
 from ..tools import check_message, check_tools
 from .openai_api import ApiError, Generation
 
@@ -340,7 +340,8 @@ def show(name: str, runner, context: int) -> dict:
     cfg = runner.config
     entry = model_entry(name, runner)
     template = runner.tokenizer.chat_template or ""
-    caps = ["completion"] + (["tools"] if "tools" in template else [])
+    # tools on every model (a template without them: the generic syntax); thinking where the template has it
+    caps = ["completion", "tools"] + (["thinking"] if thinks(template) else [])
     return {"modelfile": f"# served by edgepaged\nFROM {name}\n", "parameters": "", "template": template,
             "details": entry["details"], "modified_at": entry["modified_at"], "capabilities": caps,
             "model_info": {"general.architecture": cfg.arch, "general.parameter_count": cfg.num_params,
