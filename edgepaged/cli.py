@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from .cli_markdown import writer_for
+from .cli_markdown import ThinkingView, writer_for
 from .client import CACHE_ENV, DEFAULT_PORT, ServerError, SyncClient
 
 DEFAULT_HTTP_PORT = 7879   # edgepaged.server.httpd.DEFAULT_HTTP_PORT (not imported: client commands start fast)
@@ -84,6 +84,12 @@ DEFAULT_REPEAT_PENALTY = 1.1
 
 
 def sampling_options(f):
+    f = click.option("--hide-thinking", is_flag=True,
+                     help="A thinking model's thinking is not shown (it is shown dim before the answer, or on "
+                     "stderr when stdout is no terminal).")(f)
+    f = click.option("--think/--no-think", default=None,
+                     help="A thinking model (Qwen3, ...) thinks before answering, or answers at once "
+                     "(default: the model's own).")(f)
     f = click.option("--model", default=None, metavar="NAME",
                      help="Which of the server's models answers (default: its default; `edgepaged ls`).")(f)
     f = click.option("--seed", type=int, default=None, help="Same seed, same sampled answer.")(f)
@@ -98,7 +104,8 @@ def sampling_options(f):
     return f
 
 
-def sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, info=None, model=None) -> dict:
+def sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, info=None, model=None,
+                    think=None) -> dict:
     """The request's sampling fields; max_tokens within what the server takes (its hello)."""
     if max_tokens and info:
         cap = (info.get("limits") or {}).get("max_tokens") or max_tokens
@@ -112,6 +119,8 @@ def sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, info=N
         params["seed"] = seed
     if model:
         params["model"] = model
+    if think is not None:
+        params["think"] = think
     return params
 
 
@@ -579,7 +588,7 @@ def rm(name):
               "(it is plain anyway when stdout is not a terminal).")
 @click.argument("prompt", nargs=-1)
 def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens, repeat_penalty, top_p, seed, model,
-        system, as_json, plain, prompt):
+        think, hide_thinking, system, as_json, plain, prompt):
     """Ask one question (PROMPT, or stdin when none) and stream the answer. An answer cut at
     --max-tokens says so on stderr (--json: finish_reason "length"); errors exit 1 (--json:
     one JSON object with "error": {"code", "message"})."""
@@ -601,25 +610,32 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
     with c:
         answer = None
         writer = None if as_json else writer_for(sys.stdout, plain)
+        view = ThinkingView(sys.stdout, plain, hide_thinking or as_json)
         try:
             answer = c.chat(messages, **sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info,
-                                                        model))
+                                                        model, think))
             for piece in answer:
-                if writer is not None:
+                view.write(answer.last_thinking)
+                if writer is not None and piece:
+                    view.close()
                     writer.write(piece)
+            view.close()
         except ServerError as e:
+            view.close()
             if writer is not None:
                 writer.close()
             failed(e.code, str(e))
         except KeyboardInterrupt:
             if answer is not None:
                 answer.cancel()
+            view.close()
             if writer is not None:
                 writer.close()
             sys.exit(130)
         done = answer.done or {}
         if as_json:
-            click.echo(json.dumps({"text": answer.text, "finish_reason": done.get("finish_reason"),
+            click.echo(json.dumps({"text": answer.text, "thinking": answer.thinking or None,
+                                   "finish_reason": done.get("finish_reason"),
                                    "usage": done.get("usage"), "timings": done.get("timings"),
                                    "model": done.get("model") or c.info.get("model"), "server": c.address,
                                    "error": done.get("error")}))
@@ -641,12 +657,12 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
 @click.option("--plain", is_flag=True, help="Show answers as the model wrote them, not rendered as Markdown "
               "(they are plain anyway when stdout is not a terminal).")
 def chat(server, token, mdns_interface, discover_timeout, temperature, max_tokens, repeat_penalty, top_p, seed, model,
-         system, plain):
+         think, hide_thinking, system, plain):
     """Chat with a server: /reset, /system TEXT, Ctrl-C stops an answer, Ctrl-D leaves."""
     from .cli_chat import ChatSession
     with connect(server, token, mdns_interface, discover_timeout) as c:
-        session = ChatSession(c, system=system, plain=plain)
-        session.params = sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info, model)
+        session = ChatSession(c, system=system, plain=plain, hide_thinking=hide_thinking)
+        session.params = sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info, model, think)
         session.run()
 
 

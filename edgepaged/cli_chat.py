@@ -9,11 +9,12 @@ import json
 import sys
 from contextlib import contextmanager
 
-from .cli_markdown import writer_for
+from .cli_markdown import ThinkingView, writer_for
 from .client import ServerError, SyncClient
 
 HELP = ('/reset clears the conversation, /system TEXT sets the system prompt, """ opens a multi-line message, '
-        "/show, /set parameter NAME VALUE, /save FILE, /load FILE, Ctrl-C stops an answer, Ctrl-D leaves")
+        "/show, /set parameter NAME VALUE, /set think, /set nothink, /save FILE, /load FILE, Ctrl-C stops an answer, "
+        "Ctrl-D leaves")
 # /set parameter NAME: the request field it sets, and its type (Ollama's names too)
 PARAMETERS = {"temperature": ("temperature", float), "top_p": ("top_p", float), "top_k": ("top_k", int),
               "min_p": ("min_p", float), "seed": ("seed", int), "max_tokens": ("max_tokens", int),
@@ -48,8 +49,9 @@ def quiet_terminal(stream):
 
 class ChatSession:
     def __init__(self, client: SyncClient, *, system: str | None = None, max_tokens: int | None = None,
-                 temperature: float = 0.0, out=None, err=None, plain: bool = False):
+                 temperature: float = 0.0, out=None, err=None, plain: bool = False, hide_thinking: bool = False):
         self.client, self.system = client, system
+        self.hide_thinking = hide_thinking
         self.plain = plain                # no Markdown rendering (it is off anyway when stdout is no terminal)
         self.params = {"max_tokens": max_tokens, "temperature": temperature}
         self.history: list[dict] = []
@@ -110,6 +112,10 @@ class ChatSession:
     def command(self, line: str) -> bool:
         """Handle a /command; False when the line is not one (it is sent as text)."""
         name, _, arg = line.partition(" ")
+        if line.strip() in ("/set think", "/set nothink"):     # as in `ollama run`
+            self.params["think"] = line.strip() == "/set think"
+            self.say("(thinking on)" if self.params["think"] else "(thinking off: the model answers at once)")
+            return True
         if name == "/reset":
             self.history.clear()
             self.say("(conversation cleared)")
@@ -190,13 +196,19 @@ class ChatSession:
         system = [{"role": "system", "content": self.system}] if self.system else []
         stream = None
         writer = writer_for(self.out, self.plain)
+        view = ThinkingView(self.out, self.plain, self.hide_thinking)
         try:
             stream = self.client.chat(system + self.history + [user], truncate="auto", **self.params)
             with quiet_terminal(sys.stdin) if sys.stdin.isatty() else _nothing():
                 for piece in stream:
-                    writer.write(piece)
+                    view.write(stream.last_thinking)
+                    if piece:
+                        view.close()
+                        writer.write(piece)
+            view.close()
             writer.close()
         except KeyboardInterrupt:
+            view.close()
             if stream is not None:
                 try:
                     stream.cancel()
@@ -205,6 +217,7 @@ class ChatSession:
             writer.close()
             self.say("[stopped]")
         except ServerError as e:
+            view.close()
             writer.close()
             self.say(f"[error] {e.message}" + (" (try /reset)" if e.code in ("prompt_too_long", "context_exceeded")
                                                else ""))

@@ -12,6 +12,7 @@ shows at most a screenful (its last lines), so it can always be erased.
 from __future__ import annotations
 
 import re
+import sys
 import time
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
@@ -156,3 +157,32 @@ def writer_for(stream, plain: bool = False):
     except ImportError:
         return PlainWriter(stream)
     return MarkdownWriter(stream)
+
+
+class ThinkingView:
+    """A thinking model's thinking, shown before its answer as `ollama run` does: between
+    "Thinking..." and "...done thinking.", dim on a terminal; on stderr when stdout is no
+    terminal (a pipe gets the answer only); nowhere with `hide`."""
+
+    def __init__(self, out, plain: bool = False, hide: bool = False):
+        tty = bool(getattr(out, "isatty", None) and out.isatty())
+        self.stream = out if tty else sys.stderr
+        self.dim = tty and not plain
+        self.hide, self.open = hide, False
+
+    def _put(self, text: str) -> None:
+        self.stream.write(f"\x1b[2m{text}\x1b[0m" if self.dim else text)
+        self.stream.flush()
+
+    def write(self, text: str) -> None:
+        if self.hide or not text:
+            return
+        if not self.open:
+            self.open = True
+            self._put("Thinking...\n")
+        self._put(text)
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            self._put("\n...done thinking.\n\n")

@@ -90,6 +90,8 @@ class Stream:
         self.text_parts = self.parts[0]              # the first sample's pieces
         self.dones: list[dict | None] = [None] * self.n
         self.last_index = 0
+        self.thinking_parts: list[str] = []          # a thinking model's thinking (the first sample's)
+        self.last_thinking = ""                      # the thinking that came with the last piece
 
     @property
     def text(self) -> str:
@@ -98,6 +100,11 @@ class Stream:
     @property
     def texts(self) -> list[str]:
         return ["".join(p) for p in self.parts]
+
+    @property
+    def thinking(self) -> str:
+        """A thinking model's thinking, apart from `text` (the answer)."""
+        return "".join(self.thinking_parts)
 
     def _index(self, msg: dict) -> int:
         k = msg.get("index", 0)
@@ -155,8 +162,10 @@ class Stream:
             raise StopAsyncIteration from None
         k = self.last_index = self._index(msg)
         self.parts[k].append(msg.get("text", ""))
+        self.last_thinking = msg.get("thinking", "") or ""
         if k == 0:
             self.token_ids += msg.get("token_ids", [])
+            self.thinking_parts.append(self.last_thinking)
         return msg.get("text", "")
 
     async def cancel(self, timeout_s: float = 10.0) -> dict | None:
@@ -410,6 +419,14 @@ class SyncStream:
     @property
     def last_index(self) -> int:
         return self.stream.last_index
+
+    @property
+    def thinking(self) -> str:
+        return self.stream.thinking
+
+    @property
+    def last_thinking(self) -> str:
+        return self.stream.last_thinking
 
     def __iter__(self) -> Iterator[str]:
         return self

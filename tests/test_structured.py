@@ -2,6 +2,8 @@
 loopback, in process: the official `openai` and `ollama` packages as clients, every
 constrained answer validated with `jsonschema`."""
 import json
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -795,11 +797,30 @@ async def test_think_reaches_the_template_and_ollama_gives_thinking_apart(tmp_pa
                                                                  "options": {"temperature": 0, "num_predict": 6}})
         status2, _, body2 = await afetch(http.base + "/api/chat", {"model": "thinker", "messages": Q, "think": True,
                                                                    "options": {"temperature": 0, "num_predict": 6}})
+        # the msgpack protocol (the Python client) and the CLI on it
+        from edgepaged.client import open_client
+        address = f"127.0.0.1:{http.msgpack_port}"
+        async with open_client(address) as c:
+            async with c.chat(Q, max_tokens=6, temperature=0) as s:
+                pieces = [(p, s.last_thinking) async for p in s]
+        cli = [sys.executable, "-m", "edgepaged.cli", "ask", "--server", address, "--max-tokens", "6", "Hi"]
+
+        def run(*extra):
+            return subprocess.run([*cli, *extra], capture_output=True, text=True, timeout=60)
+        as_json, piped, hidden = [await trio.to_thread.run_sync(run, *x) for x in
+                                  (("--json",), (), ("--hide-thinking",))]
     msg = json.loads(body)["message"]
     assert status == 200 and msg["content"] == "" and msg["thinking"] == "<think>" * 5, msg
-    pieces = [json.loads(x)["message"] for x in body2.decode().splitlines()]
-    assert status2 == 200 and "".join(p.get("thinking", "") for p in pieces) == "<think>" * 5
-    assert all("<think>" not in p["content"] for p in pieces)
+    lines = [json.loads(x)["message"] for x in body2.decode().splitlines()]
+    assert status2 == 200 and "".join(p.get("thinking", "") for p in lines) == "<think>" * 5
+    assert all("<think>" not in p["content"] for p in lines)
+    assert "".join(p for p, _ in pieces) == "" and "".join(t for _, t in pieces) == "<think>" * 5
+    assert as_json.returncode == 0, as_json.stderr
+    answer = json.loads(as_json.stdout)
+    assert answer["text"] == "" and answer["thinking"] == "<think>" * 5
+    assert piped.returncode == 0 and piped.stdout.strip() == "" and "Thinking..." in piped.stderr
+    assert "<think>" * 5 in piped.stderr and "done thinking" in piped.stderr
+    assert hidden.returncode == 0 and "Thinking" not in hidden.stderr + hidden.stdout
     async with serving(embedded_runner) as http:
         status, _, body = await afetch(http.base + "/api/chat", {"model": HOME_ASSISTANT["model"], "messages": Q, "think": True,
                                                                  "stream": False})

@@ -99,6 +99,7 @@ class Request:
     # should, and whether the prompt already opened the block
     thinking: bool = False
     think_open: bool = False
+    think_split: Any = None        # the door's ThinkSplit, once it splits this answer
     # the window policy: (sink, window) tokens kept, the blocks between given back as the
     # sequence grows (it may then generate past the context); None: full attention
     context_window: tuple[int, int] | None = None

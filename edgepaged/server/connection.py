@@ -15,6 +15,7 @@ import trio
 
 from ..engine import DoneEvent, EngineClosed, RequestRejected, TokenEvent
 from ..frontend import AuthFailed, Caller
+from ..thinking import ThinkSplit
 from ..protocol import (CODES, SUPPORTED_VERSIONS, ConnectionClosed, FrameReader, GenerateRequest, Hello,
                        ProtocolError, encode, parse, with_id)
 
@@ -47,12 +48,19 @@ def sample_frames(rid, req, ev: TokenEvent | DoneEvent) -> list[dict]:
     With tools offered (`req.calls`) the text is held back while it may be a call, and the
     calls come parsed on the done frame (finish_reason "tool_calls")."""
     calls = req.calls
-    if calls is None:
+    if calls is None and not req.thinking:
         return [event_frame(rid, ev, req.model, req.truncated)]
     if isinstance(ev, TokenEvent):
-        return [event_frame(rid, TokenEvent(ev.token_ids, calls.push(ev.token_ids, ev.text), ev.logprobs))]
-    rest, found = calls.finish()
-    out = [event_frame(rid, TokenEvent([], rest))] if rest else []
+        text = calls.push(ev.token_ids, ev.text) if calls is not None else ev.text
+        return [_thinking_apart(req, event_frame(rid, TokenEvent(ev.token_ids, text, ev.logprobs)))]
+    rest, found = calls.finish() if calls is not None else ("", [])
+    out = [_thinking_apart(req, event_frame(rid, TokenEvent([], rest)))] if rest else []
+    if req.think_split is not None:                     # what the split still held
+        thinking, content = req.think_split.flush()
+        if thinking or content:
+            out.append(event_frame(rid, TokenEvent([], content)))
+            if thinking:
+                out[-1]["thinking"] = thinking
     frame = event_frame(rid, ev, req.model, req.truncated)
     if found and ev.finish_reason in ("stop", "length"):
         frame["finish_reason"] = "tool_calls"
@@ -60,6 +68,18 @@ def sample_frames(rid, req, ev: TokenEvent | DoneEvent) -> list[dict]:
             "name": c["name"], "arguments": c["arguments"]}} for c in found]
     out.append(frame)
     return out
+
+
+def _thinking_apart(req, frame: dict) -> dict:
+    """A thinking model's token frame: its thinking in `thinking`, the answer in `text`."""
+    if not req.thinking:
+        return frame
+    if req.think_split is None:
+        req.think_split = ThinkSplit(req.think_open)
+    thinking, frame["text"] = req.think_split.feed(frame["text"])
+    if thinking:
+        frame["thinking"] = thinking
+    return frame
 
 
 def rejected(e: RequestRejected, rid) -> ProtocolError:
