@@ -735,12 +735,11 @@ def test_think_split_streams_thinking_apart_from_the_answer():
     assert s.feed("<think>cut short by the limit") == ("cut short by the limit", "") and s.flush() == ("", "")
 
 
-async def test_think_reaches_the_template_and_ollama_gives_thinking_apart(tmp_path, embedded_runner, monkeypatch):
+async def test_think_reaches_the_template_and_ollama_gives_thinking_apart(tmp_path, embedded_runner):
     """`think` on every door reaches a thinking template (Qwen3's enable_thinking: false puts
     the empty block in the prompt); Ollama's answer keeps <think> out of `content`; `think:
     true` for a model that does not think is a 400 naming it."""
     import ollama
-    import torch
 
     from edgepaged.frontend import Caller
     from edgepaged.model import ModelRunner
@@ -777,21 +776,8 @@ async def test_think_reaches_the_template_and_ollama_gives_thinking_apart(tmp_pa
     joined = "".join(p.message.content for p in streamed)
     assert joined == on.message.content and "".join(p.message.thinking or "" for p in streamed) == \
         (on.message.thinking or "")
-    # a model whose weights make it open <think> at once (and never close it): all thinking.
-    # Its <think> is text (a user-defined token), not a control token, as in Qwen3's GGUF files
-    hf = make_family_model(tmp_path / "t", "qwen3", seed=3)
-    fields = families.tokenizer_gguf_fields
-
-    def user_defined_think(folder, fam):
-        f = fields(folder, fam)
-        f["types"] = [4 if t in ("<think>", "</think>") else ty for t, ty in zip(f["tokens"], f["types"])]
-        return f
-    monkeypatch.setattr(families, "tokenizer_gguf_fields", user_defined_think)
-    opener = runner.tokenizer.tok.token_to_id("<think>")
-    with torch.no_grad():
-        hf.get_input_embeddings().weight[:, 1] = 6.0
-        hf.get_output_embeddings().weight[opener, 1] = 64.0
-    thinker = ModelRunner(write_family_gguf(tmp_path / "t", tmp_path / "thinker.gguf", hf), num_blocks=64)
+    # a model whose weights make it open <think> at once (and never close it): all thinking
+    thinker = ModelRunner(families.make_thinker(tmp_path / "t", tmp_path / "thinker.gguf"), num_blocks=64)
     async with serving(thinker) as http:
         status, _, body = await afetch(http.base + "/api/chat", {"model": "thinker", "messages": Q, "stream": False,
                                                                  "options": {"temperature": 0, "num_predict": 6}})
@@ -809,6 +795,19 @@ async def test_think_reaches_the_template_and_ollama_gives_thinking_apart(tmp_pa
             return subprocess.run([*cli, *extra], capture_output=True, text=True, timeout=60)
         as_json, piped, hidden = [await trio.to_thread.run_sync(run, *x) for x in
                                   (("--json",), (), ("--hide-thinking",))]
+
+        def openai_scenario():     # llama.cpp's reasoning_format: the thinking in reasoning_content
+            import openai
+            c = openai.OpenAI(base_url=http.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+            kw = dict(model="thinker", messages=Q, max_tokens=6, temperature=0)
+            plain = c.chat.completions.create(**kw).choices[0].message
+            split = c.chat.completions.create(**kw, extra_body={"reasoning_format": "auto"}).choices[0].message
+            deltas = [ch.choices[0].delta for ch in c.chat.completions.create(
+                **kw, stream=True, extra_body={"reasoning_format": "auto"}) if ch.choices]
+            return plain, split, deltas
+        plain, split, deltas = await trio.to_thread.run_sync(openai_scenario)
+        status3, _, body3 = await afetch(http.base + "/v1/chat/completions", {"messages": Q,
+                                                                             "reasoning_format": "xml"})
     msg = json.loads(body)["message"]
     assert status == 200 and msg["content"] == "" and msg["thinking"] == "<think>" * 5, msg
     lines = [json.loads(x)["message"] for x in body2.decode().splitlines()]
@@ -821,6 +820,11 @@ async def test_think_reaches_the_template_and_ollama_gives_thinking_apart(tmp_pa
     assert piped.returncode == 0 and piped.stdout.strip() == "" and "Thinking..." in piped.stderr
     assert "<think>" * 5 in piped.stderr and "done thinking" in piped.stderr
     assert hidden.returncode == 0 and "Thinking" not in hidden.stderr + hidden.stdout
+    assert plain.content == "<think>" * 6                     # reasoning_format "none": as the model wrote it
+    assert split.content == "" and split.model_extra["reasoning_content"] == "<think>" * 5
+    assert "".join(d.content or "" for d in deltas) == ""
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "<think>" * 5
+    assert status3 == 400 and "reasoning_format" in json.loads(body3)["error"]["message"]
     async with serving(embedded_runner) as http:
         status, _, body = await afetch(http.base + "/api/chat", {"model": HOME_ASSISTANT["model"], "messages": Q, "think": True,
                                                                  "stream": False})

@@ -496,3 +496,40 @@ async def test_a_box_with_several_models_lets_the_page_pick_one(tmp_path):
     assert out["shown"] and out["options"] == ["house", "kitchen"], out
     assert out["header"] == "kitchen" and out["after_reload"] == "kitchen", out
     assert loaded == {"kitchen": 1}, loaded                  # the default was never needed
+
+
+def thinking_scenario(base: str, chromium: str, driver_path: str) -> dict:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    driver = open_phone_browser(chromium, driver_path, phone=False)
+    try:
+        driver.get(base + "/")
+        _set(driver, temperature=0, maxTokens=6)
+        driver.refresh()
+        driver.find_element(By.ID, "input").send_keys("Hi there", Keys.ENTER)
+        wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done]"))
+        return driver.execute_script("""
+            const m = document.querySelector('.msg.assistant');
+            const t = m.querySelector('details.thinking');
+            return {thought: t ? t.querySelector('.thought').textContent : null, open: t ? t.open : null,
+                    html: t ? t.querySelector('.thought').innerHTML : null,
+                    text: m.querySelector('.text').textContent};""")
+    finally:
+        driver.quit()
+
+
+async def test_the_page_folds_a_thinking_models_thinking(tmp_path):
+    """A thinking model's thinking (reasoning_content, which the page asks for) shows folded
+    above the answer, as text (its <think> markers are never HTML), and not in the answer."""
+    chromium, driver_path, problem = browser_problem()
+    if problem:
+        pytest.skip(problem)
+    from edgepaged.model import ModelRunner
+    from edgepaged.testing.families import make_thinker
+    runner = ModelRunner(make_thinker(tmp_path / "t", tmp_path / "thinker.gguf"), num_blocks=64)
+    async with serving(runner) as http:
+        with trio.fail_after(120):
+            out = await trio.to_thread.run_sync(thinking_scenario, http.base, chromium, driver_path)
+    assert out["thought"] == "<think>" * 5 and out["open"] is False, out
+    assert "&lt;think&gt;" in out["html"] and "<think>" not in out["text"], out

@@ -397,7 +397,7 @@ class HttpServer:
         model = req.model or self.front.model
         if ollama and self.modelset is None:
             model = self.front.model
-        return GenerationResponse(self, gen, req, OllamaShaper(gen, model, req) if ollama else Shaper(gen, model))
+        return GenerationResponse(self, gen, req, OllamaShaper(gen, model, req) if ollama else Shaper(gen, model, req))
 
 
 def prometheus_text(engine) -> bytes:

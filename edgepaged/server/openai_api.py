@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..protocol import (MAX_MESSAGES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, GenerateRequest, ProtocolError,
                         parse_context_policy, parse_truncate)
+from ..thinking import ThinkSplit
 from ..tools import check_choice, check_message, check_tools
 
 # protocol error code -> HTTP status (the code itself goes to the client as error.code)
@@ -69,6 +70,7 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    reasoning: bool = False        # llama.cpp's reasoning_format: a thinking model's thinking in reasoning_content
 
 
 # ---------------------------------------------------------------- requests
@@ -273,6 +275,10 @@ def parse_chat(body: dict, rid: str) -> Generation:
         if not isinstance(ptc, bool):
             raise bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
         item.parallel_tool_calls = ptc
+    fmt = body.get("reasoning_format", "none")   # llama.cpp's: "none" keeps <think>…</think> in content
+    if fmt not in ("none", "auto", "deepseek"):
+        raise bad('reasoning_format must be "none", "auto" or "deepseek"', "reasoning_format")
+    gen.reasoning = fmt != "none"
     kw = body.get("chat_template_kwargs")    # vLLM's: only the thinking switch is taken
     if kw is not None:
         if not isinstance(kw, dict):
@@ -363,10 +369,14 @@ class Shaper:
     def error_body(err: ApiError) -> dict:
         return err.body()
 
-    def __init__(self, gen: Generation, model: str):
+    def __init__(self, gen: Generation, model: str, req=None):
         self.gen, self.model = gen, model
         self.id = gen.item.id
         self.created = int(time.time())
+        # reasoning_format asked and a thinking model's answer: its thinking in reasoning_content
+        # (one answer: parallel samples keep it in content)
+        self.split = ThinkSplit(req.think_open) if gen.reasoning and req is not None and req.thinking \
+            and not req.children else None
 
     def _envelope(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -393,8 +403,15 @@ class Shaper:
     def full(self, text: str, done, calls=None, logprobs=None) -> dict:
         """The non-streamed answer (`calls`: the tool calls parsed out of it; `logprobs`: the
         shaped logprobs, or None)."""
+        thinking = ""
+        if self.split is not None:
+            thinking, text = self.split.feed(text)
+            more, rest = self.split.flush()
+            thinking, text = thinking + more, text + rest
         if self.gen.chat:
             message = {"role": "assistant", "content": text if text or not calls else None}
+            if thinking:
+                message["reasoning_content"] = thinking
             if calls:
                 message["tool_calls"] = openai_calls(calls)
             choice = {"index": 0, "message": message, "logprobs": logprobs}
@@ -419,13 +436,26 @@ class Shaper:
         return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
-    def text_chunk(self, text: str, logprobs=None) -> dict:
+    def text_chunk(self, text: str, logprobs=None) -> dict | None:
+        """A piece of the answer (None: nothing to give out yet, a <think> marker may be forming)."""
         if self.gen.chat:
-            return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None})
+            delta = {"content": text}
+            if self.split is not None:
+                thinking, delta["content"] = self.split.feed(text)
+                if thinking:
+                    delta["reasoning_content"] = thinking
+                elif not delta["content"] and logprobs is None:
+                    return None
+            return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None})
         return self._chunk({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None})
 
     def last_chunks(self, done, calls=None) -> list[dict]:
         out = []
+        if self.split is not None:
+            thinking, content = self.split.flush()
+            if thinking or content:
+                delta = {"content": content, **({"reasoning_content": thinking} if thinking else {})}
+                out.append(self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}))
         if calls:   # each call whole in one delta (OpenAI's client joins deltas by index)
             out.append(self._chunk({"index": 0, "delta": {"tool_calls": [
                 {"index": k, **c} for k, c in enumerate(openai_calls(calls))]}, "logprobs": None,

@@ -317,9 +317,10 @@ def gguf_tensor_name(hf: str, arch: str) -> str:
     return f"blk.{i}.{names[base]}.{kind}"
 
 
-def write_family_gguf(folder, path, model=None, *, qtype: int = 0) -> Path:
+def write_family_gguf(folder, path, model=None, *, qtype: int = 0, user_defined: tuple = ()) -> Path:
     """Write the Hugging Face folder's model (or `model`) as a llama.cpp GGUF file at `path`:
-    `qtype` 0 (F32), 1 (F16) or 8 (Q8_0) for the 2-D weights."""
+    `qtype` 0 (F32), 1 (F16) or 8 (Q8_0) for the 2-D weights; `user_defined`: tokens written
+    as text tokens (GGUF's USER_DEFINED), not control tokens (Qwen3's <think> in its files)."""
     import gguf
     import transformers
     folder = Path(folder)
@@ -376,6 +377,7 @@ def write_family_gguf(folder, path, model=None, *, qtype: int = 0) -> Path:
             w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(s) / np.log(orig))))
             longrope = (rope["long_factor"], rope["short_factor"])
     tf = tokenizer_gguf_fields(folder, fam)
+    tf["types"] = [4 if t in user_defined else ty for t, ty in zip(tf["tokens"], tf["types"])]
     w.add_tokenizer_model(tf["model"])
     w.add_token_list(tf["tokens"])
     w.add_token_types(tf["types"])
@@ -417,3 +419,17 @@ def write_family_gguf(folder, path, model=None, *, qtype: int = 0) -> Path:
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def make_thinker(folder, path) -> Path:
+    """A tiny Qwen3 (its real template) whose weights make it open <think> at every step, so
+    its answer is all thinking and never closes; <think> a text token as in Qwen3's files.
+    Returns the GGUF path."""
+    model = make_family_model(folder, "qwen3", seed=3)
+    from tokenizers import Tokenizer
+    opener = Tokenizer.from_file(str(Path(folder) / "tokenizer.json")).token_to_id("<think>")
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 1] = 6.0
+        model.get_output_embeddings().weight[opener, 1] = 64.0
+    return write_family_gguf(folder, path, model, user_defined=("<think>", "</think>"))
+
