@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -401,20 +401,30 @@ async def test_the_page_markdown_conversations_and_keys(embedded_runner, tmp_pat
         assert (tmp_path / name).stat().st_size > 10_000
 
 
+@contextmanager
+def desktop_page(base: str, chromium: str, driver_path: str, **settings):
+    """The page in a desktop-sized browser with `settings` stored (greedy, short answers)."""
+    driver = open_phone_browser(chromium, driver_path, phone=False)
+    try:
+        driver.get(base + "/")
+        _set(driver, **settings)
+        driver.refresh()
+        yield driver
+    finally:
+        driver.quit()
+
+
 def truncation_scenario(base: str, chromium: str, driver_path: str) -> dict:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    driver = open_phone_browser(chromium, driver_path, phone=False)
-    try:
-        driver.get(base + "/")
-        old = []
-        for i in range(8):
-            old += [{"role": "user", "content": f"Question {i} about the garden, the kitchen and the weather."},
-                    {"role": "assistant", "content": f"Answer {i}: the garden is green, the kitchen warm, it rains."}]
-        _set(driver, temperature=0, maxTokens=12,
-             conversations=[{"id": "long", "title": "long", "updated": 1, "messages": old}], current="long")
-        driver.refresh()
+    old = []
+    for i in range(8):
+        old += [{"role": "user", "content": f"Question {i} about the garden, the kitchen and the weather."},
+                {"role": "assistant", "content": f"Answer {i}: the garden is green, the kitchen warm, it rains."}]
+    with desktop_page(base, chromium, driver_path, temperature=0, maxTokens=12,
+                      conversations=[{"id": "long", "title": "long", "updated": 1, "messages": old}],
+                      current="long") as driver:
         wait(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg")) == 16)
         out = {}
         for k in range(2):
@@ -423,8 +433,6 @@ def truncation_scenario(base: str, chromium: str, driver_path: str) -> dict:
             out[f"notices_{k}"] = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".notice")]
         out["errors"] = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".meta.error")]
         return out
-    finally:
-        driver.quit()
 
 
 async def test_the_page_says_once_that_old_messages_were_left_out(embedded_runner):
@@ -444,11 +452,7 @@ def model_picker_scenario(base: str, chromium: str, driver_path: str) -> dict:
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select
 
-    driver = open_phone_browser(chromium, driver_path, phone=False)
-    try:
-        driver.get(base + "/")
-        _set(driver, temperature=0, maxTokens=6)
-        driver.refresh()
+    with desktop_page(base, chromium, driver_path, temperature=0, maxTokens=6) as driver:
         wait(driver, lambda d: d.find_element(By.ID, "box-name").text)
         driver.find_element(By.ID, "settings-button").click()
         out = {"shown": driver.find_element(By.ID, "model-select").is_displayed(),
@@ -464,8 +468,6 @@ def model_picker_scenario(base: str, chromium: str, driver_path: str) -> dict:
         time.sleep(1.2)
         out["after_reload"] = driver.find_element(By.ID, "model-name").text
         return out
-    finally:
-        driver.quit()
 
 
 async def test_a_box_with_several_models_lets_the_page_pick_one(tmp_path):
@@ -502,11 +504,7 @@ def thinking_scenario(base: str, chromium: str, driver_path: str) -> dict:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    driver = open_phone_browser(chromium, driver_path, phone=False)
-    try:
-        driver.get(base + "/")
-        _set(driver, temperature=0, maxTokens=6)
-        driver.refresh()
+    with desktop_page(base, chromium, driver_path, temperature=0, maxTokens=6) as driver:
         driver.find_element(By.ID, "input").send_keys("Hi there", Keys.ENTER)
         wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done]"))
         return driver.execute_script("""
@@ -515,8 +513,6 @@ def thinking_scenario(base: str, chromium: str, driver_path: str) -> dict:
             return {thought: t ? t.querySelector('.thought').textContent : null, open: t ? t.open : null,
                     html: t ? t.querySelector('.thought').innerHTML : null,
                     text: m.querySelector('.text').textContent};""")
-    finally:
-        driver.quit()
 
 
 async def test_the_page_folds_a_thinking_models_thinking(tmp_path):
