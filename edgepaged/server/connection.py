@@ -46,7 +46,8 @@ def event_frame(rid, ev: TokenEvent | DoneEvent, model: str = "", truncated: int
 def sample_frames(rid, req, ev: TokenEvent | DoneEvent) -> list[dict]:
     """The frames of one engine event of `req` (a request, or one of its parallel samples).
     With tools offered (`req.calls`) the text is held back while it may be a call, and the
-    calls come parsed on the done frame (finish_reason "tool_calls")."""
+    calls come parsed on the done frame (finish_reason "tool_calls"); a thinking model's
+    thinking comes apart in `thinking` (`req.thinking`)."""
     calls = req.calls
     if calls is None and not req.thinking:
         return [event_frame(rid, ev, req.model, req.truncated)]
