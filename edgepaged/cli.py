@@ -615,10 +615,7 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
             answer = c.chat(messages, **sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info,
                                                         model, think))
             for piece in answer:
-                view.write(answer.last_thinking)
-                if writer is not None and piece:
-                    view.close()
-                    writer.write(piece)
+                view.pass_on(answer.last_thinking, piece, writer)
             view.close()
         except ServerError as e:
             view.close()

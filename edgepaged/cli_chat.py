@@ -201,10 +201,7 @@ class ChatSession:
             stream = self.client.chat(system + self.history + [user], truncate="auto", **self.params)
             with quiet_terminal(sys.stdin) if sys.stdin.isatty() else _nothing():
                 for piece in stream:
-                    view.write(stream.last_thinking)
-                    if piece:
-                        view.close()
-                        writer.write(piece)
+                    view.pass_on(stream.last_thinking, piece, writer)
             view.close()
             writer.close()
         except KeyboardInterrupt:

@@ -182,6 +182,13 @@ class ThinkingView:
             self._put("Thinking...\n")
         self._put(text)
 
+    def pass_on(self, thinking: str, piece: str, writer) -> None:
+        """One streamed piece: its thinking here, its answer to `writer` (which ends the thinking)."""
+        self.write(thinking)
+        if piece and writer is not None:
+            self.close()
+            writer.write(piece)
+
     def close(self) -> None:
         if self.open:
             self.open = False

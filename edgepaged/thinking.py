@@ -1,7 +1,7 @@
 """Thinking models (Qwen3 and the like): `<think>…</think>` before the answer.
 
     kwargs = template_kwargs(template, think)   # enable_thinking for templates that take it
-    split = ThinkSplit(inside=prompt_opens(...))  # an answer's text -> (thinking, content)
+    split = ThinkSplit.of(request)              # an answer's text -> (thinking, content); None: no thinking
     thinking, content = split.feed(text)        # as the text streams; a marker cut between pieces waits
     thinking, content = split.flush()           # at the end: what was held
 
@@ -42,6 +42,17 @@ class ThinkSplit:
     def __init__(self, inside: bool = False):
         self.state = "opened" if inside else "start"      # start | opened | inside | after | content
         self.buf = ""
+
+    @classmethod
+    def of(cls, req) -> "ThinkSplit | None":
+        """The split of a request's answer, or None when it is no thinking model's."""
+        return cls(req.think_open) if req is not None and req.thinking else None
+
+    def whole(self, text: str) -> tuple[str, str]:
+        """A whole answer -> (thinking, content)."""
+        thinking, content = self.feed(text)
+        more, rest = self.flush()
+        return thinking + more, content + rest
 
     def feed(self, text: str) -> tuple[str, str]:
         self.buf += text

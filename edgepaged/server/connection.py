@@ -76,7 +76,7 @@ def _thinking_apart(req, frame: dict) -> dict:
     if not req.thinking:
         return frame
     if req.think_split is None:
-        req.think_split = ThinkSplit(req.think_open)
+        req.think_split = ThinkSplit.of(req)
     thinking, frame["text"] = req.think_split.feed(frame["text"])
     if thinking:
         frame["thinking"] = thinking

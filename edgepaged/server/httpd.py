@@ -431,7 +431,7 @@ class GenerationResponse:
 
     def __init__(self, http: HttpServer, gen: Generation, req, shaper=None):
         self.http, self.gen, self.req = http, gen, req
-        self.shaper = shaper or Shaper(gen, req.model or http.front.model)
+        self.shaper = shaper or Shaper(gen, req.model or http.front.model, req)
         self.tokenizer = req.engine.tokenizer if req.engine is not None else http.front.tokenizer
         self.samples = [req, *req.children]   # parallel samples (the parent's list empties as they fork)
         self.n = len(self.samples)

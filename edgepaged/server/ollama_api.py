@@ -224,7 +224,7 @@ class OllamaShaper:
     def __init__(self, gen: OllamaGeneration, model: str, req=None):
         self.gen, self.model = gen, model
         # a thinking model's answer: its thinking in `thinking`, as Ollama gives it
-        self.split = ThinkSplit(req.think_open) if req is not None and req.thinking else None
+        self.split = ThinkSplit.of(req)
 
     @staticmethod
     def frame(obj: dict) -> bytes:
@@ -253,11 +253,7 @@ class OllamaShaper:
         return out
 
     def full(self, text: str, done, calls=None, logprobs=None) -> dict:
-        thinking = ""
-        if self.split is not None:
-            thinking, text = self.split.feed(text)
-            more, rest = self.split.flush()
-            thinking, text = thinking + more, text + rest
+        thinking, text = self.split.whole(text) if self.split is not None else ("", text)
         out = self._final(text, done, thinking)
         if calls:
             out["message"]["tool_calls"] = ollama_calls(calls)

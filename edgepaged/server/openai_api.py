@@ -375,8 +375,7 @@ class Shaper:
         self.created = int(time.time())
         # reasoning_format asked and a thinking model's answer: its thinking in reasoning_content
         # (one answer: parallel samples keep it in content)
-        self.split = ThinkSplit(req.think_open) if gen.reasoning and req is not None and req.thinking \
-            and not req.children else None
+        self.split = ThinkSplit.of(req) if gen.reasoning and req is not None and not req.children else None
 
     def _envelope(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -403,11 +402,7 @@ class Shaper:
     def full(self, text: str, done, calls=None, logprobs=None) -> dict:
         """The non-streamed answer (`calls`: the tool calls parsed out of it; `logprobs`: the
         shaped logprobs, or None)."""
-        thinking = ""
-        if self.split is not None:
-            thinking, text = self.split.feed(text)
-            more, rest = self.split.flush()
-            thinking, text = thinking + more, text + rest
+        thinking, text = self.split.whole(text) if self.split is not None else ("", text)
         if self.gen.chat:
             message = {"role": "assistant", "content": text if text or not calls else None}
             if thinking:
