@@ -330,6 +330,9 @@ def test_chat_commands_blocks_and_saved_conversations(server, tmp_path):
         pos = term.expect(rb"conversation cleared", start=pos)
         term.send(f"/load {saved}\r".encode())
         pos = term.expect(rb"\(loaded 4 messages", start=pos)
+        # Ctrl-D once the prompt reads again (sent earlier it can land before readline takes
+        # the terminal, and be lost: CI saw the chat wait on)
+        pos = term.expect(PROMPT, start=pos)
         term.send(b"\x04")
         assert term.wait() == 0
     finally:
