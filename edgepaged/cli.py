@@ -197,6 +197,19 @@ def main(verbose):
 @click.option("--max-inflight", type=int, default=16, show_default=True, help="Requests in flight per connection.")
 @click.option("--max-prompt-tokens", type=int, default=None, help="Longest prompt taken (default: the context).")
 @click.option("--max-tokens", type=int, default=None, help="Cap on a request's max_tokens (default: the context).")
+@click.option("--max-request-tokens", type=click.IntRange(1), default=65536, show_default=True,
+              help="Most tokens one request may ask for: max_tokens x n (its parallel samples). Past it: a 400.")
+@click.option("--max-identity-tokens", type=click.IntRange(1), default=262144, show_default=True,
+              help="Most tokens one user, client name or address may have asked for at once (max_tokens x n "
+                   "of its unfinished requests). Past it: a 429 until one ends.")
+@click.option("--grammar-max-depth", type=click.IntRange(1, 4096), default=128, show_default=True,
+              help="Output formats (JSON schemas, Lark grammars, regexes, tool schemas): most levels of nesting, "
+                   "rule chains and $ref chains counted together. Deeper: a 400 before anything compiles.")
+@click.option("--grammar-max-bytes", type=click.IntRange(1), default=256 << 10, show_default=True,
+              help="Output formats: the largest schema, grammar or pattern taken (bytes).")
+@click.option("--grammar-timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
+              help="Output formats: seconds a format may take to compile (with its matchers); past it a 400, "
+                   "and the same format is refused at once from then on.")
 @click.option("--grace", type=float, default=10.0, show_default=True,
               help="Seconds running requests get to finish at shutdown.")
 @click.option("--users", "users_file", default=None, metavar="FILE", type=click.Path(exists=True, dir_okay=False),
@@ -232,7 +245,7 @@ def main(verbose):
 def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, block_size, kv_dtype,
           max_batched_tokens, token, http_port, no_http, no_mdns, mdns_interface, max_connections, max_unauthenticated,
           max_unauthenticated_per_address, allowed_hosts, cors_origins, max_inflight, max_prompt_tokens, max_tokens,
-          grace, users_file, contiguous, quant_math, runtime, step_time, context_policy, window_tokens, window_sink,
+          max_request_tokens, max_identity_tokens, grammar_max_depth, grammar_max_bytes, grammar_timeout, grace, users_file, contiguous, quant_math, runtime, step_time, context_policy, window_tokens, window_sink,
           mdns_refresh):
     """Serve a model on the network (msgpack over TCP and HTTP, advertised by mDNS)."""
     if context_policy == "window" and contiguous:
@@ -247,6 +260,7 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
 
     from .engine import EngineConfig
     from .frontend import FrontEndConfig, load_users
+    from .model.grammar import GrammarLimits
     from .server.app import AppConfig, run
     from .server.httpd import HttpConfig
     from .server.tcp import ServerConfig
@@ -280,7 +294,10 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
                             max_unauthenticated=max_unauthenticated,
                             max_unauthenticated_per_address=max_unauthenticated_per_address, sock=server_sock),
         front=FrontEndConfig(token=token or None, users=users, max_prompt_tokens=max_prompt_tokens,
-                             max_tokens=max_tokens),
+                             max_tokens=max_tokens, max_request_tokens=max_request_tokens,
+                             max_identity_tokens=max_identity_tokens,
+                             grammar=GrammarLimits(max_depth=grammar_max_depth, max_bytes=grammar_max_bytes,
+                                                   compile_timeout_s=grammar_timeout)),
         engine=EngineConfig(max_num_batched_tokens=max_batched_tokens, contiguous=contiguous,
                             context_policy=context_policy, window_tokens=window_tokens, window_sink=window_sink,
                             step_time_target_s=step_time or None),
@@ -454,6 +471,13 @@ def _load_config(ctx: click.Context, path: str | None) -> None:
                                      param_hint="--config")
         if option.multiple and not isinstance(value, list):
             value = [value]
+        try:   # the value as the flag would take it: a wrong type is one line, not a traceback
+            option.type_cast_value(ctx, value)
+        except click.BadParameter as e:
+            raise click.BadParameter(f"{path}: {key} = {value!r}: {e.message}", param_hint="--config") from None
+        except (TypeError, ValueError):
+            want = getattr(option.type, "name", "a value")
+            raise click.BadParameter(f"{path}: {key} = {value!r}: expected a {want}", param_hint="--config") from None
         out[option.name] = value
     ctx.default_map = {**(ctx.default_map or {}), **out}
 

@@ -53,6 +53,9 @@ class FrontEndConfig:
     users: dict[str, str] | None = None  # per-user tokens (token -> name, a `Users` for admins): own prefix caches
     max_prompt_tokens: int | None = None  # default: the context length - 1
     max_tokens: int | None = None        # cap on a request's max_tokens; default: the context length
+    max_request_tokens: int | None = 65536   # max_tokens x n of one request (None: no cap)
+    max_identity_tokens: int | None = 262144  # what one user/client/address has in flight, max_tokens x n summed
+    grammar: "object | None" = None      # model.grammar.GrammarLimits (None: the defaults)
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,11 @@ class Caller:
     client: str
     identity: str
     sees_all: bool = True
+    # where `identity` comes from: "user" (an authenticated user), "client" (a name the client
+    # chose: isolates nothing on an open box, anyone may send the same name) or "peer" (its
+    # address). The prefix-cache salt hashes it with the identity, so `"user": "<an address>"`
+    # never reaches the cache of the client at that address.
+    namespace: str = "peer"
 
 
 @dataclass
@@ -107,14 +115,14 @@ class AuthThrottle:
         s.last = now
 
 
-def cache_salt(identity: str, shared: bool = False) -> int:
+def cache_salt(identity: str, shared: bool = False, namespace: str = "peer") -> int:
     """The prefix-cache salt of a request. Each identity (the authenticated user, else the
     client's name) gets a cache of its own, so nobody can learn from time-to-first-token
     whether somebody else sent a prompt; `shared` (the request's explicit opt-in) uses the
     household-wide cache, e.g. for a common system prompt."""
     if shared:
         return 0
-    digest = hashlib.blake2b(identity.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{namespace}\0{identity}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1 or 1
 
 
@@ -141,6 +149,12 @@ def load_users(path) -> Users:
     return Users(users, admins)
 
 
+def _short(e: Exception, most: int = 200) -> str:
+    """An exception's first line, cut short, for a client's eyes (never a traceback)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) <= most else text[: most - 1] + "…"
+
+
 def model_display_name(engine) -> str:
     served = getattr(getattr(engine, "runner", None), "served_name", None)   # a name from the store
     if served:
@@ -149,7 +163,7 @@ def model_display_name(engine) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
-WINDOW_MAX_TOKENS = 1 << 20  # the window policy's cap on max_tokens when the server sets none
+WINDOW_MAX_TOKENS = 1 << 16  # the window policy's cap on max_tokens when the server sets none
 DEFAULT_ANSWER_ROOM = 512   # truncate "auto" keeps this much room for an answer when max_tokens is not given
 
 
@@ -171,7 +185,7 @@ class FrontEnd:
         if self._grammars is None:
             from .model.grammar import Grammars
             vocab = getattr(getattr(getattr(self.engine, "runner", None), "config", None), "vocab_size", None)
-            self._grammars = Grammars(self.tokenizer, vocab or self.tokenizer.vocab_size)
+            self._grammars = Grammars(self.tokenizer, vocab or self.tokenizer.vocab_size, self.config.grammar)
         return self._grammars
 
 
@@ -214,10 +228,12 @@ class FrontEnd:
         """The caller of a connection or HTTP request: `client_name` is what the client calls
         itself (hello's `client`, OpenAI's `user`), `peer` its address."""
         client = client_name or peer
-        if user is None:
-            return Caller(client, client, sees_all=not self.config.users)
+        if user is None:   # a name the client chose, or its address: two namespaces, never one
+            return Caller(client, client, sees_all=not self.config.users,
+                          namespace="client" if client_name else "peer")
         admins = getattr(self.config.users, "admins", ())
-        return Caller(f"{user}/{client_name}" if client_name else user, user, sees_all=user in admins)
+        return Caller(f"{user}/{client_name}" if client_name else user, user, sees_all=user in admins,
+                      namespace="user")
 
     # -- requests -------------------------------------------------------------------------------
     async def build(self, item: GenerateRequest, caller: Caller) -> Request:
@@ -231,6 +247,9 @@ class FrontEnd:
         except (ValueError, TypeError) as e:
             raise RequestRejected("invalid_params", str(e)) from None
         tok = self.tokenizer
+        n = item.n
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
+            raise RequestRejected("invalid_params", f"n must be in 1..{MAX_SAMPLES}, got {n!r}")
         fmt, calls, job, lazy = item.format, None, None, None
         from . import tools as tl
         if item.messages is not None:
@@ -238,7 +257,8 @@ class FrontEnd:
             messages = tl.prepare_messages(item.messages, offered, tok.chat_template, tok)
             kwargs = self._template_kwargs(item, offered)
             job = partial(tok.apply_chat_template, messages, **kwargs)
-            if offered:
+            if offered:     # tool schemas are grammars too: measured before the prompt is even rendered
+                self._check_tool_limits(offered)
                 syntax = tl.syntax_for(tok.chat_template, tok)
                 calls = tl.ToolStream(syntax, tok)
                 if item.tool_choice == "auto" and syntax.name == "generic":   # JSON all through: calls or a reply
@@ -249,8 +269,8 @@ class FrontEnd:
                     fmt = {"type": "lark", "grammar": syntax.auto_grammar(offered)}
                 elif item.tool_choice == "auto" and fmt is None:   # a call the model starts is constrained
                     cont = syntax.continuation(offered, item.parallel_tool_calls)
-                    if cont is not None:
-                        lazy = tl.LazyCall(syntax.marker, cont, self.grammars, tok)
+                    if cont is not None:   # compiled now, with the request: never inside the engine loop
+                        lazy = (syntax.marker, await self._prepare(None, n, cont, "tools"))
                 if item.tool_choice != "auto":     # required / a named function: the call must parse
                     if fmt is not None:
                         raise RequestRejected("invalid_params", "a response format and a required tool call "
@@ -272,7 +292,7 @@ class FrontEnd:
             else:
                 ids = await trio.to_thread.run_sync(job)
         except Exception as e:  # a chat template may refuse a conversation (e.g. roles out of order)
-            raise RequestRejected("bad_request", f"cannot render the prompt: {e}") from None
+            raise RequestRejected("bad_request", f"cannot render the prompt: {_short(e)}") from None
         if len(ids) > self.max_prompt_tokens:
             raise RequestRejected("prompt_too_long", f"the prompt has {len(ids)} tokens; this server takes at most "
                                   f"{self.max_prompt_tokens}")
@@ -297,31 +317,62 @@ class FrontEnd:
             raise RequestRejected("invalid_params", f"max_tokens must be in 1..{cap} on this server, "
                                   f"got {max_tokens}{hint}")
         params.max_tokens = max_tokens
-        grammar = None
-        if fmt is not None:   # compiled off the event loop: a schema may take a while
-            try:
-                grammar = await trio.to_thread.run_sync(self.grammars.compile, fmt)
-            except ValueError as e:
-                raise RequestRejected("invalid_params", f"format: {e}") from None
+        self._check_cost(caller, max_tokens, n)
+        matchers = None
+        if fmt is not None:   # compiled off the event loop, on a large stack, within the limits
+            matchers = (await self._prepare(fmt, n, None, "format")).matchers
         from . import thinking as th
         thinks = item.messages is not None and item.think is not False and th.thinks(tok.chat_template)
         think_open = thinks and tok.decode(ids[-8:], skip_special_tokens=False).rstrip().endswith(th.OPEN)
-        n = item.n
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
-            raise RequestRejected("invalid_params", f"n must be in 1..{MAX_SAMPLES}, got {n!r}")
 
         def one(k: int, parent=None) -> Request:
-            p = params if k == 0 else replace(params, seed=None if params.seed is None else params.seed + k)
+            seed = None if params.seed is None else (params.seed + k) % (1 << 63)
+            p = params if k == 0 else replace(params, seed=seed)
             return Request(prompt_ids=ids, params=p, priority=item.priority, client=caller.client,
-                           salt=cache_salt(caller.identity, item.share_prefix_cache), owner=caller.identity,
-                           matcher=None if grammar is None else self.grammars.matcher(grammar),
+                           salt=cache_salt(caller.identity, item.share_prefix_cache, caller.namespace),
+                           owner=caller.identity,
+                           matcher=None if matchers is None else matchers[k],
                            calls=None if calls is None else tl.ToolStream(calls.syntax, tok),
-                           lazy=None if lazy is None else tl.LazyCall(lazy.marker, lazy.grammar, lazy.grammars, tok),
+                           lazy=None if lazy is None else tl.LazyCall(lazy[0], lazy[1].grammar, self.grammars, tok,
+                                                                       matcher=lazy[1].matchers[k]),
                            fork_of=parent, engine=self.engine, model=self.model, truncated=dropped,
                            context_window=window, thinking=thinks, think_open=think_open)
         req = one(0)
         req.children = [one(k, req) for k in range(1, n)]
         return req
+
+    async def _prepare(self, spec, n: int, grammar: str | None, what: str):
+        """A format (or a grammar a door built) compiled with n matchers, off the event loop;
+        a refusal as the protocol's error (400, or busy: 503)."""
+        from .model.grammar import GrammarRefused
+        try:
+            return await self.grammars.prepare(spec, n, grammar=grammar)
+        except GrammarRefused as e:
+            raise RequestRejected("busy" if e.busy else "invalid_params", f"{what}: {e}") from None
+
+    def _check_tool_limits(self, tools: list) -> None:
+        from .model.grammar import GrammarRefused, check_limits
+        for t in tools:
+            schema = (t.get("function") or {}).get("parameters") if isinstance(t, dict) else None
+            if isinstance(schema, dict):
+                try:
+                    check_limits({"type": "json_schema", "schema": schema}, self.grammars.limits)
+                except GrammarRefused as e:
+                    raise RequestRejected("invalid_params", f"tools: {e}") from None
+
+    def _check_cost(self, caller: Caller, max_tokens: int, n: int) -> None:
+        """What one request may cost: max_tokens x n within --max-request-tokens, and what one
+        identity has in flight (every sample's max_tokens) within --max-identity-tokens."""
+        cost, cfg = max_tokens * n, self.config
+        if cfg.max_request_tokens and cost > cfg.max_request_tokens:
+            raise RequestRejected("invalid_params", f"max_tokens x n is {cost}; this server allows at most "
+                                  f"{cfg.max_request_tokens} per request (serve --max-request-tokens)")
+        load = getattr(self.engine, "owner_tokens", None)
+        held = load(caller.identity) if callable(load) else 0
+        if cfg.max_identity_tokens and held + cost > cfg.max_identity_tokens:
+            raise RequestRejected("too_many_requests", f"your requests in flight may still generate {held} tokens "
+                                  f"and this one {cost}; this server allows {cfg.max_identity_tokens} per user or "
+                                  "client at once (serve --max-identity-tokens); wait for an answer to end")
 
     def _template_kwargs(self, item: GenerateRequest, offered) -> dict:
         """What the chat template is given beside the messages: the tools (a template that

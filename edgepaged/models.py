@@ -57,6 +57,7 @@ class Slot:
         self.gone = trio.Event()
         self.last_used = 0.0
         self.loads = 0
+        self.holds = 0                    # requests accepted for it and not yet in its engine
 
     @property
     def loaded(self) -> bool:
@@ -68,8 +69,10 @@ class Slot:
 
     @property
     def busy(self) -> bool:
+        """Requests hold it: running or waiting in its engine, or accepted and still being
+        built (a model is never unloaded under a request it has taken)."""
         e = self.engine
-        return e is not None and bool(e.requests)
+        return self.holds > 0 or (e is not None and (bool(e.requests) or e.has_pending()))
 
     def footprint(self) -> int:
         return self.spec.size_bytes + self.kv_bytes if self.reserved else 0
@@ -386,8 +389,22 @@ class MultiFront(FrontEnd):
         return min(self.config.max_tokens or ctx, ctx)
 
     async def build(self, item, caller):
-        front = await self.modelset.get(item.model, item.keep_alive_s)
-        return await front.build(item, caller)
+        """The request's model holds from here: while it loads, while the request is built,
+        and (the engine's `pending`) until the door streams it."""
+        if not isinstance(item.model, (str, type(None))):
+            raise RequestRejected("bad_request", "model must be a string (a model's name)")
+        slot = self.modelset.slot(item.model) if self.modelset.accepting else None
+        if slot is not None:
+            slot.holds += 1
+        try:
+            front = await self.modelset.get(item.model, item.keep_alive_s)
+            req = await front.build(item, caller)
+            front.engine.expect(req)
+            return req
+        finally:
+            if slot is not None:
+                slot.holds -= 1
+                slot.last_used = trio.current_time()
 
     def models(self) -> list[dict]:
         """The protocol's `models` answer: every model of the box, loaded or not."""

@@ -511,8 +511,11 @@ class LazyCall:
     constrained (each tool's arguments to its schema), so a call it starts always parses.
     The engine feeds it the answer's tokens (`feed`) until it returns a matcher."""
 
-    def __init__(self, marker: str, grammar: str, grammars, tokenizer):
+    def __init__(self, marker: str, grammar: str, grammars, tokenizer, matcher=None):
         self.marker, self.grammar, self.grammars, self.tokenizer = marker, grammar, grammars, tokenizer
+        # the matcher the call will use, built with the request (the front end's
+        # Grammars.prepare), so that nothing compiles inside the engine loop
+        self.matcher = matcher
         self.tail = ""
 
     def feed(self, token: int):
@@ -524,7 +527,7 @@ class LazyCall:
             self.tail = self.tail[-len(self.marker):]
             return None
         after = self.tail[at + len(self.marker):]
-        m = self.grammars.matcher(self.grammar)
+        m = self.matcher if self.matcher is not None else self.grammars.matcher(self.grammar)
         if after and not m.consume_tokens(self.grammars.lltok.tokenize_str(after)):
             return False            # what it wrote after the marker is no call: leave it free
         return m

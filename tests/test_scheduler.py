@@ -219,7 +219,6 @@ def test_a_shared_tail_block_counts_its_copy():
     a.fork(parent.id, child.id)
     for r in (parent, child):
         r.num_known = r.num_slots = 20
-        r.num_blocks, r.tail_shared = 2, True
         a.append_tokens(r.id, [5])
         r.output_ids.append(5)
         assert s.blocks_needed(r, 1) == a.blocks_needed(r.id, 1) == 1

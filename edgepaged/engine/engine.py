@@ -31,9 +31,18 @@ from ..model.tokenizer import IncrementalDetokenizer
 from .metrics import Metrics
 from ..memory import release_free_memory
 from .request import DoneEvent, Request, Status, TokenEvent
-from .scheduler import Batch, Scheduler, SchedulerConfig
+from .scheduler import Batch, ScheduleError, Scheduler, SchedulerConfig
+from ..model.grammar import matcher_error
 
 log = logging.getLogger("edgepaged.engine")
+# what a client is told when the server failed on its behalf: never an exception's text (the
+# log has one line, and the traceback at debug level)
+INTERNAL = {"code": "internal_error", "message": "the server failed while answering this request (see its log)"}
+
+
+def _short(e: BaseException, most: int = 200) -> str:
+    text = f"{type(e).__name__}: {e}".splitlines()[0]
+    return text if len(text) <= most else text[: most - 1] + "…"
 
 
 @dataclass
@@ -95,6 +104,28 @@ class Engine:
         self._idle.set()
         self._steps_since_trim = 0
         self.step_started: float | None = None   # trio time the running model step began (None: no step)
+        self._costs: dict[Request, tuple[str, int]] = {}   # unfinished requests: (owner, max_tokens)
+        self._pending: dict[Request, float] = {}   # built for this engine, not streamed yet (expect)
+        self._owner_tokens: dict[str, int] = {}
+
+    PENDING_S = 60.0   # a request built and never streamed stops holding its model after this
+
+    def expect(self, req: Request) -> None:
+        """`req` was built for this engine and its door is about to stream it: until then it
+        counts as work (a model is not unloaded between the build and the stream)."""
+        self._pending[req] = trio.current_time()
+
+    def has_pending(self) -> bool:
+        now = trio.current_time()
+        for req, t in list(self._pending.items()):
+            if now - t > self.PENDING_S:
+                del self._pending[req]
+        return bool(self._pending)
+
+    def owner_tokens(self, owner: str) -> int:
+        """Tokens the unfinished requests of `owner` may still ask for (their max_tokens summed,
+        every parallel sample counted): the front end bounds it per identity."""
+        return self._owner_tokens.get(owner, 0)
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> "Engine":
@@ -132,12 +163,15 @@ class Engine:
             raise EngineClosed("the engine is not accepting requests (shutting down)")
         if req.finished or req.send is not None:
             raise ValueError(f"request {req.id} was already submitted or has ended")
+        self._pending.pop(req, None)
         if req.fork_of is None:      # a parallel sample waits for its parent's prompt instead
             self.scheduler.add(req)
         send, recv = trio.open_memory_channel(math.inf)
         req.send = send
         req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, stop=req.params.stop)
         self.requests[req.id] = req
+        self._costs[req] = (req.owner, req.params.max_tokens)
+        self._owner_tokens[req.owner] = self._owner_tokens.get(req.owner, 0) + req.params.max_tokens
         self._idle = trio.Event()
         self._wake.set()
         try:
@@ -210,7 +244,16 @@ class Engine:
     # -- the loop -----------------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
-            batch = self.scheduler.schedule() if self.scheduler.has_work() else None
+            try:
+                batch = self.scheduler.schedule() if self.scheduler.has_work() else None
+            except ScheduleError as e:   # the allocator refused the plan: that step fails, not the engine
+                log.error("a step could not be planned (%s): its %d requests end with an error",
+                          _short(e.cause), len(e.requests))
+                log.debug("planning failed", exc_info=e.cause)
+                for req in e.requests:
+                    self._end(req, "error", error=INTERNAL)
+                await trio.lowlevel.checkpoint()
+                continue
             if batch is None:
                 if not self.scheduler.has_work():
                     self._idle.set()
@@ -224,43 +267,47 @@ class Engine:
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
-            now = time.monotonic()
-            for req in batch.requests:
-                if req.first_scheduled is None:
-                    req.first_scheduled = now
-                    self.metrics.on_admit(len(req.prompt_ids), req.num_cached, self.allocator.enable_prefix_caching)
-            # parallel samples whose parent's prompt ends this step: their rows repeat the parent's
-            forks = [(j, c) for j, r in enumerate(batch.sampled) if r.children and not r.output_ids
-                     for c in r.children if not c.finished and c.send is not None]
-            rows = batch.sampled + [c for _, c in forks]
-            if forks:
-                batch.logits_indices = np.concatenate([batch.logits_indices,
-                                                       batch.logits_indices[[j for j, _ in forks]]])
-            prev = [r.all_ids if r.params.needs_history else [] for r in rows]
-            params = [r.params for r in rows]
-            matchers = [r.matcher for r in rows] if any(r.matcher is not None for r in rows) else None
-            outputs = [r.output_ids if r.params.counts_output else [] for r in rows] \
-                if any(r.params.counts_output for r in rows) else None
-            tokens, ok = None, False
-            self._in_step = frozenset(batch.requests)
-            self.step_started = trio.current_time()
-            try:
-                t0 = time.monotonic()
-                tokens = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers, outputs)
-                self.scheduler.observe_step(batch.num_tokens, time.monotonic() - t0)
-                ok = True
-            except Exception as e:  # a failed step fails only its own requests
-                log.exception("model step failed")
-                for req in batch.requests + [c for _, c in forks]:
-                    self._end(req, "error", error={"code": "internal_error",
-                                                   "message": f"model step failed: {type(e).__name__}: {e}"})
-            finally:
-                self.step_started = None
-                self._free_after_step(batch, cache=ok)
-            if ok:
-                self._process(batch, tokens, forks)
+            await self._run_step(batch)
             self._steps_since_trim += 1
             await trio.lowlevel.checkpoint()
+
+    async def _run_step(self, batch: Batch) -> None:
+        now = time.monotonic()
+        for req in batch.requests:
+            if req.first_scheduled is None:
+                req.first_scheduled = now
+                self.metrics.on_admit(len(req.prompt_ids), req.num_cached, self.allocator.enable_prefix_caching)
+        # parallel samples whose parent's prompt ends this step: their rows repeat the parent's
+        forks = [(j, c) for j, r in enumerate(batch.sampled) if r.children and not r.output_ids
+                 for c in r.children if not c.finished and c.send is not None]
+        rows = batch.sampled + [c for _, c in forks]
+        if forks:
+            batch.logits_indices = np.concatenate([batch.logits_indices,
+                                                   batch.logits_indices[[j for j, _ in forks]]])
+        prev = [r.all_ids if r.params.needs_history else [] for r in rows]
+        params = [r.params for r in rows]
+        matchers = [r.matcher for r in rows] if any(r.matcher is not None for r in rows) else None
+        outputs = [r.output_ids if r.params.counts_output else [] for r in rows] \
+            if any(r.params.counts_output for r in rows) else None
+        tokens, ok = None, False
+        self._in_step = frozenset(batch.requests)
+        self.step_started = trio.current_time()
+        try:
+            t0 = time.monotonic()
+            tokens = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers, outputs)
+            self.scheduler.observe_step(batch.num_tokens, time.monotonic() - t0)
+            ok = True
+        except Exception as e:  # a failed step fails only its own requests
+            log.error("model step failed: %s (its %d requests end with an error)", _short(e), len(batch.requests))
+            log.debug("model step failed", exc_info=True)
+            for req in batch.requests + [c for _, c in forks]:
+                self._end(req, "error", error={"code": "internal_error",
+                                               "message": "the model step failed (see the server's log)"})
+        finally:
+            self.step_started = None
+            self._free_after_step(batch, cache=ok)
+        if ok:
+            self._process(batch, tokens, forks)
 
     def _free_after_step(self, batch: Batch, cache: bool) -> None:
         """The step is over: requests of the batch that ended while it ran (cancel,
@@ -286,7 +333,6 @@ class Engine:
 
     def _process(self, batch: Batch, tokens: list, forks=()) -> None:
         now = time.monotonic()
-        eos = self.tokenizer.stop_token_ids
         generated = 0
         pairs = list(zip(batch.sampled, tokens))
         for (j, child), tok in zip(forks, tokens[len(batch.sampled):]):
@@ -296,55 +342,75 @@ class Engine:
             if parent.status is not Status.RUNNING:    # ended while the step ran: so do its samples
                 self._end(child, parent.finish_reason or "cancelled", parent.error)
                 continue
-            self.scheduler.adopt(parent, child)
+            try:
+                self.scheduler.adopt(parent, child)
+            except Exception as e:      # the allocator refused the fork: that sample ends alone
+                log.error("a parallel sample could not be forked: %s", _short(e))
+                log.debug("fork failed", exc_info=True)
+                if child in parent.children:
+                    parent.children.remove(child)
+                self._end(child, "error", error=INTERNAL)
+                continue
             parent.children.remove(child)
             pairs.append((child, tok))
         for req, tok in pairs:
             if req.finished:   # ended while the step ran
                 continue
-            if isinstance(tok, BaseException):   # this row alone failed (its sampling)
-                self._end(req, "error", error={"code": "internal_error",
-                                               "message": f"sampling failed: {type(tok).__name__}: {tok}"})
-                continue
-            info = None
-            if isinstance(tok, tuple):            # (token, its logprobs)
-                tok, info = tok
-            generated += 1
-            if req.first_token is None:
-                req.first_token = now
-            req.output_ids.append(tok)
-            p = req.params
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
-                req.stop_reason = tok
-                self._end(req, "stop")
-                continue
-            self._send(req, TokenEvent([tok], req.detok.add(tok), None if info is None else [info]))
-            if req.finished:
-                continue
-            if req.lazy is not None:   # auto tool choice: once the model starts a call, the call is constrained
-                m = req.lazy.feed(tok)
-                if m is not None:      # (it took this token's text after the marker already)
-                    req.matcher, req.lazy = m or None, None
-            elif req.matcher is not None:   # a constrained output: its grammar takes the token
-                if not req.matcher.consume_token(tok):
-                    self._end(req, "error", error={"code": "internal_error", "message": "the output left its "
-                                                   f"format: {req.matcher.get_error()}"})
-                    continue
-                if req.matcher.is_stopped():    # the format is complete: nothing may follow
-                    req.stop_reason = "format"
-                    self._end(req, "stop")
-                    continue
-            if req.detok.stopped is not None:
-                req.stop_reason = req.detok.stopped
-                self._end(req, "stop")
-            elif len(req.output_ids) >= p.max_tokens or (req.num_tokens >= self.max_model_len
-                                                          and req.context_window is None):
-                self._end(req, "length")
+            try:
+                generated += self._take(req, tok, now)
+            except Exception as e:   # anything raised on behalf of one request ends that request only
+                log.error("request %s failed while processing its token: %s", req.id, _short(e))
+                log.debug("processing a token failed", exc_info=True)
+                self._end(req, "error", error=INTERNAL)
         blocks_used = self.allocator.num_used_blocks
         self.metrics.on_step(
             running=self.scheduler.num_running, waiting=self.scheduler.num_waiting, blocks_used=blocks_used,
             blocks_total=self.allocator.num_blocks, generated=generated, preemptions=len(batch.preempted),
             reserved_slots=blocks_used * self.block_size, unused_slots=self._unused_slots())
+
+    def _take(self, req: Request, tok, now: float) -> int:
+        """One sampled token (or the row's failure) of `req`; how many tokens it generated."""
+        if isinstance(tok, BaseException):   # this row alone failed (its sampling)
+            log.error("sampling failed for request %s: %s", req.id, _short(tok))
+            self._end(req, "error", error={"code": "internal_error",
+                                           "message": "sampling failed for this request (see the server's log)"})
+            return 0
+        if req.matcher is not None and req.matcher.is_error():   # its grammar failed computing this mask
+            self._end(req, "error", error={"code": "invalid_params", "message": matcher_error(req.matcher)})
+            return 0
+        info = None
+        if isinstance(tok, tuple):            # (token, its logprobs)
+            tok, info = tok
+        if req.first_token is None:
+            req.first_token = now
+        req.output_ids.append(tok)
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.stop_token_ids):
+            req.stop_reason = tok
+            self._end(req, "stop")
+            return 1
+        self._send(req, TokenEvent([tok], req.detok.add(tok), None if info is None else [info]))
+        if req.finished:
+            return 1
+        if req.lazy is not None:   # auto tool choice: once the model starts a call, the call is constrained
+            m = req.lazy.feed(tok)
+            if m is not None:      # (it took this token's text after the marker already)
+                req.matcher, req.lazy = m or None, None
+        elif req.matcher is not None:   # a constrained output: its grammar takes the token
+            if not req.matcher.consume_token(tok):
+                self._end(req, "error", error={"code": "invalid_params", "message": matcher_error(req.matcher)})
+                return 1
+            if req.matcher.is_stopped():    # the format is complete: nothing may follow
+                req.stop_reason = "format"
+                self._end(req, "stop")
+                return 1
+        if req.detok.stopped is not None:
+            req.stop_reason = req.detok.stopped
+            self._end(req, "stop")
+        elif len(req.output_ids) >= p.max_tokens or (req.num_tokens >= self.max_model_len
+                                                      and req.context_window is None):
+            self._end(req, "length")
+        return 1
 
     def _unused_slots(self) -> int:
         """KV slots reserved but holding nothing: the empty tail of each sequence's own last
@@ -370,6 +436,13 @@ class Engine:
         req.children = []
         req.finish_reason, req.error = reason, error
         req.finished_at = time.monotonic()
+        cost = self._costs.pop(req, None)
+        if cost is not None:
+            left = self._owner_tokens[cost[0]] - cost[1]
+            if left > 0:
+                self._owner_tokens[cost[0]] = left
+            else:
+                self._owner_tokens.pop(cost[0], None)
         if req not in self._in_step:
             self.scheduler.free(req, cache=reason != "error")
         tail = req.detok.finish() if req.detok is not None and reason != "error" else ""

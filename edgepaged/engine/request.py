@@ -67,10 +67,6 @@ class Request:
     # how many have KV slots (computed or being computed this step)
     num_known: int = 0
     num_slots: int = 0
-    # the scheduler's copy of what the allocator holds for it: blocks in its table, and
-    # whether its last block is shared (a fork's first write into it copies it first)
-    num_blocks: int = 0
-    tail_shared: bool = False
     num_cached: int = 0            # prompt tokens found in the prefix cache (first admission)
     num_preemptions: int = 0
     admitted: bool = False         # admitted at least once

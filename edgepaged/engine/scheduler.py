@@ -140,6 +140,15 @@ class _Step:
     kv_bound: bool = False             # the pool held a waiting request back
 
 
+class ScheduleError(Exception):
+    """A step's plan failed (the allocator said no where the policy expected room): the
+    engine ends `requests` with an error and goes on."""
+
+    def __init__(self, requests: list, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.requests, self.cause = requests, cause
+
+
 class Scheduler:
     """The policy. Crosses into Rust once per step in the steady state (`prepare_step`, which
     also says how many blocks are free afterwards); blocks a request needs are computed here
@@ -176,16 +185,12 @@ class Scheduler:
         return -(-tokens // self.block_size)
 
     def blocks_needed(self, req: Request, n: int) -> int:
-        """Blocks `prepare_step` takes from the pool for `n` more tokens of a running request:
-        new blocks past its table, plus a copy of its last block if that is shared and
-        written into (the allocator's `blocks_needed`, from the scheduler's own copy)."""
+        """Blocks `prepare_step` takes from the pool for `n` more tokens of a running request
+        (new blocks past its table, plus copies of shared blocks it writes into), as the
+        allocator counts them: the allocator is the only book of blocks."""
         if n <= 0:
             return 0
-        bs = self.block_size
-        first, last = req.num_slots // bs, (req.num_slots + n - 1) // bs
-        have = min(req.num_blocks, last + 1)
-        shared = 1 if req.tail_shared and first < have else 0
-        return shared + max(0, last + 1 - max(have, first))
+        return self.alloc.blocks_needed(req.id, n)
 
     @property
     def free_blocks(self) -> int:
@@ -239,11 +244,7 @@ class Scheduler:
         copy-on-write fork; the shared last block is copied by whichever writes first) and runs
         from here as a request of its own."""
         self.alloc.fork(parent.id, child.id)
-        child.num_known, child.num_slots, child.num_blocks = parent.num_known, parent.num_slots, parent.num_blocks
-        if parent.num_slots % self.block_size:
-            parent.tail_shared = child.tail_shared = True
-        else:
-            child.tail_shared = parent.tail_shared
+        child.num_known, child.num_slots = parent.num_known, parent.num_slots
         child.num_cached, child.admitted, child.first_scheduled = parent.num_cached, True, parent.first_scheduled
         child.released_upto = parent.released_upto
         child.status = Status.RUNNING
@@ -255,8 +256,7 @@ class Scheduler:
         self.alloc.free_sequence(req.id)
         self._free_blocks = None
         req.status = Status.WAITING
-        req.num_known = req.num_slots = req.num_blocks = req.released_upto = 0
-        req.tail_shared = False
+        req.num_known = req.num_slots = req.released_upto = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.queues[req.priority].push_front(req)
@@ -265,11 +265,20 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         """Plan one step: interactive work first (decodes, prefill chunks, admissions), then
         background work — unless an interactive prefill runs this step: background then
-        waits one step, so an interactive request's first token never waits behind it."""
-        self._release_windows()
+        waits one step, so an interactive request's first token never waits behind it.
+        ScheduleError (naming the requests of the failed plan) when the allocator refuses it."""
         budget = self.step_budget()
         step = _Step(budget=budget, total=budget, timed=budget < self.config.max_num_batched_tokens,
                      bg_prefill_left=max(16, budget // 8))
+        try:
+            return self._schedule(step)
+        except Exception as e:
+            self._free_blocks = None
+            victims = list(step.plan) or list(self.running) or [q.peek({}) for q in self.queues.values() if len(q)]
+            raise ScheduleError([r for r in victims if r is not None], e) from e
+
+    def _schedule(self, step: "_Step") -> Batch | None:
+        self._release_windows()
         rank = {INTERACTIVE: 0, BACKGROUND: 1}
         self.running.sort(key=lambda r: (rank[r.priority], r.arrival))
         for prio in PRIORITIES:
@@ -463,8 +472,6 @@ class Scheduler:
             req.num_cached = cached
             req.admitted = True
         req.num_known, req.num_slots, req.released_upto = len(tokens), cached, 0
-        req.num_blocks = self._blocks_for(reserve) if reserve is not None else cached // self.block_size
-        req.tail_shared = False
         req.status = Status.RUNNING
         self.running.append(req)
         n = min(len(tokens) - cached, self._first_chunk(step, req.priority) if first is None else first)
@@ -558,9 +565,6 @@ class Scheduler:
                 input_ids[t:t + n] = r.all_ids[start:start + n]
             positions[t:t + n] = np.arange(start, start + n)
             r.num_slots += n
-            if n:
-                r.num_blocks = max(r.num_blocks, self._blocks_for(r.num_slots))
-                r.tail_shared = False
             t += n
             qsl[i + 1] = t
             if r.num_slots == r.num_tokens:

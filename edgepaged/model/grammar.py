@@ -5,6 +5,8 @@ allowed next tokens is applied to that request's logits before sampling.
     g = Grammars(tokenizer, vocab_size)
     grammar = g.compile({"type": "json_schema", "schema": {...}})   # ValueError naming the problem
     m = g.matcher(grammar)                                           # one per request
+    ready = await g.prepare(spec, samples=n)   # the server's way: checked, compiled off the event
+                                               # loop on a large stack, cached; GrammarRefused
     masks = Masks.compute([(row, m), ...], rows, vocab)              # off the event loop
     masks.apply(logits)                                              # disallowed tokens: -inf
     m.consume_token(token); m.is_stopped()                           # after sampling
@@ -12,13 +14,28 @@ allowed next tokens is applied to that request's logits before sampling.
 The format spec is transport-neutral: {"type": "json_object"} (any JSON object),
 {"type": "json_schema", "schema": {...}}, {"type": "regex", "pattern": "..."},
 {"type": "lark", "grammar": "..."}. Every door maps its own fields onto it.
+
+A grammar is untrusted input: llguidance's compiler recurses once per Lark rule, `$ref` and
+nesting level with no limit of its own, and an overflow of a thread's stack kills the whole
+process. So before anything compiles, `check_limits` measures the grammar (its size, and the
+depth of its nesting, its rule graph and its `$ref` graph, counted together) and refuses what
+is past `GrammarLimits`; what passes compiles in a thread whose stack is 32x what the allowed
+depth needs (`_Compiler`), under llguidance's own limits (grammar size, lexer fuel and states,
+per-step work) and a wall-clock budget.
 """
 from __future__ import annotations
 
 import json
+import logging
+import re
 import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
+
+log = logging.getLogger("edgepaged.grammar")
 
 FORMAT_TYPES = ("json_object", "json_schema", "regex", "lark")
 # JSON as models write it: one space after ',' and ':', no other whitespace (a small model
@@ -26,14 +43,350 @@ FORMAT_TYPES = ("json_object", "json_schema", "regex", "lark")
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What one request's output format may cost (docs/SECURITY.md). Each refusal is a 400."""
+    max_depth: int = 128              # nesting + rule chains + $ref chains, counted together
+    max_bytes: int = 256 << 10        # the format's text (a schema as JSON, a grammar, a pattern)
+    compile_timeout_s: float = 10.0   # wall clock for compiling and building the matchers
+    max_grammar_size: int = 200_000   # llguidance: symbols in the grammar's productions
+    initial_lexer_fuel: int = 1_000_000   # llguidance: regex work at compile time (~20 ms)
+    max_lexer_states: int = 100_000   # llguidance: lexer states (1-2 kB each)
+    step_lexer_fuel: int = 200_000    # llguidance: lexer work per token (~15 ms)
+    step_max_items: int = 50_000      # llguidance: parser items per token (~2.5 ms)
+
+    def llguidance(self):
+        from llguidance import LLParserLimits
+        return LLParserLimits(max_grammar_size=self.max_grammar_size, initial_lexer_fuel=self.initial_lexer_fuel,
+                              max_lexer_states=self.max_lexer_states, step_lexer_fuel=self.step_lexer_fuel,
+                              step_max_items=self.step_max_items, verbose_errors=False)
+
+
+class GrammarRefused(ValueError):
+    """A format refused before it ran (past a limit, or not a valid grammar). `busy`: the
+    compiler had no room in time (a 503 rather than a 400)."""
+
+    def __init__(self, message: str, busy: bool = False):
+        super().__init__(message)
+        self.busy = busy
+
+
+# -- measuring before compiling -----------------------------------------------------------------
+
+def json_depth(value) -> int:
+    """Nesting depth of a JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            deepest = max(deepest, d)
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            deepest = max(deepest, d)
+            stack.extend((x, d + 1) for x in v)
+    return deepest
+
+
+def _resolve(root, ref: str):
+    """The target of a local `$ref` (#, #/a/b, #name as an $anchor is not followed) or None."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:] if ref.startswith("#/") else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node if ref in ("#", "") or ref.startswith("#/") else None
+
+
+def schema_depth(schema) -> int:
+    """How deep compiling a JSON schema recurses, near enough: its nesting, with each local
+    `$ref` counted as the depth of what it points to (a chain of refs adds up; a ref back
+    into what is being measured, a recursive schema, counts once). No recursion here."""
+    memo: dict[int, int] = {}
+    on_path: set[int] = set()
+    # iterative post-order: (node, expanded?)
+    stack = [(schema, False)]
+    while stack:
+        node, expanded = stack.pop()
+        key = id(node)
+        if key in memo:
+            continue
+        kids = _kids(schema, node)
+        if not expanded:
+            if key in on_path:
+                continue
+            on_path.add(key)
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in memo and id(k) not in on_path)
+            continue
+        on_path.discard(key)
+        memo[key] = 1 + max((memo.get(id(k), 0) for k in kids), default=0)
+    return memo.get(id(schema), 0)
+
+
+def _kids(root, node) -> list:
+    if isinstance(node, dict):
+        kids = [v for v in node.values() if isinstance(v, (dict, list))]
+        target = _resolve(root, node.get("$ref")) if "$ref" in node else None
+        if isinstance(target, (dict, list)):
+            kids.append(target)
+        return kids
+    if isinstance(node, list):
+        return [v for v in node if isinstance(v, (dict, list))]
+    return []
+
+
+_DEF = re.compile(r"^[ \t]*[?!]?([A-Za-z_][A-Za-z_0-9]*)(?:\.-?\d+)?[ \t]*:(?!:)")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+
+
+def _scan(text: str, refs: set | None = None) -> int:
+    """Bracket nesting of a grammar's (or a regex's) text, skipping string literals and
+    escapes; the identifiers outside literals go to `refs`."""
+    depth = deepest = 0
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == '"':                    # a string literal
+            i += 1
+            while i < n and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif c in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in ")]}":
+            depth = max(0, depth - 1)
+        elif refs is not None and (c.isalpha() or c == "_"):
+            m = _NAME.match(text, i)
+            refs.add(m.group())
+            i = m.end()
+            continue
+        i += 1
+    return deepest
+
+
+def lark_depth(text: str) -> int:
+    """How deep compiling a Lark grammar recurses, near enough: the longest chain of rule
+    references (a cycle counts once), each rule adding its own bracket nesting and the
+    depth of any JSON schema (`%json {...}`) it holds."""
+    rules: dict[str, list[str]] = {}
+    name = None
+    for line in text.splitlines():
+        code = line.split("//", 1)[0] if '"' not in line else line
+        m = _DEF.match(code)
+        if m and not code.lstrip().startswith("%"):
+            name = m.group(1)
+            rules.setdefault(name, []).append(code[m.end():])
+        elif name is not None:
+            rules[name].append(code)
+    local, refs = {}, {}
+    for name, lines in rules.items():
+        body = "\n".join(lines)
+        r: set = set()
+        own = _scan(body, r)
+        for at in (m.end() for m in re.finditer(r"%json\s*", body)):
+            blob = _balanced(body, at)
+            if blob is not None:
+                try:
+                    own = max(own, schema_depth(json.loads(blob)))
+                except (ValueError, RecursionError):
+                    own = max(own, _scan(blob))
+        local[name], refs[name] = own, [x for x in r if x in rules and x != name]
+    memo: dict[str, int] = {}
+    on_path: set = set()
+    for start in rules:
+        stack = [(start, False)]
+        while stack:
+            name, expanded = stack.pop()
+            if name in memo:
+                continue
+            if not expanded:
+                if name in on_path:
+                    continue
+                on_path.add(name)
+                stack.append((name, True))
+                stack.extend((k, False) for k in refs[name] if k not in memo and k not in on_path)
+                continue
+            on_path.discard(name)
+            memo[name] = 1 + local[name] + max((memo.get(k, 0) for k in refs[name]), default=0)
+    return max(memo.values(), default=_scan(text))
+
+
+def _balanced(text: str, at: int) -> str | None:
+    """The bracketed JSON value starting at `at` ({...} or [...]), or None."""
+    if at >= len(text) or text[at] not in "{[":
+        return None
+    depth, i, n = 0, at, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return text[at:i + 1]
+        i += 1
+    return None
+
+
+def check_limits(spec: dict, limits: GrammarLimits) -> None:
+    """Refuse (GrammarRefused) a format spec past the limits, before anything compiles."""
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind not in FORMAT_TYPES:
+        raise GrammarRefused(f"format type must be one of {', '.join(FORMAT_TYPES)}, got {kind!r}")
+    if kind == "json_object":
+        return
+    field = {"json_schema": "schema", "regex": "pattern", "lark": "grammar"}[kind]
+    value = spec.get(field)
+    if kind == "json_schema" and isinstance(value, str):
+        if len(value.encode("utf-8", "surrogatepass")) > limits.max_bytes:
+            raise GrammarRefused(f"the schema is over {limits.max_bytes} bytes (the format size limit)")
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise GrammarRefused("the schema is not valid JSON (or nests too deep)") from None
+    if kind == "json_schema":
+        if not isinstance(value, dict):
+            raise GrammarRefused("the schema must be a JSON object")
+        depth, what = schema_depth(value), "the schema nests (counting $ref chains)"
+        if depth > limits.max_depth:
+            raise GrammarRefused(f"{what} {depth} deep; this server compiles at most {limits.max_depth} "
+                                 "(the format depth limit)")
+        try:
+            size = len(json.dumps(value))
+        except (ValueError, TypeError, RecursionError):
+            raise GrammarRefused("the schema must be plain JSON") from None
+    else:
+        if not isinstance(value, str):
+            raise GrammarRefused(f"a {kind} format needs a string {field}")
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if size > limits.max_bytes:
+            raise GrammarRefused(f"the {field} is over {limits.max_bytes} bytes (the format size limit)")
+        depth = lark_depth(value) if kind == "lark" else _scan(value)
+        what = "the grammar's rules chain and nest" if kind == "lark" else "the pattern's groups nest"
+    if size > limits.max_bytes:
+        raise GrammarRefused(f"the {field} is over {limits.max_bytes} bytes (the format size limit)")
+    if depth > limits.max_depth:
+        raise GrammarRefused(f"{what} {depth} deep; this server compiles at most {limits.max_depth} "
+                             "(the format depth limit)")
+
+
+def check_grammar_text(grammar: str, limits: GrammarLimits) -> None:
+    """The same measure for a grammar text as llguidance takes it (Lark, or the JSON form
+    grammar_from_* return): what a door builds from tools goes through it too."""
+    if len(grammar) > 4 * limits.max_bytes:
+        raise GrammarRefused(f"the grammar is over {4 * limits.max_bytes} bytes (the format size limit)")
+    depth = 0
+    if grammar.lstrip().startswith("{"):
+        try:
+            wrapper = json.loads(grammar)
+        except (ValueError, RecursionError):
+            raise GrammarRefused("the grammar is not valid") from None
+        for g in wrapper.get("grammars", []) if isinstance(wrapper, dict) else []:
+            if isinstance(g, dict) and isinstance(g.get("json_schema"), (dict, list)):
+                depth = max(depth, schema_depth(g["json_schema"]))
+            if isinstance(g, dict) and isinstance(g.get("lark_grammar"), str):
+                depth = max(depth, lark_depth(g["lark_grammar"]))
+    else:
+        depth = lark_depth(grammar)
+    if depth > limits.max_depth:
+        raise GrammarRefused(f"the grammar's rules chain and nest {depth} deep; this server compiles at most "
+                             f"{limits.max_depth} (the format depth limit)")
+
+
+# -- compiling where a deep grammar cannot hurt the server --------------------------------------
+
+class _Compiler:
+    """Threads with a large stack for llguidance's recursive compiler: 256 MiB of address space
+    each (only what is touched is memory), 32x the 8 MiB on which FACTS measured 1,000 `$ref`
+    levels compiling; the depth limit allows far fewer. At most `threads` compiles at once."""
+
+    STACK_BYTES = 256 << 20
+
+    def __init__(self, threads: int = 2):
+        import queue
+        self.jobs: queue.Queue = queue.Queue()
+        self.threads: list[threading.Thread] = []
+        self.size = threads
+        self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self.threads:
+                return
+            old = threading.stack_size()
+            try:
+                threading.stack_size(self.STACK_BYTES)
+                for i in range(self.size):
+                    t = threading.Thread(target=self._work, name=f"edgepaged-grammar-{i}", daemon=True)
+                    t.start()
+                    self.threads.append(t)
+            finally:
+                threading.stack_size(old)
+
+    def _work(self) -> None:
+        while True:
+            fn, done = self.jobs.get()
+            done(fn)
+
+    def submit(self, fn, done) -> None:
+        """Run `fn()` on a compiler thread; `done(fn)` is called there (it runs fn itself,
+        so it can note when fn started)."""
+        self._start()
+        self.jobs.put((fn, done))
+
+    def run(self, fn):
+        """Run `fn()` on a compiler thread and wait (for synchronous callers and tests)."""
+        box, ev = {}, threading.Event()
+
+        def done(f):
+            try:
+                box["v"] = f()
+            except BaseException as e:   # handed to the caller
+                box["e"] = e
+            ev.set()
+        self.submit(fn, done)
+        ev.wait()
+        if "e" in box:
+            raise box["e"]
+        return box["v"]
+
+
+COMPILER = _Compiler()
+
+
+@dataclass
+class Prepared:
+    """A compiled format: its grammar text and one fresh matcher per sample."""
+    grammar: str
+    matchers: list
+
+
 class Grammars:
     """The llguidance tokenizer of one model (built once, on first use: ~0.1-1 s) and the
     compilation of format specs into grammars and matchers."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    CACHE_SIZE = 64
+
+    def __init__(self, tokenizer, vocab_size: int, limits: GrammarLimits | None = None):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.limits = limits or GrammarLimits()
         self._lltok = None
         self._lock = threading.Lock()
+        self._cache: OrderedDict = OrderedDict()    # key -> (grammar, template matcher) or GrammarRefused
+        self._cache_lock = threading.Lock()
 
     @property
     def lltok(self):
@@ -47,11 +400,14 @@ class Grammars:
             return self._lltok
 
     def compile(self, spec: dict) -> str:
-        """A format spec -> llguidance grammar text; ValueError saying what is wrong."""
+        """A format spec -> llguidance grammar text; ValueError (GrammarRefused) saying what is
+        wrong or which limit it is past. Checked before it compiles, compiled on a large stack."""
+        check_limits(spec, self.limits)
+        return COMPILER.run(lambda: self._compile(spec))
+
+    def _compile(self, spec: dict) -> str:
         from llguidance import LLMatcher
-        kind = spec.get("type") if isinstance(spec, dict) else None
-        if kind not in FORMAT_TYPES:
-            raise ValueError(f"format type must be one of {', '.join(FORMAT_TYPES)}, got {kind!r}")
+        kind = spec["type"]
         try:
             if kind == "json_object":
                 grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
@@ -59,43 +415,128 @@ class Grammars:
                 schema = spec.get("schema")
                 if isinstance(schema, str):
                     schema = json.loads(schema)
-                if not isinstance(schema, dict):
-                    raise ValueError("the schema must be a JSON object")
                 grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
             elif kind == "regex":
-                if not isinstance(spec.get("pattern"), str):
-                    raise ValueError("a regex format needs a string pattern")
                 grammar = LLMatcher.grammar_from_regex(spec["pattern"])
             else:
-                if not isinstance(spec.get("grammar"), str):
-                    raise ValueError("a lark format needs a string grammar")
                 grammar = LLMatcher.grammar_from_lark(spec["grammar"])
-        except ValueError:
-            raise
-        except Exception as e:     # llguidance's own errors (RuntimeError, ...)
-            raise ValueError(f"{e}") from None
-        ok, message = _validate(grammar, self.lltok)
+        except Exception as e:     # llguidance's own errors (RuntimeError, ValueError, ...)
+            raise GrammarRefused(_short(str(e))) from None
+        ok, message = _validate(grammar, self.lltok, self.limits)
         if not ok:
-            raise ValueError(message)
+            raise GrammarRefused(message)
         return grammar
 
     def matcher(self, grammar: str):
-        """A fresh matcher at the start of the output; ValueError when the grammar fails."""
+        """A fresh matcher at the start of the output; ValueError when the grammar fails.
+        Checked against the limits and built on a large stack."""
+        check_grammar_text(grammar, self.limits)
+        return COMPILER.run(lambda: self._matcher(grammar))
+
+    def _matcher(self, grammar: str):
         from llguidance import LLMatcher
-        m = LLMatcher(self.lltok, grammar, log_level=0)
+        m = LLMatcher(self.lltok, grammar, log_level=0, limits=self.limits.llguidance())
         if m.is_error():
-            raise ValueError(m.get_error())
+            raise GrammarRefused(_short(m.get_error()))
         return m
 
+    async def prepare(self, spec: dict | None = None, samples: int = 1, *, grammar: str | None = None) -> Prepared:
+        """The server's path: a format spec (or a grammar text a door built, `grammar`) checked
+        against the limits, compiled and given `samples` fresh matchers, all on a compiler
+        thread, never on the event loop, within `compile_timeout_s`; cached by the spec's
+        text (refusals too). GrammarRefused (a 400; `busy`: a 503) otherwise."""
+        import trio
+        key = json.dumps(spec, sort_keys=True, default=str) if grammar is None else "grammar:" + grammar
+        with self._cache_lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if isinstance(hit, GrammarRefused):
+            raise GrammarRefused(str(hit))
+        if grammar is None:
+            check_limits(spec, self.limits)
+        else:
+            check_grammar_text(grammar, self.limits)
+        state = {"started": None}
+        token = trio.lowlevel.current_trio_token()
+        finished = trio.Event()
+        box: dict = {}
 
-def _validate(grammar: str, lltok) -> tuple[bool, str]:
+        def work():
+            state["started"] = time.monotonic()
+            if hit is not None:
+                g, template = hit
+            else:
+                g = self._compile(spec) if grammar is None else grammar
+                template = self._matcher(g)
+            return g, template, [template.deep_copy() for _ in range(samples)]
+
+        def done(fn):
+            try:
+                box["v"] = fn()
+            except GrammarRefused as e:
+                box["e"] = e
+            except Exception as e:    # never a traceback to the client; one line in the log
+                log.warning("a grammar failed to compile: %s", _short(f"{type(e).__name__}: {e}"))
+                box["e"] = GrammarRefused("the format could not be compiled")
+            took = time.monotonic() - (state["started"] or time.monotonic())
+            if took > self.limits.compile_timeout_s and "v" in box:   # too slow: refused from now on
+                box["e"] = GrammarRefused(f"the format took {took:.1f} s to compile; this server allows "
+                                          f"{self.limits.compile_timeout_s:g} s (the format compile-time limit)")
+            self._remember(key, box)
+            try:
+                token.run_sync_soon(finished.set)
+            except trio.RunFinishedError:
+                pass
+
+        COMPILER.submit(work, done)
+        with trio.move_on_after(self.limits.compile_timeout_s):
+            await finished.wait()
+        if not finished.is_set():
+            if state["started"] is None:
+                raise GrammarRefused("the grammar compiler is busy; try again shortly", busy=True)
+            raise GrammarRefused(f"the format takes longer than {self.limits.compile_timeout_s:g} s to compile "
+                                 "(the format compile-time limit)")
+        if "e" in box:
+            raise box["e"]
+        g, _, matchers = box["v"]
+        return Prepared(g, matchers)
+
+    def _remember(self, key: str, box: dict) -> None:
+        with self._cache_lock:
+            if "e" in box:
+                if not box["e"].busy:
+                    self._cache[key] = box["e"]
+            else:
+                self._cache[key] = box["v"][:2]
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.CACHE_SIZE:
+                self._cache.popitem(last=False)
+
+
+def _short(message: str, most: int = 300) -> str:
+    """An llguidance message for a client's eyes: its first line, cut short (never a parser
+    state dump)."""
+    line = (message or "").strip().splitlines()[0] if (message or "").strip() else "the grammar is not valid"
+    return line if len(line) <= most else line[: most - 1] + "…"
+
+
+def matcher_error(m) -> str:
+    """What a client is told when its grammar fails while generating (a parser limit hit or
+    a state it cannot leave); the full state goes to the debug log only."""
+    log.debug("a constrained output failed: %s", m.get_error())
+    return ("the output format's grammar failed while generating (it reached the parser's limits); "
+            "use a simpler format")
+
+
+def _validate(grammar: str, lltok, limits: GrammarLimits) -> tuple[bool, str]:
     from llguidance import LLMatcher
     try:
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok, limits=limits.llguidance())
     except Exception as e:
-        return False, str(e)
+        return False, _short(str(e))
     if is_error:
-        return False, "; ".join(messages) or "the grammar does not compile"
+        return False, _short("; ".join(messages)) or "the grammar does not compile"
     return True, ""
 
 

@@ -13,6 +13,11 @@ def _is_num(x) -> bool:
     return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
 
 
+MIN_TEMPERATURE = 1e-4   # a positive temperature below this samples greedily (0 does)
+MAX_TEMPERATURE = 1e6    # (far past uniform already; 1e308 overflows float32)
+MIN_PENALTY, MAX_PENALTY = 0.01, 100.0   # repetition_penalty: beyond these logits overflow or vanish
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0     # 0 = greedy
@@ -33,14 +38,16 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if _is_num(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0     # logits / 1e-40 overflow: so small a temperature is greedy
         checks = [
-            (_is_num(self.temperature) and self.temperature >= 0,
-             f"temperature must be a finite number >= 0, got {self.temperature!r}"),
+            (_is_num(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+             f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"),
             (_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}"),
             (_is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
             (_is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-             f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"),
+            (_is_num(self.repetition_penalty) and MIN_PENALTY <= self.repetition_penalty <= MAX_PENALTY,
+             f"repetition_penalty must be in [{MIN_PENALTY}, {MAX_PENALTY}], got {self.repetition_penalty!r}"),
             (_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an int >= 1, got {self.max_tokens!r}"),
             (self.seed is None or _is_int(self.seed) and 0 <= self.seed < 2**63,
              f"seed must be an int in [0, 2**63), got {self.seed!r}"),

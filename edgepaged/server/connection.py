@@ -25,6 +25,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgepaged.server")
 
 
+INTERNAL_MESSAGE = "the server failed on this request (see its log)"
+
+
+def _log_failure(what: str, e: BaseException) -> None:
+    """One line in the log; the traceback at debug level only."""
+    log.error("%s failed: %s", what, f"{type(e).__name__}: {e}".splitlines()[0][:200])
+    log.debug("%s failed", what, exc_info=e)
+
+
 def event_frame(rid, ev: TokenEvent | DoneEvent, model: str = "", truncated: int = 0) -> dict:
     if isinstance(ev, TokenEvent):
         frame = {"type": "token", "id": rid, "text": ev.text, "token_ids": ev.token_ids}
@@ -112,7 +121,8 @@ class Connection:
         self.caller: Caller | None = None        # who is asking, known after hello
         self.idle_scope: trio.CancelScope | None = None
         self.hello: Hello | None = None
-        self.inflight: dict = {}                 # request id -> engine Request
+        self.inflight: dict = {}                 # request id -> engine Request (None while it is built)
+        self.building: dict = {}                 # request id -> the cancel scope of its build
         self.samples: dict = {}                  # request id -> its parallel samples (n > 1)
         self.out_send, self.out_recv = trio.open_memory_channel(cfg.max_pending_frames)
         self.read_scope = trio.CancelScope()     # cancelled at shutdown: read no more, finish what runs
@@ -205,8 +215,8 @@ class Connection:
                 if e.fatal:
                     return True
             except Exception as e:  # never let one frame take the server down
-                log.exception("error while handling a frame from %s", self.peer)
-                await self.send(ProtocolError("internal_error", f"{type(e).__name__}: {e}").frame())
+                _log_failure(f"handling a frame from {self.peer}", e)
+                await self.send(ProtocolError("internal_error", INTERNAL_MESSAGE).frame())
 
     async def _http_hint(self) -> None:
         """A short HTTP answer for an HTTP client at the msgpack port, naming the HTTP port."""
@@ -232,6 +242,9 @@ class Connection:
         if isinstance(item, GenerateRequest):
             return await self._start(item)
         if item.kind == "cancel":
+            if item.id in self.building:           # still being built: it ends before it runs
+                self.building[item.id].cancel()
+                return
             req = self.inflight.get(item.id)
             if req is None:
                 raise ProtocolError("unknown_request", f"no request {item.id!r} in flight", item.id)
@@ -259,6 +272,9 @@ class Connection:
         await self.send(with_id(self.server.info(), item.id))
 
     async def _start(self, item: GenerateRequest) -> None:
+        """Take a request: checked here, then built (validated, rendered, tokenized, its grammar
+        compiled) and run in a task of its own, so the reader goes on reading this connection's
+        frames (a cancel, another request) however long the build takes."""
         rid = item.id
         if rid in self.inflight:
             raise ProtocolError("duplicate_id", f"request {rid!r} is already in flight", rid)
@@ -267,17 +283,37 @@ class Connection:
                                 "per connection", rid)
         if not self.engine.accepting:
             raise ProtocolError("shutdown", "the server is shutting down", rid)
+        self.inflight[rid] = None              # its place, held while it is built
+        self.building[rid] = trio.CancelScope()
+        self._requests.start_soon(self._run, rid, item)
+
+    async def _run(self, rid, item: GenerateRequest) -> None:
+        scope = self.building[rid]
+        req = None
         try:
-            req = await self.server.front.build(item, self.caller)
-        except RequestRejected as e:
-            raise rejected(e, rid) from None
-        self.inflight[rid] = req
-        try:
-            await self._requests.start(self._stream, rid, req)
+            with scope:
+                req = await self.server.front.build(item, self.caller)
+            if req is None or scope.cancel_called:   # cancelled while it was built
+                await self.send(event_frame(rid, DoneEvent("cancelled", {"prompt_tokens": 0, "completion_tokens": 0,
+                                                                         "cached_tokens": 0}, {})))
+                return
+            self.inflight[rid] = req
+            self.building.pop(rid, None)
+            await self._stream(rid, req)
         except EngineClosed:
-            raise ProtocolError("shutdown", "the server is shutting down", rid) from None
+            await self.send(ProtocolError("shutdown", "the server is shutting down", rid).frame())
         except RequestRejected as e:
-            raise rejected(e, rid) from None
+            await self.send(rejected(e, rid).frame())
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception as e:   # one request's failure is that request's, never the connection's
+            _log_failure(f"request {rid!r} from {self.peer}", e)
+            await self.send(ProtocolError("internal_error", INTERNAL_MESSAGE, rid).frame())
+        finally:
+            self.building.pop(rid, None)
+            self.inflight.pop(rid, None)
+            if not self.inflight and self.idle_scope is not None:   # idle again: arm the timeout
+                self.idle_scope.deadline = trio.current_time() + self.config.idle_timeout_s
 
     async def _stream(self, rid, req, task_status=trio.TASK_STATUS_IGNORED) -> None:
         if req.children:

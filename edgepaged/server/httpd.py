@@ -195,8 +195,12 @@ class HttpServer:
 
     @staticmethod
     async def _internal_error(request, e: Exception) -> Response:
-        log.exception("HTTP %s %s failed", request.method, request.url.path)
-        return JSONResponse(error_body(500, f"{type(e).__name__}: {e}", "internal_error"), status_code=500)
+        # one line in the log (the traceback at debug level); the client never sees the exception
+        log.error("HTTP %s %s failed: %s", request.method, request.url.path,
+                  f"{type(e).__name__}: {e}".splitlines()[0][:200])
+        log.debug("HTTP %s %s failed", request.method, request.url.path, exc_info=e)
+        return JSONResponse(error_body(500, "the server failed on this request (see its log)", "internal_error"),
+                            status_code=500)
 
     @staticmethod
     def _peer(request: HttpRequest) -> str:
@@ -228,6 +232,8 @@ class HttpServer:
             data = json.loads(body)
         except ValueError as e:
             raise ApiError(400, f"the body is not valid JSON: {e}", "bad_request") from None
+        except RecursionError:
+            raise ApiError(400, "the body's JSON nests too deep", "bad_request") from None
         if not isinstance(data, dict):
             raise ApiError(400, "the body must be a JSON object", "bad_request")
         return data
@@ -248,9 +254,30 @@ class HttpServer:
                         headers={"Cache-Control": "public, max-age=86400", "X-Content-Type-Options": "nosniff"})
 
     async def health(self, request: HttpRequest) -> Response:
+        """Whether the box is up, for anyone; its memory figures only for a caller who may see
+        every caller's (a box without tokens, the token, or an admin's): the KV bytes in use
+        move with other users' prompts. A wrong token here is no error, just no figures."""
         ok = self.engine.accepting
-        return JSONResponse({"status": "ok" if ok else "shutting_down", "model": self.front.model,
-                             "memory": self.engine.memory()}, status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "shutting_down", "model": self.front.model}
+        if await self._sees_all(request):
+            body["memory"] = self.engine.memory()
+        else:
+            s = self.engine.stats()
+            body["load"] = {"num_requests_running": s["num_requests_running"],
+                            "num_requests_waiting": s["num_requests_waiting"],
+                            "kv_cache_usage_perc": round(s["kv_cache_usage_perc"], 1)}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def _sees_all(self, request: HttpRequest) -> bool:
+        if not self.front.auth_required:
+            return True
+        if not request.headers.get("authorization"):
+            return False
+        try:
+            user = await self._authorize(request)
+        except ApiError:
+            return False
+        return self.front.caller(user, None, self._peer(request)).sees_all
 
     async def metrics(self, request: HttpRequest) -> Response:
         caller = self.front.caller(await self._authorize(request), None, self._peer(request))
@@ -317,7 +344,7 @@ class HttpServer:
     async def ollama_generate(self, request: HttpRequest) -> Response:
         body = await self._ollama(request)
         if not body.get("prompt") and not body.get("raw"):   # Ollama's "load (or unload) the model" call
-            name = body.get("model") or ""
+            name = ollama_api.model_field(body)
             reason = "load"
             if self.modelset is None:
                 ollama_api.check_model(name, self.front.model)
@@ -354,7 +381,7 @@ class HttpServer:
 
     async def ollama_show(self, request: HttpRequest) -> Response:
         body = await self._ollama(request)
-        name = body.get("model") or body.get("name") or ""
+        name = ollama_api.model_field(body, "model", "name")
         if self.modelset is not None:
             front = await self._ollama_slot_front(name)
             return JSONResponse(ollama_api.show(name, front.engine.runner, front.engine.max_model_len))

@@ -353,6 +353,19 @@ def names_of(model: str) -> set[str]:
     return {model, f"{model}:latest"}
 
 
+def model_field(body: dict, *keys: str) -> str:
+    """The model an Ollama call names (the first of `keys` present; "" for none); a 400 for
+    anything but a string."""
+    for key in keys or ("model",):
+        value = body.get(key)
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise OllamaError(400, f"{key} must be a string (a model's name)", "bad_request")
+        return value
+    return ""
+
+
 def check_model(asked: str, model: str) -> None:
     if asked not in names_of(model):
         raise OllamaError(404, f"model '{asked}' not found; this server has '{model}:latest'", "model_not_found")

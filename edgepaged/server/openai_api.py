@@ -29,7 +29,7 @@ STATUS = {
     "bad_request": 400, "invalid_params": 400, "empty_prompt": 400, "prompt_too_long": 400,
     "context_exceeded": 400, "kv_capacity": 400, "bad_token": 400,
     "too_many_requests": 429, "shutdown": 503, "internal_error": 500, "model_not_found": 404,
-    "model_unavailable": 503,
+    "model_unavailable": 503, "busy": 503,
 }
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
@@ -246,7 +246,7 @@ def parse_chat(body: dict, rid: str) -> Generation:
         raise bad(f"messages must be a list of 1..{MAX_MESSAGES} messages", "messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role")
         try:
             out.append(check_message({**m, "role": ROLES[m["role"]], "content": _content_text(m.get("content"), i)},
