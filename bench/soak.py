@@ -11,6 +11,11 @@ Each client loops until the deadline, picking a behaviour each round:
   badparams   5%  a request with top_k past the vocabulary or an infinite temperature: refused
   pest        4%  connections from another loopback address (127.0.0.2) that never say hello
   upload      3%  an HTTP POST that stops halfway through its body, then hangs up
+  deep_grammar 2%  a $ref chain of 3,000 or a Lark rule chain of 4,000 (it killed the server): a 400
+  wide_grammar 1%  a schema of 3,000 optional properties with n=8 (it froze every door): answered or a 400
+  bad_tools    1%  auto tool choice with a tool schema the grammar library rejects (it killed the engine)
+  borrow       1%  asks with "user" set to its own address after priming a prompt from that address:
+                   the cache must not answer (cached_tokens 0), else `attacks_succeeded` counts it
 At the end: every normal request completed, zero blocks leaked (nothing used once idle),
 the server's RSS back near where it started after warm-up, and its task count back. `failed`
 counts only the requests of well-behaved (normal) clients. The household's clients share one
@@ -58,7 +63,8 @@ def rss_mb(pid: int) -> float:
 class Tally:
     def __init__(self):
         self.counts = {k: 0 for k in ("normal", "cancel", "vanish", "noread", "garbage", "reconnect", "badparams",
-                                      "pest", "upload")}
+                                      "pest", "upload", "deep_grammar", "wide_grammar", "bad_tools", "borrow")}
+        self.attacks_succeeded: list[str] = []
         self.completed = 0
         self.failed: list[str] = []
         self.requests = 0
@@ -76,6 +82,9 @@ async def behave(addr: str, host: str, port: int, http_port: int, kind: str, rng
             except ServerError as e:
                 if e.code != "invalid_params":
                     t.failed.append(f"a request with {bad} got {e.code}, not invalid_params")
+        return
+    if kind in ATTACKS:
+        await ATTACKS[kind](f"http://{host}:{http_port}", rng, t)
         return
     if kind == "pest":
         held = []
@@ -138,9 +147,69 @@ async def behave(addr: str, host: str, port: int, http_port: int, kind: str, rng
         await s.aclose()
 
 
+def post(url: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def ref_chain(n: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+async def attack(base: str, body: dict, t: Tally, kind: str, ok=(400,), path="/v1/chat/completions"):
+    status, out = await trio.to_thread.run_sync(post, base + path, body)
+    if status not in ok:
+        t.attacks_succeeded.append(f"{kind}: HTTP {status}")
+    return status, out
+
+
+async def deep_grammar(base: str, rng: random.Random, t: Tally) -> None:
+    q = [{"role": "user", "content": rng.choice(QUESTIONS)}]
+    if rng.random() < 0.5:
+        body = {"messages": q, "max_tokens": 4, "guided_json": ref_chain(3000)}
+    else:
+        body = {"messages": q, "max_tokens": 4,
+                "guided_grammar": "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(4000)) + 'r4000: "x"\n'}
+    await attack(base, body, t, "deep_grammar")
+
+
+async def wide_grammar(base: str, rng: random.Random, t: Tally) -> None:
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(3000)}}
+    await attack(base, {"messages": [{"role": "user", "content": "Fill the form."}], "max_tokens": 3, "n": 8,
+                        "temperature": 0.7, "guided_json": schema}, t, "wide_grammar", ok=(200, 400))
+
+
+async def bad_tools(base: str, rng: random.Random, t: Tally) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}]
+    await attack(base, {"messages": [{"role": "user", "content": rng.choice(QUESTIONS)}], "max_tokens": 8,
+                        "tools": tools}, t, "bad_tools")
+
+
+async def borrow(base: str, rng: random.Random, t: Tally) -> None:
+    secret = f"{rng.randrange(10**8):08d} is my door code. " * 6    # unique from its first block on
+    status, _ = await attack(base, {"prompt": secret, "max_tokens": 1}, t, "borrow-prime", ok=(200,),
+                             path="/v1/completions")
+    status, out = await attack(base, {"prompt": secret, "max_tokens": 1, "user": "127.0.0.1"}, t, "borrow",
+                               ok=(200,), path="/v1/completions")
+    if status == 200 and out["usage"].get("prompt_tokens_details", {}).get("cached_tokens"):
+        t.attacks_succeeded.append("borrow: another identity's cache answered")
+
+
+ATTACKS = {"deep_grammar": deep_grammar, "wide_grammar": wide_grammar, "bad_tools": bad_tools, "borrow": borrow}
+
+
 async def soak(addr: str, http_port: int, clients: int, seconds: float, seed: int, t: Tally) -> None:
     host, port = addr.rsplit(":", 1)
-    kinds, weights = list(t.counts), [44, 18, 9, 7, 5, 5, 5, 4, 3]
+    kinds, weights = list(t.counts), [44, 18, 9, 7, 5, 5, 5, 4, 3, 2, 1, 1, 1]
     deadline = trio.current_time() + seconds
 
     async def client(i: int) -> None:
@@ -237,7 +306,10 @@ def main() -> None:
         "free_plus_cached_equals_total": end["kv_blocks_free"] == end["kv_blocks_total"], "exit_code": rc,
         "rss_trace_mb": rss_trace, "server_log_lines": len(log_lines),
         "tracebacks_in_log": sum("Traceback" in x for x in log_lines),
+        "attacks_succeeded": len(t.attacks_succeeded), "server_alive_after": rc == 0,
     }
+    for f in t.attacks_succeeded[:10]:
+        print("ATTACK SUCCEEDED:", f)
     for f in t.failed[:10]:
         print("FAILED:", f)
     print(f"{t.requests} requests from {args.clients} clients in {wall:.0f} s: {t.completed} normal ones completed, "
@@ -245,7 +317,8 @@ def main() -> None:
           f"tasks {out['tasks_start']} -> {out['tasks_end']}; max active {out['max_active']}; server exit {rc}")
     if args.json:
         print(json.dumps(out))
-    ok = not t.failed and out["leaked_blocks"] == 0 and rc == 0 and out["tracebacks_in_log"] == 0
+    ok = not t.failed and out["leaked_blocks"] == 0 and rc == 0 and out["tracebacks_in_log"] == 0 \
+        and not t.attacks_succeeded
     sys.exit(0 if ok else 1)
 
 

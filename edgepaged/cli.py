@@ -472,7 +472,11 @@ def _load_config(ctx: click.Context, path: str | None) -> None:
         if option.multiple and not isinstance(value, list):
             value = [value]
         try:   # the value as the flag would take it: a wrong type is one line, not a traceback
-            option.type_cast_value(ctx, value)
+            if isinstance(option.type, click.Path):    # (whether the file exists is checked when serve starts)
+                if not all(isinstance(v, str) for v in (value if option.multiple else [value])):
+                    raise TypeError
+            else:
+                option.type_cast_value(ctx, value)
         except click.BadParameter as e:
             raise click.BadParameter(f"{path}: {key} = {value!r}: {e.message}", param_hint="--config") from None
         except (TypeError, ValueError):

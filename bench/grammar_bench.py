@@ -1,0 +1,181 @@
+"""Grammars never freeze the box (issue 34's measurements), against `edgepaged serve` on the
+embedded model (a subprocess, loopback only):
+
+1. `/health` latency, polled every 10 ms, while the largest grammar the server accepts (a
+   schema of optional properties filling --grammar-max-bytes) compiles with n=8, cold and
+   then cached, and while the deepest accepted one (a $ref chain at --grammar-max-depth)
+   does: `health_worst_ms_cold` (target <= 50), `health_worst_ms_cached`,
+   `health_worst_ms_deep`, `health_p99_ms`, and the request's own status and seconds.
+2. The plain requests' generated tokens/s (4 greedy streams) alone, beside 8 requests held to
+   a JSON schema, and beside 8 free requests of the same shape, alternated `--rounds` times:
+   `plain_ratio_beside_constrained` (beside 8 constrained / alone, target >= 0.9) and
+   `plain_ratio_constrained_vs_free` (the grammars' own cost: beside constrained / beside free).
+
+    python bench/grammar_bench.py [--json] [--seconds 12] [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import trio
+
+from family_bench import cpu_flags
+from soak import free_port
+
+from edgepaged.client import open_client
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "city": {"enum": ["Paris", "Berlin", "Rome", "Madrid", "Lisbon"]},
+                         "hobbies": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 16}}},
+          "required": ["name", "age", "city", "hobbies"], "additionalProperties": False}
+PLAIN = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+FORM = [{"role": "user", "content": "Describe a person who lives in Europe as JSON."}]
+
+
+def widest_schema(limit: int) -> tuple[dict, int]:
+    """Optional string properties, as many as fit `limit` bytes of JSON."""
+    n = limit // 30
+    while True:
+        schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(n)}}
+        if len(json.dumps(schema)) <= limit:
+            return schema, n
+        n -= 50
+
+
+def deepest_schema(depth: int) -> dict:
+    n = depth - 4        # the object, its properties, the property and the last definition count too
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    return {"type": "object", "properties": {"a": {"$ref": "#/$defs/d0"}}, "$defs": defs}
+
+
+def post(url: str, body: dict, timeout=300) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def health_during(base: str, body: dict) -> dict:
+    """Poll /health every 10 ms from another thread while `body` is answered."""
+    lat, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            t = time.perf_counter()
+            with urllib.request.urlopen(base + "/health", timeout=60) as r:
+                r.read()
+            lat.append(time.perf_counter() - t)
+            time.sleep(0.01)
+    th = threading.Thread(target=poll)
+    th.start()
+    time.sleep(0.2)
+    t0 = time.perf_counter()
+    status, raw = post(base + "/v1/chat/completions", body)
+    took = time.perf_counter() - t0
+    time.sleep(0.1)
+    stop.set()
+    th.join()
+    lat.sort()
+    return {"status": status, "seconds": round(took, 2), "worst_ms": round(1000 * lat[-1], 1),
+            "p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 1), "polls": len(lat),
+            "error": None if status == 200 else json.loads(raw).get("error", {}).get("message")}
+
+
+async def throughput(addr: str, seconds: float, beside: str | None) -> float:
+    """Generated tokens/s of 4 plain greedy streams over `seconds`, with 8 constrained or free
+    requests (`beside`) looping beside them."""
+    plain_tokens = [0]
+    deadline = trio.current_time() + seconds
+
+    async def plain(i):
+        async with open_client(addr, name=f"plain{i}") as c:
+            while trio.current_time() < deadline:
+                with trio.move_on_at(deadline):
+                    async for _ in c.chat(PLAIN, max_tokens=64, temperature=0, ignore_eos=True):
+                        plain_tokens[0] += 1
+
+    async def other(i):
+        async with open_client(addr, name=f"other{i}") as c:
+            while trio.current_time() < deadline:
+                kw = {"format": {"type": "json_schema", "schema": SCHEMA}} if beside == "constrained" else {}
+                with trio.move_on_at(deadline):
+                    await c.chat(FORM, max_tokens=64, temperature=0.8, seed=i, **kw).collect()
+
+    t0 = trio.current_time()
+    async with trio.open_nursery() as n:
+        for i in range(4):
+            n.start_soon(plain, i)
+        if beside:
+            for i in range(8):
+                n.start_soon(other, i)
+    return plain_tokens[0] / (trio.current_time() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--seconds", type=float, default=12)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    port, http_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--http-port", str(http_port), "--no-mdns"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "ready on" in line:
+                break
+        else:
+            sys.exit(f"the server did not start (exit {proc.wait()})")
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        base, addr = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{port}"
+        post(base + "/v1/chat/completions", {"messages": PLAIN, "max_tokens": 4})      # warm
+        schema, props = widest_schema(256 << 10)
+        wide = {"messages": FORM, "max_tokens": 8, "n": 8, "temperature": 0.7, "guided_json": schema}
+        cold = health_during(base, wide)
+        cached = health_during(base, wide)
+        deep = health_during(base, {"messages": FORM, "max_tokens": 8, "n": 8, "temperature": 0.7,
+                                    "guided_json": deepest_schema(128)})
+        print(f"largest accepted schema ({props} optional properties, n=8): {cold}; again (cached): {cached}")
+        print(f"deepest accepted schema (depth 128, n=8): {deep}")
+        runs = {"alone": [], "constrained": [], "free": []}
+        for _ in range(args.rounds):
+            for beside in ("alone", "constrained", "free"):
+                tps = trio.run(throughput, addr, args.seconds, None if beside == "alone" else beside)
+                runs[beside].append(tps)
+                print(f"plain tok/s beside {beside}: {tps:.1f}")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    out = {"cpu": cpu_flags(), "largest_schema_properties": props, "health_worst_ms_cold": cold["worst_ms"],
+           "health_worst_ms_cached": cached["worst_ms"], "health_worst_ms_deep": deep["worst_ms"],
+           "health_p99_ms": max(cold["p99_ms"], cached["p99_ms"], deep["p99_ms"]),
+           "largest_status": cold["status"], "largest_seconds_cold": cold["seconds"],
+           "largest_seconds_cached": cached["seconds"], "largest_error": cold["error"],
+           "plain_tok_s_alone": round(med["alone"], 1), "plain_tok_s_beside_constrained": round(med["constrained"], 1),
+           "plain_tok_s_beside_free": round(med["free"], 1),
+           "plain_ratio_beside_constrained": round(med["constrained"] / med["alone"], 3),
+           "plain_ratio_constrained_vs_free": round(med["constrained"] / med["free"], 3), "rounds": runs}
+    print(f"health worst {out['health_worst_ms_cold']} ms (cold), {out['health_worst_ms_cached']} ms (cached); "
+          f"plain tok/s alone {out['plain_tok_s_alone']}, beside 8 constrained {out['plain_tok_s_beside_constrained']} "
+          f"({out['plain_ratio_beside_constrained']}x), beside 8 free {out['plain_tok_s_beside_free']}")
+    if args.json:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
