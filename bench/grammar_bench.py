@@ -132,7 +132,8 @@ def main() -> None:
     args = ap.parse_args()
     port, http_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--http-port", str(http_port), "--no-mdns"], stdout=subprocess.PIPE,
+                             "--http-port", str(http_port), "--no-mdns", "--max-unauthenticated-per-address", "32"],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:

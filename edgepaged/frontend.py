@@ -189,6 +189,14 @@ class FrontEnd:
         return self._grammars
 
 
+    def warm_grammars(self) -> None:
+        """Build the llguidance tokenizer ahead of the first format (call it in a worker thread
+        while nobody waits: its constructor holds the GIL ~0.2-0.3 s)."""
+        try:
+            self.grammars.lltok
+        except Exception as e:   # no grammars is no reason not to serve; the first format says why
+            log.warning("the grammar tokenizer could not be built: %s", e)
+
     # -- who is asking --------------------------------------------------------------------------
     @property
     def auth_required(self) -> bool:
@@ -258,7 +266,7 @@ class FrontEnd:
             kwargs = self._template_kwargs(item, offered)
             job = partial(tok.apply_chat_template, messages, **kwargs)
             if offered:     # tool schemas are grammars too: measured before the prompt is even rendered
-                self._check_tool_limits(offered)
+                await trio.to_thread.run_sync(self._check_tool_limits, offered)
                 syntax = tl.syntax_for(tok.chat_template, tok)
                 calls = tl.ToolStream(syntax, tok)
                 if item.tool_choice == "auto" and syntax.name == "generic":   # JSON all through: calls or a reply

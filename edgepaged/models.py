@@ -186,7 +186,9 @@ class ModelSet:
     async def _serve(self, slot: Slot, runner, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with Engine(runner, self.engine_config) as engine:
-                slot.front = FrontEnd(engine, self.front_config, self.throttle)
+                front = FrontEnd(engine, self.front_config, self.throttle)
+                await trio.to_thread.run_sync(warm, front)
+                slot.front = front
                 task_status.started()
                 await slot.unload_now.wait()
                 slot.front = None        # no new request finds it from here
@@ -195,7 +197,9 @@ class ModelSet:
             slot.front = None
             slot.reserved, slot.kv_bytes = False, 0
             del runner
+            gc.unfreeze()        # (the server freezes what a load made: the unloaded model's cycles too)
             gc.collect()
+            gc.freeze()
             slot.gone.set()
 
     async def _unload(self, slot: Slot) -> None:
@@ -241,6 +245,13 @@ class ModelSet:
                         round(max(0.0, s.keep_alive_s - (now - s.last_used)), 1),
                         "loads": s.loads})
         return out
+
+
+def warm(front: FrontEnd) -> None:
+    """A freshly loaded model's grammar tokenizer, built before its first request (in a worker
+    thread), and what the load made frozen out of the cyclic collector's sight."""
+    front.warm_grammars()
+    gc.freeze()
 
 
 def _mib(n: int) -> int:

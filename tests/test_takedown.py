@@ -501,15 +501,24 @@ async def test_odd_values_are_4xx_and_no_500_echoes_an_exception(embedded_runner
 
 
 async def test_a_grammar_failing_on_the_parsers_limits_is_a_short_400(embedded_runner):
-    async with serving(embedded_runner, http=True, grammar=GrammarLimits(step_max_items=100)) as server:
-        body = {"messages": FRANCE, "max_tokens": 16, "guided_json": wide_schema(30)}
-        status, raw = await afetch(server.http_base + "/v1/chat/completions", body)
+    """A format past llguidance's per-token limits: refused at build when its first token is
+    (a short 400), else ended when it fails (a short 400; streamed, an error event): never a
+    500 carrying the parser's state, never an empty answer."""
+    async with serving(embedded_runner, http=True) as server:
+        url = server.http_base + "/v1/chat/completions"
+        body = {"messages": FRANCE, "max_tokens": 16, "guided_json": wide_schema(1000)}   # fails at its 2nd token
+        status, raw = await afetch(url, body)
         assert status == 400, raw[:500]
         message = json.loads(raw)["error"]["message"]
-        assert "limits" in message and "Earley" not in message and "<state>" not in message and len(message) < 300
-        status, raw = await afetch(server.http_base + "/v1/chat/completions", {**body, "stream": True})
+        assert "limits" in message and "Earley" not in message and "ff_tokens" not in message and len(message) < 300
+        status, raw = await afetch(url, {**body, "stream": True})
         assert status == 200 and b"limits" in raw and b"ff_tokens" not in raw
         assert server.engine.stats()["kv_blocks_used"] == 0
+    async with serving(embedded_runner, http=True, grammar=GrammarLimits(step_max_items=100)) as server:
+        body = {"messages": FRANCE, "max_tokens": 16, "guided_json": wide_schema(30)}        # fails at its 1st
+        status, raw = await afetch(server.http_base + "/v1/chat/completions", body)
+        message = json.loads(raw)["error"]["message"]
+        assert status == 400 and "per-token limits" in message and "ff_tokens" not in message, raw[:300]
 
 
 def test_a_wrong_type_in_the_config_file_is_one_line(tmp_path):

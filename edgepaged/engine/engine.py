@@ -294,7 +294,8 @@ class Engine:
         self.step_started = trio.current_time()
         try:
             t0 = time.monotonic()
-            tokens = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers, outputs)
+            tokens, grammar = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers, outputs,
+                                                            rows)
             self.scheduler.observe_step(batch.num_tokens, time.monotonic() - t0)
             ok = True
         except Exception as e:  # a failed step fails only its own requests
@@ -307,7 +308,7 @@ class Engine:
             self.step_started = None
             self._free_after_step(batch, cache=ok)
         if ok:
-            self._process(batch, tokens, forks)
+            self._process(batch, tokens, forks, grammar)
 
     def _free_after_step(self, batch: Batch, cache: bool) -> None:
         """The step is over: requests of the batch that ended while it ran (cancel,
@@ -319,9 +320,11 @@ class Engine:
         if not self.scheduler.has_work():
             self._idle.set()
 
-    def _execute(self, batch: Batch, params, prev, matchers=None, outputs=None) -> list:
+    def _execute(self, batch: Batch, params, prev, matchers=None, outputs=None, rows=()) -> tuple[list, dict]:
         """In the worker thread: copy-on-write, the forward, sampling (under the constrained
-        rows' token masks)."""
+        rows' token masks), then the constrained rows' grammars take their tokens here too (a
+        large grammar's step costs milliseconds per row: never on the event loop). Returns the
+        tokens and, per constrained row's request, what its grammar made of its token."""
         if self.step_hook is not None:
             self.step_hook(batch)
         extra = {}        # only what is in use: a plain runner.step(batch, params, prev) still fits
@@ -329,9 +332,29 @@ class Engine:
             extra["matchers"] = matchers
         if outputs is not None:
             extra["outputs"] = outputs
-        return self.runner.step(batch, params, prev, **extra)
+        tokens = self.runner.step(batch, params, prev, **extra)
+        return tokens, self._advance_grammars(rows, tokens)
 
-    def _process(self, batch: Batch, tokens: list, forks=()) -> None:
+    def _advance_grammars(self, rows, tokens) -> dict:
+        out = {}
+        eos = self.tokenizer.stop_token_ids
+        for req, tok in zip(rows, tokens):
+            if req.finished or isinstance(tok, BaseException) or (req.matcher is None and req.lazy is None):
+                continue
+            tok = tok[0] if isinstance(tok, tuple) else tok
+            if tok in req.params.stop_token_ids or (not req.params.ignore_eos and tok in eos):
+                continue              # it ends here: its grammar takes nothing
+            try:
+                if req.lazy is not None:   # auto tool choice: a call it starts is constrained from here
+                    out[req] = ("lazy", req.lazy.feed(tok))
+                elif not req.matcher.is_error():
+                    ok = req.matcher.consume_token(tok)
+                    out[req] = ("took", ok, ok and req.matcher.is_stopped())
+            except Exception as e:      # handed to the loop: that request alone ends
+                out[req] = ("failed", e)
+        return out
+
+    def _process(self, batch: Batch, tokens: list, forks=(), grammar: dict | None = None) -> None:
         now = time.monotonic()
         generated = 0
         pairs = list(zip(batch.sampled, tokens))
@@ -357,7 +380,7 @@ class Engine:
             if req.finished:   # ended while the step ran
                 continue
             try:
-                generated += self._take(req, tok, now)
+                generated += self._take(req, tok, now, (grammar or {}).get(req))
             except Exception as e:   # anything raised on behalf of one request ends that request only
                 log.error("request %s failed while processing its token: %s", req.id, _short(e))
                 log.debug("processing a token failed", exc_info=True)
@@ -368,8 +391,9 @@ class Engine:
             blocks_total=self.allocator.num_blocks, generated=generated, preemptions=len(batch.preempted),
             reserved_slots=blocks_used * self.block_size, unused_slots=self._unused_slots())
 
-    def _take(self, req: Request, tok, now: float) -> int:
-        """One sampled token (or the row's failure) of `req`; how many tokens it generated."""
+    def _take(self, req: Request, tok, now: float, took=None) -> int:
+        """One sampled token (or the row's failure) of `req`; how many tokens it generated.
+        `took`: what its grammar made of the token, in the worker (_advance_grammars)."""
         if isinstance(tok, BaseException):   # this row alone failed (its sampling)
             log.error("sampling failed for request %s: %s", req.id, _short(tok))
             self._end(req, "error", error={"code": "internal_error",
@@ -392,15 +416,17 @@ class Engine:
         self._send(req, TokenEvent([tok], req.detok.add(tok), None if info is None else [info]))
         if req.finished:
             return 1
-        if req.lazy is not None:   # auto tool choice: once the model starts a call, the call is constrained
-            m = req.lazy.feed(tok)
+        if took is not None and took[0] == "failed":
+            raise took[1]
+        if took is not None and took[0] == "lazy":   # the model started a call: constrained from here
+            m = took[1]
             if m is not None:      # (it took this token's text after the marker already)
                 req.matcher, req.lazy = m or None, None
-        elif req.matcher is not None:   # a constrained output: its grammar takes the token
-            if not req.matcher.consume_token(tok):
+        elif took is not None:     # a constrained output: its grammar took the token
+            if not took[1]:
                 self._end(req, "error", error={"code": "invalid_params", "message": matcher_error(req.matcher)})
                 return 1
-            if req.matcher.is_stopped():    # the format is complete: nothing may follow
+            if took[2]:            # the format is complete: nothing may follow
                 req.stop_reason = "format"
                 self._end(req, "stop")
                 return 1

@@ -8,10 +8,12 @@ answers, close the HTTP port, return. A second signal cuts the grace period shor
 """
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import trio
@@ -164,6 +166,13 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
                                 with refresh:
                                     await _refresh_load(adv, server, cfg.mdns_refresh_s)
                             nursery.start_soon(refresher)
+                    # what the load made lives as long as the server: out of the cyclic collector's
+                    # sight (a full collection over it took ~0.1 s with the GIL held, a stall of
+                    # every door), and the grammar tokenizer built now, while nobody waits (its
+                    # constructor holds the GIL ~0.2-0.3 s: it stalled the first format's neighbours)
+                    gc.freeze()
+                    if getattr(front, "modelset", None) is None:
+                        nursery.start_soon(partial(trio.to_thread.run_sync, front.warm_grammars))
                     say(banner(server, adv, cfg, http))
                     systemd.notify(f"READY=1\nSTATUS=serving {front.model}")
                     pet = systemd.watchdog_interval_s()
