@@ -29,15 +29,10 @@ import trio
 
 from family_bench import cpu_flags
 from soak import free_port
+from structured_bench import SCHEMA    # the same bounded schema as structured_bench's
 
 from edgepaged.client import open_client
 
-SCHEMA = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 24},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "city": {"enum": ["Paris", "Berlin", "Rome", "Madrid", "Lisbon"]},
-                         "hobbies": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 16}}},
-          "required": ["name", "age", "city", "hobbies"], "additionalProperties": False}
 PLAIN = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 FORM = [{"role": "user", "content": "Describe a person who lives in Europe as JSON."}]
 
