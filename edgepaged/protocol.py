@@ -187,7 +187,7 @@ class GenerateRequest:
     context_limit: int | None = None  # prompt + answer at most this many tokens (Ollama's num_ctx)
     tools: list | None = None      # checked by tools.check_tools (OpenAI's function tools)
     tool_choice: str = "none"      # auto | none | required | a function's name
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None   # None: unset (a few calls at most, tools.MAX_DEFAULT_CALLS)
     n: int = 1                     # parallel samples of the prompt (copy-on-write forks)
     model: str | None = None       # which of the box's models (None: its default)
     keep_alive_s: float | None = None  # how long the model stays loaded after this (-1: always)

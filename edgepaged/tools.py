@@ -52,6 +52,10 @@ def check_tools(tools) -> list[dict]:
     return out
 
 
+MAX_DEFAULT_CALLS = 4      # calls in one answer when the request leaves parallel_tool_calls unset
+MAX_PARALLEL_CALLS = 16    # ... when it asks for parallel calls
+
+
 def closed(schema):
     """A tool's argument schema with `additionalProperties: false` on every object that lists
     its properties and says nothing of others (as OpenAI's strict tools): a call holds the
@@ -115,9 +119,13 @@ class ToolSyntax:
                          + "\n</tool_call>" for c in calls)
 
     # -- what makes a required call parse ----------------------------------------------------
-    def grammar(self, tools: list[dict], parallel: bool = True, name: str | None = None) -> str:
-        """A Lark grammar (llguidance, with %json) for one call (or several, `parallel`) of
-        the tools (only `name`, when given), each call's arguments following its schema."""
+    def grammar(self, tools: list[dict], parallel: bool | None = True, name: str | None = None) -> str:
+        """A Lark grammar (llguidance, with %json) for one call (or several, `parallel`: at most
+        MAX_PARALLEL_CALLS, or MAX_DEFAULT_CALLS when the request left it unset) of the tools
+        (only `name`, when given), each call's arguments following its schema. The call list
+        is bounded, so the answer ends when it closes (unbounded, a model repeated calls until
+        its length limit)."""
+        most = 1 if parallel is False else MAX_DEFAULT_CALLS if parallel is None else MAX_PARALLEL_CALLS
         fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
         if not fns:
             raise ValueError(f"tool_choice names {name!r}, which is not in tools")
@@ -127,19 +135,16 @@ class ToolSyntax:
         one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         one = {**one, "x-guidance": JSON_STYLE}
         if self.name == "generic":
-            arr = {"type": "array", "items": one, "minItems": 1, "x-guidance": JSON_STYLE}
-            if not parallel:
-                arr["maxItems"] = 1
+            arr = {"type": "array", "items": one, "minItems": 1, "maxItems": most, "x-guidance": JSON_STYLE}
             return f'start: {json.dumps(GENERIC_CALLS)} calls "}}"\ncalls: %json {json.dumps(arr)}\n'
         if self.name == "mistral":
-            arr = {"type": "array", "items": one, "minItems": 1}
-            if not parallel:
-                arr["maxItems"] = 1
+            arr = {"type": "array", "items": one, "minItems": 1, "maxItems": most}
             return f'start: {self.lit("[TOOL_CALLS]")} " "? body\nbody: %json {json.dumps(arr)}\n'
         body = f"body: %json {json.dumps(one)}\n"
+        more = f'{{0,{most - 1}}}' if most > 1 else ""
         if self.name == "llama3":
-            return "start: body" + (' ("\\n" body)*' if parallel else "") + "\n" + body
-        return ("start: call" + (' ("\\n" call)*' if parallel else "") + "\n"
+            return "start: body" + (f' ("\\n" body){more}' if more else "") + "\n" + body
+        return ("start: call" + (f' ("\\n" call){more}' if more else "") + "\n"
                 + f'call: {self.lit("<tool_call>")} "\\n" body "\\n" {self.lit("</tool_call>")}\n' + body)
 
     def auto_grammar(self, tools: list[dict]) -> str | None:
@@ -222,8 +227,10 @@ class ToolSyntax:
                 return text, []
             try:
                 calls = json.loads(text[at + len("[TOOL_CALLS]"):].strip())
-            except ValueError:
-                return text, []
+            except ValueError:    # cut short (a length limit): the calls it completed still count
+                found = [c for c in (_call(x, "arguments") for x in _complete_items(
+                    text[at + len("[TOOL_CALLS]"):])) if c is not None]
+                return (text[:at].strip(), found) if found else (text, [])
             calls = calls if isinstance(calls, list) else [calls]
             found = [c for c in (_call(x, "arguments") for x in calls) if c is not None]
             return (text[:at].strip(), found) if found and len(found) == len(calls) else (text, [])
@@ -233,8 +240,9 @@ class ToolSyntax:
                 return text, []
             try:
                 obj = json.loads(text[at:].strip())
-            except ValueError:
-                return text[:at].strip(), []      # a call cut short: not content
+            except ValueError:    # cut short (a length limit): the calls it completed still count
+                return text[:at].strip(), [c for c in (_call(x, "arguments") for x in _complete_items(
+                    text[at + len(GENERIC_CALLS):])) if c is not None]
             calls = obj.get("tool_calls") if isinstance(obj, dict) else None
             found = [c for c in (_call(x, "arguments") for x in calls or []) if c is not None]
             return (text[:at].strip(), found) if found and len(found) == len(calls) else (text, [])
@@ -244,6 +252,22 @@ class ToolSyntax:
         if lines and all(c is not None for c in calls):
             return "", calls
         return text, []
+
+
+def _complete_items(text: str) -> list:
+    """The complete JSON values at the start of an array's text cut short ("[{...}, {..." ->
+    the first object)."""
+    out, dec, i = [], json.JSONDecoder(), text.find("[") + 1
+    if i <= 0:
+        return out
+    while True:
+        while i < len(text) and text[i] in " \n\t,":
+            i += 1
+        try:
+            value, i = dec.raw_decode(text, i)
+        except ValueError:
+            return out
+        out.append(value)
 
 
 def _json_call(text: str, key: str) -> dict | None:

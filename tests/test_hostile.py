@@ -173,9 +173,16 @@ async def test_the_http_port_answers_only_its_own_names_and_json(embedded_runner
     async with serving(embedded_runner, http=cfg) as server:
         base, port = server.http_base, server.http.port
         body = {"messages": FRANCE, "max_tokens": 2}
+        for path in ("/v1/chat/completions", "/api/chat"):    # a page's simple cross-site POST: refused
+            status, _, raw = await afetch(base + path, json.dumps({**body, "model": "x"}).encode(),
+                                          headers={"Content-Type": "text/plain", "Origin": "http://evil.example.com"})
+            err = json.loads(raw)["error"]
+            assert status == 415 and (err["code"] == "unsupported_media_type" if path.startswith("/v1/")
+                                      else "application/json" in err), (path, raw)   # each door's shape
+        # no Origin: no browser's (Ollama's docs' `curl -d` sends a form type): read as JSON
         status, _, raw = await afetch(base + "/v1/chat/completions", json.dumps(body).encode(),
-                                      headers={"Content-Type": "text/plain"})
-        assert status == 415 and json.loads(raw)["error"]["code"] == "unsupported_media_type"
+                                      headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert status == 200, raw
         for host in ("evil.example.com", f"evil.example.com:{port}", "rebind.attacker.net"):
             status, _, raw = await afetch(base + "/stats", headers={"Host": host})
             assert status in (421, 403) and "allowed-host" in json.loads(raw)["error"]["message"], host

@@ -150,10 +150,8 @@ async def test_the_ollama_package(embedded_runner):
                 c.chat(model="nope:latest", messages=[{"role": "user", "content": "hi"}])
             except ollama.ResponseError as e:
                 out["missing"] = e
-            try:
-                c.chat(model=name, messages=[{"role": "user", "content": "hi"}], options={"mirostat": 2})
-            except ollama.ResponseError as e:
-                out["mirostat"] = e
+            out["mirostat"] = c.chat(model=name, messages=[{"role": "user", "content": "hi"}],
+                                     options={"mirostat": 2, "mirostat_tau": 5.0, "num_predict": 4})
             return name, out
         name, out = await trio.to_thread.run_sync(scenario)
     m = out["list"].models[0]
@@ -171,7 +169,7 @@ async def test_the_ollama_package(embedded_runner):
     assert "Paris" in gen.response and gen.eval_count <= 20
     City.model_validate_json(out["format"].message.content)
     assert out["missing"].status_code == 404 and "nope" in out["missing"].error
-    assert out["mirostat"].status_code == 400 and "mirostat" in out["mirostat"].error
+    assert out["mirostat"].done      # accepted and ignored (a warning header says so: test_ollama_raw_shapes)
 
 
 async def test_ollama_raw_shapes(embedded_runner):

@@ -415,7 +415,11 @@ class Grammars:
                 schema = spec.get("schema")
                 if isinstance(schema, str):
                     schema = json.loads(schema)
-                grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+                # an object that lists its properties and says nothing of others is closed, as
+                # Ollama, llama.cpp and vLLM compile it (pydantic's schemas omit the field: open,
+                # a model adds keys and runs on to its length limit inside one)
+                from ..tools import closed
+                grammar = LLMatcher.grammar_from_json_schema(closed(schema), defaults=JSON_STYLE)
             elif kind == "regex":
                 grammar = LLMatcher.grammar_from_regex(spec["pattern"])
             else:

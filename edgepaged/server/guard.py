@@ -7,9 +7,13 @@ member visits could try to use it:
   answers as a same-origin page. Requests must name the box in `Host`: an IP address, its
   host name, `localhost`, a `.local` name (mDNS), or a name given with `--allowed-host`
   (exact, or `*.example.org` for a domain and its subdomains). Anything else: 421.
-- **Simple cross-site requests.** A page may POST `text/plain` to any address without asking
-  first. JSON bodies must come as `application/json` (which a foreign page can only send
-  after a CORS preflight): anything else, 415.
+- **Simple cross-site requests.** A page may POST `text/plain` or a form to any address
+  without asking first, and its browser then sends `Origin`. A POST that carries an `Origin`
+  (other than one allowed with `--cors-origin`) must send its JSON as `application/json`
+  (which a foreign page can only send after a CORS preflight): anything else, 415. Without
+  `Origin` it is no browser's cross-site request (curl, scripts, Ollama's documented
+  `curl -d '{...}'`, which sends `application/x-www-form-urlencoded`): the body is read as
+  JSON whatever its declared type.
 - **Cross-origin reads** are allowed to the origins given with `--cors-origin` (`*` for any)
   and to nobody by default; their preflight is answered here.
 """
@@ -54,9 +58,13 @@ class HostPolicy:
         return host in self.exact or host.endswith(self.suffixes) or f".{host}" in self.suffixes
 
 
-def _json_error(status: int, message: str, code: str) -> tuple[int, list, bytes]:
+def _json_error(status: int, message: str, code: str, path: str = "") -> tuple[int, list, bytes]:
+    """The refusal in the door's shape: Ollama's {"error": "..."} under /api/, else OpenAI's."""
     kind = {415: "invalid_request_error", 421: "invalid_request_error", 403: "permission_error"}[status]
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    if path.startswith("/api/"):
+        body = json.dumps({"error": message}).encode()
+    else:
+        body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
     return status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())], body
 
 
@@ -80,24 +88,25 @@ class Guard:
         if not self.hosts.allows(host):
             return await self._reply(send, *_json_error(
                 421, f"Host {host!r} is not one of this box's names (use its address, its .local name or "
-                     f"localhost, or start the server with --allowed-host {host})", "misdirected_request"))
+                     f"localhost, or start the server with --allowed-host {host})", "misdirected_request",
+                scope.get("path", "")))
         origin = headers.get("origin")
         cors = self._origin_allowed(origin)
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
             if not cors:
                 return await self._reply(send, *_json_error(
                     403, f"cross-origin requests from {origin!r} are not allowed (start the server with "
-                         f"--cors-origin {origin} to allow them)", "cors_forbidden"))
+                         f"--cors-origin {origin} to allow them)", "cors_forbidden", scope.get("path", "")))
             return await self._reply(send, 204, self._cors_headers(origin) + [
                 (b"access-control-allow-methods", CORS_METHODS.encode()),
                 (b"access-control-allow-headers", CORS_HEADERS.encode()),
                 (b"access-control-max-age", b"600")], b"")
-        if scope["method"] == "POST":
+        if scope["method"] == "POST" and origin is not None and not cors:   # a browser's, from a page
             media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if media not in JSON_TYPES:
                 return await self._reply(send, *_json_error(
                     415, f"the body must be sent as Content-Type: application/json, not {media or 'none'!r}",
-                    "unsupported_media_type"))
+                    "unsupported_media_type", scope.get("path", "")))
         if not cors:
             return await self.app(scope, receive, send)
         extra = self._cors_headers(origin)

@@ -332,7 +332,10 @@ class HttpServer:
         return self.engine.runner
 
     async def ollama_chat(self, request: HttpRequest) -> Response:
-        return await self._generation(request, ollama_api.parse_chat, chat=True, ollama=True)
+        body = await self._ollama(request)
+        if body.get("messages") in (None, []):     # Ollama's "load (or unload) the model" call
+            return await self._ollama_load(body)
+        return await self._generation(request, ollama_api.parse_chat, chat=True, ollama=True, body=body)
 
     async def _ollama_slot_front(self, name: str, keep_alive=None):
         """The FrontEnd of the model an Ollama call names, loaded (several models), in Ollama's errors."""
@@ -344,26 +347,30 @@ class HttpServer:
     async def ollama_generate(self, request: HttpRequest) -> Response:
         body = await self._ollama(request)
         if not body.get("prompt") and not body.get("raw"):   # Ollama's "load (or unload) the model" call
-            name = ollama_api.model_field(body)
-            reason = "load"
-            if self.modelset is None:
-                ollama_api.check_model(name, self.front.model)
-            else:
-                try:
-                    keep = parse_keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
-                except ValueError as e:
-                    raise OllamaError(400, str(e), "bad_request") from None
-                if keep == 0:
-                    try:
-                        await self.modelset.unload(name)
-                    except RequestRejected as e:
-                        raise OllamaError.of(ApiError.from_rejected(e)) from None
-                    reason = "unload"
-                else:
-                    await self._ollama_slot_front(name, keep)
-            return JSONResponse({"model": body.get("model"), "created_at": ollama_api.now_iso(), "response": "",
-                                 "done": True, "done_reason": reason})
+            return await self._ollama_load(body, chat=False)
         return await self._generation(request, ollama_api.parse_generate, chat=False, ollama=True, body=body)
+
+    async def _ollama_load(self, body: dict, chat: bool = True) -> Response:
+        """Ollama's load call (no prompt, no messages): the model loaded, or with keep_alive 0
+        unloaded (`done_reason` "load" / "unload"). The only model of a one-model box stays."""
+        name = ollama_api.model_field(body)
+        try:
+            keep = parse_keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
+        except ValueError as e:
+            raise OllamaError(400, str(e), "bad_request") from None
+        reason = "unload" if keep == 0 else "load"
+        if self.modelset is None:
+            ollama_api.check_model(name, self.front.model)
+        elif keep == 0:
+            try:
+                await self.modelset.unload(name)
+            except RequestRejected as e:
+                raise OllamaError.of(ApiError.from_rejected(e)) from None
+        else:
+            await self._ollama_slot_front(name, keep)
+        out = {"model": body.get("model"), "created_at": ollama_api.now_iso(), "done": True, "done_reason": reason}
+        out.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+        return JSONResponse(out)
 
     async def ollama_tags(self, request: HttpRequest) -> Response:
         await self._ollama(request, with_body=False)
@@ -464,6 +471,16 @@ class GenerationResponse:
         self.n = len(self.samples)
 
     async def __call__(self, scope, receive, send) -> None:
+        extra = [(b"x-edgepaged-warning", w.encode("utf-8", "replace")) for w in self.gen.warnings]
+        if self.req.truncated:   # truncate "auto" (Ollama's num_ctx): how many old messages were dropped
+            extra.append((b"x-edgepaged-truncated-messages", str(self.req.truncated).encode()))
+        if extra:
+            plain_send = send
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": list(message.get("headers", [])) + extra}
+                await plain_send(message)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope)

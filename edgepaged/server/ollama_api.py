@@ -28,8 +28,9 @@ ROLES = ("system", "user", "assistant", "tool")
 # accepted and ignored, as a shared box sets them once for everyone
 RUNTIME_OPTIONS = {"num_thread", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "num_batch", "low_vram", "f16_kv",
                    "vocab_only", "numa", "num_keep", "repeat_last_n", "penalize_newline", "tfs_z"}
-# sampling options without an equivalent here: refused when set to a value that changes the output
-UNSUPPORTED = {"mirostat": (0,), "typical_p": (1, 1.0)}
+# sampling options without an equivalent here: accepted and ignored, with a warning header
+# (clients copy whole option sets from Ollama's docs; a refusal broke them)
+UNSUPPORTED = {"mirostat": (0,), "mirostat_eta": (), "mirostat_tau": (), "typical_p": (1, 1.0)}
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
             "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
             "frequency_penalty": "frequency_penalty"}
@@ -70,7 +71,7 @@ def _options(body: dict, item: GenerateRequest, gen: OllamaGeneration) -> None:
             continue
         if name in UNSUPPORTED:
             if value not in UNSUPPORTED[name]:
-                raise bad(f"option {name} is not supported by this server")
+                gen.warnings.append(f"option {name} is not supported by this server: ignored")
         elif name in SAMPLING:
             want_int = name in ("top_k", "seed")
             if not _num(value) or (want_int and not float(value).is_integer()):
@@ -168,6 +169,8 @@ def parse_chat(body: dict, rid: str) -> OllamaGeneration:
     item = GenerateRequest(rid, "chat", messages=out)
     gen = OllamaGeneration(item, chat=True)
     _common(body, item, gen)
+    if body.get("truncate") is None:   # Ollama's way: a conversation past num_ctx loses its oldest turns (the
+        item.truncate = "auto"  # system message stays), and X-Edgepaged-Truncated-Messages says how many
     if body.get("tools"):    # Ollama has no tool_choice: the model decides
         try:
             item.tools = check_tools(body["tools"])
@@ -311,8 +314,8 @@ def model_entry(name: str, runner, running: bool = False, context: int | None = 
              "size": info["size"], "digest": digest,
              "details": {"parent_model": "", "format": info["format"], "family": cfg.arch, "families": [cfg.arch],
                          "parameter_size": _size_label(cfg.num_params), "quantization_level": info["quantization"]}}
-    if running:    # always loaded: it expires when the server stops
-        entry.update(expires_at="0001-01-01T00:00:00Z", size_vram=0, context_length=context)
+    if running:    # always loaded (keep_alive -1 in Ollama's terms): it never expires
+        entry.update(expires_at=NEVER, size_vram=0, context_length=context)
     return entry
 
 
@@ -326,7 +329,7 @@ def listed_entry(m: dict, running: bool = False) -> dict:
                                            "quantization_level": m["quantization"] or ""}}
     if running:
         expires = m.get("expires_in_s")
-        entry.update(expires_at="0001-01-01T00:00:00Z" if expires is None else datetime.fromtimestamp(
+        entry.update(expires_at=NEVER if expires is None else datetime.fromtimestamp(
             datetime.now(timezone.utc).timestamp() + expires, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             size_vram=0, context_length=m["context_length"])
     return entry
@@ -371,10 +374,17 @@ def check_model(asked: str, model: str) -> None:
         raise OllamaError(404, f"model '{asked}' not found; this server has '{model}:latest'", "model_not_found")
 
 
+OLLAMA_VERSION = "0.12.0"   # the Ollama API this door speaks: clients check for a version this recent
+NEVER = "2318-01-01T00:00:00Z"   # expires_at of a model that stays loaded (Ollama's keep_alive -1)
+
+
 def version() -> dict:
+    """Ollama's version answer (clients compare it with the version a feature needs: tools,
+    thinking, structured output), and edgepaged's own beside it."""
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as dist_version
     try:
-        return {"version": dist_version("edgepaged")}
+        own = dist_version("edgepaged")
     except PackageNotFoundError:
-        return {"version": "0.0.0"}
+        own = "0.0.0"
+    return {"version": OLLAMA_VERSION, "edgepaged": own}

@@ -17,7 +17,7 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..protocol import (MAX_MESSAGES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, GenerateRequest, ProtocolError,
                         parse_context_policy, parse_truncate)
@@ -71,6 +71,7 @@ class Generation:
     include_usage: bool = False
     user: str | None = None
     reasoning: bool = False        # llama.cpp's reasoning_format: a thinking model's thinking in reasoning_content
+    warnings: list = field(default_factory=list)   # what was accepted and ignored (X-Edgepaged-Warning headers)
 
 
 # ---------------------------------------------------------------- requests
