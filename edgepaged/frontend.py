@@ -288,6 +288,11 @@ class FrontEnd:
                         fmt = {"type": "lark", "grammar": syntax.grammar(offered, item.parallel_tool_calls, name)}
                     except ValueError as e:
                         raise RequestRejected("invalid_params", str(e)) from None
+        elif item.suffix is not None:     # fill in the middle: [BOS] PRE prompt SUF suffix MID
+            if tok.fim is None:
+                raise RequestRejected("invalid_params", f"suffix: {self.model} has no fill-in-the-middle tokens; "
+                                      "use a code model that has them (Qwen2.5-Coder, StarCoder, CodeLlama)")
+            job = partial(tok.fill_in_the_middle, item.prompt, item.suffix)
         else:
             job = partial(tok.encode, item.prompt)
         dropped = 0

@@ -194,6 +194,7 @@ class GenerateRequest:
     truncate: str | None = None    # "auto": drop the oldest turns (after the system message) to fit
     context_policy: str | None = None  # "full" | "window" (None: the server's)
     think: bool | None = None      # a thinking model thinks (True), or not (False); None: its default
+    suffix: str | None = None      # generate: fill in the middle between prompt and suffix (FIM models)
 
 
 @dataclass
@@ -269,7 +270,7 @@ def _parse_generate(msg: dict) -> GenerateRequest:
     kind = msg["type"]
     rid = _check_id(msg, True)
     body = "messages" if kind == "chat" else "prompt"
-    _check_fields(msg, REQUEST_FIELDS | {body}, rid)
+    _check_fields(msg, REQUEST_FIELDS | ({"messages"} if kind == "chat" else {"prompt", "suffix"}), rid)
     if body not in msg:
         raise ProtocolError("bad_request", f"{kind} needs {body}", rid)
     req = GenerateRequest(rid, kind)
@@ -278,6 +279,9 @@ def _parse_generate(msg: dict) -> GenerateRequest:
     else:
         _type_check("prompt", msg["prompt"], (str,), rid)
         req.prompt = msg["prompt"]
+        if msg.get("suffix") is not None:
+            _type_check("suffix", msg["suffix"], (str,), rid)
+            req.suffix = msg["suffix"]
     if msg.get("max_tokens") is not None:
         _type_check("max_tokens", msg["max_tokens"], (int,), rid)
         req.max_tokens = msg["max_tokens"]

@@ -76,9 +76,12 @@ def tokenizer_from_gguf(reader) -> "Tokenizer":
         i = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
         return tokens[i] if i is not None and i < len(tokens) else None
     add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")
+    # fill-in-the-middle: the ids llama.cpp's converter writes (and their older names)
+    fim = tuple(gguf_field(reader, f"tokenizer.ggml.{new}_token_id", gguf_field(reader, f"tokenizer.ggml.{old}_token_id"))
+                for new, old in (("fim_pre", "prefix"), ("fim_suf", "suffix"), ("fim_mid", "middle")))
     return Tokenizer(tok, gguf_field(reader, "tokenizer.chat_template"), bos_token=token("bos"),
                      eos_token=token("eos"), unk_token=token("unknown"), pad_token=token("padding"),
-                     add_bos=add_bos)
+                     add_bos=add_bos, fim=fim if all(i is not None and i < len(tokens) for i in fim) else None)
 
 
 def tokenizer_from_folder(path) -> "Tokenizer":
@@ -105,10 +108,20 @@ def tokenizer_from_folder(path) -> "Tokenizer":
                      extra_stop_ids=extra_eos)
 
 
+# the fill-in-the-middle tokens of the families that have them: Qwen2.5(-Coder), StarCoder,
+# CodeLlama (with and without SentencePiece's space mark)
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+              ("\u2581<PRE>", "\u2581<SUF>", "\u2581<MID>"), ("<PRE>", "<SUF>", "<MID>"))
+
+
 class Tokenizer:
     def __init__(self, tok: HFTokenizer, chat_template: str | None = None, *, bos_token=None, eos_token=None,
-                 unk_token=None, pad_token=None, add_bos: bool | None = False, extra_stop_ids=()):
+                 unk_token=None, pad_token=None, add_bos: bool | None = False, extra_stop_ids=(), fim=None):
         self.tok, self.chat_template, self.add_bos = tok, chat_template, add_bos
+        # fill-in-the-middle (prefix, suffix, middle) token ids: the file's, else the known texts
+        self.fim = tuple(fim) if fim else next((ids for texts in FIM_TOKENS
+                                                if None not in (ids := tuple(tok.token_to_id(t) for t in texts))),
+                                               None)
         self.bos_token, self.eos_token, self.unk_token, self.pad_token = bos_token, eos_token, unk_token, pad_token
         self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = tok.token_to_id(eos_token) if eos_token else None
@@ -142,6 +155,17 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
+
+    def fill_in_the_middle(self, prefix: str, suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt as llama.cpp's server builds one: [BOS] PRE prefix SUF
+        suffix MID (the texts as text: control strings in code stay text); the model writes
+        the middle. ValueError for a model without FIM tokens."""
+        if self.fim is None:
+            raise ValueError("this model has no fill-in-the-middle tokens (a code model's, e.g. Qwen2.5-Coder, "
+                             "StarCoder, CodeLlama)")
+        pre, suf, mid = self.fim
+        bos = [self.bos_token_id] if self.add_bos and self.bos_token_id is not None else []
+        return bos + [pre] + self.encode_plain(prefix) + [suf] + self.encode_plain(suffix) + [mid]
 
     def encode_plain(self, text: str) -> list[int]:
         """`text` as text only: control-token strings in it ("<|im_start|>") become ordinary

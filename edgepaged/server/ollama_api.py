@@ -190,14 +190,17 @@ def parse_generate(body: dict, rid: str, template: str | None = None) -> OllamaG
     system = body.get("system")
     if system is not None and not isinstance(system, str):
         raise bad("system must be a string")
-    if body.get("suffix"):
-        raise bad("suffix (fill in the middle) is not supported by this server")
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise bad("suffix must be a string")
     if body.get("template"):
         raise bad("template is not supported: the model's own chat template is used (or send raw: true)")
     if body.get("context"):
         raise bad("context (the token list of an earlier answer) is not supported: send the conversation to "
                   "/api/chat instead")
-    if body.get("raw"):
+    if suffix:      # fill in the middle (Continue's autocomplete): the model's FIM tokens around the two
+        item = GenerateRequest(rid, "generate", prompt=prompt, suffix=suffix)
+    elif body.get("raw"):
         item = GenerateRequest(rid, "generate", prompt=prompt)
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",

@@ -96,8 +96,8 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad("functions (the deprecated form) are not supported: send tools", "functions", "invalid_params")
     if body.get("echo"):
         raise bad("echo is not supported", "echo", "invalid_params")
-    if body.get("suffix"):
-        raise bad("suffix is not supported", "suffix", "invalid_params")
+    if body.get("suffix") is not None and not isinstance(body["suffix"], str):
+        raise bad("suffix must be a string (fill in the middle)", "suffix", "invalid_params")
 
 
 def _sampling(body: dict, item: GenerateRequest) -> None:
@@ -242,6 +242,8 @@ def _content_text(content, i: int) -> str:
 
 
 def parse_chat(body: dict, rid: str) -> Generation:
+    if body.get("suffix"):
+        raise bad("suffix (fill in the middle) is for /v1/completions", "suffix", "invalid_params")
     messages = body.get("messages")
     if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
         raise bad(f"messages must be a list of 1..{MAX_MESSAGES} messages", "messages")
@@ -297,7 +299,7 @@ def parse_completion(body: dict, rid: str) -> Generation:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise bad("prompt must be a string (one prompt per request)", "prompt")
-    item = GenerateRequest(rid, "generate", prompt=prompt)
+    item = GenerateRequest(rid, "generate", prompt=prompt, suffix=body.get("suffix") or None)
     gen = Generation(item, chat=False)
     _common(body, item, gen, COMPLETIONS_DEFAULT_MAX_TOKENS)
     lp = body.get("logprobs")

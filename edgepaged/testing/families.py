@@ -54,7 +54,9 @@ _FAMILIES = {
                     "<|end_of_text|>", "<|begin_of_text|>", "<|eot_id|>", _LLAMA3, add_bos=True),
     "mistral": Family("mistral", "llama", True, ("[INST]", "[/INST]"), "</s>", "<s>", "</s>", _MISTRAL,
                       add_bos=True),
-    "qwen2": Family("qwen2", "qwen2", False, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "<|im_end|>", None,
+    # (Qwen2.5's tokenizer has the fill-in-the-middle tokens in every model, the Coder's use them)
+    "qwen2": Family("qwen2", "qwen2", False, ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>",
+                                              "<|fim_middle|>", "<|fim_suffix|>"), "<|im_end|>", None,
                     "<|im_end|>", _CHATML),
     "qwen3": Family("qwen3", "qwen3", False, ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                                               "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
@@ -393,6 +395,11 @@ def write_family_gguf(folder, path, model=None, *, qtype: int = 0, user_defined:
     w.add_eos_token_id(tf["eos"])
     w.add_add_bos_token(tf["add_bos"])
     w.add_chat_template(tf["template"])
+    fim = [tf["tokens"].index(t) if t in tf["tokens"] else None for t in ("<|fim_prefix|>", "<|fim_suffix|>",
+                                                                             "<|fim_middle|>")]
+    if None not in fim:          # as llama.cpp's converter writes a Qwen2.5(-Coder)'s
+        for key, i in zip(("fim_pre", "fim_suf", "fim_mid"), fim):
+            w.add_uint32(f"tokenizer.ggml.{key}_token_id", i)
     T = gguf.GGMLQuantizationType
     for hf, t in model.state_dict().items():
         if hf.endswith("rotary_emb.inv_freq") or (hf == "lm_head.weight" and c.tie_word_embeddings):
