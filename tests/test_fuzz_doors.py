@@ -79,7 +79,8 @@ VALID = {"max_tokens": st.integers(1, 12), "temperature": st.floats(0, 2), "top_
              ["interactive", "background"]), "context_policy": st.sampled_from(["full", "window"]),
          "truncate": st.just("auto"), "ignore_eos": st.booleans(), "user": st.text(max_size=8),
          "guided_json": grammars, "guided_regex": st.sampled_from([r"\d+", "(a|b)+", "[a-z]{1,8}"]),
-         "tool_choice": st.sampled_from(["auto", "none", "required"])}
+         "tool_choice": st.sampled_from(["auto", "none", "required"]), "max_output_tokens": st.integers(1, 12),
+         "store": st.booleans()}
 
 
 def mixed(fields: dict) -> dict:
@@ -107,6 +108,12 @@ OLLAMA_CHAT = {"model": values, "messages": messages, "format": st.one_of(gramma
 OLLAMA_GENERATE = {"model": values, "prompt": st.one_of(st.just("Hi"), values), "format": st.one_of(grammars, values),
                    "options": OLLAMA_OPTIONS, "stream": values, "raw": values, "suffix": values, "system": values,
                    "keep_alive": values, "template": values}
+RESPONSES = {"input": messages, "instructions": values, "tools": st.one_of(values, st.lists(st.fixed_dictionaries(
+    {"type": st.just("function"), "name": st.one_of(st.just("f"), values), "parameters": st.one_of(grammars, values)}),
+    max_size=2)), "tool_choice": values, "text": st.one_of(values, grammars.map(lambda g: {"format": {
+        "type": "json_schema", "name": "x", "schema": g}})), "max_output_tokens": values, "temperature": values,
+    "top_p": values, "previous_response_id": values, "store": values, "stream": values, "user": values,
+    "parallel_tool_calls": values, "metadata": values}
 MSGPACK = {**COMMON, "messages": messages, "prompt": values, "tools": tools, "tool_choice": values,
            "format": st.one_of(values, grammars.map(lambda g: {"type": "json_schema", "schema": g}),
                                grammars.map(lambda g: {"type": "lark", "grammar": g}))}
@@ -128,6 +135,8 @@ def nearly_valid(fields: dict, base: dict):
 DOORS = st.one_of(
     st.tuples(st.just("/v1/chat/completions"), nearly_valid(OPENAI_CHAT, {"messages": st.just(FRANCE)})),
     st.tuples(st.just("/v1/completions"), nearly_valid(OPENAI_COMPLETION, {"prompt": st.just("Hello")})),
+    st.tuples(st.just("/v1/responses"), nearly_valid(RESPONSES, {"input": st.just("What is the capital of France?")})),
+    st.tuples(st.just("/v1/responses"), body_of(RESPONSES, {"input": messages})),
     st.tuples(st.sampled_from(["msgpack:chat"]), nearly_valid(MSGPACK, {"messages": st.just(FRANCE)})),
     st.tuples(st.just("/api/chat"), nearly_valid(OLLAMA_CHAT, {"messages": st.just(FRANCE), "model": MODEL,
                                                               "stream": st.booleans()})),

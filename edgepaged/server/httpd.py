@@ -39,6 +39,7 @@ from ..frontend import AuthFailed, FrontEnd
 from .guard import Guard
 from . import ollama_api
 from .ollama_api import OllamaError, OllamaShaper
+from .responses_api import ResponseStore, ResponsesGeneration, ResponsesShaper, parse_responses
 from .openai_api import (ApiError, Generation, Logprobs, Shaper, done_error, error_body, model_card, models_list,
                          new_id, parse_chat, parse_completion, usage)
 
@@ -100,6 +101,7 @@ class HttpServer:
         self._stats = stats or self.engine.stats
         self.port: int | None = None
         self.inflight = 0
+        self.response_store = ResponseStore()      # /v1/responses' previous_response_id, per identity
         self.created = int(time.time())
         self._stop = trio.Event()
         self._page = _page() if self.config.page else None
@@ -155,6 +157,7 @@ class HttpServer:
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
             # the Ollama API (ollama_api.py)
             Route("/api/chat", self.ollama_chat, methods=["POST"]),
             Route("/api/generate", self.ollama_generate, methods=["POST"]),
@@ -316,6 +319,24 @@ class HttpServer:
     async def chat_completions(self, request: HttpRequest) -> Response:
         return await self._generation(request, parse_chat, chat=True)
 
+    async def responses(self, request: HttpRequest) -> Response:
+        """OpenAI's Responses API over the chat path (server/responses_api.py)."""
+        user = await self._authorize(request)
+        body = await self._json_body(request)
+        name = body.get("user") if isinstance(body.get("user"), str) else None
+        caller = self.front.caller(user, name, self._peer(request))
+        history = None
+        prev = body.get("previous_response_id")
+        if prev is not None:
+            if not isinstance(prev, str):
+                raise ApiError(400, "previous_response_id must be a string", "bad_request", "previous_response_id")
+            history = self.response_store.get((caller.namespace, caller.identity), prev)
+            if history is None:
+                raise ApiError(404, f"previous_response_id {prev!r} is not known here: it was not stored "
+                               "(store: false), it expired, or it is another caller's", "not_found",
+                               "previous_response_id")
+        return await self._generation(request, lambda b, rid: parse_responses(b, rid, history), chat=True, body=body)
+
     async def completions(self, request: HttpRequest) -> Response:
         return await self._generation(request, parse_completion, chat=False)
 
@@ -431,7 +452,13 @@ class HttpServer:
         model = req.model or self.front.model
         if ollama and self.modelset is None:
             model = self.front.model
-        return GenerationResponse(self, gen, req, OllamaShaper(gen, model, req) if ollama else Shaper(gen, model, req))
+        if isinstance(gen, ResponsesGeneration):
+            who = (caller.namespace, caller.identity)
+            shaper = ResponsesShaper(gen, model, req, remember=lambda rid, msgs: self.response_store.put(who, rid,
+                                                                                                        msgs))
+        else:
+            shaper = OllamaShaper(gen, model, req) if ollama else Shaper(gen, model, req)
+        return GenerationResponse(self, gen, req, shaper)
 
 
 def prometheus_text(engine) -> bytes:
