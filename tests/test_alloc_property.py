@@ -115,8 +115,18 @@ class AllocatorMachine(RuleBasedStateMachine):
         self._both("fork", parent, self.next_id)
         self.next_id += 1
 
+    @precondition(lambda self: self.ref.seqs)
+    @rule(data=st.data())
+    def truncate(self, data):
+        """Speculation's rollback, at any point: inside a block, at its edge, in a shared or a
+        cached block, past the computed positions, 0 and past the end (refused)."""
+        sid = data.draw(st.sampled_from(self._live()))
+        n = len(self.ref.seqs[sid].tokens)
+        kind, _ = self._both("truncate", sid, data.draw(st.integers(-1, n + 1)))
+
     @rule(sid=st.integers(1000, 1002))
     def unknown_ids(self, sid):
+        self._both("truncate", sid, 1)
         self._both("free_sequence", sid)
         self._both("prepare_step", [sid], [1])
         self._both("append_tokens", sid, [1])
@@ -206,3 +216,36 @@ def test_contiguous_mode_reserves_up_front():
     with pytest.raises(NoFreeBlocksError):
         a.add_sequence(2, [1], reserve_tokens=20)
     assert a.num_sequences == 1
+
+
+def test_truncate_rolls_back_without_caching_rejected_tokens():
+    """Speculation's rollback: four drafted tokens computed, three rejected; the block that
+    held them is never hashed (not when the next step caches what was computed, not when the
+    sequence ends), a whole block past the kept slots goes back, and a cut inside a cached
+    block gives that block back (its kept positions are computed again)."""
+    a = BlockAllocator(16, 4)
+    a.add_sequence(1, list(range(8)))
+    a.prepare_step([1], [8])
+    a.append_tokens(1, [50, 51, 52, 53, 54])        # drafted: 5 more, computed in one verification step
+    a.prepare_step([1], [5])
+    assert a.seq_num_slots(1) == 13 and len(a.block_table(1)) == 4
+    assert a.truncate(1, 10) == 1                   # 3 rejected: the fourth block goes
+    assert a.seq_num_slots(1) == 10 and a.seq_tokens(1) == list(range(8)) + [50, 51]
+    a.append_tokens(1, [60])
+    a.prepare_step([1], [1])                        # caches what was computed: blocks 0-1 only
+    a.free_sequence(1)
+    assert a.prefix_match(list(range(8)) + [50, 51, 60, 0, 1], 0)[0] == 8
+    assert a.prefix_match(list(range(8)) + [50, 51, 52, 53, 1], 0)[0] == 8   # the rejected never cached
+    a.check_invariants()
+    # a cut inside a block the prefix cache holds: that block goes, its kept slots are recomputed
+    a.add_sequence(2, list(range(8)) + [9])       # blocks 0-1 from the cache
+    assert a.seq_num_slots(2) == 8
+    a.truncate(2, 6)
+    assert a.seq_num_slots(2) == 4 and len(a.block_table(2)) == 1 and a.seq_tokens(2) == list(range(6))
+    with pytest.raises(ValueError):
+        a.truncate(2, 0)
+    with pytest.raises(ValueError):
+        a.truncate(2, 7)
+    with pytest.raises(SequenceError):
+        a.truncate(99, 1)
+    a.check_invariants()

@@ -79,6 +79,13 @@ class BlockAllocator:
         [sink_tokens, num_slots - window_tokens] (no later query attends it); a block others
         share stays theirs. Later block tables leave released entries out (the kernels see
         the kept positions as one shorter sequence). Returns how many were released now."""
+    def truncate(self, seq_id: int, num_tokens: int) -> int:
+        """Speculation's rollback: keep the sequence's first `num_tokens` tokens (the rejected
+        drafted ones go): slots and computed positions past it go, whole blocks past the kept
+        slots return to the pool tail first (contiguous: the reservation stays); a block cut
+        inside that the prefix cache holds is given back and its kept positions recomputed.
+        Returns how many block references were given back. SequenceError for a sequence the
+        window policy released blocks of, ValueError for 0 or more tokens than it has."""
     def seq_num_released(self, seq_id: int) -> int: ...
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's blocks; a released entry (window policy) is 2**32 - 1."""

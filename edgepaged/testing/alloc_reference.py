@@ -200,6 +200,26 @@ class RefAllocator:
         for b in reversed(s.blocks):
             self._release(b)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> int:
+        s = self._seq(seq_id)
+        if num_tokens <= 0 or num_tokens > len(s.tokens):
+            raise ValueError(f"truncate sequence {seq_id} to {num_tokens} tokens: it has {len(s.tokens)}")
+        bs = self.block_size
+        del s.tokens[num_tokens:]
+        slots = min(s.num_slots, num_tokens)
+        cut = slots // bs
+        if slots % bs and cut < len(s.blocks) and self.key[s.blocks[cut]] is not None:
+            slots = cut * bs
+        s.num_slots = slots
+        s.num_computed = min(s.num_computed, slots)
+        s.num_hashed = min(s.num_hashed, slots // bs)
+        keep = len(s.blocks) if self.contiguous else -(-slots // bs)
+        freed = 0
+        while len(s.blocks) > keep:
+            self._release(s.blocks.pop())
+            freed += 1
+        return freed
+
     def _needed(self, s: _Seq, n: int) -> int:
         if n == 0:
             return 0

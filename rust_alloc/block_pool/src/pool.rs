@@ -542,6 +542,49 @@ impl BlockPool {
         Ok(n)
     }
 
+    /// Speculation's rollback: keep the first `num_tokens` tokens of a sequence (the drafted
+    /// tokens its model rejected go). Slots and computed positions past it go with them;
+    /// whole blocks past the kept slots return to the pool, tail first (in contiguous mode
+    /// the reservation stays). A block cut inside that is registered in the prefix cache is
+    /// given back too and its kept positions are computed again: a cached block's content
+    /// never changes, and a block holding rejected tokens was never hashed (hashing covers
+    /// computed positions, and the rollback comes before the next step). A block others
+    /// share stays theirs; a later write into it copies it first. Not for a sequence the
+    /// window policy released blocks of. Returns how many block references were given back.
+    pub fn truncate(&mut self, seq_id: i64, num_tokens: usize) -> Result<usize> {
+        let bs = self.store.block_size;
+        let contiguous = self.contiguous;
+        let seq = self.seqs.get_mut(&seq_id).ok_or(AllocError::UnknownSequence(seq_id))?;
+        if num_tokens == 0 || num_tokens > seq.tokens.len() {
+            return Err(AllocError::Invalid(format!(
+                "truncate sequence {seq_id} to {num_tokens} tokens: it has {} (keep at least one)",
+                seq.tokens.len()
+            )));
+        }
+        if seq.released > 0 {
+            return Err(AllocError::Sequence(format!(
+                "sequence {seq_id} gave blocks back under the window policy: it cannot be truncated"
+            )));
+        }
+        seq.tokens.truncate(num_tokens);
+        let mut slots = seq.num_slots.min(num_tokens);
+        let cut = slots / bs;
+        if slots % bs != 0 && cut < seq.blocks.len() && self.store.blocks[seq.blocks[cut] as usize].hash.is_some() {
+            slots = cut * bs;
+        }
+        seq.num_slots = slots;
+        seq.num_computed = seq.num_computed.min(slots);
+        seq.num_hashed_blocks = seq.num_hashed_blocks.min(slots / bs);
+        let keep = if contiguous { seq.blocks.len() } else { slots.div_ceil(bs) };
+        let mut freed = 0;
+        while seq.blocks.len() > keep {
+            let id = seq.blocks.pop().unwrap();
+            self.store.release(id);
+            freed += 1;
+        }
+        Ok(freed)
+    }
+
     /// Blocks `prepare_step` would take from the free list for `n` more tokens of a sequence
     /// (new blocks plus copy-on-write copies of shared blocks it would write into).
     pub fn blocks_needed(&self, seq_id: i64, n: usize) -> Result<usize> {

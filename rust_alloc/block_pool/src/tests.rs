@@ -327,3 +327,27 @@ fn a_released_block_keeps_its_prefix_cache_entry_valid() {
     p.free_sequence(2, true).unwrap();
     ok(&p);
 }
+
+#[test]
+fn truncate_rolls_back_drafted_tokens() {
+    let mut p = pool(8, 4);
+    p.add_sequence(1, (0..6).collect(), 0, None).unwrap();
+    p.prepare_step(&[1], &[6], None).unwrap();
+    p.fork(1, 2).unwrap(); // a sample shares the blocks
+    p.append_tokens(1, &[50, 51, 52, 53]).unwrap();
+    p.prepare_step(&[1], &[4], None).unwrap(); // drafted tokens verified in one step (a copy of the shared block)
+    assert_eq!(p.sequence(1).unwrap().blocks.len(), 3);
+    assert_eq!(p.truncate(1, 7).unwrap(), 1); // three rejected: the third block goes
+    let s = p.sequence(1).unwrap();
+    assert_eq!((s.num_slots, s.num_computed, s.tokens.len(), s.blocks.len()), (7, 6, 7, 2));
+    ok(&p);
+    // the shared sample is untouched
+    assert_eq!(p.sequence(2).unwrap().num_slots, 6);
+    assert!(matches!(p.truncate(1, 0), Err(AllocError::Invalid(_))));
+    assert!(matches!(p.truncate(1, 8), Err(AllocError::Invalid(_))));
+    assert!(matches!(p.truncate(9, 1), Err(AllocError::UnknownSequence(9))));
+    p.free_sequence(1, true).unwrap();
+    p.free_sequence(2, true).unwrap();
+    assert_eq!(p.num_free_blocks(), 8);
+    ok(&p);
+}

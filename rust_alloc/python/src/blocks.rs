@@ -151,6 +151,10 @@ impl BlockAllocator {
     fn release_outside(&mut self, seq_id: i64, sink_tokens: usize, window_tokens: usize) -> PyResult<usize> {
         self.pool.release_outside(seq_id, sink_tokens, window_tokens).map_err(err)
     }
+    /// Speculation's rollback: keep the first `num_tokens` tokens of the sequence.
+    fn truncate(&mut self, seq_id: i64, num_tokens: i64) -> PyResult<usize> {
+        self.pool.truncate(seq_id, usize::try_from(num_tokens).unwrap_or(0)).map_err(err)
+    }
     fn seq_num_released(&self, seq_id: i64) -> PyResult<usize> {
         Ok(self.pool.sequence(seq_id).map_err(err)?.released)
     }
