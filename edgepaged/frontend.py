@@ -33,6 +33,7 @@ from .protocol import GenerateRequest
 
 log = logging.getLogger("edgepaged.frontend")
 MAX_SAMPLES = 8     # n: parallel samples of one prompt
+MAX_EMBED_INPUTS = 512   # texts in one embeddings request
 
 
 class AuthFailed(Exception):
@@ -386,6 +387,42 @@ class FrontEnd:
             raise RequestRejected("too_many_requests", f"your requests in flight may still generate {held} tokens "
                                   f"and this one {cost}; this server allows {cfg.max_identity_tokens} per user or "
                                   "client at once (serve --max-identity-tokens); wait for an answer to end")
+
+    async def build_embeds(self, inputs: list, caller: Caller, truncate: bool = True) -> list[Request]:
+        """Requests for the embeddings of `inputs` (texts, or token id lists), one per input:
+        each runs its prompt through the engine like any prompt (its KV blocks only while it
+        runs) and answers its final hidden state. An input past the context is cut to it
+        (`truncate`, Ollama's default) or refused."""
+        if not isinstance(inputs, list) or not 1 <= len(inputs) <= MAX_EMBED_INPUTS:
+            raise RequestRejected("invalid_params", f"input must be a text or a list of 1..{MAX_EMBED_INPUTS} texts")
+        tok, vocab = self.tokenizer, self.tokenizer.vocab_size
+        for i, x in enumerate(inputs):
+            if not (isinstance(x, str) or isinstance(x, list) and x and all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in x)):
+                raise RequestRejected("invalid_params", f"input[{i}] must be a non-empty text or a list of token ids "
+                                      f"in 0..{vocab - 1}")
+            if isinstance(x, str) and not x:
+                raise RequestRejected("empty_prompt", f"input[{i}] is empty")
+
+        def encode():
+            return [x if isinstance(x, list) else tok.encode(x) for x in inputs]
+        try:
+            ids = await trio.to_thread.run_sync(encode)
+        except Exception as e:    # text the tokenizer cannot take (lone surrogates, ...)
+            raise RequestRejected("bad_request", f"cannot tokenize the input: {_short(e)}") from None
+        most = min(self.max_prompt_tokens, self.engine.max_model_len - 1)
+        self._check_cost(caller, sum(min(len(x), most) for x in ids), 1)
+        out = []
+        for i, x in enumerate(ids):
+            if len(x) > most:
+                if not truncate:
+                    raise RequestRejected("prompt_too_long", f"input[{i}] has {len(x)} tokens; this model embeds at "
+                                          f"most {most} (truncate: true cuts it)")
+                x = x[:most]
+            out.append(Request(prompt_ids=x, params=SamplingParams(temperature=0, max_tokens=1), client=caller.client,
+                               salt=cache_salt(caller.identity, False, caller.namespace), owner=caller.identity,
+                               engine=self.engine, model=self.model, embed=True))
+        return out
 
     def _template_kwargs(self, item: GenerateRequest, offered) -> dict:
         """What the chat template is given beside the messages: the tools (a template that

@@ -417,6 +417,24 @@ class MultiFront(FrontEnd):
                 slot.holds -= 1
                 slot.last_used = trio.current_time()
 
+    async def build_embeds(self, inputs, caller, truncate: bool = True, model: str | None = None):
+        """`FrontEnd.build_embeds` on the model `model` names (held while it is built, as build)."""
+        if not isinstance(model, (str, type(None))):
+            raise RequestRejected("bad_request", "model must be a string (a model's name)")
+        slot = self.modelset.slot(model) if self.modelset.accepting else None
+        if slot is not None:
+            slot.holds += 1
+        try:
+            front = await self.modelset.get(model)
+            reqs = await front.build_embeds(inputs, caller, truncate)
+            for r in reqs:
+                front.engine.expect(r)
+            return reqs
+        finally:
+            if slot is not None:
+                slot.holds -= 1
+                slot.last_used = trio.current_time()
+
     def models(self) -> list[dict]:
         """The protocol's `models` answer: every model of the box, loaded or not."""
         return [{"name": m["name"], "context_length": m["context_length"], "default": m["default"],

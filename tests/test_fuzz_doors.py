@@ -114,6 +114,10 @@ RESPONSES = {"input": messages, "instructions": values, "tools": st.one_of(value
         "type": "json_schema", "name": "x", "schema": g}})), "max_output_tokens": values, "temperature": values,
     "top_p": values, "previous_response_id": values, "store": values, "stream": values, "user": values,
     "parallel_tool_calls": values, "metadata": values}
+EMBED = {"input": st.one_of(st.just(["hello", "world"]), values, st.lists(st.one_of(st.text(max_size=20), values),
+                                                                         max_size=4)),
+         "model": values, "dimensions": st.one_of(st.integers(-2, 600), values), "encoding_format": values,
+         "truncate": values, "user": values}
 MSGPACK = {**COMMON, "messages": messages, "prompt": values, "tools": tools, "tool_choice": values,
            "format": st.one_of(values, grammars.map(lambda g: {"type": "json_schema", "schema": g}),
                                grammars.map(lambda g: {"type": "lark", "grammar": g}))}
@@ -137,6 +141,9 @@ DOORS = st.one_of(
     st.tuples(st.just("/v1/completions"), nearly_valid(OPENAI_COMPLETION, {"prompt": st.just("Hello")})),
     st.tuples(st.just("/v1/responses"), nearly_valid(RESPONSES, {"input": st.just("What is the capital of France?")})),
     st.tuples(st.just("/v1/responses"), body_of(RESPONSES, {"input": messages})),
+    st.tuples(st.just("/v1/embeddings"), nearly_valid(EMBED, {"input": st.just(["hello", "world"])})),
+    st.tuples(st.just("/api/embed"), nearly_valid(EMBED, {"input": st.just("hello"), "model": MODEL})),
+    st.tuples(st.just("/api/embeddings"), body_of({"model": values, "prompt": values}, {"model": MODEL})),
     st.tuples(st.sampled_from(["msgpack:chat"]), nearly_valid(MSGPACK, {"messages": st.just(FRANCE)})),
     st.tuples(st.just("/api/chat"), nearly_valid(OLLAMA_CHAT, {"messages": st.just(FRANCE), "model": MODEL,
                                                               "stream": st.booleans()})),

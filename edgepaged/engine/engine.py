@@ -30,7 +30,7 @@ from .._native.blocks import BlockAllocator
 from ..model.tokenizer import IncrementalDetokenizer
 from .metrics import Metrics
 from ..memory import release_free_memory
-from .request import DoneEvent, Request, Status, TokenEvent
+from .request import DoneEvent, EmbeddingEvent, Request, Status, TokenEvent
 from .scheduler import Batch, ScheduleError, Scheduler, SchedulerConfig
 from ..model.grammar import matcher_error
 
@@ -289,13 +289,14 @@ class Engine:
         matchers = [r.matcher for r in rows] if any(r.matcher is not None for r in rows) else None
         outputs = [r.output_ids if r.params.counts_output else [] for r in rows] \
             if any(r.params.counts_output for r in rows) else None
+        embeds = [r.embed for r in rows] if any(r.embed for r in rows) else None
         tokens, ok = None, False
         self._in_step = frozenset(batch.requests)
         self.step_started = trio.current_time()
         try:
             t0 = time.monotonic()
             tokens, grammar = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers, outputs,
-                                                            rows)
+                                                            rows, embeds)
             self.scheduler.observe_step(batch.num_tokens, time.monotonic() - t0)
             ok = True
         except Exception as e:  # a failed step fails only its own requests
@@ -320,7 +321,8 @@ class Engine:
         if not self.scheduler.has_work():
             self._idle.set()
 
-    def _execute(self, batch: Batch, params, prev, matchers=None, outputs=None, rows=()) -> tuple[list, dict]:
+    def _execute(self, batch: Batch, params, prev, matchers=None, outputs=None, rows=(),
+                 embeds=None) -> tuple[list, dict]:
         """In the worker thread: copy-on-write, the forward, sampling (under the constrained
         rows' token masks), then the constrained rows' grammars take their tokens here too (a
         large grammar's step costs milliseconds per row: never on the event loop). Returns the
@@ -332,6 +334,8 @@ class Engine:
             extra["matchers"] = matchers
         if outputs is not None:
             extra["outputs"] = outputs
+        if embeds is not None:
+            extra["embeds"] = embeds
         tokens = self.runner.step(batch, params, prev, **extra)
         return tokens, self._advance_grammars(rows, tokens)
 
@@ -339,7 +343,8 @@ class Engine:
         out = {}
         eos = self.tokenizer.stop_token_ids
         for req, tok in zip(rows, tokens):
-            if req.finished or isinstance(tok, BaseException) or (req.matcher is None and req.lazy is None):
+            if req.finished or req.embed or isinstance(tok, BaseException) or (req.matcher is None
+                                                                                and req.lazy is None):
                 continue
             tok = tok[0] if isinstance(tok, tuple) else tok
             if tok in req.params.stop_token_ids or (not req.params.ignore_eos and tok in eos):
@@ -398,6 +403,12 @@ class Engine:
             log.error("sampling failed for request %s: %s", req.id, _short(tok))
             self._end(req, "error", error={"code": "internal_error",
                                            "message": "sampling failed for this request (see the server's log)"})
+            return 0
+        if req.embed:                         # its prompt's hidden state: the whole answer
+            req.first_token = now
+            self._send(req, EmbeddingEvent(tok))
+            req.stop_reason = "embedding"
+            self._end(req, "stop")
             return 0
         if req.matcher is not None and req.matcher.is_error():   # its grammar failed computing this mask
             self._end(req, "error", error={"code": "invalid_params", "message": matcher_error(req.matcher)})

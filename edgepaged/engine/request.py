@@ -41,6 +41,13 @@ class TokenEvent:
 
 
 @dataclass
+class EmbeddingEvent:
+    """A request for an embedding: its prompt's final hidden state (last-token pooling, after
+    the final norm), float32 [hidden]; a DoneEvent follows."""
+    embedding: Any
+
+
+@dataclass
 class DoneEvent:
     """The last event of a request."""
     finish_reason: str            # stop | length | cancelled | error
@@ -100,6 +107,7 @@ class Request:
     # sequence grows (it may then generate past the context); None: full attention
     context_window: tuple[int, int] | None = None
     released_upto: int = 0         # blocks before this index were checked for release
+    embed: bool = False            # an embedding: the prompt's final hidden state, no token sampled
 
     @property
     def all_ids(self) -> list[int]:

@@ -259,7 +259,9 @@ class CpuModel:
         last = h[logits_indices]
         if delta is not None:
             last += delta[logits_indices]
-        logits = self.head(self._norm(np.ascontiguousarray(last), self.final_norm))
+        # the normed rows stay in `last_normed` (a request for an embedding takes its row)
+        self.last_normed = self._norm(np.ascontiguousarray(last), self.final_norm)
+        logits = self.head(self.last_normed)
         if cfg.final_softcap:
             cap = np.float32(cfg.final_softcap)
             logits = np.tanh(logits / cap) * cap
@@ -380,6 +382,10 @@ class CpuRunner(RunnerBase):
         copies = np.asarray(copies, dtype=np.int64).reshape(-1, 2)
         if len(copies):
             self.kv_cache[:, :, copies[:, 1]] = self.kv_cache[:, :, copies[:, 0]]
+
+    def last_hidden(self) -> np.ndarray:
+        """The last forward's final-norm rows (one per logits row), float32."""
+        return self.model.last_normed
 
     def execute(self, input_ids, positions, attn_metadata, logits_indices=None) -> np.ndarray:
         """One forward over a flat batch -> float32 logits [len(logits_indices), vocab].

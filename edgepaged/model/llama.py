@@ -183,7 +183,9 @@ class LlamaForCausalLM(nn.Module):
         return self.head(self.norm(h.index_select(0, logits_indices)))
 
     def head(self, normed: torch.Tensor) -> torch.Tensor:
-        """LM head on normed rows -> float32 logits (soft-capped where the model says)."""
+        """LM head on normed rows -> float32 logits (soft-capped where the model says). The
+        normed rows stay in `last_normed` (a request for an embedding takes its row)."""
+        self.last_normed = normed
         logits = self.lm_head(normed).float()
         if self.cfg.final_softcap:
             cap = self.cfg.final_softcap

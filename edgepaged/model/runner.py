@@ -179,6 +179,10 @@ class ModelRunner(RunnerBase):
 
     # ------------------------------------------------------------ forward
 
+    def last_hidden(self) -> np.ndarray:
+        """The last forward's final-norm rows (one per logits row), float32 numpy."""
+        return self.model.last_normed.float().cpu().numpy()
+
     def execute(self, input_ids, positions, attn_metadata, logits_indices=None) -> torch.Tensor:
         """One forward over a flat batch -> float32 logits [len(logits_indices), vocab].
 

@@ -10,6 +10,8 @@ import collections
 import os
 import time
 
+import numpy as np
+
 from .grammar import Masks
 from .params import SamplingParams
 from .sampler import as_array, logprob_info, prepare, sample, sample_prepared
@@ -136,7 +138,8 @@ class RunnerBase:
         self.mask_ms.append((time.perf_counter() - t0) * 1000)
         return masks
 
-    def step(self, batch, params: list[SamplingParams], prev_tokens=None, matchers=None, outputs=None) -> list:
+    def step(self, batch, params: list[SamplingParams], prev_tokens=None, matchers=None, outputs=None,
+             embeds=None) -> list:
         """One engine step: the batch's copy-on-write copies, the forward, one sampled token
         per logits row. `batch` has the scheduler's arrays (input_ids, positions,
         query_start_loc, seq_lens, block_tables, slot_mapping, copies, logits_indices);
@@ -153,6 +156,30 @@ class RunnerBase:
         if matchers is not None and any(m is not None for m in matchers):
             masks = _Background(self._masks, matchers)
         logits = as_array(self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices))
+        if embeds is not None and any(embeds):
+            # a request for an embedding: its row's final-norm hidden state (last-token pooling),
+            # not a sampled token; the other rows sample as ever
+            hidden = np.asarray(self.last_hidden(), dtype=np.float32)
+            rows = [i for i, e in enumerate(embeds) if not e]
+            out: list = [hidden[i].copy() if e else None for i, e in enumerate(embeds)]
+            if rows:
+                sub = self.step_rows(logits, rows, params, prev_tokens, matchers, outputs, masks)
+                for i, tok in zip(rows, sub):
+                    out[i] = tok
+            return out
+        return self._sample_all(logits, params, prev_tokens, outputs, masks)
+
+    def step_rows(self, logits, rows, params, prev_tokens, matchers, outputs, masks) -> list:
+        """Sample the logits rows `rows` only (beside embedding rows)."""
+        if masks is not None:
+            masks = masks.result()
+            masks.apply(logits)
+            masks = None
+        pick = lambda xs: None if xs is None else [xs[i] for i in rows]   # noqa: E731
+        return self._sample_all(np.ascontiguousarray(logits[rows]), pick(params), pick(prev_tokens), pick(outputs),
+                                None)
+
+    def _sample_all(self, logits, params, prev_tokens, outputs, masks) -> list:
         if masks is not None:
             masks = masks.result()
             masks.apply(logits)

@@ -17,11 +17,13 @@ KV blocks return to the pool at once.
 from __future__ import annotations
 
 import importlib.resources
+import base64
 import json
 import logging
 import socket
 import time
 
+import numpy as np
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
@@ -33,7 +35,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine import EngineClosed, RequestRejected, TokenEvent
+from ..engine import DoneEvent, EmbeddingEvent, EngineClosed, RequestRejected, TokenEvent
 from ..protocol import parse_keep_alive
 from ..frontend import AuthFailed, FrontEnd
 from .guard import Guard
@@ -158,6 +160,9 @@ class HttpServer:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/embeddings", self.openai_embeddings, methods=["POST"]),
+            Route("/api/embed", self.ollama_embed, methods=["POST"]),
+            Route("/api/embeddings", self.ollama_embeddings, methods=["POST"]),
             # the Ollama API (ollama_api.py)
             Route("/api/chat", self.ollama_chat, methods=["POST"]),
             Route("/api/generate", self.ollama_generate, methods=["POST"]),
@@ -336,6 +341,109 @@ class HttpServer:
                                "(store: false), it expired, or it is another caller's", "not_found",
                                "previous_response_id")
         return await self._generation(request, lambda b, rid: parse_responses(b, rid, history), chat=True, body=body)
+
+    # -- embeddings (every door: OpenAI's /v1/embeddings, Ollama's /api/embed and /api/embeddings) ----
+    async def _embed(self, request: HttpRequest, inputs, model, truncate: bool, name, ollama: bool):
+        """Each input's embedding through the engine (its prompt's final hidden state, last
+        token), and the prompt tokens they took."""
+        user = await self._authorize(request)
+        if not isinstance(truncate, bool):
+            raise ApiError(400, "truncate must be a boolean", "bad_request", "truncate")
+        if not self.engine.accepting:
+            raise ApiError(503, "the server is shutting down", "shutdown")
+        if self.inflight >= self.config.max_inflight:
+            raise ApiError(429, f"the server has {self.config.max_inflight} HTTP requests in flight; try again "
+                           "shortly", "too_many_requests")
+        caller = self.front.caller(user, name if isinstance(name, str) else None, self._peer(request))
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        self.inflight += 1
+        try:
+            if self.modelset is not None:
+                reqs = await self.front.build_embeds(inputs, caller, truncate, model or None)
+            else:
+                if ollama:
+                    ollama_api.check_model(ollama_api.model_field({"model": model}), self.front.model)
+                reqs = await self.front.build_embeds(inputs, caller, truncate)
+            vectors: list = [None] * len(reqs)
+            failed: list = []
+
+            async def one(i, req):
+                async with self.engine.stream(req) as events:
+                    async for ev in events:
+                        if isinstance(ev, EmbeddingEvent):
+                            vectors[i] = ev.embedding
+                        elif isinstance(ev, DoneEvent) and ev.finish_reason != "stop":
+                            failed.append(done_error(ev))
+            async with trio.open_nursery() as n:
+                for i, req in enumerate(reqs):
+                    n.start_soon(one, i, req)
+        except RequestRejected as e:
+            raise ApiError.from_rejected(e) from None
+        except EngineClosed:
+            raise ApiError(503, "the server is shutting down", "shutdown") from None
+        finally:
+            self.inflight -= 1
+        if failed or any(v is None for v in vectors):
+            raise failed[0] if failed and failed[0] is not None else ApiError(
+                503, "the server stopped before the embeddings were done", "shutdown")
+        return vectors, sum(len(r.prompt_ids) for r in reqs), (reqs[0].model or self.front.model)
+
+    @staticmethod
+    def _shaped(vectors, dimensions, normalize: bool = True):
+        if dimensions is not None:
+            if not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1:
+                raise ApiError(400, "dimensions must be a positive integer", "invalid_params", "dimensions")
+            vectors = [v[:dimensions] for v in vectors]      # Matryoshka-style: the leading ones, renormed
+        if normalize:
+            vectors = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
+        return vectors
+
+    async def openai_embeddings(self, request: HttpRequest) -> Response:
+        body = await self._json_body(request)
+        fmt = body.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise ApiError(400, 'encoding_format must be "float" or "base64"', "invalid_params", "encoding_format")
+        inputs = body.get("input")
+        if isinstance(inputs, list) and inputs and all(isinstance(t, int) and not isinstance(t, bool) for t in inputs):
+            inputs = [inputs]                   # one input given as token ids
+        if inputs is None:
+            raise ApiError(400, "input is required", "bad_request", "input")
+        vectors, used, model = await self._embed(request, inputs, body.get("model"), True, body.get("user"), False)
+        vectors = self._shaped(vectors, body.get("dimensions"))
+        data = [{"object": "embedding", "index": i, "embedding": (
+            base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode() if fmt == "base64"
+            else [float(x) for x in v])} for i, v in enumerate(vectors)]
+        return JSONResponse({"object": "list", "data": data, "model": model,
+                             "usage": {"prompt_tokens": used, "total_tokens": used}})
+
+    async def ollama_embed(self, request: HttpRequest) -> Response:
+        body = await self._ollama(request)
+        t0 = time.perf_counter()
+        try:
+            inputs = body.get("input")
+            if inputs is None:
+                raise ApiError(400, "input is required", "bad_request")
+            vectors, used, _ = await self._embed(request, inputs, ollama_api.model_field(body), body.get(
+                "truncate", True), None, True)
+            vectors = self._shaped(vectors, body.get("dimensions"))
+        except ApiError as e:
+            raise e if isinstance(e, OllamaError) else OllamaError.of(e) from None
+        return JSONResponse({"model": body.get("model"), "embeddings": [[float(x) for x in v] for v in vectors],
+                             "total_duration": int((time.perf_counter() - t0) * 1e9), "load_duration": 0,
+                             "prompt_eval_count": used})
+
+    async def ollama_embeddings(self, request: HttpRequest) -> Response:
+        """The older Ollama endpoint: one `prompt`, its embedding as the model gives it (not normalized)."""
+        body = await self._ollama(request)
+        prompt = body.get("prompt")
+        try:
+            if not isinstance(prompt, str) or not prompt:
+                raise ApiError(400, "prompt must be a non-empty string", "bad_request")
+            vectors, _, _ = await self._embed(request, [prompt], ollama_api.model_field(body), True, None, True)
+        except ApiError as e:
+            raise e if isinstance(e, OllamaError) else OllamaError.of(e) from None
+        return JSONResponse({"embedding": [float(x) for x in vectors[0]]})
 
     async def completions(self, request: HttpRequest) -> Response:
         return await self._generation(request, parse_completion, chat=False)
