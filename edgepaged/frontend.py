@@ -27,7 +27,7 @@ from pathlib import Path
 
 import trio
 
-from .engine.request import PRIORITIES, Request, RequestRejected
+from .engine.request import BACKGROUND, PRIORITIES, Request, RequestRejected
 from .model.params import SamplingParams
 from .protocol import GenerateRequest
 
@@ -419,7 +419,10 @@ class FrontEnd:
                     raise RequestRejected("prompt_too_long", f"input[{i}] has {len(x)} tokens; this model embeds at "
                                           f"most {most} (truncate: true cuts it)")
                 x = x[:most]
+            # background work: a household embedding its documents never holds up a question's
+            # first token (the scheduler's background share and chunk cut apply)
             out.append(Request(prompt_ids=x, params=SamplingParams(temperature=0, max_tokens=1), client=caller.client,
+                               priority=BACKGROUND,
                                salt=cache_salt(caller.identity, False, caller.namespace), owner=caller.identity,
                                engine=self.engine, model=self.model, embed=True))
         return out
