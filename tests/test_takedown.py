@@ -472,6 +472,10 @@ async def test_odd_values_are_4xx_and_no_500_echoes_an_exception(embedded_runner
                 status, raw = await afetch(base + path, {"model": model, "name": model, "messages": FRANCE,
                                                          "prompt": "hi", "stream": False})
                 assert 400 <= status < 500, (path, model, raw)
+        for role in ({"a": 1}, ["user"]):       # the door fuzzer found these: a 500 (unhashable role)
+            status, raw = await afetch(base + "/v1/chat/completions",
+                                       {"messages": [{"role": role, "content": "hi"}], "max_tokens": 2})
+            assert status == 400 and b"role" in raw, raw
         deep = ("{\"a\":" * 100_000 + "1" + "}" * 100_000).encode()
         status, raw = await afetch(base + "/v1/chat/completions", deep)
         assert status == 400 and b"Recursion" not in raw
