@@ -27,6 +27,7 @@ from pathlib import Path
 
 import trio
 
+from .brief import first_line
 from .engine.request import BACKGROUND, PRIORITIES, Request, RequestRejected
 from .model.params import SamplingParams
 from .protocol import GenerateRequest
@@ -150,10 +151,9 @@ def load_users(path) -> Users:
     return Users(users, admins)
 
 
-def _short(e: Exception, most: int = 200) -> str:
+def _short(e: Exception) -> str:
     """An exception's first line, cut short, for a client's eyes (never a traceback)."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text if len(text) <= most else text[: most - 1] + "…"
+    return first_line(str(e), default=type(e).__name__)
 
 
 def model_display_name(engine) -> str:

@@ -28,6 +28,7 @@ import trio
 
 from .._native.blocks import BlockAllocator
 from ..model.tokenizer import IncrementalDetokenizer
+from .. import brief
 from .metrics import Metrics
 from ..memory import release_free_memory
 from .request import DoneEvent, EmbeddingEvent, Request, Status, TokenEvent
@@ -40,9 +41,7 @@ log = logging.getLogger("edgepaged.engine")
 INTERNAL = {"code": "internal_error", "message": "the server failed while answering this request (see its log)"}
 
 
-def _short(e: BaseException, most: int = 200) -> str:
-    text = f"{type(e).__name__}: {e}".splitlines()[0]
-    return text if len(text) <= most else text[: most - 1] + "…"
+_short = brief.of
 
 
 @dataclass

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..brief import first_line
+
 log = logging.getLogger("edgepaged.grammar")
 
 FORMAT_TYPES = ("json_object", "json_schema", "regex", "lark")
@@ -530,11 +532,10 @@ class Grammars:
                 self._cache.popitem(last=False)
 
 
-def _short(message: str, most: int = 300) -> str:
+def _short(message: str) -> str:
     """An llguidance message for a client's eyes: its first line, cut short (never a parser
     state dump)."""
-    line = (message or "").strip().splitlines()[0] if (message or "").strip() else "the grammar is not valid"
-    return line if len(line) <= most else line[: most - 1] + "…"
+    return first_line(message, 300, "the grammar is not valid")
 
 
 def matcher_error(m) -> str:

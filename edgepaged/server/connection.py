@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from .. import brief
 from ..engine import DoneEvent, EngineClosed, RequestRejected, TokenEvent
 from ..frontend import AuthFailed, Caller
 from ..thinking import ThinkSplit
@@ -30,7 +31,7 @@ INTERNAL_MESSAGE = "the server failed on this request (see its log)"
 
 def _log_failure(what: str, e: BaseException) -> None:
     """One line in the log; the traceback at debug level only."""
-    log.error("%s failed: %s", what, f"{type(e).__name__}: {e}".splitlines()[0][:200])
+    log.error("%s failed: %s", what, brief.of(e))
     log.debug("%s failed", what, exc_info=e)
 
 

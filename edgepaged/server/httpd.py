@@ -35,6 +35,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .. import brief
 from ..engine import DoneEvent, EmbeddingEvent, EngineClosed, RequestRejected, TokenEvent
 from ..protocol import parse_keep_alive
 from ..frontend import AuthFailed, FrontEnd
@@ -204,8 +205,7 @@ class HttpServer:
     @staticmethod
     async def _internal_error(request, e: Exception) -> Response:
         # one line in the log (the traceback at debug level); the client never sees the exception
-        log.error("HTTP %s %s failed: %s", request.method, request.url.path,
-                  f"{type(e).__name__}: {e}".splitlines()[0][:200])
+        log.error("HTTP %s %s failed: %s", request.method, request.url.path, brief.of(e))
         log.debug("HTTP %s %s failed", request.method, request.url.path, exc_info=e)
         return JSONResponse(error_body(500, "the server failed on this request (see its log)", "internal_error"),
                             status_code=500)

@@ -1,0 +1,15 @@
+"""Messages cut to one line: what a client or the log is told of an exception or a library's
+message (never a traceback, never a parser's state dump)."""
+from __future__ import annotations
+
+
+def first_line(text: str | None, most: int = 200, default: str = "") -> str:
+    """`text`'s first non-empty line, at most `most` characters (…-cut), else `default`."""
+    stripped = (text or "").strip()
+    line = stripped.splitlines()[0] if stripped else default
+    return line if len(line) <= most else line[: most - 1] + "…"
+
+
+def of(e: BaseException, most: int = 200) -> str:
+    """An exception as one line: its type and first line."""
+    return first_line(f"{type(e).__name__}: {e}", most)
