@@ -323,6 +323,7 @@ class _Compiler:
         self.threads: list[threading.Thread] = []
         self.size = threads
         self._lock = threading.Lock()
+        self.pending = 0                # jobs queued or running
 
     def _start(self) -> None:
         with self._lock:
@@ -339,14 +340,22 @@ class _Compiler:
                 threading.stack_size(old)
 
     def _work(self) -> None:
-        while True:
+        while True:                     # a compiler thread never dies of one job
             fn, done = self.jobs.get()
-            done(fn)
+            try:
+                done(fn)
+            except BaseException as e:  # noqa: BLE001
+                log.error("the grammar compiler failed on a job: %s", first_line(f"{type(e).__name__}: {e}"))
+            finally:
+                with self._lock:
+                    self.pending -= 1
 
     def submit(self, fn, done) -> None:
         """Run `fn()` on a compiler thread; `done(fn)` is called there (it runs fn itself,
         so it can note when fn started)."""
         self._start()
+        with self._lock:
+            self.pending += 1
         self.jobs.put((fn, done))
 
     def run(self, fn):
@@ -460,6 +469,8 @@ class Grammars:
         box: dict = {}
 
         def work():
+            if state.get("abandoned"):     # its request gave up waiting (timeout, cancel): skip it
+                raise GrammarRefused("abandoned", busy=True)
             state["started"] = time.monotonic()
             if hit is not None:
                 g, template = hit
@@ -492,8 +503,12 @@ class Grammars:
                 pass
 
         COMPILER.submit(work, done)
-        with trio.move_on_after(self.limits.compile_timeout_s):
-            await finished.wait()
+        try:
+            with trio.move_on_after(self.limits.compile_timeout_s):
+                await finished.wait()
+        finally:
+            if not finished.is_set():   # a queued compile nobody waits for is not run
+                state["abandoned"] = True
         if not finished.is_set():
             if state["started"] is None:
                 raise GrammarRefused("the grammar compiler is busy; try again shortly", busy=True)
@@ -522,11 +537,9 @@ class Grammars:
 
     def _remember(self, key: str, box: dict) -> None:
         with self._cache_lock:
-            if "e" in box:
-                if not box["e"].busy:
-                    self._cache[key] = box["e"]
-            else:
-                self._cache[key] = box["v"][:2]
+            if "e" in box and box["e"].busy:
+                return                  # (busy: nothing known about the format itself)
+            self._cache[key] = box["e"] if "e" in box else box["v"][:2]
             self._cache.move_to_end(key)
             while len(self._cache) > self.CACHE_SIZE:
                 self._cache.popitem(last=False)
