@@ -18,13 +18,12 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 
 from family_bench import cpu_flags
-from soak import free_port
+from soak import free_port, start_server
 
 WORDS = ("the house keeps its lights low at night while the kitchen timer counts the minutes until the bread "
          "is done and the garden sprinklers wake at dawn").split()
@@ -75,20 +74,6 @@ def ttft(base: str) -> float:
     return time.perf_counter() - t0
 
 
-def serve(args) -> tuple[subprocess.Popen, str]:
-    port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--http-port", str(http_port), "--no-mdns"] + (["--model", args.model] if args.model else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        if "ready on" in line:
-            break
-    else:
-        sys.exit(f"the server did not start (exit {proc.wait()})")
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    return proc, f"http://127.0.0.1:{http_port}"
-
-
 def llama_cpp(server: str | None, model: str, items: list[str]) -> tuple[float | None, str | None]:
     """llama.cpp's server on the same file, last-token pooling, the same batches."""
     import shutil
@@ -124,7 +109,7 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None)
     args = ap.parse_args()
     items = texts()
-    proc, base = serve(args)
+    proc, base, _ = start_server(*(["--model", args.model] if args.model else []))
     try:
         post(base + "/v1/embeddings", {"input": items[:4]})                       # warm
         tokens = post(base + "/v1/embeddings", {"input": items[:32]})["usage"]["prompt_tokens"] / 32

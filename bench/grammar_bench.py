@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -28,7 +26,7 @@ import urllib.request
 import trio
 
 from family_bench import cpu_flags
-from soak import free_port
+from soak import start_server
 from structured_bench import SCHEMA    # the same bounded schema as structured_bench's
 
 from edgepaged.client import open_client
@@ -125,19 +123,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    port, http_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--http-port", str(http_port), "--no-mdns", "--max-unauthenticated-per-address", "32"],
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc, base, addr = start_server("--max-unauthenticated-per-address", "32")
     try:
-        for line in proc.stdout:
-            if "ready on" in line:
-                break
-        else:
-            sys.exit(f"the server did not start (exit {proc.wait()})")
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-        base, addr = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{port}"
         post(base + "/v1/chat/completions", {"messages": PLAIN, "max_tokens": 4})      # warm
         schema, props = widest_schema(256 << 10)
         wide = {"messages": FORM, "max_tokens": 8, "n": 8, "temperature": 0.7, "guided_json": schema}

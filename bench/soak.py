@@ -52,6 +52,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(*flags: str) -> tuple[subprocess.Popen, str, str]:
+    """`edgepaged serve` on loopback with `flags`, once it is ready: (process, HTTP base URL,
+    msgpack address). Its later output is read (and dropped) in a thread."""
+    port, http_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port",
+                             str(port), "--http-port", str(http_port), "--no-mdns", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if "ready on" in line:
+            break
+    else:
+        sys.exit(f"the server did not start (exit {proc.wait()})")
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    return proc, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{port}"
+
+
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -399,41 +400,35 @@ class MultiFront(FrontEnd):
         ctx = self.engine.max_model_len
         return min(self.config.max_tokens or ctx, ctx)
 
-    async def build(self, item, caller):
-        """The request's model holds from here: while it loads, while the request is built,
-        and (the engine's `pending`) until the door streams it."""
-        if not isinstance(item.model, (str, type(None))):
-            raise RequestRejected("bad_request", "model must be a string (a model's name)")
-        slot = self.modelset.slot(item.model) if self.modelset.accepting else None
-        if slot is not None:
-            slot.holds += 1
-        try:
-            front = await self.modelset.get(item.model, item.keep_alive_s)
-            req = await front.build(item, caller)
-            front.engine.expect(req)
-            return req
-        finally:
-            if slot is not None:
-                slot.holds -= 1
-                slot.last_used = trio.current_time()
-
-    async def build_embeds(self, inputs, caller, truncate: bool = True, model: str | None = None):
-        """`FrontEnd.build_embeds` on the model `model` names (held while it is built, as build)."""
+    @asynccontextmanager
+    async def _held(self, model, keep_alive_s=None):
+        """The FrontEnd of the model a request names, the model held from here (while it loads
+        and the request is built; the engine's `pending` holds it until the door streams it)."""
         if not isinstance(model, (str, type(None))):
             raise RequestRejected("bad_request", "model must be a string (a model's name)")
         slot = self.modelset.slot(model) if self.modelset.accepting else None
         if slot is not None:
             slot.holds += 1
         try:
-            front = await self.modelset.get(model)
-            reqs = await front.build_embeds(inputs, caller, truncate)
-            for r in reqs:
-                front.engine.expect(r)
-            return reqs
+            yield await self.modelset.get(model, keep_alive_s)
         finally:
             if slot is not None:
                 slot.holds -= 1
                 slot.last_used = trio.current_time()
+
+    async def build(self, item, caller):
+        async with self._held(item.model, item.keep_alive_s) as front:
+            req = await front.build(item, caller)
+            front.engine.expect(req)
+            return req
+
+    async def build_embeds(self, inputs, caller, truncate: bool = True, model: str | None = None):
+        """`FrontEnd.build_embeds` on the model `model` names."""
+        async with self._held(model) as front:
+            reqs = await front.build_embeds(inputs, caller, truncate)
+            for r in reqs:
+                front.engine.expect(r)
+            return reqs
 
     def models(self) -> list[dict]:
         """The protocol's `models` answer: every model of the box, loaded or not."""
