@@ -411,7 +411,10 @@ class FrontEnd:
         except Exception as e:    # text the tokenizer cannot take (lone surrogates, ...)
             raise RequestRejected("bad_request", f"cannot tokenize the input: {_short(e)}") from None
         most = min(self.max_prompt_tokens, self.engine.max_model_len - 1)
-        self._check_cost(caller, sum(min(len(x), most) for x in ids), 1)
+        total, cap = sum(min(len(x), most) for x in ids), self.config.max_identity_tokens
+        if cap and total > cap:    # one request's embedding work is bounded like a user's answers
+            raise RequestRejected("invalid_params", f"the inputs have {total} tokens; this server embeds at most "
+                                  f"{cap} in one request (serve --max-identity-tokens): send them in parts")
         out = []
         for i, x in enumerate(ids):
             if len(x) > most:

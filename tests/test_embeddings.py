@@ -105,3 +105,11 @@ async def test_every_door_with_the_real_clients_beside_a_chat(embedded_runner):
     assert np.allclose(b64, vecs[0], atol=1e-5)
     assert cosine(vecs[1], vecs[2]) > cosine(vecs[0], vecs[2])     # "hello world…" is nearer "hello"
     assert "Paris" in chat["answer"]
+
+
+async def test_one_request_embeds_a_bounded_number_of_tokens(embedded_runner):
+    async with serving(embedded_runner, http=True, max_identity_tokens=50) as server:
+        status, _, raw = await afetch(server.http_base + "/v1/embeddings", {"input": [TEXTS[0]] * 10})
+        assert status == 400 and b"--max-identity-tokens" in raw and b"send them in parts" in raw
+        status, _, raw = await afetch(server.http_base + "/v1/embeddings", {"input": [TEXTS[0]] * 2})
+        assert status == 200
