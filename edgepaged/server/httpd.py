@@ -40,6 +40,7 @@ from ..engine import DoneEvent, EmbeddingEvent, EngineClosed, RequestRejected, T
 from ..protocol import parse_keep_alive
 from ..frontend import AuthFailed, FrontEnd
 from .guard import Guard
+from .manage import ModelAdmin
 from . import ollama_api
 from .ollama_api import OllamaError, OllamaShaper
 from .responses_api import ResponseStore, ResponsesGeneration, ResponsesShaper, parse_responses
@@ -59,10 +60,13 @@ class HttpConfig:
 
     def __init__(self, host: str | None = None, port: int = DEFAULT_HTTP_PORT, max_body_bytes: int = 1 << 20,
                  max_inflight: int = 64, keep_alive_s: float = 5.0, page: bool = True,
-                 allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = ()):
+                 allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
+                 admin_from: tuple[str, ...] = ()):
         self.host = host                    # None: every interface (0.0.0.0)
         self.allowed_hosts = tuple(allowed_hosts)   # names besides the box's own (guard.py)
         self.cors_origins = tuple(cors_origins)     # origins whose pages may call the API ("*": any)
+        self.admin_from = tuple(admin_from)         # networks that may manage models on an open box (manage.py)
+        self.store_root = None                      # the model store (None: store.store_dir())
         self.sock = None                    # a socket already bound (serve binds before loading the model)
         self.port = port
         self.max_body_bytes = max_body_bytes
@@ -105,6 +109,7 @@ class HttpServer:
         self.port: int | None = None
         self.inflight = 0
         self.response_store = ResponseStore()      # /v1/responses' previous_response_id, per identity
+        self.admin = ModelAdmin(self, self.config.admin_from, self.config.store_root)
         self.created = int(time.time())
         self._stop = trio.Event()
         self._page = _page() if self.config.page else None
@@ -171,6 +176,13 @@ class HttpServer:
             Route("/api/show", self.ollama_show, methods=["POST"]),
             Route("/api/ps", self.ollama_ps, methods=["GET"]),
             Route("/api/version", self.ollama_version, methods=["GET"]),
+            # models managed over the Ollama API (manage.py)
+            Route("/api/pull", self.admin.pull, methods=["POST"]),
+            Route("/api/delete", self.admin.delete, methods=["DELETE"]),
+            Route("/api/copy", self.admin.copy, methods=["POST"]),
+            Route("/api/create", self.admin.create, methods=["POST"]),
+            Route("/api/blobs/{digest}", self.admin.blob_head, methods=["HEAD"]),
+            Route("/api/blobs/{digest}", self.admin.blob_post, methods=["POST"]),
         ]
         if self._page is not None:
             routes.append(Route("/", self.page, methods=["GET"]))
@@ -520,7 +532,8 @@ class HttpServer:
         name = ollama_api.model_field(body, "model", "name")
         if self.modelset is not None:
             front = await self._ollama_slot_front(name)
-            return JSONResponse(ollama_api.show(name, front.engine.runner, front.engine.max_model_len))
+            return JSONResponse(ollama_api.show(name, front.engine.runner, front.engine.max_model_len,
+                                                self.modelset.slot(name).spec))
         ollama_api.check_model(name, self.front.model)
         return JSONResponse(ollama_api.show(name, self._runner(), self.engine.max_model_len))
 
@@ -536,10 +549,34 @@ class HttpServer:
                 raise e if isinstance(e, OllamaError) else OllamaError.of(e) from None
         return await self._generation_inner(request, parse, chat, False, body)
 
+    def _with_model_defaults(self, body: dict, ollama: bool) -> dict:
+        """What a model's store entry adds to a request for it (Ollama's SYSTEM and PARAMETER,
+        /api/create's system and parameters): its system prompt where the request has none,
+        and on the Ollama door its options where the request does not set them."""
+        if self.modelset is None or not isinstance(body.get("model", None), (str, type(None))):
+            return body
+        try:
+            spec = self.modelset.slot(body.get("model")).spec
+        except RequestRejected:
+            return body
+        if not spec.system and not spec.parameters:
+            return body
+        body = dict(body)
+        msgs = body.get("messages")
+        if spec.system and isinstance(msgs, list) and msgs and \
+                not any(isinstance(m, dict) and m.get("role") in ("system", "developer") for m in msgs):
+            body["messages"] = [{"role": "system", "content": spec.system}] + msgs
+        elif spec.system and ollama and "prompt" in body and body.get("system") is None and not body.get("raw"):
+            body["system"] = spec.system
+        if ollama and isinstance(spec.parameters, dict) and isinstance(body.get("options", {}), (dict, type(None))):
+            body["options"] = {**spec.parameters, **(body.get("options") or {})}
+        return body
+
     async def _generation_inner(self, request: HttpRequest, parse, chat: bool, ollama: bool,
                                 body: dict | None) -> Response:
         user = await self._authorize(request)
-        gen = parse(body if body is not None else await self._json_body(request), new_id(chat))
+        body = self._with_model_defaults(body if body is not None else await self._json_body(request), ollama)
+        gen = parse(body, new_id(chat))
         if ollama and self.modelset is None:
             ollama_api.check_model(gen.model, self.front.model)
         if not self.engine.accepting:

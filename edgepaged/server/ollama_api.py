@@ -338,13 +338,26 @@ def listed_entry(m: dict, running: bool = False) -> dict:
     return entry
 
 
-def show(name: str, runner, context: int) -> dict:
+def _parameter_lines(params: dict | None) -> str:
+    """Ollama's show `parameters`: one `name value` line each (a list: one line per value)."""
+    lines = []
+    for k, v in (params or {}).items():
+        for one in v if isinstance(v, list) else [v]:
+            lines.append(f"{k:<30} {json.dumps(one) if isinstance(one, str) else one}")
+    return "\n".join(lines)
+
+
+def show(name: str, runner, context: int, spec=None) -> dict:
+    """`spec`: the models.ModelSpec of a several-model box (its system prompt and parameters)."""
     cfg = runner.config
     entry = model_entry(name, runner)
     template = runner.tokenizer.chat_template or ""
     # tools on every model (a template without them: the generic syntax); thinking where the template has it
     caps = ["completion", "tools"] + (["thinking"] if thinks(template) else [])
-    return {"modelfile": f"# served by edgepaged\nFROM {name}\n", "parameters": "", "template": template,
+    system, params = getattr(spec, "system", None), getattr(spec, "parameters", None)
+    modelfile = f"# served by edgepaged\nFROM {name}\n" + (f'SYSTEM """{system}"""\n' if system else "") + \
+        "".join(f"PARAMETER {line}\n" for line in _parameter_lines(params).splitlines())
+    out = {"modelfile": modelfile, "parameters": _parameter_lines(params), "template": template,
             "details": entry["details"], "modified_at": entry["modified_at"], "capabilities": caps,
             "model_info": {"general.architecture": cfg.arch, "general.parameter_count": cfg.num_params,
                            f"{cfg.arch}.context_length": context, f"{cfg.arch}.embedding_length": cfg.hidden_size,
@@ -352,6 +365,9 @@ def show(name: str, runner, context: int) -> dict:
                            f"{cfg.arch}.attention.head_count": cfg.num_heads,
                            f"{cfg.arch}.attention.head_count_kv": cfg.num_kv_heads,
                            "tokenizer.ggml.vocab_size": cfg.vocab_size}}
+    if system:
+        out["system"] = system
+    return out
 
 
 def names_of(model: str) -> set[str]:

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+
+from .loopback import LoopbackServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-class FakeHub:
+class FakeHub(LoopbackServer):
     def __init__(self, repos: dict[str, dict[str, bytes | Path]], *, cut_after: int | None = None,
                  lie_sha: set[str] = frozenset()):
         self.repos = {repo: {name: (Path(v).read_bytes() if isinstance(v, Path) else v) for name, v in files.items()}
@@ -29,21 +30,7 @@ class FakeHub:
         self.cut_after, self.lie_sha = cut_after, set(lie_sha)
         self.requests: list[tuple[str, str, str | None]] = []
         self._cut_done: set[str] = set()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def __enter__(self) -> "FakeHub":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__()
 
     def sha(self, repo: str, name: str) -> str:
         if name in self.lie_sha:

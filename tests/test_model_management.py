@@ -1,0 +1,192 @@
+"""Models managed over Ollama's API and pulled by Ollama names (issue 37 §3): `edgepaged pull
+NAME:TAG` and `/api/pull` speak Ollama's registry protocol against a loopback server laid out
+as that registry (edgepaged.testing.registry: manifest, a 307 to the blob, Range), resumed
+after a cut, digest-checked, refusing what the runtime cannot serve before the weights move;
+/api/pull, /api/copy, /api/create, /api/blobs and /api/delete with the `ollama` package
+against a running box; who may manage models (admins, loopback, --admin-from)."""
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from edgepaged.testing.registry import FakeRegistry
+from test_store import CLI, ROOT, Serve, cli, env, models, tiny  # noqa: F401 - fixtures and helpers
+
+QUESTION = [{"role": "user", "content": "hello"}]
+
+
+def reg_env(env, reg) -> dict:
+    return {**env, "EDGEPAGED_OLLAMA_REGISTRY": reg.url}
+
+
+def test_pull_by_ollama_name_resumes_checks_and_keeps_the_manifest(tiny, env):
+    """The first transfer is cut: the pull says so and keeps the bytes; the second asks for the
+    rest (Range) and the file's sha256 is the manifest's digest; the manifest's system prompt
+    and parameters are kept; a third pull of the same name fetches no weights again."""
+    data = tiny["llama"].read_bytes()
+    with FakeRegistry(cut_after=len(data) // 3) as reg:
+        m = reg.add("library/tiny", "1b", data, system="You are Ada.", parameters={"temperature": 0, "stop": ["</s>"]})
+        digest = m["layers"][0]["digest"]
+        e = reg_env(env, reg)
+        first = cli(e, "pull", "tiny:1b")
+        second = cli(e, "pull", "tiny:1b", "--json")
+        third = cli(e, "pull", "tiny:1b")
+        missing = cli(e, "pull", "nothing:here")
+        ranges = reg.gets_of(digest)
+    assert first.returncode != 0 and "pull again to resume" in first.stderr, first.stderr
+    assert second.returncode == 0, second.stderr
+    assert ranges[:2] == [None, f"bytes={len(data) // 3}-"], ranges       # resumed, not started over
+    assert len(ranges) == 2                                                 # the third pull fetched nothing
+    assert third.returncode == 0, third.stderr
+    entry = json.loads(second.stdout.strip().splitlines()[-1])
+    assert entry["name"] == "tiny:1b" and entry["architecture"] == "llama"
+    assert "sha256:" + entry["sha256"] == digest == "sha256:" + hashlib.sha256(Path(entry["path"]).read_bytes()).hexdigest()
+    assert entry["system"] == "You are Ada." and entry["parameters"] == {"temperature": 0, "stop": ["</s>"]}
+    assert "pulling manifest" in second.stderr and "100.0%" in second.stderr
+    assert missing.returncode != 0 and "no such model" in missing.stderr
+    listed = {x["name"]: x for x in models(e)}
+    assert listed["tiny:1b"]["source"] == "store"
+
+
+def test_what_the_runtime_cannot_serve_is_refused_before_the_weights_move(tiny, env, tmp_path):
+    data = tiny["llama"].read_bytes()
+    with FakeRegistry() as reg:
+        vision = reg.add("library/seer", "latest", data, projector=b"\0" * 1000)
+        mamba = reg.add("library/snake", "latest", data, family="mamba")
+        liar = reg.add("library/liar", "latest", data + b"x")
+        reg.lie.add(liar["layers"][0]["digest"])
+        not_gguf = reg.add("library/text", "latest", b"hello, not a model" * 100)
+        e = reg_env(env, reg)
+        r_vision = cli(e, "pull", "seer")
+        r_mamba = cli(e, "pull", "snake")
+        r_liar = cli(e, "pull", "liar")
+        r_text = cli(e, "pull", "text")
+        r_host = cli(e, "pull", "elsewhere.example/library/tiny:1b")
+        fetched = {p for m, p, _ in reg.requests if p.startswith("/cdn/")}
+    assert r_vision.returncode != 0 and "vision projector" in r_vision.stderr
+    assert r_mamba.returncode != 0 and "mamba" in r_mamba.stderr and "edgepaged runs" in r_mamba.stderr
+    for refused in (vision, mamba):       # not a byte of their weights was asked for
+        assert f"/cdn/{refused['layers'][0]['digest']}" not in fetched
+    assert r_liar.returncode != 0 and "does not match its digest" in r_liar.stderr
+    assert r_text.returncode != 0 and "not a GGUF file" in r_text.stderr
+    assert r_host.returncode != 0 and "names the registry 'elsewhere.example'" in r_host.stderr
+    store = Path(e["EDGEPAGED_STORE"])
+    assert not [p for p in store.rglob("*") if p.is_file()], list(store.rglob("*"))   # nothing half-kept
+    assert models(e) == []
+
+
+def _lines(resp) -> list[dict]:
+    return [json.loads(x) for x in resp.text.splitlines() if x.strip()]
+
+
+def test_models_managed_over_the_ollama_api(tiny, env, tmp_path):
+    """A several-model box: pull (as Home Assistant calls it, and streamed), then the model
+    answers at once; create from it with a system prompt (greedy answers equal the same
+    request with that system message), create from an uploaded blob, copy, delete."""
+    import ollama
+    data = tiny["llama"].read_bytes()
+    with FakeRegistry() as reg:
+        digest = reg.add("library/tiny", "1b", data, parameters={"temperature": 0})["layers"][0]["digest"]
+        e = reg_env(env, reg)
+        assert cli(e, "pull", str(tiny["qwen2"]), "--name", "base").returncode == 0
+        box = Serve(e, "--model", "all", "--kv-memory", "16M")
+        try:
+            c = ollama.Client(host=box.http, timeout=120)
+            assert "tiny:1b" not in {m.model for m in c.list().models}
+            assert c.pull("tiny:1b").status == "success"                       # Home Assistant's call
+            assert "tiny:1b" in {m.model for m in c.list().models}
+            opts = {"temperature": 0, "num_predict": 8}
+            plain = c.chat(model="tiny:1b", messages=QUESTION, options=opts).message.content
+            assert plain
+            streamed = _lines(httpx.post(box.http + "/api/pull", json={"model": "tiny:1b"}, timeout=60))
+            assert streamed[0] == {"status": "pulling manifest"} and streamed[-1] == {"status": "success"}
+            layer = next(x for x in streamed if x.get("digest") == digest)
+            assert layer["total"] == len(data) == layer["completed"]
+
+            system = "Always answer as Ada, the house's assistant."
+            assert c.create(model="house", from_="tiny:1b", system=system).status == "success"
+            as_house = c.chat(model="house", messages=QUESTION, options=opts).message.content
+            by_hand = c.chat(model="tiny:1b", messages=[{"role": "system", "content": system}] + QUESTION,
+                             options=opts).message.content
+            assert as_house == by_hand != plain
+            shown = c.show("house")
+            assert f"SYSTEM \"\"\"{system}\"\"\"" in shown.modelfile and "temperature" in shown.parameters   # and tiny:1b's
+
+            blob = c.create_blob(tiny["qwen2"])
+            assert httpx.head(f"{box.http}/api/blobs/{blob}").status_code == 200
+            assert httpx.head(f"{box.http}/api/blobs/sha256:{'0' * 64}").status_code == 404
+            wrong = httpx.post(f"{box.http}/api/blobs/sha256:{'1' * 64}", content=b"other bytes")
+            assert wrong.status_code == 400 and "digest mismatch" in wrong.json()["error"]
+            assert c.create(model="uploaded", files={"tiny-qwen2.gguf": blob}).status == "success"
+            assert c.chat(model="uploaded", messages=QUESTION, options=opts).message.content == \
+                c.chat(model="base", messages=QUESTION, options=opts).message.content
+
+            assert c.copy("tiny:1b", "tiny-copy").status == "success"
+            assert c.chat(model="tiny-copy", messages=QUESTION, options=opts).message.content == plain
+            assert c.delete("tiny-copy").status == "success"
+            names = {m.model for m in c.list().models}
+            assert "tiny-copy:latest" not in names and {"tiny:1b", "house:latest", "uploaded:latest"} <= names
+            with pytest.raises(ollama.ResponseError) as gone:
+                c.delete("tiny-copy")
+            assert gone.value.status_code == 404
+            with pytest.raises(ollama.ResponseError) as q:
+                c.create(model="smaller", from_="tiny:1b", quantize="q4_K_M")
+            assert q.value.status_code == 400 and "does not quantize" in q.value.error
+            path = httpx.post(box.http + "/api/pull", json={"model": str(tiny["llama"]), "stream": False})
+            assert path.status_code == 400 and "never a path" in path.json()["error"]
+            assert box.proc.poll() is None
+        finally:
+            box.stop()
+    listed = {x["name"] for x in models(e)}
+    assert {"tiny:1b", "house", "uploaded", "base"} <= listed and "tiny-copy" not in listed
+
+
+def test_who_may_manage_models(tiny, env, tmp_path):
+    """With tokens: an admin's token may, another user's gets 403, none 401. An open box: the
+    box itself (loopback) may, a caller from the network gets 403 naming --admin-from, unless
+    --admin-from names its network."""
+    import trio
+    from starlette.requests import Request
+
+    from edgepaged.server.manage import ModelAdmin
+    from edgepaged.server.ollama_api import OllamaError
+    users = tmp_path / "users"
+    users.write_text("ada admin-token admin\nbob bob-token\n")
+    assert cli(env, "pull", str(tiny["qwen2"]), "--name", "base").returncode == 0
+    box = Serve(env, "--model", "all", "--kv-memory", "16M", "--users", str(users))
+    try:
+        def delete(token=None):
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            return httpx.request("DELETE", box.http + "/api/delete", json={"model": "nothing"}, headers=headers)
+        assert delete().status_code == 401
+        bob = delete("bob-token")
+        assert bob.status_code == 403 and "admin" in bob.json()["error"]
+        assert delete("admin-token").status_code == 404        # allowed; there is no such model
+    finally:
+        box.stop()
+
+    class Http:          # what ModelAdmin asks of its HttpServer on an open box
+        class front:
+            auth_required = False
+
+        @staticmethod
+        def _peer(request):
+            return request.client.host
+
+    def allowed(peer: str, admin_from=()) -> str:
+        request = Request({"type": "http", "method": "POST", "path": "/api/pull", "headers": [],
+                           "client": (peer, 50000)})
+        try:
+            trio.run(ModelAdmin(Http, admin_from).check, request)
+            return "yes"
+        except OllamaError as err:
+            assert err.status == 403
+            return str(err)
+    assert allowed("127.0.0.1") == allowed("::1") == allowed("::ffff:127.0.0.1") == "yes"
+    refused = allowed("192.168.1.7")
+    assert "--admin-from" in refused and "192.168.1.7" in refused
+    assert allowed("192.168.1.7", ("192.168.1.0/24",)) == "yes"
+    assert allowed("10.0.0.9", ("192.168.1.0/24",)) != "yes"
