@@ -2,15 +2,18 @@
 against `edgepaged serve` (a subprocess, loopback only).
 
 1. `texts_s`: 256 texts of ~100 tokens embedded through `/v1/embeddings` in batches of 32
-   (four batches in flight), on the served model (default: the embedded SmolLM2-135M).
+   (four batches in flight) by a synthetic nomic-embed-text-shaped GGUF (F16, as Ollama ships
+   it: 12 layers, hidden 768, rotary, SwiGLU), served beside the embedded chat model on one
+   box; `shapes` has the same for every `--shape` (mxbai-embed-large, the largest BERT shape,
+   by default too) and for the chat model itself (`decoder`: last-token pooling).
 2. `chat_ttft_alone_s` and `chat_ttft_beside_flood_s`: a short chat's first token (streamed,
-   median of 5), alone and while the 256 texts are being embedded; `chat_ttft_ratio` their
-   ratio (embeddings are background work).
-3. `llama_cpp_texts_s`: llama.cpp's embeddings of the same texts on the same file with
-   `llama-server --embeddings --pooling last` when `--llama-server PATH` is given, else null
-   with the reason.
+   median of 5) on the chat model, alone and while the nomic-shaped model embeds the 256
+   texts; `chat_ttft_ratio` their ratio.
+3. `llama_cpp_texts_s`: llama.cpp's server (`--embeddings`, the file's own pooling) on the
+   same nomic-shaped file when `--llama-server PATH` is given or `llama-server` is on the
+   PATH, else null with the reason; per shape in `shapes` too.
 
-    python bench/embed_bench.py [--json] [--model FILE.gguf] [--llama-server PATH]
+    python bench/embed_bench.py [--json] [--shape NAME ...] [--model FILE.gguf] [--llama-server PATH]
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 from family_bench import cpu_flags
 from soak import free_port, start_server
@@ -29,8 +33,9 @@ WORDS = ("the house keeps its lights low at night while the kitchen timer counts
          "is done and the garden sprinklers wake at dawn").split()
 
 
-def texts(n: int = 256, words: int = 80) -> list[str]:
-    return [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(words)) + f" (note {i})" for i in range(n)]
+def texts(n: int = 256, words: int = 80, vocabulary=WORDS) -> list[str]:
+    return [" ".join(vocabulary[(i * 7 + j) % len(vocabulary)] for j in range(words)) + f" (note {i})"
+            for i in range(n)]
 
 
 def post(url: str, body: dict, timeout: float = 600) -> dict:
@@ -39,7 +44,7 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(r.read())
 
 
-def embed_all(base: str, items: list[str], batch: int = 32, parallel: int = 4) -> float:
+def embed_all(base: str, items: list[str], batch: int = 32, parallel: int = 4, model: str | None = None) -> float:
     """Seconds to embed `items` in batches, `parallel` in flight."""
     chunks = [items[i:i + batch] for i in range(0, len(items), batch)]
     t0 = time.perf_counter()
@@ -47,7 +52,7 @@ def embed_all(base: str, items: list[str], batch: int = 32, parallel: int = 4) -
     for k in range(parallel):
         def run(k=k):
             for c in chunks[k::parallel]:
-                out = post(base + "/v1/embeddings", {"input": c})
+                out = post(base + "/v1/embeddings", {"input": c, **({"model": model} if model else {})})
                 assert len(out["data"]) == len(c)
         threads.append(threading.Thread(target=run))
     for t in threads:
@@ -74,14 +79,14 @@ def ttft(base: str) -> float:
     return time.perf_counter() - t0
 
 
-def llama_cpp(server: str | None, model: str, items: list[str]) -> tuple[float | None, str | None]:
-    """llama.cpp's server on the same file, last-token pooling, the same batches."""
+def llama_cpp(server: str | None, model: str, items: list[str], pooling: str = "last") -> tuple[float | None, str | None]:
+    """llama.cpp's server on the same file, the same pooling, the same batches."""
     import shutil
     exe = server or shutil.which("llama-server")
     if exe is None:
         return None, "llama.cpp's llama-server is not installed here (give --llama-server PATH)"
     port = free_port()
-    proc = subprocess.Popen([exe, "-m", model, "--embeddings", "--pooling", "last", "--host", "127.0.0.1", "--port",
+    proc = subprocess.Popen([exe, "-m", model, "--embeddings", "--pooling", pooling, "--host", "127.0.0.1", "--port",
                              str(port), "-t", "2", "-c", "8192", "-ub", "2048", "-b", "2048"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
@@ -102,23 +107,49 @@ def llama_cpp(server: str | None, model: str, items: list[str]) -> tuple[float |
         proc.wait(30)
 
 
+def measure(base: str, items: list[str], model: str | None) -> dict:
+    body = {"input": items[:32], **({"model": model} if model else {})}
+    post(base + "/v1/embeddings", {**body, "input": items[:4]})                   # warm (and load)
+    tokens = post(base + "/v1/embeddings", body)["usage"]["prompt_tokens"] / 32
+    took = embed_all(base, items, model=model)
+    return {"tokens_per_text": round(tokens, 1), "texts_s": round(len(items) / took, 2)}
+
+
 def main() -> None:
+    from edgepaged.model.loader import default_model_path
+    from edgepaged.testing.encoders import SHAPES, WORDS as ENCODER_WORDS, synthetic_encoder_gguf
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default=None, help="the chat model (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--shape", action="append", choices=sorted(SHAPES),
+                    help="encoder shapes to measure (default: nomic-embed-text and mxbai-embed-large)")
     ap.add_argument("--llama-server", default=None)
     args = ap.parse_args()
-    items = texts()
-    proc, base, _ = start_server(*(["--model", args.model] if args.model else []))
+    shapes = args.shape or ["nomic-embed-text", "mxbai-embed-large"]
+    if "nomic-embed-text" not in shapes:
+        shapes.insert(0, "nomic-embed-text")
+    import tempfile
+    work = Path(tempfile.mkdtemp(prefix="embed-bench-"))
+    files = {s: synthetic_encoder_gguf(s, work / f"{s}.gguf") for s in shapes}
+    chat = args.model or str(default_model_path())
+    items = texts(vocabulary=ENCODER_WORDS)            # words the synthetic vocabulary has: ~1 token each
+    decoder_items = texts()
+    flags = ["--model", chat] + [x for s in shapes for x in ("--model", str(files[s]))] + ["--memory-budget", "12G"]
+    proc, base, _ = start_server(*flags)
+    out = {"cpu": cpu_flags(), "chat_model": args.model or "embedded SmolLM2-135M-Instruct Q4_1", "texts": len(items),
+           "shapes": {}}
+    names = {s: files[s].stem for s in shapes}
     try:
-        post(base + "/v1/embeddings", {"input": items[:4]})                       # warm
-        tokens = post(base + "/v1/embeddings", {"input": items[:32]})["usage"]["prompt_tokens"] / 32
-        took = embed_all(base, items)
+        for s in shapes:
+            out["shapes"][s] = measure(base, items, names[s])
+            print(f"{s}: {out['shapes'][s]['texts_s']} texts/s ({out['shapes'][s]['tokens_per_text']} tokens each)")
+        out["shapes"]["decoder"] = measure(base, decoder_items, None)
+        nomic = names["nomic-embed-text"]
         alone = [ttft(base) for _ in range(5)]
         beside, done = [], threading.Event()
 
         def flood():
-            embed_all(base, items)
+            embed_all(base, items, model=nomic)
             done.set()
         th = threading.Thread(target=flood)
         th.start()
@@ -129,18 +160,25 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    out = {"cpu": cpu_flags(), "model": args.model or "embedded SmolLM2-135M-Instruct Q4_1", "texts": len(items),
-           "tokens_per_text": round(tokens, 1), "texts_s": round(len(items) / took, 2),
-           "chat_ttft_alone_s": round(statistics.median(alone), 3),
-           "chat_ttft_beside_flood_s": round(statistics.median(beside), 3) if beside else None,
-           }
-    from edgepaged.model.loader import default_model_path
-    out["llama_cpp_texts_s"], out["llama_cpp_note"] = llama_cpp(args.llama_server, args.model or str(default_model_path()),
-                                                                items)
+    out["texts_s"] = out["shapes"]["nomic-embed-text"]["texts_s"]
+    out["tokens_per_text"] = out["shapes"]["nomic-embed-text"]["tokens_per_text"]
+    out["chat_ttft_alone_s"] = round(statistics.median(alone), 3)
+    out["chat_ttft_beside_flood_s"] = round(statistics.median(beside), 3) if beside else None
     if beside:
         out["chat_ttft_ratio"] = round(out["chat_ttft_beside_flood_s"] / out["chat_ttft_alone_s"], 2)
-    print(f"{out['texts_s']} texts/s ({out['tokens_per_text']} tokens each); chat TTFT alone "
-          f"{out['chat_ttft_alone_s']} s, beside the flood {out['chat_ttft_beside_flood_s']} s")
+    for s in shapes:
+        out["shapes"][s]["llama_cpp_texts_s"], note = llama_cpp(args.llama_server, str(files[s]), items, "mean")
+        if note:
+            out["shapes"][s]["llama_cpp_note"] = note
+    out["llama_cpp_texts_s"] = out["shapes"]["nomic-embed-text"]["llama_cpp_texts_s"]
+    out["llama_cpp_note"] = out["shapes"]["nomic-embed-text"].get("llama_cpp_note")
+    if out["llama_cpp_texts_s"]:
+        out["ratio_vs_llama_cpp"] = round(out["texts_s"] / out["llama_cpp_texts_s"], 2)
+    print(f"nomic-embed-text shape: {out['texts_s']} texts/s; chat TTFT alone {out['chat_ttft_alone_s']} s, "
+          f"beside the flood {out['chat_ttft_beside_flood_s']} s; llama.cpp: "
+          f"{out['llama_cpp_texts_s'] or out['llama_cpp_note']}")
+    import shutil
+    shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps(out))
 

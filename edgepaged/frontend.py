@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -193,10 +194,17 @@ class FrontEnd:
     def warm_grammars(self) -> None:
         """Build the llguidance tokenizer ahead of the first format (call it in a worker thread
         while nobody waits: its constructor holds the GIL ~0.2-0.3 s)."""
+        if self.embedding_only:
+            return
         try:
             self.grammars.lltok
         except Exception as e:   # no grammars is no reason not to serve; the first format says why
             log.warning("the grammar tokenizer could not be built: %s", e)
+
+    @property
+    def embedding_only(self) -> bool:
+        """An embedding model (encoder.py): it answers embeddings only."""
+        return bool(getattr(self.engine.runner, "embedding_only", False))
 
     # -- who is asking --------------------------------------------------------------------------
     @property
@@ -248,6 +256,9 @@ class FrontEnd:
     async def build(self, item: GenerateRequest, caller: Caller) -> Request:
         """Validate, render and tokenize one request into an engine Request; RequestRejected
         with the protocol's code when something is wrong with it."""
+        if self.embedding_only:
+            raise RequestRejected("invalid_params", f"{self.model} is an embedding model: it answers /api/embed and "
+                                  "/v1/embeddings, not chat or generate")
         if item.priority not in PRIORITIES:
             raise RequestRejected("bad_request", f"priority must be one of {', '.join(PRIORITIES)}")
         try:
@@ -410,24 +421,31 @@ class FrontEnd:
             ids = await trio.to_thread.run_sync(encode)
         except Exception as e:    # text the tokenizer cannot take (lone surrogates, ...)
             raise RequestRejected("bad_request", f"cannot tokenize the input: {_short(e)}") from None
-        most = min(self.max_prompt_tokens, self.engine.max_model_len - 1)
+        # an encoder takes its whole context (nothing is generated after it)
+        most = min(self.max_prompt_tokens, self.engine.max_model_len - (0 if self.embedding_only else 1))
         total, cap = sum(min(len(x), most) for x in ids), self.config.max_identity_tokens
         if cap and total > cap:    # one request's embedding work is bounded like a user's answers
             raise RequestRejected("invalid_params", f"the inputs have {total} tokens; this server embeds at most "
                                   f"{cap} in one request (serve --max-identity-tokens): send them in parts")
+        # a decoder embedding model's pooling (its file's pooling_type): mean needs every position's
+        # state from this request's own steps, so it never starts from a cached prefix (a salt of its own)
+        pool = "last" if self.embedding_only else getattr(getattr(self.engine.runner, "config", None), "extra",
+                                                           {}).get("pooling", "last")
         out = []
         for i, x in enumerate(ids):
             if len(x) > most:
                 if not truncate:
                     raise RequestRejected("prompt_too_long", f"input[{i}] has {len(x)} tokens; this model embeds at "
                                           f"most {most} (truncate: true cuts it)")
-                x = x[:most]
+                # an encoder's input keeps its closing [SEP], as its tokenizer's truncation does
+                x = x[:most - 1] + x[-1:] if self.embedding_only else x[:most]
             # background work: a household embedding its documents never holds up a question's
             # first token (the scheduler's background share and chunk cut apply)
             out.append(Request(prompt_ids=x, params=SamplingParams(temperature=0, max_tokens=1), client=caller.client,
                                priority=BACKGROUND,
-                               salt=cache_salt(caller.identity, False, caller.namespace), owner=caller.identity,
-                               engine=self.engine, model=self.model, embed=True))
+                               salt=cache_salt(caller.identity, False, caller.namespace) if pool == "last" else
+                               secrets.randbits(62) | 1, owner=caller.identity,
+                               engine=self.engine, model=self.model, embed=True, pool=pool))
         return out
 
     def _template_kwargs(self, item: GenerateRequest, offered) -> dict:

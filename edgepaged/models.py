@@ -407,6 +407,8 @@ class MultiFront(FrontEnd):
     """The front end every door talks to when the box serves several models: auth and identity
     are the box's; a request is validated, rendered and tokenized by its model's FrontEnd."""
 
+    embedding_only = False                      # each model's own front end says
+
     def __init__(self, models: ModelSet):       # no engine of its own: FrontEnd.__init__ is not run
         self.modelset = models
         self.config = models.front_config

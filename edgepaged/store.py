@@ -105,11 +105,20 @@ def inspect(path: Path) -> dict:
     """architecture, quantization and context of a GGUF file the runtime can serve; StoreError
     saying why not (truncated, not GGUF, an architecture or tensor it does not run)."""
     from .model.loader import ModelFiles
+    from .model import encoder
     try:
         with open(path, "rb") as f:
             head = f.read(4)
         if head != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (it starts with {head!r}, not b'GGUF')")
+        if encoder.is_encoder(path):          # an embedding model (BERT family)
+            cfg = encoder.inspect(path)["config"]
+            from .model.gguf_file import GgufFile
+            from .model.loader import FILE_TYPES
+            ftype = GgufFile(path).fields.get("general.file_type")
+            return {"architecture": cfg.arch, "quantization": FILE_TYPES.get(ftype, "F32" if ftype is None else
+                                                                             f"type {ftype}"),
+                    "context": cfg.context_length, "size_bytes": path.stat().st_size}
         files = ModelFiles(path)
         if files.reader is None:
             raise ValueError(f"{path} is not a GGUF file")

@@ -113,3 +113,33 @@ async def test_one_request_embeds_a_bounded_number_of_tokens(embedded_runner):
         assert status == 400 and b"--max-identity-tokens" in raw and b"send them in parts" in raw
         status, _, raw = await afetch(server.http_base + "/v1/embeddings", {"input": [TEXTS[0]] * 2})
         assert status == 200
+
+
+@pytest.mark.parametrize("runtime", ["cpu", "torch"])
+async def test_mean_pooling_of_a_decoder_across_chunks(runtime, tmp_path):
+    """A decoder embedding model whose file says mean pooling (`pooling_type` 1): the mean of
+    every prompt position's final-norm state, gathered over prefill chunks (the engine cuts a
+    long prompt into several steps), matches transformers'; the same text twice (its prefix
+    cached by the first) still gives every position's state."""
+    from edgepaged.model import ModelRunner
+    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.testing.families import make_family_model, write_family_gguf
+    hf = make_family_model(tmp_path / "m", "qwen3", seed=5)
+    gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0, pooling=1)
+    runner = CpuRunner(gguf, num_blocks=64) if runtime == "cpu" else ModelRunner(gguf, num_blocks=64)
+    long = " ".join(TEXTS * 6)
+    inputs = [long, TEXTS[0], long]
+    async with serving(runner, http=True, engine={"max_num_batched_tokens": 32}) as server:
+        status, _, raw = await afetch(server.http_base + "/v1/embeddings", {"input": inputs})
+        assert status == 200, raw
+        got = [d["embedding"] for d in json.loads(raw)["data"]]
+        ids = [runner.tokenizer.encode(t) for t in inputs]
+        assert server.engine.stats()["kv_blocks_used"] == 0
+    assert len(ids[0]) > 3 * 32                               # several chunks
+    for text_ids, vec in zip(ids, got):
+        with torch.no_grad():
+            out = hf(torch.tensor([text_ids]), output_hidden_states=True)
+        want = out.hidden_states[-1][0].mean(0).numpy()
+        assert cosine(vec, want) >= 0.9999, (runtime, cosine(vec, want))
+        last = out.hidden_states[-1][0, -1].numpy()
+        assert cosine(vec, last) < 0.999                     # not the last token's state

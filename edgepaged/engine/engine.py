@@ -283,6 +283,13 @@ class Engine:
         if forks:
             batch.logits_indices = np.concatenate([batch.logits_indices,
                                                    batch.logits_indices[[j for j, _ in forks]]])
+        # mean-pooled embeddings: every row of their chunks is a row whose final state comes back
+        qsl = batch.query_start_loc
+        pool = [(r, s) for j, r in enumerate(batch.requests) if r.pool == "mean" and not r.finished
+                for s in range(int(qsl[j]), int(qsl[j + 1]))]
+        if pool:
+            batch.logits_indices = np.concatenate([batch.logits_indices, np.array([s for _, s in pool], np.int64)])
+            rows = rows + [r for r, _ in pool]
         prev = [r.all_ids if r.params.needs_history else [] for r in rows]
         params = [r.params for r in rows]
         matchers = [r.matcher for r in rows] if any(r.matcher is not None for r in rows) else None
@@ -296,6 +303,8 @@ class Engine:
             t0 = time.monotonic()
             tokens, grammar = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers, outputs,
                                                             rows, embeds)
+            if pool:
+                tokens = self._pooled(batch, pool, tokens)
             self.scheduler.observe_step(batch.num_tokens, time.monotonic() - t0)
             ok = True
         except Exception as e:  # a failed step fails only its own requests
@@ -309,6 +318,19 @@ class Engine:
             self._free_after_step(batch, cache=ok)
         if ok:
             self._process(batch, tokens, forks, grammar)
+
+    @staticmethod
+    def _pooled(batch: Batch, pool: list, tokens: list) -> list:
+        """Keep the final states of mean-pooled rows by position (a preempted request that
+        computes a position again writes the same state); the other rows' outputs go on."""
+        n = len(tokens) - len(pool)
+        for (req, s), state in zip(pool, tokens[n:]):
+            if isinstance(state, BaseException):
+                continue
+            if req.pooled is None:
+                req.pooled = np.full((len(req.prompt_ids), len(state)), np.nan, np.float32)
+            req.pooled[int(batch.positions[s])] = state
+        return tokens[:n]
 
     def _free_after_step(self, batch: Batch, cache: bool) -> None:
         """The step is over: requests of the batch that ended while it ran (cancel,
@@ -405,6 +427,11 @@ class Engine:
             return 0
         if req.embed:                         # its prompt's hidden state: the whole answer
             req.first_token = now
+            if req.pool == "mean":
+                if req.pooled is None or np.isnan(req.pooled[:, 0]).any():
+                    raise RuntimeError("a mean-pooled embedding is missing positions")
+                tok = req.pooled.mean(0)
+                req.pooled = None
             self._send(req, EmbeddingEvent(tok))
             req.stop_reason = "embedding"
             self._end(req, "stop")

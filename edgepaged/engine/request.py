@@ -108,6 +108,8 @@ class Request:
     context_window: tuple[int, int] | None = None
     released_upto: int = 0         # blocks before this index were checked for release
     embed: bool = False            # an embedding: the prompt's final hidden state, no token sampled
+    pool: str = "last"             # an embedding's pooling: "last" (its last token's state) or "mean"
+    pooled: Any = None             # mean pooling: the prompt's final states by position, as steps compute them
 
     @property
     def all_ids(self) -> list[int]:

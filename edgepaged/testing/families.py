@@ -319,10 +319,12 @@ def gguf_tensor_name(hf: str, arch: str) -> str:
     return f"blk.{i}.{names[base]}.{kind}"
 
 
-def write_family_gguf(folder, path, model=None, *, qtype: int = 0, user_defined: tuple = ()) -> Path:
+def write_family_gguf(folder, path, model=None, *, qtype: int = 0, user_defined: tuple = (),
+                      pooling: int | None = None) -> Path:
     """Write the Hugging Face folder's model (or `model`) as a llama.cpp GGUF file at `path`:
     `qtype` 0 (F32), 1 (F16) or 8 (Q8_0) for the 2-D weights; `user_defined`: tokens written
-    as text tokens (GGUF's USER_DEFINED), not control tokens (Qwen3's <think> in its files)."""
+    as text tokens (GGUF's USER_DEFINED), not control tokens (Qwen3's <think> in its files);
+    `pooling`: an embedding model's `{arch}.pooling_type` (1 mean, 3 last)."""
     import gguf
     import transformers
     folder = Path(folder)
@@ -344,6 +346,8 @@ def write_family_gguf(folder, path, model=None, *, qtype: int = 0, user_defined:
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if pooling is not None:
+        w.add_uint32(f"{arch}.pooling_type", pooling)
     if head_dim != c.hidden_size // heads or name.startswith("gemma") or name == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
