@@ -5,7 +5,10 @@ against `edgepaged serve` (a subprocess, loopback only).
    (four batches in flight) by a synthetic nomic-embed-text-shaped GGUF (F16, as Ollama ships
    it: 12 layers, hidden 768, rotary, SwiGLU), served beside the embedded chat model on one
    box; `shapes` has the same for every `--shape` (mxbai-embed-large, the largest BERT shape,
-   by default too) and for the chat model itself (`decoder`: last-token pooling).
+   by default too) and for the chat model itself (`decoder`: last-token pooling). The
+   encoders multiply with the integer kernels (`--quant-math auto`: weights requantized to
+   Q8_0); `int8_cos_min_vs_exact` per shape: the smallest cosine between those vectors and
+   the exact f32 ones over 32 of the texts.
 2. `chat_ttft_alone_s` and `chat_ttft_beside_flood_s`: a short chat's first token (streamed,
    median of 5) on the chat model, alone and while the nomic-shaped model embeds the 256
    texts; `chat_ttft_ratio` their ratio.
@@ -20,14 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
 from family_bench import cpu_flags
-from soak import free_port, start_server
+from soak import start_llama_server, start_server
 
 WORDS = ("the house keeps its lights low at night while the kitchen timer counts the minutes until the bread "
          "is done and the garden sprinklers wake at dawn").split()
@@ -85,21 +87,11 @@ def llama_cpp(server: str | None, model: str, items: list[str], pooling: str = "
     exe = server or shutil.which("llama-server")
     if exe is None:
         return None, "llama.cpp's llama-server is not installed here (give --llama-server PATH)"
-    port = free_port()
-    proc = subprocess.Popen([exe, "-m", model, "--embeddings", "--pooling", pooling, "--host", "127.0.0.1", "--port",
-                             str(port), "-t", "2", "-c", "8192", "-ub", "2048", "-b", "2048"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_llama_server(exe, model, "--embeddings", "--pooling", pooling, "-t", "2", "-c", "8192",
+                                    "-ub", "2048", "-b", "2048")
+    if proc is None:
+        return None, "llama-server did not start"
     try:
-        for _ in range(120):
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            return None, "llama-server did not start"
         post(base + "/v1/embeddings", {"input": items[:4]})
         return round(len(items) / embed_all(base, items), 2), None
     finally:
@@ -113,6 +105,19 @@ def measure(base: str, items: list[str], model: str | None) -> dict:
     tokens = post(base + "/v1/embeddings", body)["usage"]["prompt_tokens"] / 32
     took = embed_all(base, items, model=model)
     return {"tokens_per_text": round(tokens, 1), "texts_s": round(len(items) / took, 2)}
+
+
+def int8_error(path: Path, items: list[str]) -> float:
+    """The smallest cosine between the served vectors (int8 math: weights requantized to
+    Q8_0, activations per block of 32) and the exact f32 ones, over 32 of the texts."""
+    import numpy as np
+
+    from edgepaged.model.encoder import load_encoder
+    exact, tok = load_encoder(path, "exact")
+    int8, _ = load_encoder(path, "int8")
+    seqs = [np.array(tok.encode(t)) for t in items[:32]]
+    return round(min(float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+                     for a, b in zip(exact.embed(seqs), int8.embed(seqs))), 6)
 
 
 def main() -> None:
@@ -167,6 +172,7 @@ def main() -> None:
     if beside:
         out["chat_ttft_ratio"] = round(out["chat_ttft_beside_flood_s"] / out["chat_ttft_alone_s"], 2)
     for s in shapes:
+        out["shapes"][s]["int8_cos_min_vs_exact"] = int8_error(files[s], items)
         out["shapes"][s]["llama_cpp_texts_s"], note = llama_cpp(args.llama_server, str(files[s]), items, "mean")
         if note:
             out["shapes"][s]["llama_cpp_note"] = note

@@ -52,6 +52,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_llama_server(exe: str, model: str, *flags: str, wait_s: float = 120.0):
+    """llama.cpp's `llama-server` on loopback with `flags`, once /health says ready:
+    (process, base URL), or (None, None) when it did not start (its process ended)."""
+    import time
+    import urllib.request
+    port = free_port()
+    proc = subprocess.Popen([exe, "-m", model, "--host", "127.0.0.1", "--port", str(port), *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    proc.wait(30)
+    return None, None
+
+
 def start_server(*flags: str) -> tuple[subprocess.Popen, str, str]:
     """`edgepaged serve` on loopback with `flags`, once it is ready: (process, HTTP base URL,
     msgpack address). Its later output is read (and dropped) in a thread."""

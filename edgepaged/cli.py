@@ -233,6 +233,16 @@ def main(verbose):
               help="Under load (more than one request in), a step takes about this long at most (seconds; its "
                    "token budget follows the measured speed): a question that arrives waits for a short step. "
                    "0: every step takes --max-batched-tokens.")
+@click.option("--speculate", "speculation", type=click.Choice(["lookup", "off"]), default="lookup", show_default=True,
+              help="Speculative decoding by prompt lookup: a few next tokens guessed from the request's own text "
+                   "(a summary quoting its document, an edit, a tool call echoing the prompt), checked in one "
+                   "forward: the same answer, faster for one or a few streams. It drafts only while few requests "
+                   "run (--spec-max-running) and backs off when guesses miss; a request may say speculative: false.")
+@click.option("--spec-tokens", type=click.IntRange(1, 32), default=8, show_default=True,
+              help="The most tokens one request drafts per step.")
+@click.option("--spec-max-running", type=click.IntRange(1), default=4, show_default=True,
+              help="Requests draft only while at most this many run (a full batch already reads the weights once "
+                   "for many tokens).")
 @click.option("--context-policy", type=click.Choice(["full", "window"]), default="full", show_default=True,
               help="Attention of requests that do not choose one (their context_policy field): full (the whole "
                    "context) or window (the first --sink tokens and the last --window: KV blocks between are "
@@ -249,7 +259,8 @@ def main(verbose):
 def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, block_size, kv_dtype,
           max_batched_tokens, token, http_port, no_http, no_mdns, mdns_interface, max_connections, max_unauthenticated,
           max_unauthenticated_per_address, allowed_hosts, cors_origins, admin_from, max_inflight, max_prompt_tokens, max_tokens,
-          max_request_tokens, max_identity_tokens, grammar_max_depth, grammar_max_bytes, grammar_timeout, grace, users_file, contiguous, quant_math, runtime, step_time, context_policy, window_tokens, window_sink,
+          max_request_tokens, max_identity_tokens, grammar_max_depth, grammar_max_bytes, grammar_timeout, grace, users_file, contiguous, quant_math, runtime, step_time, speculation, spec_tokens, spec_max_running,
+          context_policy, window_tokens, window_sink,
           mdns_refresh):
     """Serve a model on the network (msgpack over TCP and HTTP, advertised by mDNS)."""
     if context_policy == "window" and contiguous:
@@ -309,7 +320,8 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
                                                    compile_timeout_s=grammar_timeout)),
         engine=EngineConfig(max_num_batched_tokens=max_batched_tokens, contiguous=contiguous,
                             context_policy=context_policy, window_tokens=window_tokens, window_sink=window_sink,
-                            step_time_target_s=step_time or None),
+                            step_time_target_s=step_time or None, speculation=speculation, spec_tokens=spec_tokens,
+                            spec_max_running=spec_max_running),
         http=None if no_http else HttpConfig(port=http_port, allowed_hosts=allowed_hosts, cors_origins=cors_origins,
                                                  admin_from=admin_from),
         mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
@@ -499,7 +511,8 @@ def _load_config(ctx: click.Context, path: str | None) -> None:
 EXAMPLE_VALUES = {"model": ["llama3.2:3b"], "kv_memory": "1G", "memory_budget": "6G", "token": "a-long-secret",
                   "mdns_interface": "192.0.2.10", "max_prompt_tokens": 4096, "max_tokens": 2048,
                   "users": "/etc/edgepaged/users", "allowed_host": ["box.example.org"],
-                  "cors_origin": ["http://tools.local:8080"], "quant_math": "auto", "runtime": "auto"}
+                  "cors_origin": ["http://tools.local:8080"], "admin_from": ["192.168.1.0/24"], "quant_math": "auto",
+                  "runtime": "auto"}
 
 
 def _toml_value(value) -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 import trio
 
 from .brief import first_line
-from .engine.request import BACKGROUND, PRIORITIES, Request, RequestRejected
+from .engine.request import BACKGROUND, INTERACTIVE, PRIORITIES, Request, RequestRejected
 from .model.params import SamplingParams
 from .protocol import GenerateRequest
 
@@ -355,7 +355,7 @@ class FrontEnd:
             p = params if k == 0 else replace(params, seed=seed)
             return Request(prompt_ids=ids, params=p, priority=item.priority, client=caller.client,
                            salt=cache_salt(caller.identity, item.share_prefix_cache, caller.namespace),
-                           owner=caller.identity,
+                           owner=caller.identity, speculative=item.speculative,
                            matcher=None if matchers is None else matchers[k],
                            calls=None if calls is None else tl.ToolStream(calls.syntax, tok),
                            lazy=None if lazy is None else tl.LazyCall(lazy[0], lazy[1].grammar, self.grammars, tok,
@@ -441,8 +441,9 @@ class FrontEnd:
                 x = x[:most - 1] + x[-1:] if self.embedding_only else x[:most]
             # background work: a household embedding its documents never holds up a question's
             # first token (the scheduler's background share and chunk cut apply)
+            # (an embedding model's engine serves nothing else: there its requests take whole steps)
             out.append(Request(prompt_ids=x, params=SamplingParams(temperature=0, max_tokens=1), client=caller.client,
-                               priority=BACKGROUND,
+                               priority=INTERACTIVE if self.embedding_only else BACKGROUND,
                                salt=cache_salt(caller.identity, False, caller.namespace) if pool == "last" else
                                secrets.randbits(62) | 1, owner=caller.identity,
                                engine=self.engine, model=self.model, embed=True, pool=pool))

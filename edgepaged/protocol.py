@@ -65,7 +65,7 @@ SAMPLING_FIELDS = {   # name -> accepted python types (after msgpack decoding)
 }
 REQUEST_FIELDS = {"type", "id", "max_tokens", "priority", "stop", "stop_token_ids", "share_prefix_cache",
                   "format", "tools", "tool_choice", "parallel_tool_calls", "n", "model", "keep_alive", "truncate",
-                  "context_policy", "think", *SAMPLING_FIELDS}
+                  "context_policy", "think", "speculative", *SAMPLING_FIELDS}
 
 
 class ProtocolError(Exception):
@@ -195,6 +195,7 @@ class GenerateRequest:
     context_policy: str | None = None  # "full" | "window" (None: the server's)
     think: bool | None = None      # a thinking model thinks (True), or not (False); None: its default
     suffix: str | None = None      # generate: fill in the middle between prompt and suffix (FIM models)
+    speculative: bool | None = None    # False: no speculative decoding for it (None: the server's)
 
 
 @dataclass
@@ -292,6 +293,9 @@ def _parse_generate(msg: dict) -> GenerateRequest:
     if msg.get("share_prefix_cache") is not None:
         _type_check("share_prefix_cache", msg["share_prefix_cache"], (bool,), rid)
         req.share_prefix_cache = msg["share_prefix_cache"]
+    if msg.get("speculative") is not None:
+        _type_check("speculative", msg["speculative"], (bool,), rid)
+        req.speculative = msg["speculative"]
     for name, types in SAMPLING_FIELDS.items():
         if msg.get(name) is not None:
             _type_check(name, msg[name], types, rid)

@@ -156,7 +156,6 @@ def fetch_manifest(ref: Ref) -> dict:
 
 def check_manifest(ref: Ref, manifest: dict) -> dict:
     """The model layer, after refusing what the runtime cannot serve (before any download)."""
-    from .model.loader import SUPPORTED_ARCHS
     for layer in manifest["layers"]:
         why = REFUSED_LAYERS.get(layer.get("mediaType"))
         if why:

@@ -8,6 +8,9 @@ if os.environ.get("EDGEPAGED_GPU_TESTS") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # the clients never remember a server across tests (test_cli.py checks the cache itself)
 os.environ["EDGEPAGED_SERVER_CACHE"] = "0"
+# a pull by Ollama name never leaves the box in a test: the registry is a closed loopback port
+# unless the test serves one of its own (edgepaged.testing.registry)
+os.environ["EDGEPAGED_OLLAMA_REGISTRY"] = "http://127.0.0.1:9"
 
 
 import pytest  # noqa: E402

@@ -6,14 +6,13 @@ after a cut, digest-checked, refusing what the runtime cannot serve before the w
 against a running box; who may manage models (admins, loopback, --admin-from)."""
 import hashlib
 import json
-import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
 
 from edgepaged.testing.registry import FakeRegistry
-from test_store import CLI, ROOT, Serve, cli, env, models, tiny  # noqa: F401 - fixtures and helpers
+from test_store import Serve, cli, env, models, tiny  # noqa: F401 - fixtures and helpers
 
 QUESTION = [{"role": "user", "content": "hello"}]
 
@@ -58,7 +57,7 @@ def test_what_the_runtime_cannot_serve_is_refused_before_the_weights_move(tiny, 
         mamba = reg.add("library/snake", "latest", data, family="mamba")
         liar = reg.add("library/liar", "latest", data + b"x")
         reg.lie.add(liar["layers"][0]["digest"])
-        not_gguf = reg.add("library/text", "latest", b"hello, not a model" * 100)
+        reg.add("library/text", "latest", b"hello, not a model" * 100)
         e = reg_env(env, reg)
         r_vision = cli(e, "pull", "seer")
         r_mamba = cli(e, "pull", "snake")

@@ -191,7 +191,7 @@ async def test_ollama_raw_shapes(embedded_runner):
         assert status == 200 and json.loads(body)["done_reason"] == "load"
         status, _, body = await afetch(http.base + "/api/version")
         assert status == 200 and json.loads(body)["version"]
-        status, _, body = await afetch(http.base + "/api/pull", {"model": "x"})
+        status, _, body = await afetch(http.base + "/api/push", {"model": "x"})
         assert status in (404, 405) and "error" in json.loads(body)
 
 

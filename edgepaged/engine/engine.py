@@ -32,6 +32,7 @@ from .. import brief
 from .metrics import Metrics
 from ..memory import release_free_memory
 from .request import DoneEvent, EmbeddingEvent, Request, Status, TokenEvent
+from .speculate import SpecConfig, Speculation
 from .scheduler import Batch, ScheduleError, Scheduler, SchedulerConfig
 from ..model.grammar import matcher_error
 
@@ -62,6 +63,11 @@ class EngineConfig:
     context_policy: str = "full"
     window_tokens: int = 1024
     window_sink: int = 4
+    # speculative decoding by prompt lookup (speculate.py): "lookup" or "off"; the most drafted
+    # tokens per request and step; drafting only while at most spec_max_running sequences run
+    speculation: str = "lookup"
+    spec_tokens: int = 8
+    spec_max_running: int = 4
 
 
 
@@ -81,15 +87,26 @@ class Engine:
         usable = runner.num_blocks - (0 if cfg.contiguous else max(1, int(cfg.watermark_frac * runner.num_blocks)))
         self.max_model_len = min(cfg.max_model_len or runner.max_model_len, runner.max_model_len,
                                  usable * runner.block_size)
+        # an embedding model's engine serves nothing a person waits on token by token: its steps
+        # take whole batches of inputs (the encoder runs once per input, at its last chunk)
+        encoder = bool(getattr(runner, "embedding_only", False))
         self.scheduler = Scheduler(self.allocator, SchedulerConfig(
             max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, watermark_frac=cfg.watermark_frac,
+            max_num_batched_tokens=max(cfg.max_num_batched_tokens, 4096) if encoder else cfg.max_num_batched_tokens,
+            watermark_frac=cfg.watermark_frac,
             contiguous=cfg.contiguous, background_share=cfg.background_share,
             long_prefill_tokens=cfg.long_prefill_tokens,
             # EDGEPAGED_SCHEDULER=before: admission in arrival order only and full-budget steps, as
             # before short prompts went first and steps were timed
             short_prompt_tokens=0 if os.environ.get("EDGEPAGED_SCHEDULER") == "before" else 256,
-            step_time_target_s=None if os.environ.get("EDGEPAGED_SCHEDULER") == "before" else cfg.step_time_target_s))
+            step_time_target_s=None if os.environ.get("EDGEPAGED_SCHEDULER") == "before" or encoder
+            else cfg.step_time_target_s))
+        if not getattr(runner, "embedding_only", False) and not cfg.contiguous:
+            self.spec = Speculation(SpecConfig(mode=cfg.speculation, max_k=cfg.spec_tokens,
+                                               max_running=cfg.spec_max_running))
+            self.scheduler.spec = self.spec if self.spec.on else None
+        else:
+            self.spec = Speculation(SpecConfig(mode="off"))
         path = getattr(runner, "model_path", None)
         self.model_name = getattr(runner, "model_name", None) or (path.stem if hasattr(path, "stem") else "model")
         self.metrics = Metrics(self.model_name)
@@ -237,7 +254,7 @@ class Engine:
                  block_size=self.block_size, evictions=a["evictions"], max_model_len=self.max_model_len,
                  kv_dtype=getattr(self.runner, "kv_dtype_name", ""),
                  mode="contiguous" if self.config.contiguous else "paged", context_policy=self.config.context_policy,
-                 **self.scheduler.kv_bound_stats())
+                 speculation=self.spec.stats(), **self.scheduler.kv_bound_stats())
         return s
 
     # -- the loop -----------------------------------------------------------------------------
@@ -290,6 +307,15 @@ class Engine:
         if pool:
             batch.logits_indices = np.concatenate([batch.logits_indices, np.array([s for _, s in pool], np.int64)])
             rows = rows + [r for r, _ in pool]
+        # speculation: each drafting request's draft rows come back after every other row
+        spec = {}
+        if batch.spec:
+            at = len(batch.logits_indices)
+            for req, extra in batch.spec.items():
+                spec[batch.sampled.index(req)] = (list(req.drafts), list(range(at, at + len(extra))))
+                at += len(extra)
+            batch.logits_indices = np.concatenate([batch.logits_indices] + [np.asarray(x, np.int64)
+                                                                            for x in batch.spec.values()])
         prev = [r.all_ids if r.params.needs_history else [] for r in rows]
         params = [r.params for r in rows]
         matchers = [r.matcher for r in rows] if any(r.matcher is not None for r in rows) else None
@@ -302,9 +328,11 @@ class Engine:
         try:
             t0 = time.monotonic()
             tokens, grammar = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers, outputs,
-                                                            rows, embeds)
+                                                            rows, embeds, spec)
             if pool:
                 tokens = self._pooled(batch, pool, tokens)
+            if spec:
+                self._settle_drafts(batch, tokens)
             self.scheduler.observe_step(batch.num_tokens, time.monotonic() - t0)
             ok = True
         except Exception as e:  # a failed step fails only its own requests
@@ -342,8 +370,25 @@ class Engine:
         if not self.scheduler.has_work():
             self._idle.set()
 
+    def _settle_drafts(self, batch: Batch, tokens: list) -> None:
+        """After a step with drafts: each drafting sequence keeps the drafts it accepted (the
+        allocator truncates it past them: the rejected ones' slots go, never cached), also when
+        the request ended while the step ran."""
+        for req in batch.spec:
+            i = batch.sampled.index(req)
+            got = tokens[i]
+            kept = len(got) - 1 if isinstance(got, list) else 0
+            drafted = len(req.drafts)
+            req.num_known += kept
+            if self.allocator.has_sequence(req.id):
+                self.allocator.truncate(req.id, req.num_known)
+                req.num_slots = self.allocator.seq_num_slots(req.id)
+            if isinstance(got, list):
+                self.spec.record(req, drafted, kept)
+            req.drafts = []
+
     def _execute(self, batch: Batch, params, prev, matchers=None, outputs=None, rows=(),
-                 embeds=None) -> tuple[list, dict]:
+                 embeds=None, spec=None) -> tuple[list, dict]:
         """In the worker thread: copy-on-write, the forward, sampling (under the constrained
         rows' token masks), then the constrained rows' grammars take their tokens here too (a
         large grammar's step costs milliseconds per row: never on the event loop). Returns the
@@ -357,6 +402,8 @@ class Engine:
             extra["outputs"] = outputs
         if embeds is not None:
             extra["embeds"] = embeds
+        if spec:
+            extra["spec"] = spec
         tokens = self.runner.step(batch, params, prev, **extra)
         return tokens, self._advance_grammars(rows, tokens)
 
@@ -366,6 +413,9 @@ class Engine:
         for req, tok in zip(rows, tokens):
             if req.finished or req.embed or isinstance(tok, BaseException) or (req.matcher is None
                                                                                 and req.lazy is None):
+                continue
+            if isinstance(tok, list):      # speculation: the grammar took the kept tokens as they were verified
+                out[req] = ("spec", req.matcher.is_stopped())
                 continue
             tok = tok[0] if isinstance(tok, tuple) else tok
             if tok in req.params.stop_token_ids or (not req.params.ignore_eos and tok in eos):
@@ -406,6 +456,16 @@ class Engine:
             if req.finished:   # ended while the step ran
                 continue
             try:
+                if isinstance(tok, list):     # speculation: the drafts it kept and the model's own token
+                    for t in tok:
+                        generated += self._take(req, t, now)
+                        if req.finished:
+                            break
+                    took = (grammar or {}).get(req)
+                    if took is not None and took[1] and not req.finished:   # the format is complete
+                        req.stop_reason = "format"
+                        self._end(req, "stop")
+                    continue
                 generated += self._take(req, tok, now, (grammar or {}).get(req))
             except Exception as e:   # anything raised on behalf of one request ends that request only
                 log.error("request %s failed while processing its token: %s", req.id, _short(e))

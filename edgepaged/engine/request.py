@@ -109,6 +109,13 @@ class Request:
     released_upto: int = 0         # blocks before this index were checked for release
     embed: bool = False            # an embedding: the prompt's final hidden state, no token sampled
     pool: str = "last"             # an embedding's pooling: "last" (its last token's state) or "mean"
+    # speculative decoding (speculate.py): None follows the server; this step's drafted tokens;
+    # the request's k (most drafts a step) and its counts
+    speculative: bool | None = None
+    drafts: list = field(default_factory=list)
+    spec_k: int | None = None
+    spec_drafted: int = 0
+    spec_accepted: int = 0
     pooled: Any = None             # mean pooling: the prompt's final states by position, as steps compute them
 
     @property

@@ -70,6 +70,9 @@ class Batch:
     logits_indices: np.ndarray       # int64 [S]: rows whose next token is sampled
     sampled: list[Request]           # the requests of those rows
     preempted: list[Request] = field(default_factory=list)
+    # speculative decoding: request -> the flat rows of its drafted tokens (its first row,
+    # the last real token's, is its row in logits_indices); their logits come back too
+    spec: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +171,7 @@ class Scheduler:
         # held a waiting request back, by how many sequences were running then
         self.kv_bound: dict[int, int] = {}
         self.sec_per_token: float | None = None   # measured on steps of 128+ tokens (observe_step)
+        self.spec = None                          # speculate.Speculation: drafts for decodes (the engine's)
 
     # -- queue state ------------------------------------------------------------------------
     @property
@@ -409,6 +413,15 @@ class Scheduler:
                 n = 1 if decoding else min(req.num_known - req.num_slots, self._first_chunk(step, prio))
                 if n <= 0:
                     continue
+                req.drafts = self._drafts(step, req) if decoding else []
+                if req.drafts:
+                    k = self.blocks_needed(req, 1 + len(req.drafts))
+                    if k <= self._free(step) - self.watermark:
+                        n = 1 + len(req.drafts)
+                        step.plan[req], step.need[req] = n, k
+                        self._planned(step, req, n)
+                        continue
+                    req.drafts = []                   # no room for them: a plain decode
                 k = self.blocks_needed(req, n)
                 while k > self._free(step):
                     victims = [r for r in self.running if r is not req and r not in step.plan]
@@ -419,6 +432,15 @@ class Scheduler:
                 if req.status is Status.RUNNING:
                     step.plan[req], step.need[req] = n, k
                     self._planned(step, req, n)
+
+    def _drafts(self, step: _Step, req: Request) -> list[int]:
+        """Speculation's drafts for a decode: only while few sequences run, within the step's
+        budget (one token kept for each other decode) and the context."""
+        spec = self.spec
+        if spec is None or not spec.eligible(req) or len(self.running) > spec.config.max_running:
+            return []
+        room = min(step.budget - len(self.running), self.config.max_model_len - req.num_tokens - 1)
+        return spec.drafts_for(req, room) if room > 0 else []
 
     def _admit(self, step: _Step, prio: str) -> None:
         cfg = self.config
@@ -546,20 +568,36 @@ class Scheduler:
         reqs = list(step.plan)
         num_new = [step.plan[r] for r in reqs]
         new_tokens = [r.output_ids[-1] if r.num_known == r.num_tokens - 1 else -1 for r in reqs]
+        for i, r in enumerate(reqs):
+            if r.drafts and new_tokens[i] >= 0 and num_new[i] == 1 + len(r.drafts):
+                # the last token and the drafts enter the sequence; the rejected ones leave it after
+                # the step (the allocator's truncate), never reaching the prefix cache
+                self.alloc.append_tokens(r.id, [new_tokens[i]] + r.drafts)
+                new_tokens[i] = -2
+            else:
+                r.drafts = []
         slot_mapping, block_tables, seq_lens, copies, self._free_blocks = self.alloc.prepare_step(
             np.array([r.id for r in reqs], dtype=np.int64), np.array(num_new, dtype=np.int64),
-            np.array(new_tokens, dtype=np.int64))
+            np.maximum(np.array(new_tokens, dtype=np.int64), -1))
         total = sum(num_new)
         input_ids = np.empty(total, dtype=np.int64)
         positions = np.empty(total, dtype=np.int64)
         qsl = np.zeros(len(reqs) + 1, dtype=np.int32)
-        logits_indices, sampled = [], []
+        logits_indices, sampled, spec = [], [], {}
         t = 0
         for i, (r, n, tok) in enumerate(zip(reqs, num_new, new_tokens)):
             start = r.num_slots
-            if tok >= 0:
+            if tok == -2:                     # a decode with drafts: the last token, then the drafts
                 r.num_known += 1
-            if n == 1 and tok >= 0:
+                input_ids[t:t + n] = [r.output_ids[-1]] + r.drafts
+                logits_indices.append(t)
+                sampled.append(r)
+                spec[r] = list(range(t + 1, t + n))
+            elif tok >= 0:
+                r.num_known += 1
+            if tok == -2:
+                pass
+            elif n == 1 and tok >= 0:
                 input_ids[t] = tok
             else:
                 input_ids[t:t + n] = r.all_ids[start:start + n]
@@ -567,8 +605,8 @@ class Scheduler:
             r.num_slots += n
             t += n
             qsl[i + 1] = t
-            if r.num_slots == r.num_tokens:
+            if tok != -2 and r.num_slots == r.num_tokens:
                 logits_indices.append(t - 1)
                 sampled.append(r)
         return Batch(reqs, num_new, input_ids, positions, qsl, seq_lens, block_tables, slot_mapping, copies,
-                     np.array(logits_indices, dtype=np.int64), sampled, step.preempted)
+                     np.array(logits_indices, dtype=np.int64), sampled, step.preempted, spec)

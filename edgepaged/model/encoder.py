@@ -121,28 +121,82 @@ def _layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.nd
     return xc / np.sqrt(var + eps) * w + b
 
 
-def _erf(x: np.ndarray) -> np.ndarray:
-    """erf to ~1.5e-7 (Abramowitz and Stegun 7.1.26): BERT's exact GELU without scipy."""
+def gelu(x: np.ndarray, rows: int = 16) -> np.ndarray:
+    """BERT's exact GELU, x (1 + erf(x / sqrt 2)) / 2, in place of x; erf to ~1.5e-7
+    (Abramowitz and Stegun 7.1.26), float32 passes over a few rows at a time (small
+    temporaries: no fresh pages to fault in per call, and each pass stays in the cache)."""
+    for r in range(0, len(x), rows):
+        _gelu_rows(x[r:r + rows])
+    return x
+
+
+def _gelu_rows(x: np.ndarray) -> None:
+    f32 = np.float32
     a = np.abs(x)
-    t = 1.0 / (1.0 + 0.3275911 * a)
-    y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t \
-        * np.exp(-a * a)
-    return np.copysign(y, x)
-
-
-def gelu(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + _erf(x * np.float32(0.7071067811865476)))
+    a *= f32(0.7071067811865476)
+    t = a * f32(0.3275911)
+    t += f32(1.0)
+    np.reciprocal(t, out=t)
+    q = t * f32(1.061405429)
+    for c in (-1.453152027, 1.421413741, -0.284496736, 0.254829592):
+        q += f32(c)
+        q *= t
+    np.square(a, out=a)
+    np.negative(a, out=a)
+    np.exp(a, out=a)
+    q *= a                         # 1 - erf(|x| / sqrt 2)
+    np.subtract(f32(1.0), q, out=q)
+    np.copysign(q, x, out=q)       # erf(x / sqrt 2)
+    q += f32(1.0)
+    q *= f32(0.5)
+    x *= q
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-class Encoder:
-    """The weights (f32, matrices transposed to [in, out]) and the forward."""
+class Matrix:
+    """One linear layer's weight [out, in]: `exact`, f32 (x @ W.T, BLAS); `int8`, requantized
+    to Q8_0 (blocks of 32 with a scale) and multiplied by the integer kernels with the
+    activations quantized per block of 32 (llama.cpp's math for its quantized files: ~4x the
+    f32 rate here; the error is measured in bench/embed_bench.py)."""
 
-    def __init__(self, cfg: EncoderConfig, weights: dict[str, np.ndarray]):
-        self.cfg = cfg
+    __array_ufunc__ = None                 # `x @ matrix` comes to __rmatmul__
+
+    def __init__(self, w: np.ndarray, math: str):
+        self.rows, self.cols = w.shape
+        self.q = None
+        if math == "int8" and self.cols % 32 == 0:
+            import gguf
+
+            from .quant.formats import QuantWeight
+            raw = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+            self.q = QuantWeight(8, raw.view(np.uint8).reshape(self.rows, -1), self.rows, self.cols)
+            self.q.repack()
+            self.t = None
+        else:
+            self.t = np.ascontiguousarray(np.asarray(w, dtype=np.float32).T)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes if self.q is not None else self.t.nbytes
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        if self.q is None:
+            return x @ self.t
+        from .._native import quant as kernels
+        out = np.empty((x.shape[0], self.rows), np.float32)
+        kernels.matmul(self.q.data, self.q.kind, np.ascontiguousarray(x, dtype=np.float32), out, col=0,
+                       rows=self.rows)
+        return out
+
+
+class Encoder:
+    """The weights (vectors f32, matrices as `Matrix`) and the forward."""
+
+    def __init__(self, cfg: EncoderConfig, weights: dict[str, np.ndarray], math: str = "exact"):
+        self.cfg, self.math = cfg, math
         w = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
 
         def need(name):
@@ -150,8 +204,8 @@ class Encoder:
                 raise ValueError(f"the {cfg.arch} model has no tensor {name}")
             return w[name]
 
-        def mat(name):                     # [out, in] -> [in, out], contiguous for x @ W
-            return np.ascontiguousarray(need(name).T)
+        def mat(name):
+            return Matrix(need(name), math)
         self.tok = need("token_embd.weight")
         self.type0 = need("token_types.weight")[0] if "token_types.weight" in w else np.zeros(cfg.hidden_size, np.float32)
         self.pos = need("position_embd.weight") if cfg.arch == "bert" else None
@@ -167,11 +221,12 @@ class Encoder:
             if p + "attn_qkv.weight" in w:
                 L["qkv"], L["qkv_b"] = mat(p + "attn_qkv.weight"), w.get(p + "attn_qkv.bias")
             else:
-                L["qkv"] = np.ascontiguousarray(np.concatenate([need(p + f"attn_{x}.weight") for x in "qkv"]).T)
+                L["qkv"] = Matrix(np.concatenate([need(p + f"attn_{x}.weight") for x in "qkv"]), math)
                 bs = [w.get(p + f"attn_{x}.bias") for x in "qkv"]
                 L["qkv_b"] = np.concatenate(bs) if all(b is not None for b in bs) else None
-            if cfg.arch == "nomic-bert":
-                L["gate"] = mat(p + "ffn_gate.weight")
+            if cfg.arch == "nomic-bert":         # gate and up as one matrix: one product, then silu(g) * u
+                L["gate_up"] = Matrix(np.concatenate([need(p + "ffn_gate.weight"), need(p + "ffn_up.weight")]), math)
+                del L["up"]
             self.layers.append(L)
         if cfg.rope_theta is not None:
             d = cfg.head_dim
@@ -184,6 +239,14 @@ class Encoder:
         arrays = [self.tok, self.type0, self.pos, *self.emb_norm] + [
             a for L in self.layers for v in L.values() for a in (v if isinstance(v, tuple) else (v,))]
         return sum(a.nbytes for a in arrays if a is not None)
+
+    @staticmethod
+    def pick_math(quant_math: str) -> str:
+        """`--quant-math` for an encoder: "auto" is int8 where the CPU has integer kernels."""
+        if quant_math != "auto":
+            return quant_math
+        from .._native import quant
+        return "int8" if quant.info()["int8_isa"] != "scalar" else "exact"
 
     def _rope(self, x: np.ndarray, n: int) -> np.ndarray:
         """x [n, heads, d], half-split rotary (llama.cpp's NEOX, transformers' rotate_half)."""
@@ -231,10 +294,16 @@ class Encoder:
             if L["o_b"] is not None:
                 a += L["o_b"]
             x = _layernorm(x + a, *L["n1"], cfg.eps)
-            up = x @ L["up"]
-            if L["up_b"] is not None:
-                up += L["up_b"]
-            f = (silu(x @ L["gate"]) * up) if "gate" in L else gelu(up)
+            if "gate_up" in L:
+                from .._native import ops
+                gu = x @ L["gate_up"]
+                f = np.empty((gu.shape[0], gu.shape[1] // 2), np.float32)
+                ops.silu_mul(gu, f)
+            else:
+                up = x @ L["up"]
+                if L["up_b"] is not None:
+                    up += L["up_b"]
+                f = gelu(up)
             f = f @ L["down"]
             if L["down_b"] is not None:
                 f += L["down_b"]
@@ -339,8 +408,8 @@ def _hf_config(path: Path) -> EncoderConfig:
                          rope_theta=rope, pooling=_hf_pooling(path), name=path.name)
 
 
-def load_encoder(path) -> tuple[Encoder, object]:
-    """(Encoder, Tokenizer) from a GGUF file or a Hugging Face folder."""
+def load_encoder(path, math: str = "exact") -> tuple[Encoder, object]:
+    """(Encoder, Tokenizer) from a GGUF file or a Hugging Face folder; `math` as Matrix."""
     from .tokenizer import Tokenizer
     path = Path(path)
     if path.is_dir():
@@ -353,11 +422,11 @@ def load_encoder(path) -> tuple[Encoder, object]:
         state = {}
         for f in sorted(path.glob("*.safetensors")):
             state.update(load_file(str(f)))
-        return Encoder(cfg, gguf_names(state, cfg.arch)), Tokenizer.load(path)
+        return Encoder(cfg, gguf_names(state, cfg.arch), math), Tokenizer.load(path)
     from .gguf_file import GgufFile
     f = GgufFile(path)
     cfg = _gguf_config(f, path.stem)
-    return Encoder(cfg, _gguf_weights(f)), Tokenizer.load(path, f)
+    return Encoder(cfg, _gguf_weights(f), math), Tokenizer.load(path, f)
 
 
 def inspect(path) -> dict:
@@ -382,9 +451,12 @@ class EncoderRunner:
     kv_dtype_name = "tokens"
 
     def __init__(self, path, *, kv_memory_bytes: int | None = None, block_size: int = 16, num_blocks=None,
-                 **_ignored):
+                 math: str | None = None, settings=None, **_ignored):
         self.model_path = Path(path)
-        self.model, self.tokenizer = load_encoder(path)
+        if math is None:
+            from .settings import CpuConfig
+            math = Encoder.pick_math((settings or CpuConfig.from_env()).quant_math)
+        self.model, self.tokenizer = load_encoder(path, math)
         self.config = self.model.cfg
         self.block_size = block_size
         self.max_model_len = self.config.context_length
@@ -392,7 +464,7 @@ class EncoderRunner:
         room = 64 * -(-self.max_model_len // block_size)          # 64 full contexts at once
         self.num_blocks = int(num_blocks or max(room, min(room * 4, (kv_memory_bytes or 0) // per_block)))
         self.slot_tokens = np.zeros(self.num_blocks * block_size, np.int32)
-        self.products = "numpy f32"
+        self.products = "numpy f32" if math == "exact" else "int8 (Q8_0 requantized)"
 
     def memory(self) -> dict:
         return {"weights_bytes": self.model.nbytes, "kv_bytes": self.slot_tokens.nbytes}

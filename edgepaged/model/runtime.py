@@ -139,7 +139,7 @@ class RunnerBase:
         return masks
 
     def step(self, batch, params: list[SamplingParams], prev_tokens=None, matchers=None, outputs=None,
-             embeds=None) -> list:
+             embeds=None, spec=None) -> list:
         """One engine step: the batch's copy-on-write copies, the forward, one sampled token
         per logits row. `batch` has the scheduler's arrays (input_ids, positions,
         query_start_loc, seq_lens, block_tables, slot_mapping, copies, logits_indices);
@@ -155,19 +155,39 @@ class RunnerBase:
         masks = None
         if matchers is not None and any(m is not None for m in matchers):
             masks = _Background(self._masks, matchers)
-        logits = as_array(self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices))
+        every = as_array(self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices))
+        logits = every[:len(params)] if spec else every
         if embeds is not None and any(embeds):
             # a request for an embedding: its row's final-norm hidden state (last-token pooling),
             # not a sampled token; the other rows sample as ever
-            hidden = np.asarray(self.last_hidden(), dtype=np.float32)
-            rows = [i for i, e in enumerate(embeds) if not e]
-            out: list = [hidden[i].copy() if e else None for i, e in enumerate(embeds)]
-            if rows:
-                sub = self.step_rows(logits, rows, params, prev_tokens, matchers, outputs, masks)
-                for i, tok in zip(rows, sub):
-                    out[i] = tok
-            return out
-        return self._sample_all(logits, params, prev_tokens, outputs, masks)
+            out = self._step_embeds(logits, params, prev_tokens, matchers, outputs, embeds, masks)
+        else:
+            out = self._sample_all(logits, params, prev_tokens, outputs, masks)
+        if spec:
+            # speculation (engine/speculate.py): spec[i] = (drafts, the rows of the drafts' logits,
+            # past the sampled rows); row i's answer is the list of tokens kept
+            from ..engine.speculate import verify
+            for i, (drafts, rows) in spec.items():
+                m = matchers[i] if matchers is not None else None
+                try:
+                    out[i] = verify(every[[i] + list(rows)], drafts, params[i], prev_tokens[i],
+                                    outputs[i] if outputs is not None else None, matcher=m,
+                                    stops=(set(params[i].stop_token_ids) | (set() if params[i].ignore_eos else
+                                           set(self.tokenizer.stop_token_ids))) if m else (),
+                                    vocab=self.config.vocab_size)
+                except Exception as e:     # that row alone fails
+                    out[i] = e
+        return out
+
+    def _step_embeds(self, logits, params, prev_tokens, matchers, outputs, embeds, masks) -> list:
+        hidden = np.asarray(self.last_hidden(), dtype=np.float32)
+        rows = [i for i, e in enumerate(embeds) if not e]
+        out: list = [hidden[i].copy() if e else None for i, e in enumerate(embeds)]
+        if rows:
+            sub = self.step_rows(logits, rows, params, prev_tokens, matchers, outputs, masks)
+            for i, tok in zip(rows, sub):
+                out[i] = tok
+        return out
 
     def step_rows(self, logits, rows, params, prev_tokens, matchers, outputs, masks) -> list:
         """Sample the logits rows `rows` only (beside embedding rows)."""
@@ -259,7 +279,8 @@ def open_runner(model_path=None, device: str = "auto", kv_memory_bytes=None, blo
     from .encoder import is_encoder
     if model_path is not None and is_encoder(model_path):    # an embedding model (BERT family): numpy
         from .encoder import EncoderRunner
-        return EncoderRunner(model_path, kv_memory_bytes=kv_memory_bytes, block_size=block_size, num_blocks=num_blocks)
+        return EncoderRunner(model_path, kv_memory_bytes=kv_memory_bytes, block_size=block_size, num_blocks=num_blocks,
+                             settings=settings)
     if choose_runtime(runtime, device, model_path) == "cpu":
         from .cpu_runtime import CpuRunner
         return CpuRunner(model_path, kv_memory_bytes=kv_memory_bytes, block_size=block_size, num_blocks=num_blocks,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import trio
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from .. import brief, store
 from ..store import StoreError

@@ -67,7 +67,7 @@ def _options(body: dict, item: GenerateRequest, gen: OllamaGeneration) -> None:
     if not isinstance(opts, dict):
         raise bad("options must be an object")
     for name, value in opts.items():
-        if value is None or name in RUNTIME_OPTIONS:
+        if value is None or name in RUNTIME_OPTIONS or name == "speculative":
             continue
         if name in UNSUPPORTED:
             if value not in UNSUPPORTED[name]:
@@ -133,6 +133,12 @@ def _common(body: dict, item: GenerateRequest, gen: OllamaGeneration) -> None:
         except ValueError as e:
             raise bad(str(e)) from None
     item.format = _format(body)
+    spec = body.get("speculative", (body.get("options") or {}).get("speculative")
+                    if isinstance(body.get("options"), dict) else None)
+    if spec is not None:
+        if not isinstance(spec, bool):
+            raise bad("speculative must be true or false")
+        item.speculative = spec
     think = body.get("think")
     if think is not None:    # Ollama's levels are for models that take them; here they mean "think"
         if not isinstance(think, bool) and think not in ("low", "medium", "high"):

@@ -208,6 +208,11 @@ def _common(body: dict, item: GenerateRequest, gen: Generation, default_max_toke
             raise bad("share_prefix_cache must be a boolean", "share_prefix_cache")
         if hasattr(item, "share_prefix_cache"):
             item.share_prefix_cache = share
+    spec = body.get("speculative")
+    if spec is not None:
+        if not isinstance(spec, bool):
+            raise bad("speculative must be a boolean", "speculative")
+        item.speculative = spec
     priority = body.get("priority", "interactive")
     if priority not in PRIORITIES:
         raise bad(f"priority must be one of {', '.join(PRIORITIES)}", "priority")

@@ -147,7 +147,7 @@ def parse_responses(body: dict, rid: str, history: list | None = None) -> Respon
     chat = {"messages": messages, "stream": body.get("stream", False)}
     for theirs, ours in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                          ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"), ("seed", "seed"),
-                         ("top_logprobs", None)):
+                         ("top_logprobs", None), ("speculative", "speculative")):
         if body.get(theirs) is not None and ours is not None:
             chat[ours] = body[theirs]
     tools = _tools(body.get("tools"))

@@ -162,8 +162,9 @@ def _write(path: Path, kind: str, cfg, tensors: dict, vocab: list[str], f16: boo
     for key, t in (("bos", "[CLS]"), ("eos", "[SEP]"), ("unknown", "[UNK]"), ("seperator", "[SEP]"),
                    ("padding", "[PAD]"), ("mask", "[MASK]")):
         w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab.index(t))
-    for tname, arr in tensors.items():
-        w.add_tensor(tname, np.ascontiguousarray(arr, dtype=np.float16 if f16 and arr.ndim == 2 else np.float32))
+    for tname, arr in tensors.items():   # (added, not multiplied: llama.cpp keeps these two in F32)
+        half = f16 and arr.ndim == 2 and not tname.startswith(("token_types", "position_embd"))
+        w.add_tensor(tname, np.ascontiguousarray(arr, dtype=np.float16 if half else np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

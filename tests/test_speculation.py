@@ -1,0 +1,161 @@
+"""Speculative decoding by prompt lookup (issue 36): drafts from the request's own text,
+verified in one forward over the paged cache, the rejected ones' slots given back by the
+allocator's truncate. Greedy answers are token for token those of a plain decode on every
+family; sampled tokens keep the model's distribution (the rejection rule, tested on a
+distribution we know); requests that must not draft (constrained, `speculative: false`)
+don't; a tight pool preempts drafting requests and every block comes back."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from edgepaged.engine.speculate import propose, verify
+from edgepaged.model.params import SamplingParams
+from edgepaged.testing.serving import serving
+from test_http import afetch
+
+# a prompt a small model tends to continue by copying: a list that repeats
+PROMPT = "one two three four five six seven eight nine ten. one two three four five six seven eight nine ten. one two"
+
+
+def test_propose_finds_the_latest_longest_match():
+    toks = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert propose(toks, 3) == [7, 8, 5]          # the latest occurrence of the 3-gram [1, 2, 3]
+    assert propose(toks, 1) == [7]
+    assert propose([4, 5, 6], 4) == []             # nothing repeats
+    assert propose([5, 5, 5, 5], 2) == [5]         # only what follows inside the sequence
+    assert propose(toks, 0) == []
+
+
+def test_sampled_verification_keeps_the_models_distribution():
+    """A row distribution p and a draft d: the first token kept is distributed as p whatever
+    d is (chi-square against p, 20,000 draws, 5 degrees of freedom, p < 0.001 bound 20.5), and
+    d is kept as often as p(d) says."""
+    rng = np.random.default_rng(0)
+    p = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = np.log(p)[None, :].repeat(3, 0).astype(np.float32)
+    params = SamplingParams(temperature=1.0)
+    n = 20000
+    for draft in (0, 3, 5):
+        runs = [verify(logits, [draft, 1], params, [], None) for _ in range(n)]
+        first = Counter(r[0] for r in runs)
+        counts = np.array([first[i] for i in range(len(p))])
+        chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+        assert chi2 < 20.5, (draft, counts, chi2)
+        kept = sum(len(r) > 1 for r in runs) / n              # the draft kept: a second token came
+        assert abs(kept - p[draft]) < 4 * np.sqrt(p[draft] * (1 - p[draft]) / n), (draft, kept)
+    # greedy: a draft is kept only where it is the argmax, then the model's own token
+    assert verify(logits, [0, 0], SamplingParams(temperature=0), [], None) == [0, 0, 0]
+    assert verify(logits, [2, 0], SamplingParams(temperature=0), [], None) == [0]
+    del rng
+
+
+async def _answers(runner, speculation: str, prompts, max_tokens=48, chat=False, **body) -> tuple[list, dict]:
+    out = []
+    async with serving(runner, http=True, engine={"speculation": speculation}) as server:
+        for p in prompts:
+            ask = {"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p}
+            status, _, raw = await afetch(server.http_base + ("/v1/chat/completions" if chat else "/v1/completions"),
+                                          {**ask, "max_tokens": max_tokens, "temperature": 0, **body})
+            assert status == 200, raw
+            choice = json.loads(raw)["choices"][0]
+            out.append(choice["message"]["content"] if chat else choice["text"])
+        stats = server.engine.stats()
+        assert stats["kv_blocks_used"] == 0
+        server.engine.allocator.check_invariants()
+    return out, stats["speculation"]
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
+async def test_greedy_answers_are_the_plain_ones_on_every_family(name, tmp_path):
+    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.testing.families import make_family_model, write_family_gguf
+    hf = make_family_model(tmp_path / "m", name, seed=11)
+    gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0)
+    prompts = [PROMPT, "the cat sat on the mat and the cat sat on the", "a b a b a b a b"]
+    plain, _ = await _answers(CpuRunner(gguf, num_blocks=64), "off", prompts)
+    spec, stats = await _answers(CpuRunner(gguf, num_blocks=64), "lookup", prompts)
+    assert spec == plain
+    assert stats["interactive"]["drafted"] > 0, stats          # it did draft
+
+
+async def test_the_embedded_model_copies_and_accepts(embedded_runner):
+    """On a real model a repeated list is copied: most drafts are kept, the answer is the plain one."""
+    text = "Repeat this list exactly: apples, pears, plums, cherries, grapes, lemons, limes, figs, dates."
+    plain, _ = await _answers(embedded_runner, "off", [text], max_tokens=40, chat=True)
+    spec, stats = await _answers(embedded_runner, "lookup", [text], max_tokens=40, chat=True)
+    assert spec == plain and "pears" in plain[0]
+    s = stats["interactive"]
+    assert s["drafted"] > 0 and s["accepted"] > 0, s
+    # sampled with a seed: each row draws as the plain step at that position would, so the
+    # answer is the plain one too
+    seeded = {"temperature": 0.8, "seed": 7}
+    plain, _ = await _answers(embedded_runner, "off", [text], max_tokens=40, chat=True, **seeded)
+    spec, stats = await _answers(embedded_runner, "lookup", [text], max_tokens=40, chat=True, **seeded)
+    assert spec == plain and stats["interactive"]["accepted"] > 0, stats
+
+
+async def test_who_does_not_draft(embedded_runner):
+    """`speculative: false` and logprobs: no drafts."""
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    async with serving(embedded_runner, http=True) as server:
+        for extra in ({"speculative": False}, {"logprobs": 2}):
+            status, _, raw = await afetch(server.http_base + "/v1/completions", {**body, **extra})
+            assert status == 200, raw
+        assert server.engine.stats()["speculation"] == {}
+        status, _, raw = await afetch(server.http_base + "/v1/completions", body)
+        assert server.engine.stats()["speculation"]["interactive"]["drafted"] > 0
+
+
+async def test_a_format_composes_with_drafts(embedded_runner):
+    """A JSON schema's answer drafts too: each draft's row is masked by the grammar's state
+    after the drafts before it (a draft the grammar forbids is rejected); the answer is the
+    plain one and valid."""
+    schema = {"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string"}}},
+              "required": ["fruits"]}
+    ask = {"messages": [{"role": "user", "content": "Put these fruits in JSON: apples, pears, plums, cherries, "
+                                                   "grapes, lemons, limes, figs."}],
+           "max_tokens": 60, "temperature": 0,
+           "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}}
+    out = {}
+    async with serving(embedded_runner, http=True) as server:
+        for spec in (False, True):
+            status, _, raw = await afetch(server.http_base + "/v1/chat/completions", {**ask, "speculative": spec})
+            assert status == 200, raw
+            out[spec] = json.loads(raw)["choices"][0]["message"]["content"]
+        stats = server.engine.stats()
+        assert stats["kv_blocks_used"] == 0
+    assert out[True] == out[False]
+    assert isinstance(json.loads(out[True])["fruits"], list)
+    assert stats["speculation"]["interactive"]["drafted"] > 0, stats
+
+
+async def test_a_tight_pool_preempts_drafting_requests_and_loses_nothing(tmp_path):
+    """Eight requests at once on a pool that holds about two: drafting ones are preempted and
+    resumed; each answer is its plain one, every block comes back."""
+    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.testing.families import make_family_model, write_family_gguf
+    import trio
+    hf = make_family_model(tmp_path / "m", "llama", seed=3)
+    gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0)
+    prompts = [f"{i} {PROMPT}" for i in range(8)]
+    plain, _ = await _answers(CpuRunner(gguf, num_blocks=64), "off", prompts, max_tokens=40)
+    runner = CpuRunner(gguf, num_blocks=14, block_size=16)
+    got = [None] * len(prompts)
+    async with serving(runner, http=True, engine={"spec_max_running": 8}) as server:
+        async def one(i):
+            status, _, raw = await afetch(server.http_base + "/v1/completions",
+                                          {"prompt": prompts[i], "max_tokens": 40, "temperature": 0})
+            assert status == 200, raw
+            got[i] = json.loads(raw)["choices"][0]["text"]
+        async with trio.open_nursery() as n:
+            for i in range(len(prompts)):
+                n.start_soon(one, i)
+        stats = server.engine.stats()
+        assert stats["kv_blocks_used"] == 0
+        server.engine.allocator.check_invariants()
+    assert got == plain
+    assert stats["num_preemptions"] > 0 and stats["speculation"]["interactive"]["drafted"] > 0, stats
