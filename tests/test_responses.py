@@ -82,3 +82,20 @@ async def test_responses_with_the_openai_package(embedded_runner):
     done = out["streamed_call"][-1].response
     assert any(o.type == "function_call" for o in done.output)
     assert out["missing"].status_code == 404
+
+
+async def test_a_lone_surrogate_is_a_400_on_every_door(embedded_runner):
+    """The fuzzer's find: `metadata` holding "\\ud800" (an escape JSON parses, but no text) was
+    echoed into the Responses answer, whose encoding then failed: a 500, or a stream cut
+    short. Every HTTP door now refuses such a body with a 400; an escaped pair (an emoji, as
+    Python's json writes it) is text and works."""
+    bad = "\ud800" * 3
+    async with serving(embedded_runner) as http:
+        for path, body in (("/v1/responses", {"input": "hi", "metadata": bad, "max_output_tokens": 2}),
+                           ("/v1/responses", {"input": "hi", "metadata": bad, "stream": True}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": bad}]}),
+                           ("/api/chat", {"model": "x", "messages": [{"role": "user", "content": bad}]})):
+            status, _, raw = await afetch(http.base + path, body)
+            assert status == 400 and "surrogate" in raw.decode(), (path, status, raw[:200])
+        status, _, raw = await afetch(http.base + "/v1/responses", {"input": "hi \U0001F600", "max_output_tokens": 2})
+        assert status == 200, raw

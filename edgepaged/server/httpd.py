@@ -20,6 +20,7 @@ import importlib.resources
 import base64
 import json
 import logging
+import re
 import socket
 import time
 
@@ -48,6 +49,7 @@ from .openai_api import (ApiError, Generation, Logprobs, Shaper, done_error, err
                          new_id, parse_chat, parse_completion, usage)
 
 log = logging.getLogger("edgepaged.http")
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 DEFAULT_HTTP_PORT = 7879
 # The chat page loads nothing from outside the box: the browser enforces it.
 PAGE_CSP = ("default-src 'none'; script-src 'self' 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
@@ -256,6 +258,12 @@ class HttpServer:
             raise ApiError(400, "the body's JSON nests too deep", "bad_request") from None
         if not isinstance(data, dict):
             raise ApiError(400, "the body must be a JSON object", "bad_request")
+        if SURROGATE_ESCAPE.search(body):   # "\ud800" alone parses, but is no text: no answer could echo it
+            try:
+                json.dumps(data, ensure_ascii=False).encode()
+            except UnicodeEncodeError:
+                raise ApiError(400, "the body has a lone surrogate (a \\ud800-\\udfff escape without its pair): "
+                               "not valid Unicode", "bad_request") from None
         return data
 
     # -- endpoints ----------------------------------------------------------------------------
