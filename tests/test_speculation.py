@@ -69,15 +69,20 @@ async def _answers(runner, speculation: str, prompts, max_tokens=48, chat=False,
     return out, stats["speculation"]
 
 
+@pytest.mark.parametrize("runtime", ["cpu", "torch"])
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
-async def test_greedy_answers_are_the_plain_ones_on_every_family(name, tmp_path):
+async def test_greedy_answers_are_the_plain_ones_on_every_family(name, runtime, tmp_path):
+    from edgepaged.model import ModelRunner
     from edgepaged.model.cpu_runtime import CpuRunner
     from edgepaged.testing.families import make_family_model, write_family_gguf
     hf = make_family_model(tmp_path / "m", name, seed=11)
     gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0)
     prompts = [PROMPT, "the cat sat on the mat and the cat sat on the", "a b a b a b a b"]
-    plain, _ = await _answers(CpuRunner(gguf, num_blocks=64), "off", prompts)
-    spec, stats = await _answers(CpuRunner(gguf, num_blocks=64), "lookup", prompts)
+
+    def runner():
+        return CpuRunner(gguf, num_blocks=64) if runtime == "cpu" else ModelRunner(gguf, num_blocks=64)
+    plain, _ = await _answers(runner(), "off", prompts)
+    spec, stats = await _answers(runner(), "lookup", prompts)
     assert spec == plain
     assert stats["interactive"]["drafted"] > 0, stats          # it did draft
 
