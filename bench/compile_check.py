@@ -10,10 +10,8 @@ import argparse
 import os
 import re
 import subprocess
-import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

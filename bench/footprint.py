@@ -38,7 +38,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from family_bench import cpu_flags  # noqa: E402
 
 from edgepaged.client import SyncClient  # noqa: E402

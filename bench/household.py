@@ -48,7 +48,6 @@ from edgepaged.testing.workloads import CLASSES, burst, drive_arrivals, make_ite
 from edgepaged.client import ServerError, open_client  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 MODES = ("paged", "contiguous", "window")
 
 

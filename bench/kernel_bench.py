@@ -16,10 +16,8 @@ batch 32 x context 4096. Without a CUDA GPU it runs a tiny interpreted smoke che
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 GPU = torch.cuda.is_available()

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from family_bench import synthetic  # noqa: E402
 
 from edgepaged._native import quant  # noqa: E402

@@ -219,14 +219,14 @@ async def test_every_door_takes_the_policy_per_server_and_per_request(gguf_two_l
 
 
 def test_perplexity_bench_measures_the_policies(embedded_runner_cpu):
-    """bench/perplexity.py on the shipped text: a window wider than the text is full attention
+    """bench/perplexity.py's measure (edgepaged.testing.perplexity) on the shipped text: a window wider than the text is full attention
     (one token a step against chunks: the same up to rounding); a narrow one holds fewer
     blocks; every block comes back."""
-    import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    from perplexity import perplexity, text_ids
-    ids = text_ids(embedded_runner_cpu.tokenizer, 160)
+
+    from edgepaged.testing.perplexity import perplexity
+    text = (Path(__file__).resolve().parent.parent / "bench" / "data" / "coriolanus.txt").read_text()
+    ids = embedded_runner_cpu.tokenizer.encode(text)[:160]
     full = perplexity(embedded_runner_cpu, ids)
     wide = perplexity(embedded_runner_cpu, ids, window=1024, sink=4)
     narrow = perplexity(embedded_runner_cpu, ids, window=32, sink=4)
