@@ -218,7 +218,9 @@ async def test_a_full_compiler_says_busy_and_skips_what_nobody_waits_for(embedde
     async with trio.open_nursery() as n:
         for k in range(2):
             n.start_soon(slow, k)
-        await trio.sleep(0.1)
+        with trio.fail_after(30):      # both slow ones checked (in a worker thread) and on the compiler
+            while COMPILER.pending < 2:
+                await trio.sleep(0.01)
         with pytest.raises(GrammarRefused) as e:
             await g.prepare(quick)
         assert e.value.busy and "busy" in str(e.value)
