@@ -11,6 +11,10 @@ os.environ["EDGEPAGED_SERVER_CACHE"] = "0"
 # a pull by Ollama name never leaves the box in a test: the registry is a closed loopback port
 # unless the test serves one of its own (edgepaged.testing.registry)
 os.environ["EDGEPAGED_OLLAMA_REGISTRY"] = "http://127.0.0.1:9"
+# and what a test's server stores (/api/pull, /api/create, /api/copy) goes to a folder of the session's
+if "EDGEPAGED_STORE" not in os.environ:
+    import tempfile
+    os.environ["EDGEPAGED_STORE"] = tempfile.mkdtemp(prefix="edgepaged-test-store-")
 
 
 import pytest  # noqa: E402
