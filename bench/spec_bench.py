@@ -14,9 +14,18 @@ clients with it on and off, against `edgepaged serve` (a subprocess, loopback on
    lookup n-gram 3, drafts of up to 8) and without, when `--llama-server PATH` is given or
    `llama-server` is on the PATH: `llama_cpp_tok_s_b1_plain`, `llama_cpp_tok_s_b1_lookup`
    (its own `timings.predicted_per_second`), else null with the reason.
-4. `tok_s_b1_draft`, `acceptance_rate_draft`: null (draft models are not implemented yet).
+4. `tok_s_b1_draft`, `acceptance_rate_draft`: a draft model's speculation on chat answers
+   (`serve --draft`), beside `tok_s_b1_plain_chat` (the same questions with `speculative:
+   false`, alternated in one server), greedy, `--chat-tokens` each. The pair: `--draft-target`
+   drafted for by `--draft-model`; by default the embedded SmolLM2-135M drafts for a 0.9 B
+   model made from it (`write_widened_gguf`: its MLP widened to 16,384 neurons, Q8_0, the new
+   neurons' down projection 0.1 of the originals' size, so the two models differ as a small
+   model and a large one of a family do), written once under --cache-dir. llama.cpp's server
+   on the same pair (`-md`, `--spec-draft-n-max` as ours) gives `llama_cpp_tok_s_b1_draft`
+   and `llama_cpp_tok_s_b1_plain_chat`.
 
     python bench/spec_bench.py [--json] [--model FILE.gguf | --model 1b] [--llama-server PATH]
+                               [--draft-target FILE --draft-model FILE] [--no-draft]
 """
 from __future__ import annotations
 
@@ -147,6 +156,89 @@ def llama_cpp(exe: str | None, model: str, messages: list[dict], max_tokens: int
     return out
 
 
+CHAT = ["Write a short friendly paragraph explaining why people should drink water every day.",
+        "Explain in a few sentences how to keep a sourdough starter alive.",
+        "Give me some tips for sleeping better when the nights are warm.",
+        "Describe a relaxing Sunday morning routine for a family with two children."]
+
+
+def draft_pair(args) -> tuple[str, str]:
+    from edgepaged.model.loader import default_model_path
+    from edgepaged.testing.gguf_models import write_widened_gguf
+    draft = args.draft_model or str(default_model_path())
+    if args.draft_target:
+        return args.draft_target, draft
+    path = args.cache_dir / "smollm2-widened-16384-n0.1.q8_0.gguf"
+    if not path.exists():
+        args.cache_dir.mkdir(parents=True, exist_ok=True)
+        print(f"writing {path} (once)", flush=True)
+        tmp = path.with_suffix(".tmp")
+        write_widened_gguf(default_model_path(), tmp, inter=16384, noise=0.1, seed=1)
+        tmp.rename(path)
+    return str(path), draft
+
+
+def draft_rates(target: str, draft: str, args) -> dict:
+    """A draft model's speculation against plain decoding on chat answers, alternated."""
+    proc, base, _ = start_server("--model", target, "--draft", draft, *(
+        ["--spec-tokens", str(args.draft_tokens)] if args.draft_tokens else []))
+    try:
+        chat = lambda q: [{"role": "user", "content": q}]   # noqa: E731
+        decode_rate(base, chat(CHAT[0]), 8)                                  # warm
+        plain, drafted_rates, drafted, accepted = [], [], 0, 0
+        for _ in range(args.reps):
+            for q in CHAT:
+                plain.append(decode_rate(base, chat(q), args.chat_tokens, speculative=False)[0])
+                d0, a0 = spec_counts(base)
+                drafted_rates.append(decode_rate(base, chat(q), args.chat_tokens)[0])
+                d1, a1 = spec_counts(base)
+                drafted, accepted = drafted + d1 - d0, accepted + a1 - a0
+        stats = json.loads(urllib.request.urlopen(base + "/stats", timeout=30).read())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    out = {"draft_target": Path(target).name, "draft_model": Path(draft).name,
+           "tok_s_b1_plain_chat": round(statistics.median(plain), 2),
+           "tok_s_b1_draft": round(statistics.median(drafted_rates), 2),
+           "acceptance_rate_draft": round(accepted / drafted, 3) if drafted else None,
+           "draft_seconds": stats.get("draft_model", {}).get("seconds")}
+    out["draft_ratio"] = round(out["tok_s_b1_draft"] / out["tok_s_b1_plain_chat"], 2)
+    return out
+
+
+def llama_cpp_draft(exe: str | None, target: str, draft: str, args) -> dict:
+    exe = exe or shutil.which("llama-server")
+    if exe is None:
+        return {"llama_cpp_tok_s_b1_draft": None, "llama_cpp_tok_s_b1_plain_chat": None}
+    out = {}
+    n = str(args.draft_tokens or 4)
+    for name, flags in (("plain_chat", []), ("draft", ["-md", draft, "--spec-draft-n-max", n, "--spec-draft-n-min",
+                                                       "0", "--spec-draft-p-min", "0"])):
+        proc, base = start_llama_server(exe, target, "-t", "2", "-c", "4096", "-np", "1", *flags, wait_s=240)
+        if proc is None:
+            out[f"llama_cpp_tok_s_b1_{name}"] = None
+            continue
+        try:
+            rates, dn, da = [], 0, 0
+            for _ in range(args.reps):
+                for q in CHAT:
+                    r = post(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": q}],
+                                                             "max_tokens": args.chat_tokens, "temperature": 0,
+                                                             "cache_prompt": False})
+                    rates.append(r["timings"]["predicted_per_second"])
+                    dn += r["timings"].get("draft_n", 0)
+                    da += r["timings"].get("draft_n_accepted", 0)
+            out[f"llama_cpp_tok_s_b1_{name}"] = round(statistics.median(rates), 2)
+            if name == "draft":
+                out["llama_cpp_acceptance_rate_draft"] = round(da / dn, 3) if dn else None
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    if out.get("llama_cpp_tok_s_b1_draft") and out.get("llama_cpp_tok_s_b1_plain_chat"):
+        out["llama_cpp_draft_ratio"] = round(out["llama_cpp_tok_s_b1_draft"] / out["llama_cpp_tok_s_b1_plain_chat"], 2)
+    return out
+
+
 def main() -> None:
     from edgepaged.model.loader import default_model_path
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,8 +250,38 @@ def main() -> None:
     ap.add_argument("--household-s", type=float, default=40.0)
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "edgepaged" / "bench")
+    ap.add_argument("--draft-target", default=None, help="the model a draft model drafts for (default: the embedded "
+                    "model widened to 0.9 B, written once)")
+    ap.add_argument("--draft-model", default=None, help="the draft model (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--draft-tokens", type=int, default=None, help="--spec-tokens for the draft model's server")
+    ap.add_argument("--chat-tokens", type=int, default=96)
+    ap.add_argument("--no-draft", action="store_true", help="skip the draft model's part (its figures are null)")
+    ap.add_argument("--no-lookup", action="store_true", help="skip prompt lookup and the household (null figures)")
     args = ap.parse_args()
     model = str(synthetic("q4_k_m", args.cache_dir)) if args.model == "1b" else args.model or str(default_model_path())
+    out = {"cpu": cpu_flags(), "model": Path(model).name, "max_tokens": args.max_tokens}
+    out.update(lookup_part(model, args) if not args.no_lookup else
+               {k: None for k in ("tok_s_b1_plain", "tok_s_b1_lookup", "acceptance_rate_lookup", "household_ratio")})
+    if args.no_draft:
+        out.update(tok_s_b1_draft=None, acceptance_rate_draft=None, draft_note="--no-draft")
+    else:
+        target, draft = draft_pair(args)
+        out.update(draft_rates(target, draft, args))
+        out.update(llama_cpp_draft(args.llama_server, target, draft, args))
+    print(f"one stream: plain {out['tok_s_b1_plain']} tok/s, lookup {out['tok_s_b1_lookup']} tok/s "
+          f"({out.get('lookup_ratio')}x, acceptance {out['acceptance_rate_lookup']}); household at 8: "
+          f"{out['household_ratio']}x; llama.cpp plain {out.get('llama_cpp_tok_s_b1_plain')}, lookup "
+          f"{out.get('llama_cpp_tok_s_b1_lookup')}")
+    if out.get("tok_s_b1_draft") is not None:
+        print(f"draft model {out['draft_model']} for {out['draft_target']}: chat plain {out['tok_s_b1_plain_chat']} "
+              f"tok/s, drafted {out['tok_s_b1_draft']} tok/s ({out['draft_ratio']}x, acceptance "
+              f"{out['acceptance_rate_draft']}); llama.cpp plain {out.get('llama_cpp_tok_s_b1_plain_chat')}, "
+              f"drafted {out.get('llama_cpp_tok_s_b1_draft')} (acceptance {out.get('llama_cpp_acceptance_rate_draft')})")
+    if args.json:
+        print(json.dumps(out))
+
+
+def lookup_part(model: str, args) -> dict:
     messages = summary_messages()
     proc, base, _ = start_server("--model", model, "--speculate", "lookup")
     try:
@@ -180,12 +302,9 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    out = {"cpu": cpu_flags(), "model": Path(model).name, "max_tokens": args.max_tokens,
-           "tok_s_b1_plain": round(statistics.median(plain), 2), "tok_s_b1_lookup": round(statistics.median(lookup), 2),
+    out = {"tok_s_b1_plain": round(statistics.median(plain), 2), "tok_s_b1_lookup": round(statistics.median(lookup), 2),
            "acceptance_rate_lookup": round(accepted / drafted, 3) if drafted else None,
            "drafted_per_answer": round(drafted / args.reps, 1),
-           "tok_s_b1_draft": None, "acceptance_rate_draft": None,
-           "draft_note": "draft-model speculation is not implemented yet",
            "tok_s_b1_plain_edit": round(statistics.median(edit_plain), 2),
            "tok_s_b1_lookup_edit": round(statistics.median(edit_lookup), 2),
            "household_tok_s_on": round(statistics.mean(phases[True]), 2),
@@ -195,12 +314,7 @@ def main() -> None:
     out.update(llama_cpp(args.llama_server, model, messages, args.max_tokens, args.reps))
     if out.get("llama_cpp_tok_s_b1_plain") and out.get("llama_cpp_tok_s_b1_lookup"):
         out["llama_cpp_lookup_ratio"] = round(out["llama_cpp_tok_s_b1_lookup"] / out["llama_cpp_tok_s_b1_plain"], 2)
-    print(f"one stream: plain {out['tok_s_b1_plain']} tok/s, lookup {out['tok_s_b1_lookup']} tok/s "
-          f"({out['lookup_ratio']}x, acceptance {out['acceptance_rate_lookup']}); household at 8: "
-          f"{out['household_ratio']}x; llama.cpp plain {out.get('llama_cpp_tok_s_b1_plain')}, lookup "
-          f"{out.get('llama_cpp_tok_s_b1_lookup')}")
-    if args.json:
-        print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

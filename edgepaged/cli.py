@@ -233,13 +233,19 @@ def main(verbose):
               help="Under load (more than one request in), a step takes about this long at most (seconds; its "
                    "token budget follows the measured speed): a question that arrives waits for a short step. "
                    "0: every step takes --max-batched-tokens.")
-@click.option("--speculate", "speculation", type=click.Choice(["lookup", "off"]), default="lookup", show_default=True,
-              help="Speculative decoding by prompt lookup: a few next tokens guessed from the request's own text "
-                   "(a summary quoting its document, an edit, a tool call echoing the prompt), checked in one "
-                   "forward: the same answer, faster for one or a few streams. It drafts only while few requests "
-                   "run (--spec-max-running) and backs off when guesses miss; a request may say speculative: false.")
-@click.option("--spec-tokens", type=click.IntRange(1, 32), default=8, show_default=True,
-              help="The most tokens one request drafts per step.")
+@click.option("--speculate", "speculation", type=click.Choice(["lookup", "draft", "off"]), default=None,
+              help="Speculative decoding: a few next tokens guessed, checked in one forward of the model: the same "
+                   "answer, faster for one or a few streams. lookup: guessed from the request's own text (a summary "
+                   "quoting its document, an edit, a tool call echoing the prompt); draft: by the --draft model. "
+                   "It drafts only while few requests run (--spec-max-running) and backs off when guesses miss; a "
+                   "request may say speculative: false. Default: draft with --draft, else lookup.")
+@click.option("--draft", "draft_path", default=None, metavar="MODEL",
+              help="A small model with the same tokenizer that guesses the next tokens for the served model to "
+                   "check (e.g. SmolLM2-135M for a SmolLM2-1.7B, a 0.5 B Qwen for a larger Qwen): a path or a "
+                   "name in the store. Its KV cache shares the pool's blocks (--kv-memory covers both).")
+@click.option("--spec-tokens", type=click.IntRange(1, 32), default=None,
+              help="The most tokens one request drafts per step. Default: 8 by lookup, 4 by a draft model (each "
+                   "of its guesses costs a forward of the draft).")
 @click.option("--spec-max-running", type=click.IntRange(1), default=4, show_default=True,
               help="Requests draft only while at most this many run (a full batch already reads the weights once "
                    "for many tokens).")
@@ -259,8 +265,8 @@ def main(verbose):
 def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, block_size, kv_dtype,
           max_batched_tokens, token, http_port, no_http, no_mdns, mdns_interface, max_connections, max_unauthenticated,
           max_unauthenticated_per_address, allowed_hosts, cors_origins, admin_from, max_inflight, max_prompt_tokens, max_tokens,
-          max_request_tokens, max_identity_tokens, grammar_max_depth, grammar_max_bytes, grammar_timeout, grace, users_file, contiguous, quant_math, runtime, step_time, speculation, spec_tokens, spec_max_running,
-          context_policy, window_tokens, window_sink,
+          max_request_tokens, max_identity_tokens, grammar_max_depth, grammar_max_bytes, grammar_timeout, grace, users_file, contiguous, quant_math, runtime, step_time, speculation, draft_path, spec_tokens,
+          spec_max_running, context_policy, window_tokens, window_sink,
           mdns_refresh):
     """Serve a model on the network (msgpack over TCP and HTTP, advertised by mDNS)."""
     if context_policy == "window" and contiguous:
@@ -294,14 +300,23 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
         fail(f"--kv-memory {kv_memory}: {e}", 2)
     from .model.runtime import KvBudgetError
     kv_kind = None if kv_dtype == "auto" else kv_dtype
-    if len(model_paths) > 1 or model_paths == ("all",):
+    if speculation is None:
+        speculation = "draft" if draft_path else "lookup"
+    if speculation == "draft" and not draft_path:
+        fail("--speculate draft needs a draft model: --draft MODEL", 2)
+    several = len(model_paths) > 1 or model_paths == ("all",)
+    if draft_path and (several or contiguous or speculation == "off"):
+        fail("--draft drafts for one served model with speculation on and the paged pool "
+             f"(not with {'several models' if several else '--contiguous' if contiguous else '--speculate off'})", 2)
+    if several:
         runner = model_set(model_paths, keep_alive, memory_budget, kv_bytes, device, block_size, max_batched_tokens,
                            kv_kind, quant_math, grace, runtime)
     else:
         model_path, served_name = resolve_model(model_paths[0] if model_paths else None)
         try:
+            draft = resolve_model(draft_path)[0] if draft_path else None
             runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_kind, quant_math,
-                                 runtime)
+                                 runtime, draft=draft)
             runner.served_name = served_name
         except KvBudgetError as e:
             fail(f"--kv-memory {kv_memory}: {e}" if kv_memory else str(e))
@@ -431,7 +446,9 @@ def model_set(specs, keep_alive, memory_budget, kv_bytes, device, block_size, ma
 
 
 def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_dtype=None, quant_math=None,
-                runtime=None):
+                runtime=None, draft=None):
+    """The served model's runner; with `draft` (a path), its draft model attached (`runner.draft`),
+    the KV budget shared between the two caches block for block."""
     import dataclasses
 
     from .model.runtime import choose_runtime, open_runner, resolve_device
@@ -444,11 +461,43 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
     t0 = time.monotonic()
     click.echo(f"loading {model_path or 'the embedded model (SmolLM2-135M-Instruct)'} on {device} "
                f"({'numpy + Rust' if kind == 'cpu' else 'torch'})...", err=True)
+    share = None
+    if draft is not None:
+        share = draft_share(model_path, draft, kv_dtype)
+        if kv_bytes is None:
+            from .model.runtime import CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, available_ram
+            kv_bytes = min(CPU_KV_MAX_BYTES, int(CPU_KV_RAM_FRACTION * available_ram())) if device == "cpu" else None
+        if kv_bytes is not None:
+            kv_bytes = int(kv_bytes * share)
     runner = open_runner(model_path, device, kv_bytes, block_size, max_num_batched_tokens=max_batched_tokens,
                          kv_dtype=kv_dtype, settings=settings, runtime=kind)
     click.echo(f"loaded {runner.model_path.name} in {time.monotonic() - t0:.1f} s ({runner.products} products)",
                err=True)
+    if draft is not None:
+        from .engine.draft import check_pair
+        t0 = time.monotonic()
+        click.echo(f"loading the draft model {draft}...", err=True)
+        runner.draft = open_runner(draft, device, None, block_size, max_num_batched_tokens=max_batched_tokens,
+                                   kv_dtype=kv_dtype, settings=settings,
+                                   runtime=choose_runtime(runtime, device, draft), num_blocks=runner.num_blocks)
+        check_pair(runner, runner.draft)
+        click.echo(f"loaded the draft model {runner.draft.model_path.name} in {time.monotonic() - t0:.1f} s "
+                   f"({runner.num_blocks} blocks shared: {share:.0%} of the KV memory is the model's, the rest "
+                   "the draft's)", err=True)
     return runner
+
+
+def draft_share(model_path, draft_path, kv_dtype=None) -> float:
+    """The served model's share of the KV memory beside a draft model: each block of the pool
+    holds its K/V in both caches, so the budget splits as their bytes per token do."""
+    from .model.loader import ModelFiles
+
+    def per_token(path) -> int:
+        cfg = ModelFiles(path).config
+        return cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    width = 4 if kv_dtype == "f32" else 2
+    t, d = per_token(model_path) * width, per_token(draft_path) * width
+    return t / (t + d)
 
 
 # ---------------------------------------------------------------- the config file
@@ -512,7 +561,7 @@ EXAMPLE_VALUES = {"model": ["llama3.2:3b"], "kv_memory": "1G", "memory_budget": 
                   "mdns_interface": "192.0.2.10", "max_prompt_tokens": 4096, "max_tokens": 2048,
                   "users": "/etc/edgepaged/users", "allowed_host": ["box.example.org"],
                   "cors_origin": ["http://tools.local:8080"], "admin_from": ["192.168.1.0/24"], "quant_math": "auto",
-                  "runtime": "auto"}
+                  "runtime": "auto", "speculate": "lookup", "draft": "smollm2:135m", "spec_tokens": 8}
 
 
 def _toml_value(value) -> str:

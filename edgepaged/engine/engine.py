@@ -32,6 +32,7 @@ from .. import brief
 from .metrics import Metrics
 from ..memory import release_free_memory
 from .request import DoneEvent, EmbeddingEvent, Request, Status, TokenEvent
+from .draft import Drafter, check_pair
 from .speculate import SpecConfig, Speculation
 from .scheduler import Batch, ScheduleError, Scheduler, SchedulerConfig
 from ..model.grammar import matcher_error
@@ -63,10 +64,11 @@ class EngineConfig:
     context_policy: str = "full"
     window_tokens: int = 1024
     window_sink: int = 4
-    # speculative decoding by prompt lookup (speculate.py): "lookup" or "off"; the most drafted
-    # tokens per request and step; drafting only while at most spec_max_running sequences run
+    # speculative decoding (speculate.py): "lookup" (prompt lookup), "draft" (the runner's draft
+    # model's guesses: draft.py) or "off"; the most drafted tokens per request and step;
+    # drafting only while at most spec_max_running sequences run
     speculation: str = "lookup"
-    spec_tokens: int = 8
+    spec_tokens: int | None = None          # None: 8 by lookup, 4 by a draft model (each guess costs a forward)
     spec_max_running: int = 4
 
 
@@ -101,10 +103,18 @@ class Engine:
             short_prompt_tokens=0 if os.environ.get("EDGEPAGED_SCHEDULER") == "before" else 256,
             step_time_target_s=None if os.environ.get("EDGEPAGED_SCHEDULER") == "before" or encoder
             else cfg.step_time_target_s))
+        self.drafter: Drafter | None = None
         if not getattr(runner, "embedding_only", False) and not cfg.contiguous:
-            self.spec = Speculation(SpecConfig(mode=cfg.speculation, max_k=cfg.spec_tokens,
+            mode = cfg.speculation
+            if mode == "draft" and getattr(runner, "draft", None) is None:
+                raise ValueError("speculation 'draft' needs a draft model (serve --draft MODEL)")
+            k = cfg.spec_tokens if cfg.spec_tokens is not None else 4 if mode == "draft" else 8
+            self.spec = Speculation(SpecConfig(mode=mode, max_k=k,
                                                max_running=cfg.spec_max_running))
             self.scheduler.spec = self.spec if self.spec.on else None
+            if mode == "draft" and self.spec.on:
+                check_pair(runner, runner.draft)
+                self.drafter = self.scheduler.drafter = Drafter(runner.draft, self.allocator, self.max_model_len)
         else:
             self.spec = Speculation(SpecConfig(mode="off"))
         path = getattr(runner, "model_path", None)
@@ -255,6 +265,8 @@ class Engine:
                  kv_dtype=getattr(self.runner, "kv_dtype_name", ""),
                  mode="contiguous" if self.config.contiguous else "paged", context_policy=self.config.context_policy,
                  speculation=self.spec.stats(), **self.scheduler.kv_bound_stats())
+        if self.drafter is not None:
+            s["draft_model"] = self.drafter.stats()
         return s
 
     # -- the loop -----------------------------------------------------------------------------
@@ -284,8 +296,53 @@ class Engine:
                 await self._wake.wait()
                 continue
             await self._run_step(batch)
+            if self.drafter is not None:
+                await self._draft_round()
             self._steps_since_trim += 1
             await trio.lowlevel.checkpoint()
+
+    async def _draft_round(self) -> None:
+        """The draft model guesses the next tokens of the requests that draft (few running,
+        decoding, eligible), in a worker thread; the next step checks them. Its sequences of
+        requests that stopped drafting go back to the pool."""
+        d, sched, spec = self.drafter, self.scheduler, self.spec
+        wanted = []
+        if len(sched.running) <= spec.config.max_running:
+            for r in sched.running:
+                if r.status is Status.RUNNING and not r.finished and r.is_decoding and spec.eligible(r):
+                    k = spec.want_k(r, self.max_model_len)
+                    if k > 0:
+                        wanted.append((r, k))
+        if d.holds() and d.drop_all(keep={r for r, _ in wanted}):
+            sched._free_blocks = None
+        if not wanted:
+            return
+        try:
+            # the round takes free blocks only (the scheduler takes them back before it would
+            # preempt anyone: Scheduler._reclaim_drafts), the watermark and a block kept
+            plan = d.begin(wanted, free_floor=sched.watermark + 1)
+        except Exception as e:     # the allocator refused: no drafts this step, nothing else hurt
+            log.error("the draft model's round could not be planned: %s", _short(e))
+            log.debug("draft planning failed", exc_info=True)
+            d.busy = False
+            d.drop_all()
+            sched._free_blocks = None
+            return
+        sched._free_blocks = None
+        if not plan:
+            return
+        guesses = None
+        self.step_started = trio.current_time()
+        try:
+            guesses = await trio.to_thread.run_sync(d.run, plan, trio.lowlevel.current_trio_token(),
+                                                    self.tokenizer.stop_token_ids)
+        except Exception as e:     # the draft failed: the requests decode without drafts
+            log.error("the draft model's round failed: %s (no drafts this step)", _short(e))
+            log.debug("draft round failed", exc_info=True)
+        finally:
+            self.step_started = None
+            d.finish(plan, guesses)
+            sched._free_blocks = None
 
     async def _run_step(self, batch: Batch) -> None:
         now = time.monotonic()

@@ -116,6 +116,7 @@ class Request:
     spec_k: int | None = None
     spec_drafted: int = 0
     spec_accepted: int = 0
+    proposal: Any = None           # a draft model's guesses: (num_tokens when made, [tokens]) (draft.py)
     pooled: Any = None             # mean pooling: the prompt's final states by position, as steps compute them
 
     @property

@@ -172,6 +172,7 @@ class Scheduler:
         self.kv_bound: dict[int, int] = {}
         self.sec_per_token: float | None = None   # measured on steps of 128+ tokens (observe_step)
         self.spec = None                          # speculate.Speculation: drafts for decodes (the engine's)
+        self.drafter = None                       # draft.Drafter: a draft model's sequences in this pool
 
     # -- queue state ------------------------------------------------------------------------
     @property
@@ -242,6 +243,8 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.queues[req.priority].remove(req)
         req.status = Status.FREED
+        if self.drafter is not None and self.drafter.drop(req, cache):
+            self._free_blocks = None
 
     def adopt(self, parent: Request, child: Request) -> None:
         """A parallel sample: `child` takes `parent`'s KV blocks as they are (the allocator's
@@ -255,9 +258,20 @@ class Scheduler:
         self.running.append(child)
         self._free_blocks = None
 
+    def _reclaim_drafts(self) -> bool:
+        """A draft model's sequences are the first blocks taken back when the pool runs short
+        (its state is recomputed when it drafts again): whether any went."""
+        if self.drafter is not None and self.drafter.drop_all():
+            self.drafter.reclaimed += 1
+            self._free_blocks = None
+            return True
+        return False
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.alloc.free_sequence(req.id)
+        if self.drafter is not None:
+            self.drafter.drop(req)
         self._free_blocks = None
         req.status = Status.WAITING
         req.num_known = req.num_slots = req.released_upto = 0
@@ -424,6 +438,8 @@ class Scheduler:
                     req.drafts = []                   # no room for them: a plain decode
                 k = self.blocks_needed(req, n)
                 while k > self._free(step):
+                    if self._reclaim_drafts():
+                        continue
                     victims = [r for r in self.running if r is not req and r not in step.plan]
                     victim = victims[-1] if victims else req
                     self._preempt_in_step(step, victim)
@@ -464,6 +480,8 @@ class Scheduler:
             same_prio = sum(r.priority == prio for r in self.running)
             full = len(self.running) >= cfg.max_num_seqs or same_prio >= limit
             pool_short = k > self._free(step) - self.watermark
+            if pool_short and not full and self._reclaim_drafts():
+                continue
             step.kv_bound |= pool_short and not full
             if full or pool_short:
                 # an interactive request may take the place of running background work
@@ -531,7 +549,8 @@ class Scheduler:
             n, k = self._admission(req, cap)           # a prompt longer than what is left: its first part
             if n <= 0:
                 break
-            if k > self._free(step) - self.watermark:
+            if k > self._free(step) - self.watermark and not (self._reclaim_drafts()
+                                                               and k <= self._free(step) - self.watermark):
                 step.kv_bound = True
                 continue
             self._start(step, queue, req, None, first=n)
@@ -554,7 +573,9 @@ class Scheduler:
         for req in overdue:
             if len(self.running) >= cfg.max_num_seqs or self._chunk_budget(step, prio) <= 0:
                 return
-            if self._admission(req, self._first_chunk(step, prio))[1] > self._free(step) - self.watermark:
+            k = self._admission(req, self._first_chunk(step, prio))[1]
+            if k > self._free(step) - self.watermark and not (self._reclaim_drafts()
+                                                               and k <= self._free(step) - self.watermark):
                 step.kv_bound = True
                 return
             self._start(step, queue, req, None)

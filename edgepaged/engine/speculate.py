@@ -90,7 +90,7 @@ def verify(logits: np.ndarray, drafts: list[int], params, prev: list[int], outpu
 
 @dataclass
 class SpecConfig:
-    mode: str = "lookup"           # "lookup" | "off"
+    mode: str = "lookup"           # "lookup" | "draft" (a draft model's guesses: draft.py) | "off"
     max_k: int = 8                 # the most drafted tokens per request and step
     max_running: int = 4           # drafts only while at most this many sequences run
     min_k: int = 1
@@ -118,11 +118,24 @@ class Speculation:
                 and req.lazy is None and not req.children and p.logprobs is None and req.context_window is None)
 
     def drafts_for(self, req, room: int) -> list[int]:
-        """Drafts for `req` this step, at most `room` (budget, context and max_tokens left)."""
+        """Drafts for `req` this step, at most `room` (budget, context and max_tokens left):
+        prompt lookup's, or the draft model's guesses made for the tokens it has now."""
         if req.spec_k is None:
             req.spec_k = self.config.max_k
         k = min(req.spec_k, room, req.params.max_tokens - len(req.output_ids) - 1)
-        return propose(req.all_ids, k) if k > 0 else []
+        if k <= 0:
+            return []
+        if self.config.mode == "draft":
+            p = req.proposal
+            return list(p[1][:k]) if p is not None and p[0] == req.num_tokens else []
+        return propose(req.all_ids, k)
+
+    def want_k(self, req, max_model_len: int) -> int:
+        """How many guesses a draft model makes for `req` in its next round."""
+        if req.spec_k is None:
+            req.spec_k = self.config.max_k
+        return max(0, min(req.spec_k, req.params.max_tokens - len(req.output_ids) - 1,
+                          max_model_len - req.num_tokens - 1))
 
     def record(self, req, drafted: int, accepted: int) -> None:
         cls = req.priority

@@ -76,6 +76,7 @@ class RunnerBase:
     kv_dtype_name, and implements `execute` and `copy_blocks`."""
 
     mask_ms: collections.deque
+    draft = None          # a draft model's runner (speculation by a draft: engine/draft.py), or None
 
     def _init_stats(self) -> None:
         self.mask_ms = collections.deque(maxlen=10000)   # constrained steps' mask times
@@ -113,8 +114,14 @@ class RunnerBase:
             weights = self.weight_bytes()
         except Exception:  # noqa: BLE001 - a model without the usual modules: say nothing wrong
             weights = None
-        return {"weights_bytes": weights, "kv_reserved_bytes": self.num_blocks * self.block_bytes,
-                "block_bytes": self.block_bytes, "rss_bytes": rss_bytes()}
+        out = {"weights_bytes": weights, "kv_reserved_bytes": self.num_blocks * self.block_bytes,
+               "block_bytes": self.block_bytes, "rss_bytes": rss_bytes()}
+        if self.draft is not None:     # its weights, and its cache beside each block of the pool
+            d = self.draft.memory()
+            out["draft_weights_bytes"] = d["weights_bytes"]
+            out["kv_reserved_bytes"] += d["kv_reserved_bytes"]
+            out["block_bytes"] += d["block_bytes"]
+        return out
 
     def _free_memory(self) -> tuple[int, str]:
         return available_ram(), "available memory"

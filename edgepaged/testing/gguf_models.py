@@ -124,3 +124,51 @@ def write_random_gguf(path, *, hidden: int, layers: int, heads: int, kv_heads: i
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def write_widened_gguf(src, path, *, inter: int, noise: float, seed: int = 0) -> Path:
+    """A larger model that a llama GGUF `src` drafts for: `src` with its MLP widened to `inter`
+    neurons (the new ones random; their down projection `noise` times the size of the
+    originals', so 0 gives `src`'s function and more moves the new model away from it). The
+    widened projections are Q8_0 and everything else (tokenizer, attention, embeddings) is
+    `src`'s as it is. A rig for draft-model speculation with a known relation between the two
+    (the embedded SmolLM2-135M widened to 12,288 neurons has about the 1 B Q4_K_M file's
+    weight bytes)."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+    rng = np.random.default_rng(seed)
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    if arch != "llama":
+        raise ValueError(f"{src}: widening needs a llama file (this is {arch})")
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = inter if key == f"{arch}.feed_forward_length" else f.contents()
+        if key == "general.file_type":
+            value = int(gguf.LlamaFileType.MOSTLY_Q8_0)
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, f.types[0])
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for t in r.tensors:
+        kind = t.name.split(".")[-2] if t.name.count(".") >= 2 else ""
+        if kind not in ("ffn_gate", "ffn_up", "ffn_down"):
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=None if t.tensor_type in (
+                gguf.GGMLQuantizationType.F32,) else t.tensor_type)
+            continue
+        x = dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
+        if kind == "ffn_down":          # [hidden, n]: new input columns
+            extra = rng.standard_normal((x.shape[0], inter - x.shape[1])) * (noise * float(x.std()))
+            x = np.concatenate([x, extra.astype(np.float32)], axis=1)
+        else:                           # [n, hidden]: new rows
+            extra = rng.standard_normal((inter - x.shape[0], x.shape[1])) * float(x.std())
+            x = np.concatenate([x, extra.astype(np.float32)], axis=0)
+        w.add_tensor(t.name, quantize(np.ascontiguousarray(x), q8), raw_dtype=q8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
