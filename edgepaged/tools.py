@@ -471,6 +471,11 @@ class ToolStream:
         self.ids: list[int] = []
         self.emitted = 0        # characters of the raw text given out
         self.call_at: int | None = None   # where the first call starts in the raw text
+        self._raw = ""
+        # calls given out as they are written (`deltas`): [{"id", "name", "sent": the raw
+        # position its arguments were given out to, "end": where they closed, or None}]
+        self.streamed: list[dict] = []
+        self._scan = _JsonValueEnd()
 
     def raw(self) -> str:
         return self.tokenizer.decode(self.ids, skip_special_tokens=False)
@@ -493,7 +498,7 @@ class ToolStream:
     def push(self, token_ids: list[int], text: str) -> str:
         """The next event's tokens -> the content that may go out now."""
         self.ids += token_ids
-        raw = self.raw()
+        raw = self._raw = self.raw()
         if self.syntax.name == "generic":      # the reply's text, decoded from its JSON string as it comes
             said = _generic_text(raw.rstrip("\ufffd"))[0]
             out, self.emitted = said[self.emitted:], max(self.emitted, len(said))
@@ -502,8 +507,56 @@ class ToolStream:
         out, self.emitted = raw[self.emitted:safe], safe
         return out
 
+    def deltas(self) -> list[tuple[int, dict]]:
+        """A call's parts as the model writes them, for doors that stream calls (OpenAI's
+        chunks): (call index, {"id", "name"}) once its name is complete, then (index,
+        {"arguments": text}) pieces of its arguments' JSON as they come (joined, they are the
+        call's arguments), and (index, {"done": True}) when they close. After `push`; the text
+        is what the grammar let the model write (a call is constrained from its marker on)."""
+        text = self._raw.rstrip("\ufffd")
+        if self.syntax.name == "generic":
+            if not text.lstrip().startswith(GENERIC_CALLS):
+                return []
+            start = len(text) - len(text.lstrip())
+        else:
+            start = self.call_at
+        if start is None:
+            return []
+        out: list[tuple[int, dict]] = []
+        while True:
+            if self.streamed and self.streamed[-1]["end"] is None:
+                c, k = self.streamed[-1], len(self.streamed) - 1
+                end = self._scan.feed(text, c["sent"])
+                upto = end if end is not None else self._scan.safe
+                c["sent"] = max(c["sent"], self._scan.start if self._scan.start is not None else c["sent"])
+                if upto > c["sent"]:
+                    out.append((k, {"arguments": text[c["sent"]:upto]}))
+                    c["sent"] = upto
+                if end is None:
+                    return out
+                c["end"] = end
+                out.append((k, {"done": True}))
+            m = CALL_HEAD.search(text, self.streamed[-1]["end"] if self.streamed else start)
+            if m is None:
+                return out
+            try:
+                name = json.loads('"' + m.group(1) + '"')
+            except ValueError:
+                return out
+            call = {"id": "call_" + uuid.uuid4().hex[:24], "name": name, "sent": m.end(), "end": None}
+            self.streamed.append(call)
+            self._scan = _JsonValueEnd()
+            out.append((len(self.streamed) - 1, {"id": call["id"], "name": name}))
+
     def finish(self) -> tuple[str, list[dict]]:
-        """(content still to give out, calls)."""
+        """(content still to give out, calls). Calls given out already by `deltas` keep their ids."""
+        content, calls = self._finish()
+        for c, s in zip(calls, self.streamed):
+            if c["name"] == s["name"]:
+                c["id"] = s["id"]
+        return content, calls
+
+    def _finish(self) -> tuple[str, list[dict]]:
         raw = self.raw()
         if self.syntax.name == "generic":
             said, opened = _generic_text(raw)
@@ -528,6 +581,64 @@ class ToolStream:
         out = raw[self.emitted:self.call_at] + content
         self.emitted = len(raw)
         return (out if out.strip() else ""), calls
+
+
+# a call's head as every syntax writes it (constrained calls name the function first): its name
+# complete, its arguments about to begin
+CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+class _JsonValueEnd:
+    """Where a JSON value that starts at a given position ends, fed a growing text: `feed`
+    returns the end (exclusive) once the value is complete, else None; `safe` is how far the
+    text is certainly inside the value (a scalar is given out only whole)."""
+
+    def __init__(self):
+        self.pos = self.start = None
+        self.depth = 0
+        self.in_str = self.esc = False
+        self.kind = None
+        self.safe = 0
+
+    def feed(self, text: str, start: int) -> int | None:
+        if self.pos is None:
+            while start < len(text) and text[start] in " \t\r\n":
+                start += 1
+            if start >= len(text):
+                self.safe = start
+                return None
+            self.kind = text[start]
+            self.pos = self.start = self.safe = start
+        i = self.pos
+        if self.kind not in '{["':                 # a number or a literal: whole, at its end
+            j = i
+            while j < len(text) and text[j] not in ",}] \t\r\n":
+                j += 1
+            return j if j < len(text) else None
+        while i < len(text):
+            ch = text[i]
+            i += 1
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+                    if self.kind == '"' and self.depth == 0:
+                        self.pos = self.safe = i
+                        return i
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = self.safe = i
+                    return i
+        self.pos = self.safe = i
+        return None
 
 
 class LazyCall:

@@ -262,6 +262,50 @@ async def test_tool_calls_with_the_openai_package(embedded_runner):
     assert out["answer"].finish_reason in ("stop", "length") and out["answer"].message.content
 
 
+async def test_tool_calls_stream_as_they_are_written(embedded_runner):
+    """A streamed call goes out while the model writes it (OpenAI's shape: id, type and name
+    in the call's first chunk, then pieces of its arguments, joined by index), long before the
+    answer ends; the pieces join into the constrained, valid arguments. Ollama's stream gives
+    each call whole in a chunk of its own as soon as it closes, before the final chunk."""
+    import openai
+    ask = [{"role": "user", "content": "Lights off in the kitchen, and the weather in Paris please."}]
+    async with serving(embedded_runner) as http:
+        def scenario():
+            c = openai.OpenAI(base_url=http.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            return [ch for ch in c.chat.completions.create(model="m", messages=ask, tools=WEATHER,
+                                                           tool_choice="required", parallel_tool_calls=True,
+                                                           temperature=0, max_tokens=200, stream=True)
+                    if ch.choices]
+        chunks = await trio.to_thread.run_sync(scenario)
+        status, _, raw = await afetch(http.base + "/api/chat", {
+            "model": "SmolLM2-135M-Instruct.Q4_1", "messages": ask, "tools": WEATHER,
+            "options": {"temperature": 0, "num_predict": 200}})
+    calls, pieces, first_at = {}, {}, {}
+    for i, ch in enumerate(chunks):
+        for tc in ch.choices[0].delta.tool_calls or []:
+            d = calls.setdefault(tc.index, {"name": "", "arguments": "", "id": None})
+            if tc.function.name:
+                assert not d["name"] and tc.id and tc.type == "function"     # the name whole, once, first
+                d["name"], d["id"], first_at[tc.index] = tc.function.name, tc.id, i
+            if tc.function.arguments:
+                assert d["name"], "arguments before the name"
+                d["arguments"] += tc.function.arguments
+                pieces[tc.index] = pieces.get(tc.index, 0) + 1
+    assert calls and chunks[-1].choices[0].finish_reason == "tool_calls"
+    for k, d in calls.items():
+        jsonschema.validate(json.loads(d["arguments"]), SCHEMAS[d["name"]])
+        assert pieces[k] >= 2, pieces                     # the arguments came in pieces, as written
+    assert first_at[0] < len(chunks) - 3                  # the first call's name long before the end
+    assert len({d["id"] for d in calls.values()}) == len(calls)
+    # Ollama: a call's chunk, then the final one (done) with no call repeated
+    assert status == 200, raw
+    lines = [json.loads(x) for x in raw.splitlines() if x.strip()]
+    got = [c for x in lines for c in x["message"].get("tool_calls") or []]
+    assert got and lines[-1]["done"] and not lines[-1]["message"].get("tool_calls"), lines
+    for c in got:
+        jsonschema.validate(c["function"]["arguments"], SCHEMAS[c["function"]["name"]])
+
+
 async def test_parallel_samples_with_tools(embedded_runner):
     """n = 3 with tool_choice required: every choice carries its own calls, each valid for
     its tool's schema, streamed (deltas by choice index) and not; over the msgpack protocol

@@ -818,6 +818,7 @@ class GenerationResponse:
                     break
             out = []
             calls = self.req.calls
+            stream_calls = calls is not None and getattr(sh, "streams_calls", False)
             for ev in batch:
                 if isinstance(ev, TokenEvent):
                     text = calls.push(ev.token_ids, ev.text) if calls is not None else ev.text
@@ -825,6 +826,9 @@ class GenerationResponse:
                         out.append(sh.frame(sh.text_chunk(text, lp.of(ev.token_ids, ev.logprobs))))
                     elif text and (chunk := sh.text_chunk(text)) is not None:
                         out.append(sh.frame(chunk))
+                    if stream_calls:      # a call goes out as it is written (the grammar holds it valid)
+                        out += [sh.frame(c) for k, part in calls.deltas()
+                                if (c := sh.call_chunk(k, part)) is not None]
                 else:
                     done = ev
             if done is not None:

@@ -237,6 +237,8 @@ class OllamaShaper:
         self.gen, self.model = gen, model
         # a thinking model's answer: its thinking in `thinking`, as Ollama gives it
         self.split = ThinkSplit.of(req)
+        self._calls: dict = {}      # calls being written: index -> [name, arguments so far]
+        self.sent_calls = 0         # calls that went out whole already
 
     @staticmethod
     def frame(obj: dict) -> bytes:
@@ -281,15 +283,36 @@ class OllamaShaper:
         thinking, content = self.split.feed(text)
         return self._obj(content, False, thinking) if thinking or content else None
 
+    streams_calls = True      # each tool call goes out as soon as it is complete (call_chunk)
+
+    def call_chunk(self, k: int, part: dict) -> dict | None:
+        """Ollama's streams carry whole calls: one chunk as soon as a call's arguments close."""
+        if "name" in part:
+            self._calls[k] = [part["name"], ""]
+            return None
+        if "arguments" in part:
+            self._calls[k][1] += part["arguments"]
+            return None
+        name, args = self._calls[k]
+        try:
+            value = json.loads(args)
+        except ValueError:
+            return None
+        self.sent_calls = max(self.sent_calls, k + 1)
+        chunk = self._obj("", False)
+        chunk["message"]["tool_calls"] = [{"function": {"name": name, "arguments": value}}]
+        return chunk
+
     def last_chunks(self, done, calls=None) -> list[dict]:
         out = []
         if self.split is not None:
             thinking, content = self.split.flush()
             if thinking or content:
                 out.append(self._obj(content, False, thinking))
-        if calls:
+        rest = (calls or [])[self.sent_calls:]
+        if rest:
             chunk = self._obj("", False)
-            chunk["message"]["tool_calls"] = ollama_calls(calls)
+            chunk["message"]["tool_calls"] = ollama_calls(rest)
             out.append(chunk)
         return out + [self._final("", done)]
 

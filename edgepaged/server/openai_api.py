@@ -377,8 +377,11 @@ class Shaper:
     def error_body(err: ApiError) -> dict:
         return err.body()
 
+    streams_calls = True      # tool calls go out as they are written (call_chunk)
+
     def __init__(self, gen: Generation, model: str, req=None):
         self.gen, self.model = gen, model
+        self.sent_calls = 0   # calls whose name went out already (their arguments follow as written)
         self.id = gen.item.id
         self.created = int(time.time())
         # reasoning_format asked and a thinking model's answer: its thinking in reasoning_content
@@ -389,7 +392,7 @@ class Shaper:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def _choice_end(self, done, calls=None) -> dict:
-        c = {"finish_reason": "tool_calls" if calls else
+        c = {"finish_reason": "tool_calls" if calls or self.sent_calls else
              done.finish_reason if done.finish_reason in ("stop", "length") else "stop"}
         if done.stop is not None:
             c["stop_reason"] = done.stop   # which stop string / token ended it (a vLLM extension)
@@ -452,6 +455,18 @@ class Shaper:
             return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None})
         return self._chunk({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None})
 
+    def call_chunk(self, k: int, part: dict) -> dict | None:
+        """A tool call as it is written (`ToolStream.deltas`): its id, type and name first, then
+        pieces of its arguments (OpenAI's client joins them by index)."""
+        if "name" in part:
+            self.sent_calls = max(self.sent_calls, k + 1)
+            tc = {"index": k, "id": part["id"], "type": "function", "function": {"name": part["name"], "arguments": ""}}
+        elif part.get("arguments"):
+            tc = {"index": k, "function": {"arguments": part["arguments"]}}
+        else:
+            return None
+        return self._chunk({"index": 0, "delta": {"tool_calls": [tc]}, "logprobs": None, "finish_reason": None})
+
     def last_chunks(self, done, calls=None) -> list[dict]:
         out = []
         if self.split is not None:
@@ -459,9 +474,10 @@ class Shaper:
             if thinking or content:
                 delta = {"content": content, **({"reasoning_content": thinking} if thinking else {})}
                 out.append(self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}))
-        if calls:   # each call whole in one delta (OpenAI's client joins deltas by index)
+        rest = (calls or [])[self.sent_calls:]
+        if rest:    # calls not streamed already: each whole in one delta (the client joins deltas by index)
             out.append(self._chunk({"index": 0, "delta": {"tool_calls": [
-                {"index": k, **c} for k, c in enumerate(openai_calls(calls))]}, "logprobs": None,
+                {"index": self.sent_calls + k, **c} for k, c in enumerate(openai_calls(rest))]}, "logprobs": None,
                 "finish_reason": None}))
         choice = {"index": 0, "delta": {}, "logprobs": None} if self.gen.chat else \
             {"index": 0, "text": "", "logprobs": None}
