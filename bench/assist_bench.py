@@ -8,6 +8,8 @@ when installed).
 Figures (the last line with --json):
 - `ttft_cold_s`: the first command ever (the whole prompt prefilled), to its first streamed
   byte of content or of a tool call; `served_prefill_tok_s`: its prompt tokens over that time.
+- `ttft_cold_ollama_s`: the Ollama door's first command (its rendering of the request is a
+  prompt of its own: cold too).
 - `ttft_warm_s` {p50, p90}: later commands (the prompt's prefix cached), to the first byte;
   `answer_warm_s` {p50, p90}: to the complete answer or call.
 - `ttft_after_restart_s`: the first command after the server restarts (what the prefix cache
@@ -169,9 +171,11 @@ def commands(base: str, reps: int, max_tokens: int, llama: bool = False) -> dict
     oa = base + "/v1/chat/completions"
     name = "m" if llama else json.loads(urllib.request.urlopen(base + "/api/tags", timeout=30).read())["models"][0]["name"]
     cold = timed(oa, {**openai_body(COMMANDS[0], max_tokens), "stream_options": {"include_usage": True}})
+    # the Ollama door renders the same request as its own prompt: its first command is its cold one
+    cold_ollama = None if llama else timed(base + "/api/chat", ollama_body(COMMANDS[0], max_tokens, name))
     stop = threading.Event()
     bg = [background(base, stop, llama), background(base, stop, llama)]
-    ttft, answer = [], []
+    ttft, answer, by_door = [], [], {"openai": [], "ollama": []}
     try:
         for i in range(reps):
             cmd = COMMANDS[1 + i % (len(COMMANDS) - 1)]
@@ -180,6 +184,7 @@ def commands(base: str, reps: int, max_tokens: int, llama: bool = False) -> dict
                 if url is None:
                     continue
                 r = timed(url, body)
+                by_door["ollama" if url.endswith("/api/chat") else "openai"].append(round(r["ttft"], 3))
                 ttft.append(r["ttft"])
                 answer.append(r["answer"])
     finally:
@@ -188,7 +193,9 @@ def commands(base: str, reps: int, max_tokens: int, llama: bool = False) -> dict
             t.join(timeout=120)
     return {"ttft_cold_s": round(cold["ttft"], 3), "prompt_tokens": cold["prompt_tokens"],
             "served_prefill_tok_s": round(cold["prompt_tokens"] / cold["ttft"], 1) if cold["prompt_tokens"] else None,
-            "ttft_warm_s": pct(ttft), "answer_warm_s": pct(answer)}
+            "ttft_warm_s": pct(ttft), "answer_warm_s": pct(answer),
+            "ttft_cold_ollama_s": None if cold_ollama is None else round(cold_ollama["ttft"], 3),
+            "ttft_warm_by_door_s": by_door}
 
 
 def restart_ttft(flags: list[str], max_tokens: int) -> float:

@@ -280,6 +280,26 @@ def test_a_new_short_prompt_starts_before_running_long_prefills_take_the_step():
         assert sum(1 for r in longs if r in b.requests) >= 2          # the long ones go on too
 
 
+def test_a_long_prompt_with_its_prefix_cached_is_a_short_one():
+    """Home Assistant's 2,000-token prompt with a new command: once its prefix is cached only
+    the command is computed, and it starts beside running long prefills as a home question
+    does (before: its full length made it wait for them)."""
+    s = make(num_blocks=512, max_num_batched_tokens=128, max_model_len=4096)
+    first = req(n=2000, max_tokens=1, client="ha", base=3)
+    s.add(first)
+    while first.status is not Status.FREED:
+        step(s)
+    longs = [req(n=400, max_tokens=4, client=f"doc{i}", base=10 * i) for i in range(4)]
+    for r in longs:
+        s.add(r)
+    step(s)
+    again = req(n=2000, max_tokens=4, client="ha", base=3)
+    again.prompt_ids = again.prompt_ids[:-8] + [99] * 8          # the same system prompt, another command
+    s.add(again)
+    b = step(s)
+    assert again in b.requests and again.num_cached >= 1984
+
+
 def test_kv_bound_moments_count_the_pool_only():
     """kv_bound_active: the running sequences at the steps where the pool (not the sequence
     limit, the token budget or the arrivals) held a waiting request back."""

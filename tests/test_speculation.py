@@ -138,6 +138,30 @@ async def test_a_format_composes_with_drafts(embedded_runner):
     assert stats["speculation"]["interactive"]["drafted"] > 0, stats
 
 
+async def test_tokens_a_format_forces_are_drafts(embedded_runner):
+    """What a format forces (a schema's property names, `{"response": "` of the generic tool
+    syntax) is drafted and kept in one forward: the same answer in fewer steps."""
+    props = {"the_kitchen_light_brightness_percent": {"type": "integer"},
+             "the_living_room_thermostat_setting_in_celsius": {"type": "integer"}}
+    schema = {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+    ask = {"messages": [{"role": "user", "content": "Kitchen light at 40, living room at 21 degrees."}],
+           "max_tokens": 80, "temperature": 0,
+           "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}}
+    out, steps = {}, {}
+    async with serving(embedded_runner, http=True) as server:
+        for spec in (False, True):
+            before = server.engine.stats()["num_steps"]
+            status, _, raw = await afetch(server.http_base + "/v1/chat/completions", {**ask, "speculative": spec})
+            assert status == 200, raw
+            out[spec] = json.loads(raw)["choices"][0]["message"]["content"]
+            steps[spec] = server.engine.stats()["num_steps"] - before
+        stats = server.engine.stats()
+        assert stats["kv_blocks_used"] == 0
+    assert out[True] == out[False] and set(json.loads(out[True])) == set(props)
+    assert stats["speculation"]["interactive"]["forced"] >= 10, stats["speculation"]
+    assert steps[True] < steps[False] - 8, steps
+
+
 async def test_a_tight_pool_preempts_drafting_requests_and_loses_nothing(tmp_path):
     """Eight requests at once on a pool that holds about two: drafting ones are preempted and
     resumed; each answer is its plain one, every block comes back."""

@@ -441,7 +441,8 @@ class Engine:
                 self.allocator.truncate(req.id, req.num_known)
                 req.num_slots = self.allocator.seq_num_slots(req.id)
             if isinstance(got, list):
-                self.spec.record(req, drafted, kept)
+                forced, req.drafts_forced = req.drafts_forced, 0
+                self.spec.record(req, drafted, kept, forced)
             req.drafts = []
 
     def _execute(self, batch: Batch, params, prev, matchers=None, outputs=None, rows=(),
@@ -485,7 +486,27 @@ class Engine:
                     out[req] = ("took", ok, ok and req.matcher.is_stopped())
             except Exception as e:      # handed to the loop: that request alone ends
                 out[req] = ("failed", e)
+        if self.scheduler.spec is not None:
+            self._forced_tokens(out, dict(zip(rows, tokens)))
         return out
+
+    def _forced_tokens(self, took: dict, tokens: dict) -> None:
+        """In the worker thread, after the grammars took their tokens: the tokens each format
+        forces next (`{"response": "` of a JSON reply, a call's `{"name": "` ...) become the
+        request's drafts of the next step (`Speculation.drafts_for`), checked like any draft:
+        several forced tokens cost one forward instead of one each."""
+        for req, t in took.items():
+            m = (req.matcher if t[0] == "took" and t[1] and not t[2] or t[0] == "spec" and not t[1]
+                 else t[1] if t[0] == "lazy" and t[1] else None)
+            if m is None or req.speculative is False or req.params.logprobs is not None or req.children:
+                continue
+            try:
+                ff = m.compute_ff_tokens()
+            except Exception:   # noqa: BLE001 - no forced tokens then
+                continue
+            tok = tokens.get(req)
+            n = len(tok) if isinstance(tok, list) else 1
+            req.forced = (req.num_tokens + n, list(ff)) if ff else None
 
     def _process(self, batch: Batch, tokens: list, forks=(), grammar: dict | None = None) -> None:
         now = time.monotonic()

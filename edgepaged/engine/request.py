@@ -117,6 +117,8 @@ class Request:
     spec_drafted: int = 0
     spec_accepted: int = 0
     proposal: Any = None           # a draft model's guesses: (num_tokens when made, [tokens]) (draft.py)
+    forced: Any = None             # tokens its format forces next: (num_tokens they follow, [tokens])
+    drafts_forced: int = 0         # how many of this step's drafts are forced ones
     pooled: Any = None             # mean pooling: the prompt's final states by position, as steps compute them
 
     @property

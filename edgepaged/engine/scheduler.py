@@ -533,12 +533,12 @@ class Scheduler:
         # burst of home questions starts together), and keeps the rest of it short
         half = (cfg.max_num_batched_tokens if step.timed else step.total) // 2
         queue, cap = self.queues[prio], half if step.timed else min(step.budget, half)
-        if any(len(r.all_ids) > cfg.short_prompt_tokens and not self._may_pass(r) for r in queue.waiting()):
+        if any(self._to_compute(r) > cfg.short_prompt_tokens and not self._may_pass(r) for r in queue.waiting()):
             return False                # a long prompt has waited its limit: nothing goes ahead of it
         per_client: dict[str, int] = {}
         for r in self.running:
             per_client[r.client] = per_client.get(r.client, 0) + 1
-        candidates = [r for r in queue.waiting() if len(r.all_ids) <= cfg.short_prompt_tokens
+        candidates = [r for r in queue.waiting() if self._to_compute(r) <= cfg.short_prompt_tokens
                       and r not in step.preempted]
         started = False
         while candidates and len(self.running) < cfg.max_num_seqs:
@@ -568,7 +568,7 @@ class Scheduler:
         if cfg.short_prompt_tokens <= 0 or cfg.contiguous:
             return
         queue = self.queues[prio]
-        overdue = sorted((r for r in queue.waiting() if len(r.all_ids) > cfg.short_prompt_tokens
+        overdue = sorted((r for r in queue.waiting() if self._to_compute(r) > cfg.short_prompt_tokens
                           and not self._may_pass(r) and r not in step.preempted), key=lambda r: r.arrival)
         for req in overdue:
             if len(self.running) >= cfg.max_num_seqs or self._chunk_budget(step, prio) <= 0:
@@ -579,6 +579,15 @@ class Scheduler:
                 step.kv_bound = True
                 return
             self._start(step, queue, req, None)
+
+    def _to_compute(self, req: Request) -> int:
+        """The tokens a waiting request's prefill computes: its prompt less what the prefix
+        cache holds (Home Assistant's 2,000-token prompt with a new spoken command is a short
+        prompt once its prefix is cached)."""
+        n = len(req.all_ids)
+        if n <= self.config.short_prompt_tokens or not self.alloc.enable_prefix_caching:
+            return n
+        return n - self.alloc.prefix_match(req.all_ids, req.salt)[0]
 
     def _may_pass(self, head: Request) -> bool:
         """Whether short prompts may go ahead of `head` (it has not waited too long)."""

@@ -104,6 +104,7 @@ class Speculation:
         self.drafted: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
         self.steps: dict[str, int] = {}
+        self.forced: dict[str, int] = {}     # format-forced tokens taken as drafts (all kept)
 
     @property
     def on(self) -> bool:
@@ -122,7 +123,14 @@ class Speculation:
         prompt lookup's, or the draft model's guesses made for the tokens it has now."""
         if req.spec_k is None:
             req.spec_k = self.config.max_k
-        k = min(req.spec_k, room, req.params.max_tokens - len(req.output_ids) - 1)
+        left = min(room, req.params.max_tokens - len(req.output_ids) - 1)
+        f = req.forced
+        if f is not None and f[0] == req.num_tokens and left > 0:
+            # what the format forces next: certain, whatever k is (a grammar allows nothing else)
+            req.drafts_forced = min(left, len(f[1]))
+            return list(f[1][:left])
+        req.drafts_forced = 0
+        k = min(req.spec_k, left)
         if k <= 0:
             return []
         if self.config.mode == "draft":
@@ -137,8 +145,16 @@ class Speculation:
         return max(0, min(req.spec_k, req.params.max_tokens - len(req.output_ids) - 1,
                           max_model_len - req.num_tokens - 1))
 
-    def record(self, req, drafted: int, accepted: int) -> None:
+    def record(self, req, drafted: int, accepted: int, forced: int = 0) -> None:
+        """A step's drafts of `req`: `forced` of them (the first) were its format's forced
+        tokens, counted apart (they say nothing of guessing) and leaving k as it is."""
         cls = req.priority
+        if forced:
+            kept = min(accepted, forced)
+            self.forced[cls] = self.forced.get(cls, 0) + kept
+            drafted, accepted = drafted - forced, accepted - kept
+            if not drafted:
+                return
         self.drafted[cls] = self.drafted.get(cls, 0) + drafted
         self.accepted[cls] = self.accepted.get(cls, 0) + accepted
         self.steps[cls] = self.steps.get(cls, 0) + 1
@@ -152,7 +168,8 @@ class Speculation:
 
     def stats(self) -> dict:
         out = {}
-        for cls in sorted(set(self.drafted) | set(self.accepted)):
+        for cls in sorted(set(self.drafted) | set(self.accepted) | set(self.forced)):
             d, a = self.drafted.get(cls, 0), self.accepted.get(cls, 0)
-            out[cls] = {"drafted": d, "accepted": a, "acceptance_rate": round(a / d, 3) if d else None}
+            out[cls] = {"drafted": d, "accepted": a, "acceptance_rate": round(a / d, 3) if d else None,
+                        "forced": self.forced.get(cls, 0)}
         return out
