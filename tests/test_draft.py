@@ -60,7 +60,7 @@ async def test_a_draft_that_is_the_target_has_every_guess_kept(tmp_path, runtime
     assert stats["draft_model"]["rounds"] > 0
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 async def test_another_draft_changes_nothing_in_the_answer(tmp_path, family):
     plain_runner, target = _pair(tmp_path, family, target_seed=11, draft_seed=12)
     plain, _ = await _answers(plain_runner, "off", PROMPTS)
