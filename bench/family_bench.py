@@ -1,9 +1,12 @@
 """1-8 B speed: a synthetic GGUF of Llama-3.2-1B's shape (16 layers, hidden 2048, FFN 8192,
-32/8 heads, the embedded model's 49,152-token vocabulary, random blocks) in a Q4_K_M mix
-(Q4_K; Q6_K for attn_v, ffn_down and the tied embeddings) and in Q8_0, against llama.cpp
-(llama-cpp-python) on the same file, in the same run.
+32/8 heads, the embedded model's 49,152-token vocabulary, random blocks), or with --shape of
+Llama-3.2-3B's (28 layers, hidden 3072, FFN 8192, 24/8 heads) or Llama-3.1-8B's (32 layers,
+hidden 4096, FFN 14336, 32/8 heads), both with Llama 3's 128,256-token vocabulary, in a
+Q4_K_M mix (Q4_K; Q6_K for attn_v, ffn_down and the tied embeddings) and in Q8_0, against
+llama.cpp (llama-cpp-python, or its own llama-bench) on the same file, in the same run.
 
-    python bench/family_bench.py [--json] [--files q4_k_m,q8_0] [--new-tokens 64] [--reps 2]
+    python bench/family_bench.py [--json] [--shape 1b|3b|8b] [--files q4_k_m,q8_0] [--new-tokens 64]
+                                 [--reps 2] [--llama-bench PATH]
 
 The files are written once and cached outside the repository (`--cache-dir`, default
 ~/.cache/edgepaged/bench). For each file the last JSON line holds:
@@ -12,7 +15,12 @@ The files are written once and cached outside the repository (`--cache-dir`, def
     tok_s_b32          32 streams at once: 32 * (new_tokens - 1) / decode seconds
     prefill_tok_s      a 512-token prompt: 512 / its prefill seconds
     roofline_frac_b32  2 * params * tok_s_b32 / (fp32 GEMM FLOP/s at 2048^3, this run, best)
-    weights_rss_mb     resident memory the weights add to a fresh process (MiB)
+    b1_roofline_frac   tok_s_b1 * the weights' bytes / mem_read_gbs: one stream reads every
+                       weight once a token, so 1.0 is the memory's limit (mem_read_gbs, top
+                       level: a read-bandwidth probe in this process, both threads, best of
+                       the run)
+    weights_rss_mb     resident memory the weights add to a fresh process (MiB; the --runtime's
+                       runner), ready_s: its load on a warm page cache (the cpu runtime)
     file_mb            the file (MiB)
     isa                the instruction set the products ran on ("avx512-vnni", "avx2", "scalar";
                        `machine` lists the CPU's flags); `math`: "int8" or "exact" (the
@@ -39,7 +47,10 @@ from edgepaged.model import default_model_path
 from edgepaged.testing.decode import make_allocator, run_batch
 from edgepaged.testing.gguf_models import Q4_K_M, write_random_gguf
 
-SHAPE = dict(hidden=2048, layers=16, heads=32, kv_heads=8, inter=8192, context=4096)
+SHAPES = {"1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, inter=8192, context=4096),
+          "3b": dict(hidden=3072, layers=28, heads=24, kv_heads=8, inter=8192, context=4096, vocab=128256),
+          "8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, inter=14336, context=4096, vocab=128256)}
+SHAPE = SHAPES["1b"]
 MIXES = {"q4_k_m": Q4_K_M, "q8_0": {k: 8 for k in Q4_K_M}}
 PREFILL = 512
 
@@ -61,15 +72,41 @@ def cpu_flags() -> dict:
     return {"cpu": name or platform.processor() or platform.machine(), "flags": [f for f in wanted if f in flags]}
 
 
-def synthetic(mix: str, cache_dir: Path) -> Path:
-    path = cache_dir / f"llama1b-{mix}.gguf"
+def synthetic(mix: str, cache_dir: Path, shape: str = "1b") -> Path:
+    """The shape's file in the mix, written once under cache_dir (1b: the embedded model's
+    49,152-token vocabulary; 3b, 8b: Llama 3's 128,256, the embedded model's tokens and
+    reserved ones)."""
+    path = cache_dir / f"llama{shape}-{mix}.gguf"
     if not path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         print(f"writing {path} (once)", flush=True)
         tmp = path.with_suffix(".tmp")
-        write_random_gguf(tmp, **SHAPE, qtypes=MIXES[mix], seed=1, tied=True, tokenizer_from=default_model_path())
+        write_random_gguf(tmp, **SHAPES[shape], qtypes=MIXES[mix], seed=1, tied=True,
+                          tokenizer_from=default_model_path())
         tmp.rename(path)
     return path
+
+
+def mem_read_gbs(mib: int = 1024, reps: int = 3) -> float:
+    """Read bandwidth, every thread (core) at once, GB/s: the best of `reps` passes of two
+    reductions over a `mib` MiB array split between the threads (numpy's reductions let go of
+    the GIL): a max over 64-bit integers (the least work per byte numpy has) and a float32 sum
+    (measured 25-34 GB/s on one Zen 4 depending on the reduction: the best counts)."""
+    import threading
+    a = np.ones(mib * 2**20 // 4, np.float32)
+    threads = int(os.environ.get("EDGEPAGED_NUM_THREADS") or os.cpu_count() or 1)
+    best = 0.0
+    for fn, view in ((np.max, a.view(np.uint64)), (np.sum, a)):
+        parts = np.array_split(view, threads)
+        for _ in range(reps):
+            ts = [threading.Thread(target=fn, args=(p,)) for p in parts]
+            t = time.perf_counter()
+            for th in ts:
+                th.start()
+            for th in ts:
+                th.join()
+            best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
 
 
 def gemm_gflops(reps: int = 5) -> float:
@@ -100,8 +137,30 @@ print(json.dumps({"rss": rss() - before, **weight_bytes(r.model)}))
 """
 
 
-def weights_rss(path: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", RSS_PROBE, str(path)], capture_output=True, text=True, check=True)
+CPU_PROBE = r"""
+import gc, json, sys, time
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+from edgepaged.model.cpu_runtime import CpuRunner
+CpuRunner(num_blocks=4, progress=lambda *a, **k: None)    # the loader's own code paged in first
+gc.collect()
+before = rss()
+t = time.perf_counter()
+r = CpuRunner(sys.argv[1], num_blocks=4, progress=lambda *a, **k: None)
+ready = time.perf_counter() - t
+gc.collect()
+print(json.dumps({"rss": rss() - before, "ready_s": ready, "weight_bytes": r.weight_bytes()}))
+"""
+
+
+def weights_rss(path: Path, runtime: str = "torch") -> dict:
+    """What the weights add to a fresh process and (cpu) how long the load takes; the cpu
+    probe runs twice, the second on a warm page cache."""
+    probe = CPU_PROBE if runtime == "cpu" else RSS_PROBE
+    for _ in range(2 if runtime == "cpu" else 1):
+        out = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -133,13 +192,35 @@ def ours(path: Path, new_tokens: int, reps: int, runtime: str = "cpu") -> dict:
     return res
 
 
-def llama_cpp(path: Path, new_tokens: int, reps: int, vocab: int) -> dict:
+def llama_bench(exe: str, path: Path, new_tokens: int, reps: int) -> dict:
+    """llama.cpp's own llama-bench: a PREFILL-token prompt and new_tokens generated, --reps
+    repetitions each (its mean)."""
+    threads = int(os.environ.get("EDGEPAGED_NUM_THREADS") or os.cpu_count())
+    out = subprocess.run([exe, "-m", str(path), "-p", str(PREFILL), "-n", str(new_tokens), "-t", str(threads),
+                          "-r", str(max(reps, 2)), "-o", "json"], capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        return {"llama_cpp_tok_s_b1": None, "llama_cpp_prefill_tok_s": None,
+                "llama_cpp_note": f"llama-bench failed: {out.stderr.strip().splitlines()[-1:]}"}
+    res = {"llama_cpp_note": f"llama-bench ({Path(exe).name}), {threads} threads"}
+    for row in json.loads(out.stdout):
+        if row.get("n_prompt") and not row.get("n_gen"):
+            res["llama_cpp_prefill_tok_s"] = row["avg_ts"]
+        elif row.get("n_gen") and not row.get("n_prompt"):
+            res["llama_cpp_tok_s_b1"] = row["avg_ts"]
+    return res
+
+
+def llama_cpp(path: Path, new_tokens: int, reps: int, vocab: int, bench_exe: str | None = None) -> dict:
     try:
         import llama_cpp
     except ImportError:
+        import shutil
+        exe = bench_exe or shutil.which("llama-bench")
+        if exe:
+            return llama_bench(exe, path, new_tokens, reps)
         return {"llama_cpp_tok_s_b1": None, "llama_cpp_prefill_tok_s": None,
-                "llama_cpp_note": "llama-cpp-python is not installed (pip install llama-cpp-python: it builds from "
-                                  "source, about 15 minutes on 2 cores)"}
+                "llama_cpp_note": "neither llama-cpp-python nor llama-bench is installed (pip install "
+                                  "llama-cpp-python builds from source, about 15 minutes on 2 cores)"}
     threads = int(os.environ.get("EDGEPAGED_NUM_THREADS") or os.cpu_count())
     llm = llama_cpp.Llama(str(path), n_ctx=PREFILL + new_tokens + 64, n_batch=PREFILL, n_ubatch=PREFILL,
                           n_threads=threads, n_threads_batch=threads, verbose=False)
@@ -171,33 +252,46 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="runs of each figure; the best counts")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "edgepaged" / "bench")
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b",
+                    help="1b (Llama-3.2-1B), 3b (Llama-3.2-3B), 8b (Llama-3.1-8B): layers, widths, heads and "
+                         "(3b, 8b) Llama 3's vocabulary")
+    ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (used when llama-cpp-python is "
+                    "not installed; default: llama-bench on the PATH)")
     ap.add_argument("--runtime", default="cpu",
                     help="ours: cpu (the torch-free runtime, what serve runs on a CPU) or torch (the torch runner); "
                          "'cpu,torch' measures both in this run, the second's figures prefixed torch_")
     args = ap.parse_args()
     from edgepaged._native import quant
     machine = cpu_flags()
-    out = {"machine": machine, "threads": quant.info()["threads"]}
+    out = {"machine": machine, "threads": quant.info()["threads"], "shape": args.shape}
     gflops = gemm_gflops()
+    bw = mem_read_gbs()
     for mix in args.files.split(","):
-        path = synthetic(mix, args.cache_dir)
+        path = synthetic(mix, args.cache_dir, args.shape)
         print(f"{mix}: {path.name}, {path.stat().st_size / 2**20:.0f} MiB", flush=True)
         res = {"file_mb": round(path.stat().st_size / 2**20, 1)}
-        w = weights_rss(path)
+        runtimes = args.runtime.split(",")
+        w = weights_rss(path, runtimes[0])
         res["weights_rss_mb"] = round(w["rss"] / 2**20, 1)
         res["weights_rss_frac"] = round(res["weights_rss_mb"] / res["file_mb"], 3)
-        runtimes = args.runtime.split(",")
+        if "ready_s" in w:
+            res["ready_s"] = round(w["ready_s"], 2)
+            res["weights_bytes"] = w["weight_bytes"]
         res.update(ours(path, args.new_tokens, args.reps, runtimes[0]))
         for other in runtimes[1:]:
             theirs = ours(path, args.new_tokens, args.reps, other)
             res.update({f"{other}_{k}": v for k, v in theirs.items() if k in ("tok_s_b1", "tok_s_b32", "prefill_tok_s",
                                                                               "forward")})
         gflops = max(gflops, gemm_gflops())
+        bw = max(bw, mem_read_gbs())
         res["roofline_frac_b32"] = round(2 * res["params"] * res["tok_s_b32"] / (gflops * 1e9), 3)
+        # one stream reads every weight once a token: its rate as a fraction of the memory's
+        wb = res.get("weights_bytes") or path.stat().st_size
+        res["b1_roofline_frac"] = round(res["tok_s_b1"] * wb / (bw * 1e9), 3)
         if args.no_llama_cpp:
             res.update(llama_cpp_tok_s_b1=None, llama_cpp_prefill_tok_s=None, llama_cpp_note="--no-llama-cpp")
         else:
-            res.update(llama_cpp(path, args.new_tokens, args.reps, 49152))
+            res.update(llama_cpp(path, args.new_tokens, args.reps, 49152, args.llama_bench))
         for k in ("tok_s_b1", "prefill_tok_s"):
             theirs = res.get(f"llama_cpp_{k}")
             res[f"{k}_vs_llama_cpp"] = round(res[k] / theirs, 3) if theirs else None
@@ -205,9 +299,10 @@ def main() -> None:
         out[mix] = res
         print(f"  {mix}: b1 {res['tok_s_b1']} tok/s (llama.cpp {res['llama_cpp_tok_s_b1']}), prefill "
               f"{res['prefill_tok_s']} (llama.cpp {res['llama_cpp_prefill_tok_s']}), b32 {res['tok_s_b32']}, "
-              f"roofline_frac_b32 {res['roofline_frac_b32']}, weights {res['weights_rss_mb']} MiB / file "
+              f"roofline_frac_b32 {res['roofline_frac_b32']}, b1_roofline_frac {res['b1_roofline_frac']}, weights {res['weights_rss_mb']} MiB / file "
               f"{res['file_mb']} MiB, {res['isa']}", flush=True)
     out["gemm_gflops"] = round(gflops, 1)
+    out["mem_read_gbs"] = round(bw, 2)
     if args.json:
         print(json.dumps(out))
 

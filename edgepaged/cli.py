@@ -169,6 +169,11 @@ def main(verbose):
 @click.option("--kv-memory", default=None, metavar="BYTES",
               help="KV cache budget, e.g. 512M or 4G (default: min(1 GiB, 25% of free RAM) on CPU, "
                    "90% of what the GPU has left).")
+@click.option("--prefix-cache-disk", "prefix_cache_disk", default="auto", show_default=True, metavar="SIZE",
+              help="The prefix cache's disk tier: the computed prompts' full KV blocks kept on disk (under the "
+                   "model store's kvcache/), found again after they leave RAM and after a restart (Home "
+                   "Assistant's long prompt answered at once). At most SIZE (e.g. 4G); auto: 5% of the free "
+                   "space, at most 8 GiB; 0: off.")
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block.")
 @click.option("--kv-dtype", type=click.Choice(["auto", "f16", "f32"]), default="auto", show_default=True,
               help="The KV cache's element type: auto is f16 on CPU (twice the tokens of f32 in the same memory) "
@@ -262,7 +267,7 @@ def main(verbose):
               expose_value=False, callback=lambda ctx, param, value: _load_config(ctx, value),
               help="A TOML file of serve's settings, one key per flag (`edgepaged config --example` writes one); "
                    "flags given here win over it. Env EDGEPAGED_CONFIG.")
-def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, block_size, kv_dtype,
+def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, prefix_cache_disk, block_size, kv_dtype,
           max_batched_tokens, token, http_port, no_http, no_mdns, mdns_interface, max_connections, max_unauthenticated,
           max_unauthenticated_per_address, allowed_hosts, cors_origins, admin_from, max_inflight, max_prompt_tokens, max_tokens,
           max_request_tokens, max_identity_tokens, grammar_max_depth, grammar_max_bytes, grammar_timeout, grace, users_file, contiguous, quant_math, runtime, step_time, speculation, draft_path, spec_tokens,
@@ -300,6 +305,15 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
         fail(f"--kv-memory {kv_memory}: {e}", 2)
     from .model.runtime import KvBudgetError
     kv_kind = None if kv_dtype == "auto" else kv_dtype
+    try:
+        if prefix_cache_disk == "auto":
+            from . import store
+            from .engine.disk_cache import default_limit
+            disk_bytes = default_limit(store.store_dir() / "kvcache")
+        else:
+            disk_bytes = parse_bytes(prefix_cache_disk) if prefix_cache_disk not in ("0", "off") else 0
+    except ValueError as e:
+        fail(f"--prefix-cache-disk {prefix_cache_disk}: {e}", 2)
     if speculation is None:
         speculation = "draft" if draft_path else "lookup"
     if speculation == "draft" and not draft_path:
@@ -336,7 +350,7 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
         engine=EngineConfig(max_num_batched_tokens=max_batched_tokens, contiguous=contiguous,
                             context_policy=context_policy, window_tokens=window_tokens, window_sink=window_sink,
                             step_time_target_s=step_time or None, speculation=speculation, spec_tokens=spec_tokens,
-                            spec_max_running=spec_max_running),
+                            spec_max_running=spec_max_running, prefix_cache_disk=disk_bytes),
         http=None if no_http else HttpConfig(port=http_port, allowed_hosts=allowed_hosts, cors_origins=cors_origins,
                                                  admin_from=admin_from),
         mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
@@ -561,7 +575,8 @@ EXAMPLE_VALUES = {"model": ["llama3.2:3b"], "kv_memory": "1G", "memory_budget": 
                   "mdns_interface": "192.0.2.10", "max_prompt_tokens": 4096, "max_tokens": 2048,
                   "users": "/etc/edgepaged/users", "allowed_host": ["box.example.org"],
                   "cors_origin": ["http://tools.local:8080"], "admin_from": ["192.168.1.0/24"], "quant_math": "auto",
-                  "runtime": "auto", "speculate": "lookup", "draft": "smollm2:135m", "spec_tokens": 8}
+                  "runtime": "auto", "speculate": "lookup", "draft": "smollm2:135m", "spec_tokens": 8,
+                  "prefix_cache_disk": "4G"}
 
 
 def _toml_value(value) -> str:

@@ -67,6 +67,10 @@ class EngineConfig:
     # speculative decoding (speculate.py): "lookup" (prompt lookup), "draft" (the runner's draft
     # model's guesses: draft.py) or "off"; the most drafted tokens per request and step;
     # drafting only while at most spec_max_running sequences run
+    # the prefix cache's disk tier (disk_cache.py): the most bytes it holds (0: off) and its
+    # folder (None: the model store's kvcache/)
+    prefix_cache_disk: int = 0
+    prefix_cache_dir: str | None = None
     speculation: str = "lookup"
     spec_tokens: int | None = None          # None: 8 by lookup, 4 by a draft model (each guess costs a forward)
     spec_max_running: int = 4
@@ -117,6 +121,10 @@ class Engine:
                 self.drafter = self.scheduler.drafter = Drafter(runner.draft, self.allocator, self.max_model_len)
         else:
             self.spec = Speculation(SpecConfig(mode="off"))
+        self.disk = None
+        if (cfg.prefix_cache_disk and cfg.enable_prefix_caching and not cfg.contiguous
+                and not getattr(runner, "embedding_only", False) and hasattr(runner, "read_block")):
+            self.disk = self._disk_tier(runner, cfg)
         path = getattr(runner, "model_path", None)
         self.model_name = getattr(runner, "model_name", None) or (path.stem if hasattr(path, "stem") else "model")
         self.metrics = Metrics(self.model_name)
@@ -133,6 +141,26 @@ class Engine:
         self._costs: dict[Request, tuple[str, int]] = {}   # unfinished requests: (owner, max_tokens)
         self._pending: dict[Request, float] = {}   # built for this engine, not streamed yet (expect)
         self._owner_tokens: dict[str, int] = {}
+
+    @staticmethod
+    def _disk_tier(runner, cfg: "EngineConfig"):
+        """The disk tier of this model's prefix cache: keyed by the file (name, size, time),
+        the KV cache's type and block size and how the weights multiply, so a block never
+        serves another model or another arithmetic."""
+        from .disk_cache import DiskTier
+        path = runner.model_path
+        try:
+            st = path.stat()
+            ident = f"{path.name}|{st.st_size}|{st.st_mtime_ns}"
+        except OSError:
+            ident = str(path)
+        ident += f"|{runner.kv_dtype_name}|{runner.block_size}|{runner.quant_math}|{type(runner).__name__}"
+        if cfg.prefix_cache_dir is not None:
+            where = cfg.prefix_cache_dir
+        else:
+            from ..store import store_dir
+            where = store_dir() / "kvcache"
+        return DiskTier(where, ident, runner.block_bytes, runner.block_size, cfg.prefix_cache_disk)
 
     PENDING_S = 60.0   # a request built and never streamed stops holding its model after this
 
@@ -167,6 +195,8 @@ class Engine:
         for req in list(self.requests.values()):
             self._end(req, "cancelled", error={"code": "shutdown", "message": "the server is shutting down"})
         await self._stack.__aexit__(*exc)
+        if self.disk is not None:     # what the tier was given reaches the disk
+            await trio.to_thread.run_sync(self.disk.close)
 
     async def drain(self, grace_s: float) -> int:
         """Stop taking requests, let running ones finish within `grace_s`, then cancel the
@@ -189,6 +219,10 @@ class Engine:
             raise EngineClosed("the engine is not accepting requests (shutting down)")
         if req.finished or req.send is not None:
             raise ValueError(f"request {req.id} was already submitted or has ended")
+        if req.fork_of is None and self.disk is not None:
+            await self._from_disk(req)          # (still pending meanwhile: its model stays loaded)
+            if not self.accepting:
+                raise EngineClosed("the engine is not accepting requests (shutting down)")
         self._pending.pop(req, None)
         if req.fork_of is None:      # a parallel sample waits for its parent's prompt instead
             self.scheduler.add(req)
@@ -207,6 +241,23 @@ class Engine:
             if not req.finished:
                 self._end(req, "cancelled")
             self.requests.pop(req.id, None)
+
+    async def _from_disk(self, req: Request) -> None:
+        """The prompt's blocks the RAM cache lacks and the disk tier holds, read and checked in
+        a worker thread before the request queues (the scheduler loads them at admission)."""
+        bs = self.block_size
+        if req.embed or req.context_window is not None or len(req.prompt_ids) <= bs:
+            return
+        ram = self.allocator.prefix_match(req.prompt_ids, req.salt)[0]
+        if ram >= (len(req.prompt_ids) - 1) // bs * bs:
+            return
+        try:
+            start, blocks = await trio.to_thread.run_sync(self.disk.fetch, req.prompt_ids, req.salt, ram // bs)
+        except Exception as e:     # noqa: BLE001 - a cache: computed instead
+            log.warning("the prefix cache's disk tier could not be read: %s", _short(e))
+            return
+        if blocks:
+            req.disk = (start, blocks)
 
     @asynccontextmanager
     async def stream_samples(self, req: Request) -> AsyncIterator[trio.MemoryReceiveChannel]:
@@ -267,6 +318,8 @@ class Engine:
                  speculation=self.spec.stats(), **self.scheduler.kv_bound_stats())
         if self.drafter is not None:
             s["draft_model"] = self.drafter.stats()
+        if self.disk is not None:
+            s["prefix_cache_disk"] = self.disk.info()
         return s
 
     # -- the loop -----------------------------------------------------------------------------
@@ -463,7 +516,26 @@ class Engine:
         if spec:
             extra["spec"] = spec
         tokens = self.runner.step(batch, params, prev, **extra)
+        if self.disk is not None:
+            self._to_disk(batch)
         return tokens, self._advance_grammars(rows, tokens)
+
+    def _to_disk(self, batch: Batch) -> None:
+        """In the worker thread, after a step: the prompts it completed offer their full blocks
+        the disk tier lacks, copied out of the cache here (the step's requests hold them), to be
+        written by the tier's own thread."""
+        bs = self.block_size
+        for i, r in enumerate(batch.requests):
+            if (r.disk_saved or r.embed or r.context_window is not None or r.num_slots < len(r.prompt_ids)
+                    or len(r.prompt_ids) < bs or r.finished):
+                continue
+            r.disk_saved = True
+            try:
+                want = self.disk.wanted(r.prompt_ids, r.salt)
+                table = batch.block_tables[i]
+                self.disk.put([(key, self.runner.read_block(int(table[j]))) for j, key in want if j < len(table)])
+            except Exception as e:   # noqa: BLE001 - a cache: nothing else hurt
+                log.warning("the prefix cache's disk tier could not take a prompt: %s", _short(e))
 
     def _advance_grammars(self, rows, tokens) -> dict:
         out = {}

@@ -73,6 +73,9 @@ class Batch:
     # speculative decoding: request -> the flat rows of its drafted tokens (its first row,
     # the last real token's, is its row in logits_indices); their logits come back too
     spec: dict = field(default_factory=dict)
+    # the disk tier: (block id, payload) of blocks whose K/V is read from disk, not computed:
+    # their tokens have slots and count in seq_lens but are not rows of the forward
+    loads: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -268,6 +271,7 @@ class Scheduler:
         return False
 
     def _preempt(self, req: Request) -> None:
+        req.loads = None
         self.running.remove(req)
         self.alloc.free_sequence(req.id)
         if self.drafter is not None:
@@ -498,8 +502,19 @@ class Scheduler:
         blocks it takes from the pool: its new blocks and the cached ones it takes out of the
         free list)."""
         cached, free_cached = self.alloc.prefix_match(req.all_ids, req.salt)
-        n = min(len(req.all_ids) - cached, most)
-        return n, free_cached + self._blocks_for(cached + n) - cached // self.block_size
+        loaded = self._disk_tokens(req, cached)
+        n = min(len(req.all_ids) - cached - loaded, most)
+        return n, free_cached + self._blocks_for(cached + loaded + n) - cached // self.block_size
+
+    def _disk_tokens(self, req: Request, cached: int) -> int:
+        """Tokens of `req`'s prompt past the RAM cache's `cached` that the disk tier found."""
+        if req.disk is None or cached % self.block_size:
+            return 0
+        start, blocks = req.disk
+        first = cached // self.block_size
+        if not start <= first < start + len(blocks):
+            return 0
+        return (start + len(blocks) - first) * self.block_size
 
     def _start(self, step: _Step, queue: _Queue, req: Request, reserve: int | None, first: int | None = None) -> None:
         """Admit `req`: its sequence in the allocator (the prefix cache's blocks shared), its
@@ -508,15 +523,20 @@ class Scheduler:
         queue.remove(req)
         cached = self.alloc.add_sequence(req.id, tokens, req.salt, reserve)
         self._free_blocks = None
+        loaded = self._disk_tokens(req, cached) if reserve is None else 0
+        if loaded:       # the disk tier's blocks: their K/V is read into the step's new blocks
+            start, blocks = req.disk
+            req.loads = blocks[cached // self.block_size - start:]
+        req.disk = None
         if not req.admitted:
-            req.num_cached = cached
+            req.num_cached = cached + loaded
             req.admitted = True
         req.num_known, req.num_slots, req.released_upto = len(tokens), cached, 0
         req.status = Status.RUNNING
         self.running.append(req)
-        n = min(len(tokens) - cached, self._first_chunk(step, req.priority) if first is None else first)
-        step.plan[req] = n
-        step.need[req] = self.blocks_needed(req, n)
+        n = min(len(tokens) - cached - loaded, self._first_chunk(step, req.priority) if first is None else first)
+        step.plan[req] = loaded + n
+        step.need[req] = self.blocks_needed(req, loaded + n)
         self._planned(step, req, n)
 
     def _admit_short(self, step: _Step, prio: str) -> bool:
@@ -587,7 +607,8 @@ class Scheduler:
         n = len(req.all_ids)
         if n <= self.config.short_prompt_tokens or not self.alloc.enable_prefix_caching:
             return n
-        return n - self.alloc.prefix_match(req.all_ids, req.salt)[0]
+        cached = self.alloc.prefix_match(req.all_ids, req.salt)[0]
+        return n - cached - self._disk_tokens(req, cached)
 
     def _may_pass(self, head: Request) -> bool:
         """Whether short prompts may go ahead of `head` (it has not waited too long)."""
@@ -609,6 +630,23 @@ class Scheduler:
         slot_mapping, block_tables, seq_lens, copies, self._free_blocks = self.alloc.prepare_step(
             np.array([r.id for r in reqs], dtype=np.int64), np.array(num_new, dtype=np.int64),
             np.maximum(np.array(new_tokens, dtype=np.int64), -1))
+        loads, keep = [], None
+        if any(r.loads for r in reqs):
+            # tokens whose K/V the disk tier read: slots and context, no rows of the forward
+            keep = np.ones(len(slot_mapping), dtype=bool)
+            at = 0
+            for r, n in zip(reqs, num_new):
+                if r.loads:
+                    k = len(r.loads) * self.block_size
+                    loads += [(int(slot_mapping[at + j * self.block_size]) // self.block_size, data)
+                              for j, data in enumerate(r.loads)]
+                    keep[at:at + k] = False
+                    r.num_slots += k
+                    r.loads = None
+                    num_new = list(num_new)
+                    num_new[reqs.index(r)] = n - k
+                at += n
+            slot_mapping = slot_mapping[keep]
         total = sum(num_new)
         input_ids = np.empty(total, dtype=np.int64)
         positions = np.empty(total, dtype=np.int64)
@@ -639,4 +677,4 @@ class Scheduler:
                 logits_indices.append(t - 1)
                 sampled.append(r)
         return Batch(reqs, num_new, input_ids, positions, qsl, seq_lens, block_tables, slot_mapping, copies,
-                     np.array(logits_indices, dtype=np.int64), sampled, step.preempted, spec)
+                     np.array(logits_indices, dtype=np.int64), sampled, step.preempted, spec, loads)

@@ -387,6 +387,13 @@ class CpuRunner(RunnerBase):
         """The last forward's final-norm rows (one per logits row), float32."""
         return self.model.last_normed
 
+    def read_block(self, block: int) -> np.ndarray:
+        return np.ascontiguousarray(self.kv_cache[:, :, block]).view(np.uint8).reshape(-1)
+
+    def write_block(self, block: int, data: np.ndarray) -> None:
+        self.kv_cache[:, :, block] = np.asarray(data, np.uint8).view(self.kv_np_dtype).reshape(
+            self.kv_cache[:, :, block].shape)
+
     def execute(self, input_ids, positions, attn_metadata, logits_indices=None) -> np.ndarray:
         """One forward over a flat batch -> float32 logits [len(logits_indices), vocab].
         attn_metadata: a mapping with query_start_loc, seq_lens, block_tables, slot_mapping."""

@@ -177,6 +177,15 @@ class ModelRunner(RunnerBase):
         if len(copies):
             self.kv_cache[:, :, copies[:, 1]] = self.kv_cache[:, :, copies[:, 0]]
 
+    def read_block(self, block: int) -> np.ndarray:
+        t = self.kv_cache[:, :, block].contiguous()
+        return t.view(torch.uint8).cpu().numpy().reshape(-1)
+
+    def write_block(self, block: int, data: np.ndarray) -> None:
+        shape = self.kv_cache[:, :, block].shape
+        t = torch.from_numpy(np.array(data, np.uint8, copy=True)).view(self.kv_dtype).reshape(shape)
+        self.kv_cache[:, :, block] = t.to(self.device)
+
     # ------------------------------------------------------------ forward
 
     def last_hidden(self) -> np.ndarray:

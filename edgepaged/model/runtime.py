@@ -139,6 +139,15 @@ class RunnerBase:
             raise KvBudgetError(f"{kv_bytes} bytes of KV cache is less than one block of this model "
                                 f"({self.block_bytes} bytes; e.g. 256M)")
 
+    def read_block(self, block: int) -> np.ndarray:
+        """Block `block`'s K and V in every layer, as bytes (uint8 [block_bytes]): what the
+        prefix cache's disk tier stores."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no K/V blocks to read")
+
+    def write_block(self, block: int, data: np.ndarray) -> None:
+        """Put `read_block`'s bytes back into block `block`."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no K/V blocks to write")
+
     def _masks(self, matchers) -> Masks | None:
         t0 = time.perf_counter()
         masks = Masks.compute(matchers, self.config.vocab_size)
@@ -157,6 +166,8 @@ class RunnerBase:
         logprobs gets (token, info) instead of its token (sampler.logprob_info)."""
         if len(batch.copies):
             self.copy_blocks(batch.copies)
+        for block, data in getattr(batch, "loads", ()):     # the disk tier's blocks, as they were computed
+            self.write_block(block, data)
         meta = dict(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
                     block_tables=batch.block_tables, slot_mapping=batch.slot_mapping)
         masks = None

@@ -46,12 +46,13 @@ Q4_K_M = dict(token_embd=14, attn_q=12, attn_k=12, attn_v=14, attn_output=12, ff
 
 def write_random_gguf(path, *, hidden: int, layers: int, heads: int, kv_heads: int, inter: int,
                       qtypes: dict[str, int], seed: int = 0, tied: bool = True, context: int = 256,
-                      tokenizer_from=None) -> Path:
+                      tokenizer_from=None, vocab: int | None = None) -> Path:
     """A random llama GGUF: `qtypes` maps tensor kinds (token_embd, output, attn_q, attn_k,
     attn_v, attn_output, ffn_gate, ffn_up, ffn_down) to GGML type ids; each kind's bytes are
     made once and shared by every layer (fast to write, same file size). The tokenizer is a
     byte-level one of 258 tokens, or the one of the GGUF file `tokenizer_from` (its
-    vocabulary, merges, token types, pre-tokenizer and chat template)."""
+    vocabulary, merges, token types, pre-tokenizer and chat template), padded to `vocab` tokens
+    with reserved control tokens (Llama 3's 128,256 for the 3 B and 8 B shapes)."""
     import gguf
     from tokenizers.pre_tokenizers import ByteLevel
     rng = np.random.default_rng(seed)
@@ -63,6 +64,8 @@ def write_random_gguf(path, *, hidden: int, layers: int, heads: int, kv_heads: i
         tokens = gguf_field(source, "tokenizer.ggml.tokens")
     else:
         tokens = sorted(ByteLevel.alphabet()) + ["<|im_start|>", "<|im_end|>"]
+    pad = max(0, (vocab or 0) - len(tokens))
+    tokens = list(tokens) + [f"<|reserved_special_token_{i}|>" for i in range(pad)]
     vocab = len(tokens)
     head_dim = hidden // heads
     shapes = {"token_embd": (vocab, hidden), "output": (vocab, hidden), "attn_q": (hidden, hidden),
@@ -83,7 +86,7 @@ def write_random_gguf(path, *, hidden: int, layers: int, heads: int, kv_heads: i
         w.add_tokenizer_model(gguf_field(source, "tokenizer.ggml.model"))
         w.add_tokenizer_pre(gguf_field(source, "tokenizer.ggml.pre", "default"))
         w.add_token_list(tokens)
-        w.add_token_types(gguf_field(source, "tokenizer.ggml.token_type"))
+        w.add_token_types(list(gguf_field(source, "tokenizer.ggml.token_type")) + [3] * pad)
         w.add_token_merges(gguf_field(source, "tokenizer.ggml.merges") or [])
         for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id)):
             if (i := gguf_field(source, f"tokenizer.ggml.{key}_token_id")) is not None:
@@ -93,7 +96,7 @@ def write_random_gguf(path, *, hidden: int, layers: int, heads: int, kv_heads: i
     else:
         w.add_tokenizer_model("gpt2")
         w.add_token_list(tokens)
-        w.add_token_types([1] * 256 + [3, 3])
+        w.add_token_types([1] * 256 + [3, 3] + [3] * pad)
         w.add_token_merges([])
         w.add_eos_token_id(vocab - 1)
     blocks = {}

@@ -1,0 +1,233 @@
+"""The prefix cache's second tier: full KV blocks of computed prompts kept on disk, found
+again after they leave the RAM cache and after a restart. On a CPU box a prompt is
+expensive (Home Assistant's 2,000-token prompt is ~10 s of prefill on a 1 B model) and the
+same bytes of K/V read back from a disk cost a fraction of a second.
+
+    tier = DiskTier(directory, identity, block_bytes, limit_bytes)
+    found = tier.fetch(tokens, salt)    # worker thread, at a request's arrival: the payloads of
+                                        # its prompt's leading full blocks on disk, checked
+    tier.offer(tokens, salt, blocks)    # worker thread, after the step that completed a prompt:
+                                        # its full blocks not on disk yet, copied out of the
+                                        # cache, written by the tier's writer thread
+
+A block is keyed by the chain of its prompt's tokens up to it (each block's key hashes the
+one before and its own tokens), the request's salt (a block is never served to another
+identity) and the model's identity (file, size, KV dtype, block size, multiplication: never
+served to another model or another arithmetic). A file holds a header (magic, key, payload
+size, BLAKE2b of the payload) and the payload; a torn, truncated or corrupt file is a miss
+(and is removed), never wrong K/V. Files are written to a temporary name and renamed. The tier
+holds at most `limit_bytes`: the least recently used files go first. A write that fails
+(a full disk, a read-only folder) turns the tier's writes off with one log line; reads go on.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("edgepaged.engine")
+
+MAGIC = b"EPKV0001"
+HEADER = len(MAGIC) + 32 + 8 + 32     # magic, key, payload bytes, BLAKE2b-256 of the payload
+DEFAULT_SHARE = 0.05                  # of the free space, when --prefix-cache-disk is not given
+DEFAULT_MOST = 8 << 30
+
+
+def default_limit(directory: Path) -> int:
+    """A modest share of the free space where the tier lives: 5 %, at most 8 GiB."""
+    d = Path(directory)
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    try:
+        st = os.statvfs(d)
+    except OSError:
+        return 0
+    return int(min(DEFAULT_MOST, DEFAULT_SHARE * st.f_bavail * st.f_frsize))
+
+
+def chain_keys(tokens, salt: int, identity: bytes, block_size: int, most: int) -> list[bytes]:
+    """The keys of the first `most` full blocks of `tokens`."""
+    keys, prev = [], hashlib.blake2b(identity + int(salt).to_bytes(8, "little", signed=False),
+                                     digest_size=32).digest()
+    arr = np.asarray(tokens, dtype=np.uint32)
+    for i in range(min(most, len(arr) // block_size)):
+        prev = hashlib.blake2b(prev + arr[i * block_size:(i + 1) * block_size].tobytes(), digest_size=32).digest()
+        keys.append(prev)
+    return keys
+
+
+class DiskTier:
+    def __init__(self, directory, identity: str, block_bytes: int, block_size: int, limit_bytes: int):
+        self.identity = hashlib.blake2b(identity.encode(), digest_size=16).digest()
+        self.dir = Path(directory) / self.identity.hex()
+        self.block_bytes, self.block_size, self.limit = block_bytes, block_size, limit_bytes
+        self.writable = True
+        self.index: dict[bytes, float] = {}      # key -> last use (monotonic order kept by dict order)
+        self.lock = threading.Lock()
+        self.stats = {"hits": 0, "misses": 0, "written": 0, "corrupt": 0, "evicted": 0, "blocks": 0}
+        self._queue: queue.Queue = queue.Queue(maxsize=64)
+        self._writer: threading.Thread | None = None
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            files = sorted(self.dir.glob("*/*.kv"), key=lambda p: p.stat().st_mtime)
+        except OSError as e:
+            log.warning("the prefix cache's disk tier is off: %s", e)
+            self.writable, files = False, []
+        for f in files:
+            try:
+                self.index[bytes.fromhex(f.stem)] = f.stat().st_mtime
+            except (ValueError, OSError):
+                continue
+        self.stats["blocks"] = len(self.index)
+
+    @property
+    def size_bytes(self) -> int:
+        return len(self.index) * (self.block_bytes + HEADER)
+
+    def _path(self, key: bytes) -> Path:
+        h = key.hex()
+        return self.dir / h[:2] / f"{h}.kv"
+
+    # -- reads (a worker thread) --------------------------------------------------------------
+    def fetch(self, tokens, salt: int, skip_blocks: int = 0) -> tuple[int, list[np.ndarray]]:
+        """The payloads of the prompt's leading full blocks the tier holds, from block
+        `skip_blocks` on (those before are in RAM already): (first block index, payloads); a
+        prompt keeps its last token to compute (its logits)."""
+        most = (len(tokens) - 1) // self.block_size
+        keys = chain_keys(tokens, salt, self.identity, self.block_size, most)
+        out: list[np.ndarray] = []
+        for key in keys[skip_blocks:]:
+            with self.lock:
+                known = key in self.index
+            if not known:
+                break
+            data = self._read(key)
+            if data is None:
+                break
+            out.append(data)
+            with self.lock:
+                self.index.pop(key, None)
+                self.index[key] = time.time()    # most recently used last
+        self.stats["hits" if out else "misses"] += 1
+        return skip_blocks, out
+
+    def _read(self, key: bytes) -> np.ndarray | None:
+        p = self._path(key)
+        try:
+            raw = p.read_bytes()
+        except OSError:
+            self._forget(key)
+            return None
+        ok = (len(raw) == HEADER + self.block_bytes and raw[:8] == MAGIC and raw[8:40] == key
+              and int.from_bytes(raw[40:48], "little") == self.block_bytes
+              and hashlib.blake2b(raw[HEADER:], digest_size=32).digest() == raw[48:80])
+        if not ok:                     # torn, truncated or corrupt: a miss, and gone
+            self.stats["corrupt"] += 1
+            self._forget(key)
+            try:
+                p.unlink()
+            except OSError:
+                pass
+            return None
+        return np.frombuffer(raw, dtype=np.uint8, offset=HEADER)
+
+    def _forget(self, key: bytes) -> None:
+        with self.lock:
+            self.index.pop(key, None)
+
+    # -- writes ---------------------------------------------------------------------------------
+    def wanted(self, tokens, salt: int) -> list[tuple[int, bytes]]:
+        """(block index, key) of the prompt's full blocks the tier does not hold."""
+        if not self.writable or self.limit < self.block_bytes + HEADER:
+            return []
+        keys = chain_keys(tokens, salt, self.identity, self.block_size, len(tokens) // self.block_size)
+        with self.lock:
+            return [(i, k) for i, k in enumerate(keys) if k not in self.index]
+
+    def put(self, items: list[tuple[bytes, np.ndarray]]) -> None:
+        """Hand copied blocks to the writer thread (dropped when it is behind: a cache)."""
+        if not items or not self.writable:
+            return
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="edgepaged-kv-disk", daemon=True)
+            self._writer.start()
+        try:
+            self._queue.put_nowait(items)
+        except queue.Full:
+            pass
+
+    def _write_loop(self) -> None:
+        while True:
+            items = self._queue.get()
+            if items is None:
+                return
+            for key, data in items:
+                if not self.writable:
+                    break
+                self._write(key, data)
+            self._queue.task_done()
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for the writer to finish what it was given (tests, shutdown)."""
+        end = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.01)
+
+    def _write(self, key: bytes, data: np.ndarray) -> None:
+        with self.lock:
+            if key in self.index:
+                return
+        payload = np.ascontiguousarray(data).view(np.uint8).tobytes()
+        if len(payload) != self.block_bytes:
+            return
+        head = MAGIC + key + len(payload).to_bytes(8, "little") + hashlib.blake2b(payload, digest_size=32).digest()
+        p = self._path(key)
+        tmp = p.with_suffix(f".tmp{threading.get_ident()}")
+        try:
+            self._make_room()
+            p.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(payload)
+            os.replace(tmp, p)
+        except OSError as e:          # a full disk, a read-only folder: no more writes, one line
+            self.writable = False
+            log.warning("the prefix cache's disk tier stops writing (%s): prompts are cached in RAM only", e)
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            return
+        with self.lock:
+            self.index[key] = time.time()
+            self.stats["written"] += 1
+            self.stats["blocks"] = len(self.index)
+
+    def _make_room(self) -> None:
+        """Least recently used files go until one more block fits the limit."""
+        while True:
+            with self.lock:
+                if not self.index or self.size_bytes + self.block_bytes + HEADER <= self.limit:
+                    return
+                key = next(iter(self.index))
+                self.index.pop(key)
+                self.stats["evicted"] += 1
+            try:
+                self._path(key).unlink()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self.flush()
+            self._queue.put(None)
+
+    def info(self) -> dict:
+        return {**self.stats, "blocks": len(self.index), "bytes": self.size_bytes, "limit_bytes": self.limit,
+                "writing": self.writable}

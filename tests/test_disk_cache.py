@@ -1,0 +1,170 @@
+"""The prefix cache's disk tier (issue 38, section 3): a computed prompt's full KV blocks are
+written to disk; a prompt that misses the RAM cache (evicted, or a restarted server) reads
+them back, bit for bit, instead of computing them; a torn or corrupt file is a miss; another
+model or another identity never hits; a disk that refuses writes turns the writes off with
+one log line and nothing else changes. Real engines, the real allocator, the embedded model
+(CPU runtime) and real files."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from edgepaged.engine import DoneEvent, Engine, EngineConfig, Request, TokenEvent
+from edgepaged.model import SamplingParams
+
+BS = 16
+
+
+def prompt(seed: int, n: int = 150) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(300, 40000, n).tolist()
+
+
+@pytest.fixture(scope="module")
+def cpu_runner():
+    from edgepaged.model.cpu_runtime import CpuRunner
+    return CpuRunner(num_blocks=40)
+
+
+async def answer(engine, ids, salt=0):
+    req = Request(prompt_ids=list(ids), params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                  salt=salt)
+    out, done = [], None
+    async with engine.stream(req) as events:
+        async for ev in events:
+            if isinstance(ev, TokenEvent):
+                out += ev.token_ids
+            elif isinstance(ev, DoneEvent):
+                done = ev
+    return out, done.usage["cached_tokens"]
+
+
+def cached_blocks(engine, ids, salt=0) -> list[bytes]:
+    """The bytes of the RAM cache's blocks holding `ids` (a probe sequence finds them)."""
+    a = engine.allocator
+    n = a.add_sequence(1 << 60, ids, salt)
+    table = a.block_table(1 << 60)[: n // BS]
+    out = [engine.runner.read_block(b).tobytes() for b in table]
+    a.free_sequence(1 << 60, True)
+    return out
+
+
+def engine_for(runner, tmp_path, **cfg) -> Engine:
+    return Engine(runner, EngineConfig(prefix_cache_disk=64 << 20, prefix_cache_dir=str(tmp_path / "kv"), **cfg))
+
+
+async def test_a_prompt_comes_back_from_disk_after_a_restart_bit_for_bit(cpu_runner, tmp_path):
+    a = prompt(1)
+    async with engine_for(cpu_runner, tmp_path) as e1:
+        first, cached = await answer(e1, a)
+        assert cached == 0
+        computed = cached_blocks(e1, a)
+        stats = e1.stats()["prefix_cache_disk"]
+    async with engine_for(cpu_runner, tmp_path) as e2:      # a new engine: nothing in RAM
+        assert e2.stats()["prefix_cache_disk"]["blocks"] == len(a) // BS
+        again, cached = await answer(e2, a)
+        assert cached == (len(a) - 1) // BS * BS              # every full block but the last token's
+        assert again == first
+        assert cached_blocks(e2, a)[: cached // BS] == computed[: cached // BS]
+        s = e2.stats()
+        assert s["prefix_cache_disk"]["hits"] == 1 and s["kv_blocks_used"] == 0
+        e2.allocator.check_invariants()
+    assert stats["written"] == 0 or stats["written"] <= len(a) // BS
+
+
+async def test_an_evicted_prompt_is_read_back_instead_of_computed(cpu_runner, tmp_path):
+    a, others = prompt(2), [prompt(10 + i, 200) for i in range(3)]
+    async with engine_for(cpu_runner, tmp_path) as e:
+        first, _ = await answer(e, a)
+        for o in others:                                      # 40 blocks: these push `a` out of RAM
+            await answer(e, o)
+        assert e.allocator.prefix_match(a)[0] < 64
+        e.disk.flush()
+        again, cached = await answer(e, a)
+        assert again == first and cached >= 144
+        assert e.stats()["prefix_cache_disk"]["hits"] >= 1
+
+
+async def test_a_corrupt_or_truncated_block_is_a_miss(cpu_runner, tmp_path):
+    a = prompt(3)
+    async with engine_for(cpu_runner, tmp_path) as e1:
+        first, _ = await answer(e1, a)
+    from edgepaged.engine.disk_cache import chain_keys
+    async with engine_for(cpu_runner, tmp_path) as e2:
+        keys = chain_keys(a, 0, e2.disk.identity, BS, len(a) // BS)
+        files = [e2.disk._path(k) for k in keys]
+        raw = bytearray(files[4].read_bytes())
+        raw[-7] ^= 0x40                                       # one bit of block 4's payload
+        files[4].write_bytes(bytes(raw))
+        files[6].write_bytes(files[6].read_bytes()[:1000])    # block 6 torn
+        again, cached = await answer(e2, a)
+        assert again == first and cached == 4 * BS            # blocks 0-3 read, 4 on computed
+        assert e2.stats()["prefix_cache_disk"]["corrupt"] == 1
+        e2.disk.flush()                                       # block 4 computed again, and written again
+        assert e2.disk._read(keys[4]) is not None
+
+
+async def test_another_identity_or_model_never_hits(cpu_runner, tmp_path):
+    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.testing.families import make_family_model, write_family_gguf
+    a = prompt(4)
+    async with engine_for(cpu_runner, tmp_path) as e:
+        await answer(e, a, salt=7)
+    async with engine_for(cpu_runner, tmp_path) as e:
+        assert (await answer(e, a, salt=8))[1] == 0          # another identity's salt
+        assert (await answer(e, a, salt=7))[1] > 0           # its own
+    hf = make_family_model(tmp_path / "m", "llama", seed=1)
+    other = CpuRunner(write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0), num_blocks=40)
+    vocab_ids = [t % 200 + 3 for t in a]
+    async with engine_for(other, tmp_path) as e:
+        await answer(e, vocab_ids)
+    async with engine_for(cpu_runner, tmp_path) as e:
+        assert (await answer(e, vocab_ids))[1] == 0          # the other model's blocks: not this one's
+
+
+FULL_DISK = r"""
+import json, logging, resource, signal, sys
+import trio
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))      # a disk that refuses this block's file
+lines = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logging.getLogger("edgepaged").addHandler(Keep())
+from edgepaged.engine import Engine, EngineConfig, Request, TokenEvent
+from edgepaged.model import SamplingParams
+from edgepaged.model.cpu_runtime import CpuRunner
+runner = CpuRunner(num_blocks=40)
+async def main():
+    out = []
+    for i in range(2):
+        async with Engine(runner, EngineConfig(prefix_cache_disk=64 << 20, prefix_cache_dir=sys.argv[1])) as e:
+            for j in range(2):
+                req = Request(prompt_ids=list(range(300, 450 + j)), params=SamplingParams(temperature=0, max_tokens=4,
+                                                                                          ignore_eos=True))
+                ids = []
+                async with e.stream(req) as events:
+                    async for ev in events:
+                        if isinstance(ev, TokenEvent):
+                            ids += ev.token_ids
+                out.append(ids)
+            info = e.stats()["prefix_cache_disk"]
+    print(json.dumps({"answers": out, "writing": info["writing"], "written": info["written"],
+                      "warnings": [l for l in lines if "disk tier" in l]}))
+trio.run(main)
+"""
+
+
+def test_a_disk_that_refuses_writes_turns_the_tier_off_with_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path / "kv")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["writing"] is False and out["written"] == 0
+    assert len(out["warnings"]) == 2, out["warnings"]        # one line per engine (each its own tier)
+    assert all(len(a) == 4 for a in out["answers"]) and out["answers"][0] == out["answers"][2]
