@@ -255,6 +255,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b",
                     help="1b (Llama-3.2-1B), 3b (Llama-3.2-3B), 8b (Llama-3.1-8B): layers, widths, heads and "
                          "(3b, 8b) Llama 3's vocabulary")
+    ap.add_argument("--model", default=None, help="measure this GGUF file instead of a synthetic shape (embedded: "
+                    "the embedded SmolLM2-135M); its figures under the key 'model'")
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (used when llama-cpp-python is "
                     "not installed; default: llama-bench on the PATH)")
     ap.add_argument("--runtime", default="cpu",
@@ -266,8 +268,13 @@ def main() -> None:
     out = {"machine": machine, "threads": quant.info()["threads"], "shape": args.shape}
     gflops = gemm_gflops()
     bw = mem_read_gbs()
-    for mix in args.files.split(","):
-        path = synthetic(mix, args.cache_dir, args.shape)
+    files = args.files.split(",")
+    if args.model:
+        files = ["model"]
+        out["shape"] = None
+    for mix in files:
+        path = (Path(default_model_path() if args.model == "embedded" else args.model) if args.model
+                else synthetic(mix, args.cache_dir, args.shape))
         print(f"{mix}: {path.name}, {path.stat().st_size / 2**20:.0f} MiB", flush=True)
         res = {"file_mb": round(path.stat().st_size / 2**20, 1)}
         runtimes = args.runtime.split(",")
