@@ -348,3 +348,26 @@ def test_quant_math_setting_and_its_default_by_model_size():
     assert auto.math(INT8_MIN_PARAMS) == ("exact" if kernels.info()["int8_isa"] == "scalar" else "int8")
     assert CpuConfig(quant_math="exact").math(8_000_000_000) == "exact"
     assert CpuConfig(quant_math="int8").math(1) == "int8"
+
+
+def test_one_table_of_the_runtime_knobs():
+    """Every EDGEPAGED_ variable that changes how a model runs is read in one place
+    (`CpuConfig.from_env`, or the Rust kernels for their own pool and ISA), is in that
+    module's table, and in the README's; no other module reads one on its own."""
+    import re
+    from pathlib import Path
+
+    import edgepaged
+    from edgepaged.model import settings
+    root = Path(edgepaged.__file__).parent
+    table = set(re.findall(r"`(EDGEPAGED_[A-Z0-9_]+)`", settings.__doc__))
+    read = set(re.findall(r'"(EDGEPAGED_[A-Z0-9_]+)"', (root / "model" / "settings.py").read_text()))
+    for f in (root.parent / "rust_alloc").rglob("*.rs"):
+        read |= set(re.findall(r'env[_a-z:]*\("(EDGEPAGED_[A-Z0-9_]+)"', f.read_text()))
+    assert read == table, (read ^ table)
+    readme = (root.parent / "README.md").read_text()
+    assert [v for v in sorted(table) if f"`{v}`" not in readme] == []
+    for f in root.rglob("*.py"):
+        if f.name != "settings.py":
+            stray = set(re.findall(r'"(EDGEPAGED_[A-Z0-9_]+)"', f.read_text())) & table
+            assert not stray, (f, stray)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -96,6 +95,8 @@ class Engine:
         # an embedding model's engine serves nothing a person waits on token by token: its steps
         # take whole batches of inputs (the encoder runs once per input, at its last chunk)
         encoder = bool(getattr(runner, "embedding_only", False))
+        from ..model.settings import CpuConfig
+        before = CpuConfig.from_env().scheduler == "before"
         self.scheduler = Scheduler(self.allocator, SchedulerConfig(
             max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max(cfg.max_num_batched_tokens, 4096) if encoder else cfg.max_num_batched_tokens,
@@ -104,8 +105,8 @@ class Engine:
             long_prefill_tokens=cfg.long_prefill_tokens,
             # EDGEPAGED_SCHEDULER=before: admission in arrival order only and full-budget steps, as
             # before short prompts went first and steps were timed
-            short_prompt_tokens=0 if os.environ.get("EDGEPAGED_SCHEDULER") == "before" else 256,
-            step_time_target_s=None if os.environ.get("EDGEPAGED_SCHEDULER") == "before" or encoder
+            short_prompt_tokens=0 if before else 256,
+            step_time_target_s=None if before or encoder
             else cfg.step_time_target_s))
         self.drafter: Drafter | None = None
         if not getattr(runner, "embedding_only", False) and not cfg.contiguous:

@@ -275,7 +275,8 @@ def choose_runtime(runtime: str | None, device: str, model_path) -> str:
     or "torch" (a GPU, a safetensors checkpoint, or asked for). runtime None: the
     EDGEPAGED_RUNTIME variable, else "auto"."""
     from .loader import NEEDS_TORCH, default_model_path, is_gguf
-    runtime = (runtime or os.environ.get("EDGEPAGED_RUNTIME") or "auto").strip().lower()
+    from .settings import CpuConfig
+    runtime = (runtime or CpuConfig.from_env().runtime or "auto").strip().lower()
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
     gguf = is_gguf(model_path if model_path is not None else default_model_path())
