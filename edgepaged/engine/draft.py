@@ -225,7 +225,8 @@ class Drafter:
         (None: the round failed, its sequences go uncached)."""
         for req, seq, k, toks, start in plan:
             got = (guesses or {}).get(req)
-            req.proposal = (req.num_tokens, got) if got else None
+            # guesses follow the tokens the round saw (all of them: it drafts only when caught up)
+            req.proposal = (start + len(toks), got) if got else None
         if guesses is None:
             for req, *_ in plan:
                 if req in self.seqs:
