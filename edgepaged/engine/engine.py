@@ -423,7 +423,8 @@ class Engine:
         if batch.spec:
             at = len(batch.logits_indices)
             for req, extra in batch.spec.items():
-                spec[batch.sampled.index(req)] = (list(req.drafts), list(range(at, at + len(extra))))
+                spec[batch.sampled.index(req)] = (list(req.drafts), list(range(at, at + len(extra))),
+                                                  req.drafts_forced)
                 at += len(extra)
             batch.logits_indices = np.concatenate([batch.logits_indices] + [np.asarray(x, np.int64)
                                                                             for x in batch.spec.values()])

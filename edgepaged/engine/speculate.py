@@ -54,7 +54,8 @@ def propose(tokens, k: int, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM) -> l
 
 
 def verify(logits: np.ndarray, drafts: list[int], params, prev: list[int], outputs: list[int] | None,
-           matcher=None, stops=frozenset(), vocab: int | None = None) -> list[int]:
+           matcher=None, stops=frozenset(), vocab: int | None = None, first: int | None = None,
+           forced: int = 0) -> list[int]:
     """`logits` [len(drafts) + 1, V]: row i follows draft i (row 0 the last real token).
     Each row draws its token exactly as a plain decode step would (the sampler, with the
     row's history: a seeded request takes the same random stream at the same position), and a
@@ -65,18 +66,28 @@ def verify(logits: np.ndarray, drafts: list[int], params, prev: list[int], outpu
     the one after the last draft): at least one token, at most len(drafts) + 1. With a
     grammar's `matcher`, each row is masked by the grammar's state after the tokens before it
     (a draft the grammar forbids can never be drawn) and the matcher takes the tokens drawn
-    (not a stop token: the answer ends there)."""
+    (not a stop token: the answer ends there).
+
+    `first`: row 0's token when the step's plain pass drew it already (the same draw).
+    `forced`: how many leading drafts are tokens the grammar forces (the only ones it allows
+    there): rows 1 .. forced - 1 draw them with certainty, so they are taken without a mask
+    or a draw (a seeded request's stream is per position: nothing shifts)."""
     out: list[int] = []
     seen = list(prev)
     answer = list(outputs) if outputs is not None else None
     for i in range(len(drafts) + 1):
-        row = logits[i:i + 1]
-        if matcher is not None:
-            from ..model.grammar import Masks
-            row = row.copy()
-            Masks.compute([matcher], vocab or row.shape[1]).apply(row)
-        row = prepare(row, [params], [seen], [answer] if answer is not None else None)
-        t = int(sample_prepared(row, [params], [seen])[0])
+        if i == 0 and first is not None:
+            t = int(first)
+        elif 0 < i < forced and matcher is not None:
+            t = int(drafts[i])
+        else:
+            row = logits[i:i + 1]
+            if matcher is not None:
+                from ..model.grammar import Masks
+                row = row.copy()
+                Masks.compute([matcher], vocab or row.shape[1]).apply(row)
+            row = prepare(row, [params], [seen], [answer] if answer is not None else None)
+            t = int(sample_prepared(row, [params], [seen])[0])
         out.append(t)
         if matcher is not None and (t in stops or not matcher.consume_token(t) or matcher.is_stopped()):
             return out

@@ -185,14 +185,15 @@ class RunnerBase:
             # speculation (engine/speculate.py): spec[i] = (drafts, the rows of the drafts' logits,
             # past the sampled rows); row i's answer is the list of tokens kept
             from ..engine.speculate import verify
-            for i, (drafts, rows) in spec.items():
+            for i, (drafts, rows, *more) in spec.items():
                 m = matchers[i] if matchers is not None else None
+                drawn = out[i] if isinstance(out[i], (int, np.integer)) else None   # row 0, drawn by the plain pass
                 try:
                     out[i] = verify(every[[i] + list(rows)], drafts, params[i], prev_tokens[i],
                                     outputs[i] if outputs is not None else None, matcher=m,
                                     stops=(set(params[i].stop_token_ids) | (set() if params[i].ignore_eos else
                                            set(self.tokenizer.stop_token_ids))) if m else (),
-                                    vocab=self.config.vocab_size)
+                                    vocab=self.config.vocab_size, first=drawn, forced=more[0] if more else 0)
                 except Exception as e:     # that row alone fails
                     out[i] = e
         return out
