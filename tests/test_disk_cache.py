@@ -57,14 +57,17 @@ def engine_for(runner, tmp_path, **cfg) -> Engine:
     return Engine(runner, EngineConfig(prefix_cache_disk=64 << 20, prefix_cache_dir=str(tmp_path / "kv"), **cfg))
 
 
-async def test_a_prompt_comes_back_from_disk_after_a_restart_bit_for_bit(cpu_runner, tmp_path):
+@pytest.mark.parametrize("runtime", ["cpu", "torch"])
+async def test_a_prompt_comes_back_from_disk_after_a_restart_bit_for_bit(runtime, cpu_runner, embedded_runner,
+                                                                          tmp_path):
+    runner = cpu_runner if runtime == "cpu" else embedded_runner
     a = prompt(1)
-    async with engine_for(cpu_runner, tmp_path) as e1:
+    async with engine_for(runner, tmp_path) as e1:
         first, cached = await answer(e1, a)
         assert cached == 0
         computed = cached_blocks(e1, a)
         stats = e1.stats()["prefix_cache_disk"]
-    async with engine_for(cpu_runner, tmp_path) as e2:      # a new engine: nothing in RAM
+    async with engine_for(runner, tmp_path) as e2:          # a new engine: nothing in RAM
         assert e2.stats()["prefix_cache_disk"]["blocks"] == len(a) // BS
         again, cached = await answer(e2, a)
         assert cached == (len(a) - 1) // BS * BS              # every full block but the last token's
