@@ -10,9 +10,7 @@ import os
 import re
 import signal
 import sys
-import time
 from functools import partial
-from pathlib import Path
 
 import click
 
@@ -322,16 +320,31 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
     if draft_path and (several or contiguous or speculation == "off"):
         fail("--draft drafts for one served model with speculation on and the paged pool "
              f"(not with {'several models' if several else '--contiguous' if contiguous else '--speculate off'})", 2)
+    from .server.app import AssemblyError, load_runner, model_set, resolve_model
     if several:
-        runner = model_set(model_paths, keep_alive, memory_budget, kv_bytes, device, block_size, max_batched_tokens,
-                           kv_kind, quant_math, grace, runtime)
-    else:
-        model_path, served_name = resolve_model(model_paths[0] if model_paths else None)
+        from .protocol import parse_keep_alive
         try:
+            keep_s = parse_keep_alive(keep_alive)
+        except ValueError as e:
+            fail(f"--keep-alive {keep_alive}: {e}", 2)
+        try:
+            budget = parse_bytes(memory_budget) if memory_budget else None
+        except ValueError as e:
+            fail(f"--memory-budget {memory_budget}: {e}", 2)
+        try:
+            runner = model_set(model_paths, keep_s, budget, kv_bytes, device, block_size, max_batched_tokens,
+                               kv_kind, quant_math, grace, runtime)
+        except AssemblyError as e:
+            fail(str(e), e.code)
+    else:
+        try:
+            model_path, served_name = resolve_model(model_paths[0] if model_paths else None)
             draft = resolve_model(draft_path)[0] if draft_path else None
             runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_kind, quant_math,
                                  runtime, draft=draft)
             runner.served_name = served_name
+        except AssemblyError as e:
+            fail(str(e), e.code)
         except KvBudgetError as e:
             fail(f"--kv-memory {kv_memory}: {e}" if kv_memory else str(e))
         except (FileNotFoundError, ValueError) as e:
@@ -389,129 +402,6 @@ def _bind(host: str, port: int, what: str):
 
 def _leaves(group) -> list[BaseException]:
     return [x for e in group.exceptions for x in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])]
-
-
-def resolve_model(spec: str | None) -> tuple[str | None, str | None]:
-    """serve --model: (the file, the name it is served under). A path as it is (its file's
-    name); else what the store finds by that name; a hub repository not on the box is pulled
-    first."""
-    if spec is None or os.path.exists(spec):
-        return spec, None
-    from . import store
-    try:
-        entry = store.find(spec)
-    except store.StoreError as e:
-        if not re.fullmatch(r"[\w.-]+/[\w.-]+(:.+)?", spec):
-            fail(str(e))
-        try:
-            entry = store.pull_hub(spec)
-        except store.StoreError as e2:
-            fail(str(e2))
-    return entry.path, entry.name
-
-
-def model_set(specs, keep_alive, memory_budget, kv_bytes, device, block_size, max_batched_tokens, kv_dtype,
-              quant_math, grace, runtime=None):
-    """serve --model A --model B ...: a models.ModelSet (nothing loaded yet)."""
-    from . import store
-    from .models import ModelSet, ModelSpec
-    from .model.runtime import CPU_KV_MAX_BYTES, available_ram
-    from .protocol import parse_keep_alive
-    try:
-        keep = parse_keep_alive(keep_alive)
-    except ValueError as e:
-        fail(f"--keep-alive {keep_alive}: {e}", 2)
-    try:
-        budget = parse_bytes(memory_budget) if memory_budget else int(0.7 * available_ram())
-    except ValueError as e:
-        fail(f"--memory-budget {memory_budget}: {e}", 2)
-    if specs == ("all",):
-        entries = [e for e in store.entries() if not e.problem]
-        if not entries:
-            fail(f"--model all: no models here (the store is {store.store_dir()}); `edgepaged pull` fetches one")
-    else:
-        entries = []
-        for spec in specs:
-            path, name = resolve_model(spec)
-            entry = store.Entry(name=name or store.default_name(Path(path).name), path=path,
-                                size_bytes=Path(path).stat().st_size, architecture=None, quantization=None,
-                                context=None, source="path")
-            entries.append(entry)
-    models = []
-    for e in entries:
-        try:
-            info = store.inspect(Path(e.path))
-        except store.StoreError as err:
-            fail(str(err))
-        models.append(ModelSpec(e.name, e.path, info["size_bytes"], info["context"], info["architecture"],
-                                info["quantization"], e.system, e.parameters))
-
-    def load(spec, kv):
-        runner = load_runner(spec.path, device, kv, block_size, max_batched_tokens, kv_dtype, quant_math, runtime)
-        runner.served_name = spec.name
-        return runner
-    from .engine import EngineConfig
-    try:
-        return ModelSet(models, load, budget_bytes=budget, kv_bytes=kv_bytes or min(CPU_KV_MAX_BYTES, budget // 4),
-                        keep_alive_s=keep, grace_s=grace,
-                        engine_config=EngineConfig(max_num_batched_tokens=max_batched_tokens))
-    except ValueError as e:
-        fail(str(e))
-
-
-def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_dtype=None, quant_math=None,
-                runtime=None, draft=None):
-    """The served model's runner; with `draft` (a path), its draft model attached (`runner.draft`),
-    the KV budget shared between the two caches block for block."""
-    import dataclasses
-
-    from .model.runtime import choose_runtime, open_runner, resolve_device
-    from .model.settings import CpuConfig
-    settings = CpuConfig.from_env()
-    if quant_math:
-        settings = dataclasses.replace(settings, quant_math=quant_math)
-    device = resolve_device(device)
-    kind = choose_runtime(runtime, device, model_path)
-    t0 = time.monotonic()
-    click.echo(f"loading {model_path or 'the embedded model (SmolLM2-135M-Instruct)'} on {device} "
-               f"({'numpy + Rust' if kind == 'cpu' else 'torch'})...", err=True)
-    share = None
-    if draft is not None:
-        share = draft_share(model_path, draft, kv_dtype)
-        if kv_bytes is None:
-            from .model.runtime import CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, available_ram
-            kv_bytes = min(CPU_KV_MAX_BYTES, int(CPU_KV_RAM_FRACTION * available_ram())) if device == "cpu" else None
-        if kv_bytes is not None:
-            kv_bytes = int(kv_bytes * share)
-    runner = open_runner(model_path, device, kv_bytes, block_size, max_num_batched_tokens=max_batched_tokens,
-                         kv_dtype=kv_dtype, settings=settings, runtime=kind)
-    click.echo(f"loaded {runner.model_path.name} in {time.monotonic() - t0:.1f} s ({runner.products} products)",
-               err=True)
-    if draft is not None:
-        from .engine.draft import check_pair
-        t0 = time.monotonic()
-        click.echo(f"loading the draft model {draft}...", err=True)
-        runner.draft = open_runner(draft, device, None, block_size, max_num_batched_tokens=max_batched_tokens,
-                                   kv_dtype=kv_dtype, settings=settings,
-                                   runtime=choose_runtime(runtime, device, draft), num_blocks=runner.num_blocks)
-        check_pair(runner, runner.draft)
-        click.echo(f"loaded the draft model {runner.draft.model_path.name} in {time.monotonic() - t0:.1f} s "
-                   f"({runner.num_blocks} blocks shared: {share:.0%} of the KV memory is the model's, the rest "
-                   "the draft's)", err=True)
-    return runner
-
-
-def draft_share(model_path, draft_path, kv_dtype=None) -> float:
-    """The served model's share of the KV memory beside a draft model: each block of the pool
-    holds its K/V in both caches, so the budget splits as their bytes per token do."""
-    from .model.loader import ModelFiles
-
-    def per_token(path) -> int:
-        cfg = ModelFiles(path).config
-        return cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-    width = 4 if kv_dtype == "f32" else 2
-    t, d = per_token(model_path) * width, per_token(draft_path) * width
-    return t / (t + d)
 
 
 # ---------------------------------------------------------------- the config file

@@ -5,15 +5,23 @@ SIGINT/SIGTERM: stop accepting TCP connections, withdraw the mDNS record (goodby
 running requests finish within the grace period (meanwhile HTTP stays up and answers new
 requests and `/health` with 503), cancel the rest with reason `shutdown`, deliver the last
 answers, close the HTTP port, return. A second signal cuts the grace period short.
+
+The assembly of what it serves is here too (`resolve_model`, `load_runner` with its draft
+model, `model_set` for several models); the CLI parses flags and calls them.
 """
 from __future__ import annotations
 
 import gc
 import logging
+import os
+import re
 import signal
+import sys
+import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
 import trio
@@ -214,3 +222,134 @@ def tame_malloc() -> None:
     except (OSError, AttributeError):
         pass
 
+# ---------------------------------------------------------------- assembly: the models a box serves
+
+class AssemblyError(ValueError):
+    """What `serve` cannot assemble, said in one line (`code`: the exit status it asks for)."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def resolve_model(spec: str | None) -> tuple[str | None, str | None]:
+    """serve --model: (the file, the name it is served under). A path as it is (its file's
+    name); else what the store finds by that name; a hub repository not on the box is pulled
+    first."""
+    if spec is None or os.path.exists(spec):
+        return spec, None
+    from .. import store
+    try:
+        entry = store.find(spec)
+    except store.StoreError as e:
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+(:.+)?", spec):
+            raise AssemblyError(str(e)) from None
+        try:
+            entry = store.pull_hub(spec)
+        except store.StoreError as e2:
+            raise AssemblyError(str(e2)) from None
+    return entry.path, entry.name
+
+
+def model_set(specs, keep_s, budget, kv_bytes, device, block_size, max_batched_tokens, kv_dtype,
+              quant_math, grace, runtime=None):
+    """serve --model A --model B ...: a models.ModelSet (nothing loaded yet). keep_s: the
+    keep-alive in seconds; budget: the memory budget in bytes (None: 70 % of the available
+    memory)."""
+    from .. import store
+    from ..models import ModelSet, ModelSpec
+    from ..model.runtime import CPU_KV_MAX_BYTES, available_ram
+    if budget is None:
+        budget = int(0.7 * available_ram())
+    if specs == ("all",):
+        entries = [e for e in store.entries() if not e.problem]
+        if not entries:
+            raise AssemblyError(f"--model all: no models here (the store is {store.store_dir()}); `edgepaged pull` "
+                                "fetches one")
+    else:
+        entries = []
+        for spec in specs:
+            path, name = resolve_model(spec)
+            entry = store.Entry(name=name or store.default_name(Path(path).name), path=path,
+                                size_bytes=Path(path).stat().st_size, architecture=None, quantization=None,
+                                context=None, source="path")
+            entries.append(entry)
+    models = []
+    for e in entries:
+        try:
+            info = store.inspect(Path(e.path))
+        except store.StoreError as err:
+            raise AssemblyError(str(err)) from None
+        models.append(ModelSpec(e.name, e.path, info["size_bytes"], info["context"], info["architecture"],
+                                info["quantization"], e.system, e.parameters))
+
+    def load(spec, kv):
+        runner = load_runner(spec.path, device, kv, block_size, max_batched_tokens, kv_dtype, quant_math, runtime)
+        runner.served_name = spec.name
+        return runner
+    from ..engine import EngineConfig
+    try:
+        return ModelSet(models, load, budget_bytes=budget, kv_bytes=kv_bytes or min(CPU_KV_MAX_BYTES, budget // 4),
+                        keep_alive_s=keep_s, grace_s=grace,
+                        engine_config=EngineConfig(max_num_batched_tokens=max_batched_tokens))
+    except ValueError as e:
+        raise AssemblyError(str(e)) from None
+
+
+def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_dtype=None, quant_math=None,
+                runtime=None, draft=None, say=None):
+    """The served model's runner; with `draft` (a path), its draft model attached (`runner.draft`),
+    the KV budget shared between the two caches block for block. `say`: where the progress
+    lines go (default: stderr). Raises what the load raises (ValueError, KvBudgetError, ...)."""
+    import dataclasses
+
+    from ..model.runtime import choose_runtime, open_runner, resolve_device
+    from ..model.settings import CpuConfig
+    say = say or _stderr
+    settings = CpuConfig.from_env()
+    if quant_math:
+        settings = dataclasses.replace(settings, quant_math=quant_math)
+    device = resolve_device(device)
+    kind = choose_runtime(runtime, device, model_path)
+    t0 = time.monotonic()
+    say(f"loading {model_path or 'the embedded model (SmolLM2-135M-Instruct)'} on {device} "
+        f"({'numpy + Rust' if kind == 'cpu' else 'torch'})...")
+    share = None
+    if draft is not None:
+        share = draft_share(model_path, draft, kv_dtype)
+        if kv_bytes is None:
+            from ..model.runtime import CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, available_ram
+            kv_bytes = min(CPU_KV_MAX_BYTES, int(CPU_KV_RAM_FRACTION * available_ram())) if device == "cpu" else None
+        if kv_bytes is not None:
+            kv_bytes = int(kv_bytes * share)
+    runner = open_runner(model_path, device, kv_bytes, block_size, max_num_batched_tokens=max_batched_tokens,
+                         kv_dtype=kv_dtype, settings=settings, runtime=kind)
+    say(f"loaded {runner.model_path.name} in {time.monotonic() - t0:.1f} s ({runner.products} products)")
+    if draft is not None:
+        from ..engine.draft import check_pair
+        t0 = time.monotonic()
+        say(f"loading the draft model {draft}...")
+        runner.draft = open_runner(draft, device, None, block_size, max_num_batched_tokens=max_batched_tokens,
+                                   kv_dtype=kv_dtype, settings=settings,
+                                   runtime=choose_runtime(runtime, device, draft), num_blocks=runner.num_blocks)
+        check_pair(runner, runner.draft)
+        say(f"loaded the draft model {runner.draft.model_path.name} in {time.monotonic() - t0:.1f} s "
+            f"({runner.num_blocks} blocks shared: {share:.0%} of the KV memory is the model's, the rest the draft's)")
+    return runner
+
+
+def draft_share(model_path, draft_path, kv_dtype=None) -> float:
+    """The served model's share of the KV memory beside a draft model: each block of the pool
+    holds its K/V in both caches, so the budget splits as their bytes per token do."""
+    from ..model.loader import ModelFiles
+
+    def per_token(path) -> int:
+        cfg = ModelFiles(path).config
+        return cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    width = 4 if kv_dtype == "f32" else 2
+    t, d = per_token(model_path) * width, per_token(draft_path) * width
+    return t / (t + d)
