@@ -103,12 +103,6 @@ class Drafter:
                 freed |= self.drop(req)
         return freed
 
-    def _settle(self) -> None:
-        self.busy = False
-        later, self._drop_later = self._drop_later, []
-        for req in later:
-            self.drop(req)
-
     # -- a round ----------------------------------------------------------------------------
     def begin(self, wanted: list, free_floor: int) -> list:
         """On the event loop: bring each wanted request's draft sequence up to its tokens and
@@ -227,17 +221,11 @@ class Drafter:
             got = (guesses or {}).get(req)
             # guesses follow the tokens the round saw (all of them: it drafts only when caught up)
             req.proposal = (start + len(toks), got) if got else None
-        if guesses is None:
-            for req, *_ in plan:
-                if req in self.seqs:
-                    self._drop_later.append(req)
-            failed = set(r for r, *_ in plan)
-            self.busy = False
-            for req in self._drop_later:
-                self.drop(req, cache=req not in failed)
-            self._drop_later = []
-            return
-        self._settle()
+        self.busy = False
+        later, self._drop_later = self._drop_later, []
+        failed = {r for r, *_ in plan} if guesses is None else set()
+        for req in later + [r for r in failed if r not in later]:
+            self.drop(req, cache=req not in failed)
 
     def stats(self) -> dict:
         return {"model": self.name, "rounds": self.rounds, "tokens_computed": self.tokens_computed,

@@ -174,6 +174,7 @@ class Scheduler:
         # held a waiting request back, by how many sequences were running then
         self.kv_bound: dict[int, int] = {}
         self.sec_per_token: float | None = None   # measured on steps of 128+ tokens (observe_step)
+        self._computes: dict = {}                 # this step's waiting prompts: tokens their prefill computes
         self.spec = None                          # speculate.Speculation: drafts for decodes (the engine's)
         self.drafter = None                       # draft.Drafter: a draft model's sequences in this pool
 
@@ -290,6 +291,7 @@ class Scheduler:
         waits one step, so an interactive request's first token never waits behind it.
         ScheduleError (naming the requests of the failed plan) when the allocator refuses it."""
         budget = self.step_budget()
+        self._computes: dict = {}
         step = _Step(budget=budget, total=budget, timed=budget < self.config.max_num_batched_tokens,
                      bg_prefill_left=max(16, budget // 8))
         try:
@@ -607,8 +609,10 @@ class Scheduler:
         n = len(req.all_ids)
         if n <= self.config.short_prompt_tokens or not self.alloc.enable_prefix_caching:
             return n
-        cached = self.alloc.prefix_match(req.all_ids, req.salt)[0]
-        return n - cached - self._disk_tokens(req, cached)
+        if req not in self._computes:     # once a step: the short-prompt passes ask several times
+            cached = self.alloc.prefix_match(req.all_ids, req.salt)[0]
+            self._computes[req] = n - cached - self._disk_tokens(req, cached)
+        return self._computes[req]
 
     def _may_pass(self, head: Request) -> bool:
         """Whether short prompts may go ahead of `head` (it has not waited too long)."""
@@ -630,12 +634,13 @@ class Scheduler:
         slot_mapping, block_tables, seq_lens, copies, self._free_blocks = self.alloc.prepare_step(
             np.array([r.id for r in reqs], dtype=np.int64), np.array(num_new, dtype=np.int64),
             np.maximum(np.array(new_tokens, dtype=np.int64), -1))
-        loads, keep = [], None
+        loads = []
         if any(r.loads for r in reqs):
             # tokens whose K/V the disk tier read: slots and context, no rows of the forward
             keep = np.ones(len(slot_mapping), dtype=bool)
             at = 0
-            for r, n in zip(reqs, num_new):
+            for i, r in enumerate(reqs):
+                n = num_new[i]
                 if r.loads:
                     k = len(r.loads) * self.block_size
                     loads += [(int(slot_mapping[at + j * self.block_size]) // self.block_size, data)
@@ -643,8 +648,7 @@ class Scheduler:
                     keep[at:at + k] = False
                     r.num_slots += k
                     r.loads = None
-                    num_new = list(num_new)
-                    num_new[reqs.index(r)] = n - k
+                    num_new[i] = n - k
                 at += n
             slot_mapping = slot_mapping[keep]
         total = sum(num_new)

@@ -73,7 +73,9 @@ def _gib(n: float) -> str:
 class RunnerBase:
     """The engine's side of a runner. A runner sets: config, tokenizer, model_path,
     file_info, block_size, block_bytes, num_blocks, max_model_len, quantized, quant_math,
-    kv_dtype_name, and implements `execute` and `copy_blocks`."""
+    kv_dtype_name, and implements `execute` and `copy_blocks`; a runner whose cache holds
+    K/V (not an encoder's token ids) also implements `read_block(block) -> uint8 bytes` and
+    `write_block(block, bytes)` for the prefix cache's disk tier."""
 
     mask_ms: collections.deque
     draft = None          # a draft model's runner (speculation by a draft: engine/draft.py), or None
@@ -138,15 +140,6 @@ class RunnerBase:
         if kv_bytes < self.block_bytes:
             raise KvBudgetError(f"{kv_bytes} bytes of KV cache is less than one block of this model "
                                 f"({self.block_bytes} bytes; e.g. 256M)")
-
-    def read_block(self, block: int) -> np.ndarray:
-        """Block `block`'s K and V in every layer, as bytes (uint8 [block_bytes]): what the
-        prefix cache's disk tier stores."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no K/V blocks to read")
-
-    def write_block(self, block: int, data: np.ndarray) -> None:
-        """Put `read_block`'s bytes back into block `block`."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no K/V blocks to write")
 
     def _masks(self, matchers) -> Masks | None:
         t0 = time.perf_counter()
