@@ -21,11 +21,18 @@ With --json the last line is one JSON object: paged, contiguous, hf (tok_s, max_
 ttft_p50/p90/p99_s, ...), llama_cpp, simulation. Plots (PNG) go to --out.
 
     python bench/household.py --model FILE [--requests 16] [--rate R] [--json]
+    python bench/household.py --model FILE --kv-memory BYTES --kv-dtype f16,q8_0 --modes paged,contiguous \
+        [--llama-server PATH] [--json]
 
 points the same arrival driver at `edgepaged serve --model FILE` (a 1-8 B GGUF, say): the
 16 requests of the household mix all at once (Poisson at R/s with --rate), the end-to-end
 part only, paged: the banner, the figures above for `paged`, and
 `blocks_back` (the server's KV blocks held by requests once every client is done: 0).
+The second form (issue 38, when memory binds) runs the same arrivals against each KV type and
+scheme with the same KV memory, in one run: `runs` {"f16/paged": {kv_bound_active, tok_s,
+home_ttft_p90_s, ...}, ...}, `kv_bound_ratio_q8_0` (q8_0's kv_bound_active over f16's, paged),
+and `llama_cpp` {type: {tok_s, home_ttft_p90_s, slots}} from llama.cpp's server given the same
+memory (as many slots as hold the longest request).
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import trio
@@ -428,6 +436,113 @@ async def settled_stats(addr: str, timeout_s: float = 30.0) -> dict:
             await trio.sleep(0.2)
 
 
+def llama_server_run(exe: str, model: Path, items, kv_memory: int, kv: str, tok, cfg) -> dict:
+    """The same arrivals against llama.cpp's `llama-server` given the same KV memory: as many
+    slots (`-np`) as it holds of the longest request (prompt and answer), `kv` as its K and V
+    types; each answer `answer_tokens` long (ignore_eos), streamed. tok/s, TTFT by class, slots."""
+    from soak import start_llama_server
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * {"f16": 2, "q8_0": 34 / 32}[kv]
+    longest = max(len(it.prompt_ids) + it.answer_tokens for it in items) + 32
+    slots = max(1, int(kv_memory // per_token) // longest)
+    proc, base = start_llama_server(exe, str(model), "-t", "2", "-np", str(slots), "-c", str(slots * longest),
+                                    "-ctk", kv, "-ctv", kv, "-fa", "on", "--jinja", wait_s=300)
+    if proc is None:
+        return {"note": "llama-server did not start"}
+    results = []
+    t0 = time.monotonic()
+
+    def one(it):
+        time.sleep(max(0.0, it.at - (time.monotonic() - t0)))
+        body = {"messages": it.messages, "max_tokens": it.answer_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        start = time.monotonic()
+        req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        first, n = None, 0
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as r:
+                for line in r:
+                    if line.startswith(b"data: {"):
+                        obj = json.loads(line[6:])
+                        for ch in obj.get("choices", []):
+                            if (ch.get("delta") or {}).get("content"):
+                                first = first or time.monotonic()
+                                n += 1
+        except OSError as e:
+            results.append({"klass": it.klass, "ttft_s": None, "tokens": n, "error": str(e)})
+            return
+        results.append({"klass": it.klass, "ttft_s": (first - start) if first else None, "tokens": n})
+
+    threads = [threading.Thread(target=one, args=(it,)) for it in items]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    wall = time.monotonic() - t0
+    ttfts = {k: sorted(r["ttft_s"] for r in results if r["klass"] == k and r["ttft_s"] is not None) for k in CLASSES}
+    return {"tok_s": round(sum(r["tokens"] for r in results) / wall, 2), "wall_s": round(wall, 1), "slots": slots,
+            "ctx_per_slot": longest, "failed": sum(1 for r in results if r.get("error")),
+            "home_ttft_p90_s": pct(ttfts.get("home", []), 0.9), "ttft_p90_s": pct([t for v in ttfts.values() for t in v], 0.9)}
+
+
+def serve_matrix(args, items, model: Path) -> None:
+    """--model with --kv-dtype LIST / --modes LIST / --llama-server: the same arrivals against
+    each (KV type, paged or contiguous) server with the same --kv-memory, in one run, and
+    llama.cpp's server given the same memory."""
+    import shutil
+
+    from edgepaged.model.loader import ModelFiles
+    from edgepaged.model.tokenizer import Tokenizer
+    files = ModelFiles(model)
+    cfg, tok = files.config, Tokenizer.load(files.path, reader=files.reader)
+    del files
+    kinds = [k for k in (args.kv_dtype or "f16").split(",") if k]
+    modes = [m for m in args.modes.split(",") if m]
+    out = {"model": model.name, "kv_memory": args.kv_memory, "runs": {}, "llama_cpp": {},
+           "workload": dict(requests=args.requests, scale=args.scale, answer_scale=args.answer_scale, rate=args.rate)}
+    for kv in kinds:
+        for mode in modes:
+            t = time.monotonic()
+            srv = Serve(args.kv_memory, mode == "contiguous", 512, model=model, extra=["--kv-dtype", kv])
+            try:
+                r = trio.run(run_e2e, srv.addr, items)
+                final = trio.run(settled_stats, srv.addr)
+            finally:
+                srv.stop()
+            cls = by_class(r)
+            out["runs"][f"{kv}/{mode}"] = row = {
+                "kv_bound_active": r["kv_bound_active"], "kv_bound_active_max": r["kv_bound_active_max"],
+                "kv_bound_moments": r["kv_bound_moments"], "max_active": r["max_active"], "tok_s": r["tok_s"],
+                "home_ttft_p90_s": cls.get("home", {}).get("ttft_p90_s"), "ttft_p90_s": r["ttft_p90_s"],
+                "failed": r["failed"], "preemptions": r["preemptions"], "kv_blocks_total": r["kv_blocks_total"],
+                "blocks_back": final["kv_blocks_used"] == 0, "wall_s": r["wall_s"]}
+            print(f"{kv}/{mode}: kv_bound_active {row['kv_bound_active']} (max active {row['max_active']}, "
+                  f"{row['kv_blocks_total']} blocks), {row['tok_s']} tok/s, home TTFT p90 {row['home_ttft_p90_s']} s, "
+                  f"failed {row['failed']} ({time.monotonic() - t:.0f} s)", flush=True)
+    f16 = out["runs"].get("f16/paged", {}).get("kv_bound_active")
+    for kv in kinds:
+        q = out["runs"].get(f"{kv}/paged", {}).get("kv_bound_active")
+        if kv != "f16" and f16 and q:
+            out[f"kv_bound_ratio_{kv}"] = round(q / f16, 2)
+    exe = args.llama_server or shutil.which("llama-server")
+    if exe is None:
+        out["llama_cpp"] = None
+        out["llama_cpp_note"] = "llama.cpp's llama-server is not installed here (give --llama-server PATH)"
+    else:
+        for kv in kinds:
+            t = time.monotonic()
+            out["llama_cpp"][kv] = r = llama_server_run(exe, model, items, args.kv_memory, kv, tok, cfg)
+            print(f"llama.cpp {kv}: {r.get('slots')} slots of {r.get('ctx_per_slot')}, {r.get('tok_s')} tok/s, "
+                  f"home TTFT p90 {r.get('home_ttft_p90_s')} s, failed {r.get('failed')} "
+                  f"({time.monotonic() - t:.0f} s)", flush=True)
+    if args.json:
+        print(json.dumps(out))
+
+
 def serve_model(args) -> None:
     """--model: the household driver against `edgepaged serve --model FILE`, paged only."""
     from edgepaged.model.loader import ModelFiles
@@ -440,6 +555,8 @@ def serve_model(args) -> None:
     del files
     print(f"{len(items)} requests (scale {args.scale}, answers x{args.answer_scale}, "
           f"{f'Poisson {args.rate}/s' if args.rate else 'all at once'}) to {Path(args.model).name}", flush=True)
+    if args.kv_dtype or args.modes != "paged" or args.llama_server:
+        return serve_matrix(args, items, Path(args.model))
     t = time.monotonic()
     srv = Serve(args.kv_memory, False, 512, model=Path(args.model))
     print(srv.banner, flush=True)
@@ -525,6 +642,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--model", default=None, help="a GGUF file: only the end-to-end run against it (see above)")
     ap.add_argument("--kv-memory", type=int, default=512 << 20, help="--model: the server's KV budget in bytes")
+    ap.add_argument("--kv-dtype", default=None, metavar="LIST",
+                    help="--model: the KV cache types to run in turn with the same --kv-memory (e.g. f16,q8_0)")
+    ap.add_argument("--modes", default="paged", metavar="LIST", help="--model: paged, contiguous or both (paged,contiguous)")
+    ap.add_argument("--llama-server", default=None, metavar="PATH",
+                    help="--model: llama.cpp's server, run beside with the same KV memory (each --kv-dtype)")
     ap.add_argument("--clients", type=int, default=None,
                     help="closed loop only: this many household clients (each asks, reads, thinks ~1 s, asks "
                          "again), against the scheduler as it is and as it was (EDGEPAGED_SCHEDULER=before)")

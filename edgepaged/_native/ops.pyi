@@ -21,7 +21,8 @@ def rope_write_kv(
 ) -> None:
     """Rotary on the Q and K heads of fused QKV rows [T, (H + 2 Hkv) D] in place (tables [P, D]
     as `Rotary` builds them), then K/V into their cache slots (-1: skip); caches
-    [num_blocks, block_size, Hkv, D]."""
+    [num_blocks, block_size, Hkv, D] float32 or float16, or int8 for q8_0: [..., Hkv, D + D / 16]
+    (each head row D values, then D / 32 half-precision scales as 2 bytes; D a multiple of 32)."""
 def paged_decode(
     q: F32, out: F32, rows: I64, seq_lens: I32, block_tables: I32, k_cache: F32, v_cache: F32, num_heads: int,
     num_kv_heads: int, scale: float, window: int = 0,

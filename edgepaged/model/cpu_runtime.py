@@ -32,7 +32,9 @@ from .settings import CpuConfig
 from .tokenizer import Tokenizer
 
 SCRATCH_BYTES = 16 << 20
-KV_DTYPES = {"f16": np.float16, "f32": np.float32}
+# q8_0: int8 head rows of D values and D / 32 half-precision scales (rust_alloc/cpu_kernels/src/kv.rs)
+KV_DTYPES = {"f16": np.float16, "f32": np.float32, "q8_0": np.int8}
+KV_NAMES = {np.dtype(v): k for k, v in KV_DTYPES.items()}
 
 
 def kv_numpy_dtype(name: str | None):
@@ -41,10 +43,21 @@ def kv_numpy_dtype(name: str | None):
     if name is None:
         return np.float16
     if name == "bf16":
-        raise ValueError("a bf16 KV cache is not supported on CPU: use f16 (half the memory of f32) or f32")
+        raise ValueError("a bf16 KV cache is not supported on CPU: use f16 (half the memory of f32), q8_0 or f32")
     if name not in KV_DTYPES:
-        raise ValueError(f"KV cache dtype {name!r}: use one of f16, f32, bf16")
+        raise ValueError(f"KV cache dtype {name!r}: use one of {', '.join(KV_DTYPES)}")
     return KV_DTYPES[name]
+
+
+def kv_row_units(name: str, head_dim: int) -> int:
+    """Elements of the cache one head row of `head_dim` values takes (q8_0: the values, then 2
+    bytes of scale per 32)."""
+    return head_dim + head_dim // 16 if name == "q8_0" else head_dim
+
+
+def kv_bytes_per_value(name: str | None) -> float:
+    """Bytes of KV cache per stored value (f32 4, f16 2, q8_0 34 / 32)."""
+    return {"f32": 4.0, "q8_0": 34 / 32}.get(name or "f16", 2.0)
 
 
 class Linear:
@@ -319,7 +332,8 @@ class CpuModel:
 class CpuRunner(RunnerBase):
     """Weights, KV cache and forward of a GGUF model on the CPU, with numpy and the Rust
     extension only. Not thread-safe: one step at a time. `kv_cache` is one numpy array
-    [layers, 2, num_blocks, block_size, kv_heads, head_dim] (f16 by default)."""
+    [layers, 2, num_blocks, block_size, kv_heads, head_dim] (f16 by default; q8_0: int8, the
+    last axis head_dim + head_dim / 16, see `kv_row_units`)."""
 
     def __init__(self, model_path=None, kv_memory_bytes=None, block_size=16, num_blocks=None, *, progress=None,
                  settings: CpuConfig | None = None, kv_dtype: str | None = None, quantized: bool | None = None):
@@ -327,7 +341,7 @@ class CpuRunner(RunnerBase):
         decodes them to float32 matrices)."""
         self.settings = settings = settings or CpuConfig.from_env()
         self.kv_np_dtype = kv_numpy_dtype(kv_dtype)
-        self.kv_dtype_name = {np.float16: "f16", np.float32: "f32"}[self.kv_np_dtype]
+        self.kv_dtype_name = KV_NAMES[np.dtype(self.kv_np_dtype)]
         self.block_size = block_size
         files = ModelFiles(model_path)
         if files.reader is None:
@@ -337,7 +351,11 @@ class CpuRunner(RunnerBase):
         self.file_info = files.info()
         self._init_stats()
         cfg = self.config
-        self.block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
+        if self.kv_dtype_name == "q8_0" and cfg.head_dim % 32:
+            raise ValueError(f"a q8_0 KV cache holds heads of a multiple of 32 values; {files.path.name}'s are "
+                             f"{cfg.head_dim}: use f16")
+        self.kv_row = kv_row_units(self.kv_dtype_name, cfg.head_dim)
+        self.block_bytes = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * self.kv_row
                             * np.dtype(self.kv_np_dtype).itemsize)
         if num_blocks is None and kv_memory_bytes is not None:   # say so before loading the weights
             self._check_budget(kv_memory_bytes, files.path)
@@ -362,7 +380,7 @@ class CpuRunner(RunnerBase):
                                 f"{self.block_bytes} (e.g. 256M or more)")
         self.num_blocks = num_blocks
         # committed as it fills: numpy's zeros are calloc's fresh zero pages
-        self.kv_cache = np.zeros((cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+        self.kv_cache = np.zeros((cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, self.kv_row),
                                  self.kv_np_dtype)
         self.max_model_len = min(cfg.context_length, num_blocks * block_size)
         if self.max_model_len != self.model.max_positions:
@@ -411,4 +429,4 @@ class CpuRunner(RunnerBase):
         return self.model.forward(ids, pos, qsl, seq_lens, tables, slots, self.kv_cache, idx)
 
 
-__all__ = ["CpuModel", "CpuRunner", "kv_numpy_dtype"]
+__all__ = ["CpuModel", "CpuRunner", "kv_bytes_per_value", "kv_numpy_dtype", "kv_row_units"]

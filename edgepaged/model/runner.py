@@ -29,6 +29,9 @@ def kv_torch_dtype(name: str | None, device: torch.device, dtype: torch.dtype) -
     a GPU); ValueError for a name it does not know or a GPU cache unlike the model."""
     if name is None:
         return dtype if device.type == "cuda" else torch.float16
+    if name == "q8_0":
+        raise ValueError("a q8_0 KV cache is read by the CPU runtime's kernels only (the default for a GGUF "
+                         "model on a CPU): use f16 here")
     if name not in KV_DTYPES:
         raise ValueError(f"KV cache dtype {name!r}: use one of {', '.join(KV_DTYPES)}")
     kv = KV_DTYPES[name]

@@ -350,6 +350,7 @@ def draft_share(model_path, draft_path, kv_dtype=None) -> float:
     def per_token(path) -> int:
         cfg = ModelFiles(path).config
         return cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-    width = 4 if kv_dtype == "f32" else 2
+    from ..model.cpu_runtime import kv_bytes_per_value
+    width = kv_bytes_per_value(kv_dtype)
     t, d = per_token(model_path) * width, per_token(draft_path) * width
     return t / (t + d)

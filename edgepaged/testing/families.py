@@ -183,7 +183,15 @@ def tokenizer_gguf_fields(folder: Path, fam: Family) -> dict:
 
 # ---------------------------------------------------------------- models
 
-def hf_config(name: str, vocab_size: int, token_ids: dict, context: int = 1024):
+def hf_config(name: str, vocab_size: int, token_ids: dict, context: int = 1024, **overrides):
+    """The tiny config of family `name`; `overrides` replace its fields (e.g. head_dim=32)."""
+    cfg = _hf_config(name, vocab_size, token_ids, context)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def _hf_config(name: str, vocab_size: int, token_ids: dict, context: int = 1024):
     import transformers as T
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=context, **token_ids)
@@ -234,11 +242,12 @@ def _rig_stop(model, eot: int, prompt: list[int], steps: int = 24, also: tuple =
 
 def make_family_model(folder, name: str, seed: int = 0, *, stop_prompt: list[dict] | None = None,
                       rig_token: str | None = None, tools: list | None = None, context: int = 1024,
-                      rig_also: tuple = ()):
+                      rig_also: tuple = (), overrides: dict | None = None):
     """Save a tiny random `name` model with its tokenizer and template into `folder`; returns
     the transformers model (eval mode, eager attention). With `stop_prompt` (chat messages)
     the family's end-of-turn token (or `rig_token`) comes within a few tokens of a greedy
-    answer to them (rendered with `tools`), for serving tests."""
+    answer to them (rendered with `tools`), for serving tests. `overrides`: config fields
+    replaced (`hf_config`)."""
     import transformers
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -251,7 +260,7 @@ def make_family_model(folder, name: str, seed: int = 0, *, stop_prompt: list[dic
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     ids = {"eos_token_id": tok.token_to_id(fam.eos), "bos_token_id": tok.token_to_id(fam.bos) if fam.bos else None,
            "pad_token_id": tok.token_to_id("<pad>") if fam.name.startswith("gemma") else None}
-    cfg = hf_config(name, tok.get_vocab_size(), ids, context)
+    cfg = hf_config(name, tok.get_vocab_size(), ids, context, **(overrides or {}))
     if stop_prompt is not None:
         from transformers import AutoTokenizer
         kw = {"tools": tools} if tools else {}

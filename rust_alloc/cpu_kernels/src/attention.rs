@@ -44,7 +44,8 @@ unsafe fn decode_item<E: KvElem>(a: &DecodeArgs<E>, item: usize, scores: &mut Ve
     let len = n - lo;
     let row = a.rows[b] as usize;
     let table = &a.tables[b * a.max_blocks..(b + 1) * a.max_blocks];
-    let kvw = nkv * d;
+    let du = E::units(d);
+    let kvw = nkv * du;
     scores.clear();
     scores.resize(g * len, 0.0);
     let q0 = a.q.0.add(row * a.q_stride + kh * g * d) as *const f32;
@@ -54,8 +55,9 @@ unsafe fn decode_item<E: KvElem>(a: &DecodeArgs<E>, item: usize, scores: &mut Ve
     for t in 0..len {
         let pos = lo + t;
         let slot = table[pos / a.bs] as usize * a.bs + pos % a.bs;
-        for (x, e) in kr.iter_mut().zip(&a.k[slot * kvw + kh * d..slot * kvw + kh * d + d]) {
-            *x = e.to_f32();
+        let kp = a.k.as_ptr().add(slot * kvw + kh * du);
+        for (i, x) in kr.iter_mut().enumerate() {
+            *x = E::get(kp, i, d);
         }
         for h in 0..g {
             let q = std::slice::from_raw_parts(q0.add(h * d), d);
@@ -82,8 +84,9 @@ unsafe fn decode_item<E: KvElem>(a: &DecodeArgs<E>, item: usize, scores: &mut Ve
         let pos = lo + t;
         let slot = table[pos / a.bs] as usize * a.bs + pos % a.bs;
         let vr = &mut row_f32[..d];
-        for (x, e) in vr.iter_mut().zip(&a.v[slot * kvw + kh * d..slot * kvw + kh * d + d]) {
-            *x = e.to_f32();
+        let vp = a.v.as_ptr().add(slot * kvw + kh * du);
+        for (i, x) in vr.iter_mut().enumerate() {
+            *x = E::get(vp, i, d);
         }
         for h in 0..g {
             let p = scores[h * len + t];
@@ -124,7 +127,8 @@ pub(crate) mod x86 {
         let lo = if a.window > 0 { n.saturating_sub(a.window) } else { 0 };
         let len = n - lo;
         let table = &a.tables[b * a.max_blocks..(b + 1) * a.max_blocks];
-        let kvw = nkv * d;
+        let du = E::units(d);
+        let kvw = nkv * du;
         slots.clear();
         // block by block: no division per position (it was a quarter of the kernel's time)
         for bi in lo / a.bs..n.div_ceil(a.bs) {
@@ -142,14 +146,21 @@ pub(crate) mod x86 {
         let sc8 = _mm256_set1_ps(a.scale);
         for t0 in (0..nfull).step_by(8) {
             for kh in 0..nkv {
-                let ks: [*const E; 8] = std::array::from_fn(|u| kp.add(slots[t0 + u] + kh * d));
+                let ks: [*const E; 8] = std::array::from_fn(|u| kp.add(slots[t0 + u] + kh * du));
                 for h in kh * g..(kh + 1) * g {
                     let q = q0.add(h * d);
                     let mut acc = [_mm256_setzero_ps(); 8];
-                    for j in 0..NV {
-                        let qj = _mm256_loadu_ps(q.add(8 * j));
+                    if E::ROTATED {
+                        // a blocked cache: each position's dot product per block, one scale each
                         for (u, r) in acc.iter_mut().enumerate() {
-                            *r = _mm256_fmadd_ps(qj, E::load8(ks[u].add(8 * j)), *r);
+                            *r = E::dot::<NV>(q, ks[u]);
+                        }
+                    } else {
+                        for j in 0..NV {
+                            let qj = _mm256_loadu_ps(q.add(8 * j));
+                            for (u, r) in acc.iter_mut().enumerate() {
+                                *r = _mm256_fmadd_ps(qj, E::load8(ks[u], 8 * j, d), *r);
+                            }
                         }
                     }
                     _mm256_storeu_ps(sp.add(h * stride + t0), _mm256_mul_ps(hsum8(&acc), sc8));
@@ -158,10 +169,10 @@ pub(crate) mod x86 {
         }
         for (t, &off) in slots.iter().enumerate().skip(nfull) {
             for kh in 0..nkv {
-                let k = kp.add(off + kh * d);
+                let k = kp.add(off + kh * du);
                 let mut kr = [_mm256_setzero_ps(); NV];
                 for (j, r) in kr.iter_mut().enumerate() {
-                    *r = E::load8(k.add(8 * j));
+                    *r = E::load8(k, 8 * j, d);
                 }
                 for h in kh * g..(kh + 1) * g {
                     let q = q0.add(h * d);
@@ -198,14 +209,10 @@ pub(crate) mod x86 {
         }
         for h in 0..nh {
             let s = sp.add(h * stride);
-            let vo = h / g * d;
+            let vo = h / g * du;
             let mut acc = [_mm256_setzero_ps(); NV];
             for (t, &off) in slots.iter().enumerate() {
-                let p = _mm256_set1_ps(*s.add(t));
-                let v = vp.add(off + vo);
-                for (j, r) in acc.iter_mut().enumerate() {
-                    *r = _mm256_fmadd_ps(p, E::load8(v.add(8 * j)), *r);
-                }
+                E::mad::<NV>(&mut acc, *s.add(t), vp.add(off + vo));
             }
             let o = a.out.0.add(a.rows[b] as usize * a.out_stride + h * d);
             let iv = _mm256_set1_ps(inv[h]);
@@ -280,22 +287,53 @@ unsafe fn decode_items_avx2<E: KvElem>(a: &DecodeArgs<E>, i0: usize, i1: usize) 
 /// `q` holds the query heads of row `rows[b]` at `q[rows[b] * q_stride ..]` (`nh * d`
 /// values, e.g. the Q part of a fused QKV row); the result goes to
 /// `out[rows[b] * out_stride ..]`. `tables` is `[B, max_blocks]` block ids, caches are
-/// `[num_blocks * bs, nkv, d]`.
+/// `[num_blocks * bs, nkv, E::units(d)]` (head rows of `d` values, see `kv`).
+///
+/// A cache whose rows are stored turned (`KvElem::ROTATED`, q8_0) is read with each query
+/// head turned the same way, and each output head turned back: the same attention.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode<E: KvElem>(
     q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, rows: &[i64], lens: &[i32], tables: &[i32],
     k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32,
 ) -> Result<(), OpError> {
+    if !E::ROTATED {
+        return decode(q, q_stride, out, out_stride, rows, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap);
+    }
+    let w = hs.nh * hs.d;
+    if !E::supports(hs.d) || hs.d > 512 {
+        return bad(format!("paged_decode: unsupported heads {}/{} x {} ({} cache)", hs.nh, hs.nkv, hs.d, E::NAME));
+    }
+    if let Some(r) = rows.iter().find(|&&r| r < 0 || (r as usize) * q_stride + w > q.len() || (r as usize) * out_stride + w > out.len()) {
+        return bad(format!("paged_decode: row {r} outside q/out"));
+    }
+    let qt = crate::kv::turned_rows(q, q_stride, rows.iter().map(|&r| r as usize), hs.nh, hs.d);
+    let mut ot = vec![0f32; qt.len()];
+    let dense: Vec<i64> = (0..rows.len() as i64).collect();
+    decode(&qt, w, &mut ot, w, &dense, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap)?;
+    for (i, &r) in rows.iter().enumerate() {
+        let o = &mut out[r as usize * out_stride..r as usize * out_stride + w];
+        o.copy_from_slice(&ot[i * w..(i + 1) * w]);
+        o.chunks_exact_mut(hs.d).for_each(crate::kv::hadamard);
+    }
+    Ok(())
+}
+
+/// `paged_decode` on the cache's own rows (q and out in the turned space of a rotated cache).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn decode<E: KvElem>(
+    q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, rows: &[i64], lens: &[i32], tables: &[i32],
+    k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32,
+) -> Result<(), OpError> {
     let Heads { nh, nkv, d } = hs;
     let b = rows.len();
-    if nkv == 0 || nh % nkv != 0 || nh / nkv > 64 || d == 0 || d > 512 || bs == 0 {
-        return bad(format!("paged_decode: unsupported heads {nh}/{nkv} x {d}"));
+    if nkv == 0 || nh % nkv != 0 || nh / nkv > 64 || d == 0 || d > 512 || bs == 0 || !E::supports(d) {
+        return bad(format!("paged_decode: unsupported heads {nh}/{nkv} x {d} ({} cache)", E::NAME));
     }
     if lens.len() != b || (b > 0 && tables.len() % b != 0) {
         return bad("paged_decode: rows, lens and tables disagree on the number of sequences");
     }
     let max_blocks = if b > 0 { tables.len() / b } else { 0 };
-    let kvw = nkv * d;
+    let kvw = nkv * E::units(d);
     let num_blocks = k_cache.len().min(v_cache.len()) / kvw / bs;
     for i in 0..b {
         let (r, n) = (rows[i], lens[i]);
@@ -347,8 +385,60 @@ pub fn paged_decode<E: KvElem>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// A q8_0 copy of an f32 cache of head rows of `d` values, and the values it stands for
+    /// as f32 (the blocks' values, turned back).
+    pub(crate) fn q8_cache(x: &[f32], d: usize) -> (Vec<i8>, Vec<f32>) {
+        let u = <i8 as KvElem>::units(d);
+        let mut q = vec![0i8; x.len() / d * u];
+        <i8 as KvElem>::store_heads(&mut q, x, d);
+        // SAFETY: every head row is whole and i < d.
+        let mut back: Vec<f32> =
+            (0..x.len()).map(|i| unsafe { <i8 as KvElem>::get(q.as_ptr().add(i / d * u), i % d, d) }).collect();
+        back.chunks_exact_mut(d).for_each(crate::kv::hadamard);
+        (q, back)
+    }
+
+    /// A q8_0 cache attends as the f32 cache of the values it stands for does (the kernels
+    /// read the blocks themselves, no dequantized copy), on the vector and the portable path,
+    /// with windows and soft-capping, the rows given and taken in the model's space; heads of
+    /// 16 values are refused.
+    #[test]
+    fn q8_decode_attends_to_the_values_it_holds() {
+        let (bs, nblocks) = (4usize, 10usize);
+        for hs in [Heads { nh: 6, nkv: 2, d: 64 }, Heads { nh: 4, nkv: 1, d: 32 }, Heads { nh: 2, nkv: 2, d: 96 }] {
+            let kvw = hs.nkv * hs.d;
+            let mut seed = 5u64;
+            let mut rnd = || {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+            };
+            let k: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd() * 4.0).collect();
+            let v: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd()).collect();
+            let q: Vec<f32> = (0..3 * hs.nh * hs.d).map(|_| rnd()).collect();
+            let ((k8, kd), (v8, vd)) = (q8_cache(&k, hs.d), q8_cache(&v, hs.d));
+            let tables = [3, 1, 7, 0, 2, 5, 9, 8, 4, 6, 0, 0];
+            let lens = [13, 2, 9];
+            let w = hs.nh * hs.d;
+            for (window, cap) in [(0usize, 0f32), (5, 0.0), (0, 0.05), (5, 0.05)] {
+                let (mut got, mut want, mut exact) = (vec![0f32; 3 * w], vec![0f32; 3 * w], vec![0f32; 3 * w]);
+                paged_decode(&q, w, &mut got, w, &[0, 1, 2], &lens, &tables, &k8, &v8, bs, hs, 0.25, window, cap).unwrap();
+                paged_decode(&q, w, &mut want, w, &[0, 1, 2], &lens, &tables, &kd, &vd, bs, hs, 0.25, window, cap).unwrap();
+                paged_decode(&q, w, &mut exact, w, &[0, 1, 2], &lens, &tables, &k, &v, bs, hs, 0.25, window, cap).unwrap();
+                let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(err < 1e-5, "{hs:?} window {window} cap {cap}: {err}");
+                // and near the unquantized cache: 8 bits, a few hundredths of the values' range
+                let err = got.iter().zip(&exact).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(err < 0.02, "{hs:?} window {window} cap {cap}: {err} from f32");
+            }
+        }
+        let hs = Heads { nh: 2, nkv: 1, d: 16 };
+        let mut out = vec![0f32; 32];
+        let e = paged_decode(&[0f32; 32], 32, &mut out, 32, &[0], &[1], &[0], &[0i8; 64], &[0i8; 64], 4, hs, 1.0, 0, 0.0);
+        assert!(e.unwrap_err().0.contains("q8_0"));
+    }
 
     #[test]
     fn decode_matches_naive() {

@@ -1,6 +1,18 @@
-//! The element types a paged K/V cache may hold: `f32`, or IEEE half precision (`F16`, half
-//! the memory: twice the tokens in the same budget). Attention converts to f32 as it reads;
-//! writing rounds to nearest, ties to even.
+//! The element types a paged K/V cache may hold: `f32`; IEEE half precision (`F16`, half
+//! the memory: twice the tokens in the same budget), rounded to nearest, ties to even; or
+//! q8_0 (`i8` units: 32 values as bytes and one half-precision scale, 1.0625 bytes a value,
+//! 1.88 times the tokens of f16). Attention converts to f32 as it reads, from the cache
+//! itself: there is no dequantized copy.
+//!
+//! A q8_0 cache holds each head row turned by an orthonormal Walsh-Hadamard rotation (over
+//! chunks of 64 values, or 32): an outlier channel's energy spreads over its chunk, so one
+//! large value no longer sets the scale that all 31 others are quantized with. Attention over
+//! it turns the query the same way (q . k = Hq . Hk) and the output back (H is its own
+//! inverse): the public kernels take and give values in the model's own space.
+//!
+//! The kernels address a cache as rows: a slot holds one row per KV head, and a head row of
+//! `d` values takes `E::units(d)` elements of the cache (`d` for f32 and f16; for q8_0 the
+//! `d` value bytes, then `d / 32` scales of 2 bytes each, little-endian).
 
 pub use half::f16 as F16;
 
@@ -42,8 +54,8 @@ pub fn f32_to_f16(x: f32) -> u16 {
     sign | out as u16
 }
 
-/// An element of a K/V cache.
-pub trait KvElem: Copy + Send + Sync + 'static {
+/// A K/V cache element that holds one value by itself (f32, F16).
+pub trait KvScalar: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
     /// 8 consecutive elements as f32 lanes (AVX2 + F16C).
@@ -60,7 +72,7 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     unsafe fn store8(p: *mut Self, v: std::arch::x86_64::__m256);
 }
 
-impl KvElem for f32 {
+impl KvScalar for f32 {
     #[inline(always)]
     fn to_f32(self) -> f32 { self }
     #[inline(always)]
@@ -73,7 +85,7 @@ impl KvElem for f32 {
     unsafe fn store8(p: *mut Self, v: std::arch::x86_64::__m256) { std::arch::x86_64::_mm256_storeu_ps(p, v) }
 }
 
-impl KvElem for F16 {
+impl KvScalar for F16 {
     #[inline(always)]
     fn to_f32(self) -> f32 { f16_to_f32(self.to_bits()) }
     #[inline(always)]
@@ -93,9 +105,217 @@ impl KvElem for F16 {
     }
 }
 
+/// What the attention kernels and `rope_write_kv` need of a cache's element type: the size
+/// of a head row, reading value `i` of a head row (one, or 8 as f32 lanes) and writing the
+/// head rows of a slot.
+pub trait KvElem: Copy + Send + Sync + 'static {
+    /// Its name in error messages and in Python (`f32`, `f16`, `q8_0`).
+    const NAME: &'static str;
+    /// Whether head rows are stored turned by `hadamard` (the kernels turn q and the output).
+    const ROTATED: bool = false;
+    /// Elements of the cache one head row of `d` values takes.
+    fn units(d: usize) -> usize;
+    /// Whether head rows of `d` values can be stored.
+    fn supports(d: usize) -> bool;
+    /// Value `i` of the head row of `d` values at `row`.
+    ///
+    /// # Safety
+    /// `row` must point at a whole head row (`units(d)` elements) and `i < d`.
+    unsafe fn get(row: *const Self, i: usize, d: usize) -> f32;
+    /// Values `i .. i + 8` of the head row at `row` as f32 lanes (`i % 8 == 0`).
+    ///
+    /// # Safety
+    /// As `get`, `i + 8 <= d`, and the CPU must have AVX2 and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(row: *const Self, i: usize, d: usize) -> std::arch::x86_64::__m256;
+    /// Write the head rows of one slot: `src` holds `n` heads of `d` values, `dst` the `n`
+    /// head rows (`n * units(d)` elements).
+    fn store_heads(dst: &mut [Self], src: &[f32], d: usize);
+    /// The dot product of `q` (`8 * NV` values) and the head row at `row`, as 8 lanes to sum.
+    ///
+    /// # Safety
+    /// As `load8` for every `i < 8 * NV = d`; `q` readable for `d` values.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn dot<const NV: usize>(q: *const f32, row: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let mut acc = _mm256_mul_ps(_mm256_loadu_ps(q), Self::load8(row, 0, 8 * NV));
+        for j in 1..NV {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(8 * j)), Self::load8(row, 8 * j, 8 * NV), acc);
+        }
+        acc
+    }
+    /// `acc += p * row` over the head row at `row` (`8 * NV` values).
+    ///
+    /// # Safety
+    /// As `dot`.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn mad<const NV: usize>(acc: &mut [std::arch::x86_64::__m256; NV], p: f32, row: *const Self) {
+        use std::arch::x86_64::*;
+        let pv = _mm256_set1_ps(p);
+        for (j, r) in acc.iter_mut().enumerate() {
+            *r = _mm256_fmadd_ps(pv, Self::load8(row, 8 * j, 8 * NV), *r);
+        }
+    }
+}
+
+macro_rules! scalar_kv {
+    ($t:ty, $name:literal) => {
+        impl KvElem for $t {
+            const NAME: &'static str = $name;
+            #[inline(always)]
+            fn units(d: usize) -> usize { d }
+            fn supports(_: usize) -> bool { true }
+            #[inline(always)]
+            unsafe fn get(row: *const Self, i: usize, _: usize) -> f32 { (*row.add(i)).to_f32() }
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn load8(row: *const Self, i: usize, _: usize) -> std::arch::x86_64::__m256 {
+                <$t as KvScalar>::load8(row.add(i))
+            }
+            #[inline]
+            fn store_heads(dst: &mut [Self], src: &[f32], _: usize) { store_row(dst, src) }
+        }
+    };
+}
+scalar_kv!(f32, "f32");
+scalar_kv!(F16, "f16");
+
+/// Values per q8_0 block (one scale each).
+pub const Q8_BLOCK: usize = 32;
+
+/// q8_0: the cache holds `i8` units. A head row of `d` values (a multiple of 32) is its `d`
+/// quantized values, then `d / 32` half-precision scales (2 bytes each, little-endian): value
+/// `i` is `row[i] * scale[i / 32]`, and the row is the written row turned by `hadamard`.
+/// Writing a block of 32 takes its largest magnitude over 127 as the scale, rounded to half
+/// precision, and rounds each value over it to the nearest integer (at most half a step off:
+/// |error| <= scale / 2).
+impl KvElem for i8 {
+    const NAME: &'static str = "q8_0";
+    const ROTATED: bool = true;
+    #[inline(always)]
+    fn units(d: usize) -> usize { d + d / Q8_BLOCK * 2 }
+    fn supports(d: usize) -> bool { d > 0 && d % Q8_BLOCK == 0 }
+    #[inline(always)]
+    unsafe fn get(row: *const Self, i: usize, d: usize) -> f32 {
+        *row.add(i) as f32 * q8_scale(row, i, d)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(row: *const Self, i: usize, d: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let h = std::ptr::read_unaligned(row.add(d + i / Q8_BLOCK * 2) as *const u16);
+        let s = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)));
+        let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(row.add(i) as *const __m128i)));
+        _mm256_mul_ps(v, s)
+    }
+    /// Per block of 32: the plain dot product of q and the integers, then one multiply by the
+    /// block's scale (not one per 8 values).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn dot<const NV: usize>(q: *const f32, row: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let d = 8 * NV;
+        let mut total = _mm256_setzero_ps();
+        for b in 0..NV / 4 {
+            let mut acc = _mm256_setzero_ps();
+            for j in 4 * b..4 * b + 4 {
+                let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(row.add(8 * j) as *const __m128i)));
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(8 * j)), v, acc);
+            }
+            total = _mm256_fmadd_ps(acc, _mm256_set1_ps(q8_scale(row, 32 * b, d)), total);
+        }
+        total
+    }
+    /// Per block of 32: p times the block's scale once, then the integers.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn mad<const NV: usize>(acc: &mut [std::arch::x86_64::__m256; NV], p: f32, row: *const Self) {
+        use std::arch::x86_64::*;
+        let d = 8 * NV;
+        for b in 0..NV / 4 {
+            let ps = _mm256_set1_ps(p * q8_scale(row, 32 * b, d));
+            for j in 4 * b..4 * b + 4 {
+                let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(row.add(8 * j) as *const __m128i)));
+                acc[j] = _mm256_fmadd_ps(ps, v, acc[j]);
+            }
+        }
+    }
+    fn store_heads(dst: &mut [Self], src: &[f32], d: usize) {
+        let u = Self::units(d);
+        let mut turned = [0f32; 512];
+        for (row, x) in dst.chunks_exact_mut(u).zip(src.chunks_exact(d)) {
+            let x = {
+                let t = &mut turned[..d];
+                t.copy_from_slice(x);
+                hadamard(t);
+                &*t
+            };
+            let (vals, scales) = row.split_at_mut(d);
+            for (b, xs) in x.chunks_exact(Q8_BLOCK).enumerate() {
+                let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let h = f32_to_f16((amax / 127.0).min(65504.0));
+                let s = f16_to_f32(h);
+                let inv = if s > 0.0 && s.is_finite() { 1.0 / s } else { 0.0 };
+                for (q, v) in vals[b * Q8_BLOCK..(b + 1) * Q8_BLOCK].iter_mut().zip(xs) {
+                    *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+                }
+                scales[2 * b] = h as u8 as i8;
+                scales[2 * b + 1] = (h >> 8) as u8 as i8;
+            }
+        }
+    }
+}
+
+/// The rotation's chunk for head rows of `d` values (a multiple of 32): 64 values, or 32.
+pub fn rot_len(d: usize) -> usize { if d % 64 == 0 { 64 } else { 32 } }
+
+/// Turn a head row of `d` values (a multiple of 32) in place by the orthonormal
+/// Walsh-Hadamard matrix of each chunk of `rot_len(d)` values (Sylvester's order, scaled by
+/// 1 / sqrt(n)): its own inverse, so turning twice gives the row back.
+pub fn hadamard(x: &mut [f32]) {
+    let n = rot_len(x.len());
+    let norm = 1.0 / (n as f32).sqrt();
+    for c in x.chunks_exact_mut(n) {
+        let mut h = 1;
+        while h < n {
+            for i in (0..n).step_by(2 * h) {
+                for j in i..i + h {
+                    let (a, b) = (c[j], c[j + h]);
+                    c[j] = a + b;
+                    c[j + h] = a - b;
+                }
+            }
+            h *= 2;
+        }
+        for v in c.iter_mut() {
+            *v *= norm;
+        }
+    }
+}
+
+/// Rows `rows` of `x` (stride `stride`, `heads` heads of `d` values from the row's start)
+/// copied into a dense `[rows.len(), heads * d]` buffer with every head turned (`hadamard`).
+pub fn turned_rows(x: &[f32], stride: usize, rows: impl Iterator<Item = usize>, heads: usize, d: usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    for r in rows {
+        let start = out.len();
+        out.extend_from_slice(&x[r * stride..r * stride + heads * d]);
+        out[start..].chunks_exact_mut(d).for_each(hadamard);
+    }
+    out
+}
+
+/// The scale of value `i`'s block in the q8_0 head row at `row`.
+#[inline(always)]
+unsafe fn q8_scale(row: *const i8, i: usize, d: usize) -> f32 {
+    f16_to_f32(std::ptr::read_unaligned(row.add(d + i / Q8_BLOCK * 2) as *const u16))
+}
+
 /// Write `src` into `dst`, converting (8 at a time with AVX2 + F16C, the same bits).
 #[inline]
-pub fn store_row<E: KvElem>(dst: &mut [E], src: &[f32]) {
+pub fn store_row<E: KvScalar>(dst: &mut [E], src: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     if crate::ops::has_avx2() {
         // SAFETY: the CPU has AVX2 and F16C.
@@ -105,7 +325,7 @@ pub fn store_row<E: KvElem>(dst: &mut [E], src: &[f32]) {
     store_row_scalar(dst, src);
 }
 
-fn store_row_scalar<E: KvElem>(dst: &mut [E], src: &[f32]) {
+fn store_row_scalar<E: KvScalar>(dst: &mut [E], src: &[f32]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d = E::from_f32(*s);
     }
@@ -115,7 +335,7 @@ fn store_row_scalar<E: KvElem>(dst: &mut [E], src: &[f32]) {
 /// The CPU must have AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn store_row_avx2<E: KvElem>(dst: &mut [E], src: &[f32]) {
+unsafe fn store_row_avx2<E: KvScalar>(dst: &mut [E], src: &[f32]) {
     let n = dst.len().min(src.len());
     let full = n / 8 * 8;
     for i in (0..full).step_by(8) {
@@ -143,6 +363,51 @@ mod tests {
             let mut got32 = vec![0f32; len];
             store_row(&mut got32, &v[..len]);
             assert!(got32.iter().zip(&v).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+
+    #[test]
+    fn q8_rows_hold_each_turned_value_within_half_a_step() {
+        let d = 64;
+        let mut x: Vec<f32> = (0..3 * d).map(|i| ((i as f32) * 0.913).sin() * (1.0 + (i / 32) as f32 * 3.0)).collect();
+        x[64..128].fill(0.0); // a head of zeros: scales 0, every value 0
+        x[5] = 40.0;          // an outlier
+        let mut row = vec![0i8; 3 * <i8 as KvElem>::units(d)];
+        <i8 as KvElem>::store_heads(&mut row, &x, d);
+        let mut turned = x.clone();
+        turned.chunks_exact_mut(d).for_each(hadamard);
+        let u = <i8 as KvElem>::units(d);
+        for h in 0..3 {
+            let r = row[h * u..].as_ptr();
+            for i in 0..d {
+                let xi = turned[h * d + i];
+                let blk = &turned[h * d + i / 32 * 32..][..32];
+                let step = blk.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                // SAFETY: r points at a whole head row and i < d.
+                let got = unsafe { <i8 as KvElem>::get(r, i, d) };
+                assert!((got - xi).abs() <= step * 0.5 + step * 2e-3 + 1e-12, "head {h} value {i}: {got} vs {xi}");
+                #[cfg(target_arch = "x86_64")]
+                if crate::ops::has_avx2() && i % 8 == 0 {
+                    let mut lanes = [0f32; 8];
+                    // SAFETY: the CPU has AVX2 and F16C, i + 8 <= d.
+                    unsafe { std::arch::x86_64::_mm256_storeu_ps(lanes.as_mut_ptr(), <i8 as KvElem>::load8(r, i, d)) };
+                    for (l, lane) in lanes.iter().enumerate() {
+                        assert_eq!(lane.to_bits(), unsafe { <i8 as KvElem>::get(r, i + l, d) }.to_bits());
+                    }
+                }
+            }
+        }
+        assert!(row[u..2 * u].iter().all(|&q| q == 0));
+        // the rotation: its own inverse, and it keeps lengths (chunks of 64, or of 32)
+        for n in [64usize, 96, 128] {
+            let v: Vec<f32> = (0..n).map(|i| (i as f32 * 1.7).cos() + if i == 3 { 9.0 } else { 0.0 }).collect();
+            let mut t = v.clone();
+            hadamard(&mut t);
+            let (a, b) = (v.iter().map(|x| x * x).sum::<f32>(), t.iter().map(|x| x * x).sum::<f32>());
+            assert!((a - b).abs() < 1e-3 * a, "{n}: {a} vs {b}");
+            assert!(t.iter().fold(0f32, |m, x| m.max(x.abs())) < 5.0, "{n}: the outlier spread");
+            hadamard(&mut t);
+            assert!(t.iter().zip(&v).all(|(p, q)| (p - q).abs() < 1e-5), "{n}");
         }
     }
 

@@ -9,7 +9,7 @@
 //! enabled (picked at run time) and once for the baseline CPU, so LLVM vectorises both.
 //! Work is split over the kernels' thread pool only when it is large enough to pay for it.
 
-use crate::kv::{store_row, KvElem};
+use crate::kv::KvElem;
 use crate::threads::{num_threads, parallel_for};
 
 /// Raw pointer that may cross to the pool's threads (they write disjoint parts).
@@ -195,7 +195,7 @@ dispatch!(rope_avx2, rope_rows,
 /// Rotate the Q and K heads of every fused QKV row in place (tables as `Rotary` builds them:
 /// `cat(cos, cos)` and `cat(-sin, sin)`, `[positions, d]`), then write each row's K and V
 /// into its cache slot (`slots[r] < 0`: not written), converted to the cache's element type.
-/// Caches are `[num_slots, nkv, d]`.
+/// Caches are `[num_slots, nkv, E::units(d)]`.
 #[allow(clippy::too_many_arguments)]
 pub fn rope_write_kv<E: KvElem>(
     qkv: &mut [f32], rows: usize, hs: Heads, positions: &[i64], cos: &[f32], sin: &[f32], slots: &[i64],
@@ -212,8 +212,12 @@ pub fn rope_write_kv<E: KvElem>(
     if let Some(p) = positions.iter().find(|&&p| p < 0 || p as usize >= tab) {
         return bad(format!("rope_write_kv: position {p} outside the rotary table of {tab}"));
     }
+    if !E::supports(d) {
+        return bad(format!("rope_write_kv: a {} cache does not hold heads of {d} values", E::NAME));
+    }
     let kvw = hs.nkv * d;
-    let num_slots = k_cache.len().min(v_cache.len()) / kvw;
+    let kvu = hs.nkv * E::units(d);
+    let num_slots = k_cache.len().min(v_cache.len()) / kvu;
     if let Some(s) = slots.iter().find(|&&s| s >= num_slots as i64) {
         return bad(format!("rope_write_kv: slot {s} outside the cache of {num_slots} slots"));
     }
@@ -237,8 +241,8 @@ pub fn rope_write_kv<E: KvElem>(
             continue;
         }
         let s = s as usize;
-        store_row(&mut k_cache[s * kvw..(s + 1) * kvw], &qkv[r * w + qo..r * w + qo + kvw]);
-        store_row(&mut v_cache[s * kvw..(s + 1) * kvw], &qkv[r * w + qo + kvw..r * w + qo + 2 * kvw]);
+        E::store_heads(&mut k_cache[s * kvu..(s + 1) * kvu], &qkv[r * w + qo..r * w + qo + kvw], d);
+        E::store_heads(&mut v_cache[s * kvu..(s + 1) * kvu], &qkv[r * w + qo + kvw..r * w + qo + 2 * kvw], d);
     }
     Ok(())
 }

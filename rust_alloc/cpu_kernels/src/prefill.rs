@@ -9,7 +9,6 @@
 //! the probability-weighted V rows). On a CPU without AVX2, or head sizes the vector kernel
 //! does not take, the rows go through `paged_decode` one by one (same results).
 
-use crate::attention::paged_decode;
 use crate::kv::KvElem;
 use crate::ops::{bad, has_avx2, Heads, OpError, P};
 use crate::threads::{num_threads, parallel_for};
@@ -92,12 +91,13 @@ mod x86 {
         let span = hi - lo;
         let stride = span.next_multiple_of(16);
         let table = &a.tables[b * a.max_blocks..(b + 1) * a.max_blocks];
-        let kvw = nkv * d;
+        let du = E::units(d);
+        let kvw = nkv * du;
         s.slots.clear();
         for bi in lo / a.bs..hi.div_ceil(a.bs) {
             let first = bi * a.bs;
             let base = table[bi] as usize * a.bs;
-            s.slots.extend((first.max(lo)..(first + a.bs).min(hi)).map(|p| (base + p - first) * kvw + kh * d));
+            s.slots.extend((first.max(lo)..(first + a.bs).min(hi)).map(|p| (base + p - first) * kvw + kh * du));
         }
         let nq = r * g; // query vectors of the tile, (row, head) in order
         // every element read below is written first (K chunks padded with zero rows, scores of
@@ -114,7 +114,7 @@ mod x86 {
             for jb in 0..NV {
                 let mut cols = [_mm256_setzero_ps(); 8];
                 for (u, c) in cols.iter_mut().enumerate().take(span.saturating_sub(c0).min(8)) {
-                    *c = E::load8(kp.add(s.slots[c0 + u] + 8 * jb));
+                    *c = E::load8(kp.add(s.slots[c0 + u]), 8 * jb, d);
                 }
                 transpose8(&mut cols);
                 let (chunk, half) = (c0 / 16, (c0 % 16) / 8);
@@ -125,7 +125,7 @@ mod x86 {
             for u in c0..(c0 + 8).min(span) {
                 let src = vp.add(s.slots[u]);
                 for j in 0..NV {
-                    _mm256_storeu_ps(vb.add(u * d + 8 * j), E::load8(src.add(8 * j)));
+                    _mm256_storeu_ps(vb.add(u * d + 8 * j), E::load8(src, 8 * j, d));
                 }
             }
         }
@@ -346,7 +346,7 @@ mod x86 {
 /// scaled scores soft-capped as cap · tanh(s / cap) when softcap > 0. `q` holds each row's
 /// query heads at `q[row * q_stride ..]` (e.g. the Q part of fused QKV rows); the result
 /// goes to `out[row * out_stride ..]`. `tables` is `[B, max_blocks]`, caches are
-/// `[num_blocks * bs, nkv, d]`.
+/// `[num_blocks * bs, nkv, E::units(d)]` (head rows of `d` values, see `kv`).
 #[allow(clippy::too_many_arguments)]
 pub fn paged_prefill<E: KvElem>(
     q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, starts: &[i64], lens: &[i32], tables: &[i32],
@@ -355,9 +355,43 @@ pub fn paged_prefill<E: KvElem>(
     prefill(q, q_stride, out, out_stride, starts, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap, true)
 }
 
-/// `paged_prefill`, the AVX-512 micro-kernels allowed or not (the tests run both).
+/// `prefill` in the model's space: over a rotated cache (`KvElem::ROTATED`, q8_0) the query
+/// rows are turned first and the output rows turned back (see `paged_decode`).
 #[allow(clippy::too_many_arguments)]
 fn prefill<E: KvElem>(
+    q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, starts: &[i64], lens: &[i32], tables: &[i32],
+    k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32, allow512: bool,
+) -> Result<(), OpError> {
+    if !E::ROTATED {
+        return prefill_rows(q, q_stride, out, out_stride, starts, lens, tables, k_cache, v_cache, bs, hs, scale, window,
+                            softcap, allow512);
+    }
+    let w = hs.nh * hs.d;
+    if !E::supports(hs.d) || hs.d > 512 {
+        return bad(format!("paged_prefill: unsupported heads {}/{} x {} ({} cache)", hs.nh, hs.nkv, hs.d, E::NAME));
+    }
+    let (first, last) = (starts.first().copied().unwrap_or(0), starts.last().copied().unwrap_or(0));
+    if first < 0 || last < first || (last > 0 && ((last as usize - 1) * q_stride + w > q.len()
+                                                  || (last as usize - 1) * out_stride + w > out.len())) {
+        return bad("paged_prefill: rows outside q/out");
+    }
+    let (first, last) = (first as usize, last as usize);
+    let qt = crate::kv::turned_rows(q, q_stride, first..last, hs.nh, hs.d);
+    let mut ot = vec![0f32; qt.len()];
+    let shifted: Vec<i64> = starts.iter().map(|&s| s - first as i64).collect();
+    prefill_rows(&qt, w, &mut ot, w, &shifted, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap, allow512)?;
+    for (i, r) in (first..last).enumerate() {
+        let o = &mut out[r * out_stride..r * out_stride + w];
+        o.copy_from_slice(&ot[i * w..(i + 1) * w]);
+        o.chunks_exact_mut(hs.d).for_each(crate::kv::hadamard);
+    }
+    Ok(())
+}
+
+/// `paged_prefill` on the cache's own rows, the AVX-512 micro-kernels allowed or not (the
+/// tests run both).
+#[allow(clippy::too_many_arguments)]
+fn prefill_rows<E: KvElem>(
     q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, starts: &[i64], lens: &[i32], tables: &[i32],
     k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32, allow512: bool,
 ) -> Result<(), OpError> {
@@ -392,15 +426,15 @@ fn prefill<E: KvElem>(
                 row_tables.extend_from_slice(&tables[b * max_blocks..(b + 1) * max_blocks]);
             }
         }
-        return paged_decode(q, q_stride, out, out_stride, &rows, &row_lens, &row_tables, k_cache, v_cache, bs, hs, scale,
-                            window, softcap);
+        return crate::attention::decode(q, q_stride, out, out_stride, &rows, &row_lens, &row_tables, k_cache, v_cache, bs,
+                                        hs, scale, window, softcap);
     }
     // the same checks as paged_decode's, once per sequence
     let Heads { nh, nkv, d } = hs;
-    if nkv == 0 || nh % nkv != 0 || d == 0 || bs == 0 {
-        return bad(format!("paged_prefill: unsupported heads {nh}/{nkv} x {d}"));
+    if nkv == 0 || nh % nkv != 0 || d == 0 || bs == 0 || !E::supports(d) {
+        return bad(format!("paged_prefill: unsupported heads {nh}/{nkv} x {d} ({} cache)", E::NAME));
     }
-    let kvw = nkv * d;
+    let kvw = nkv * E::units(d);
     let num_blocks = k_cache.len().min(v_cache.len()) / kvw / bs;
     let last = *starts.last().unwrap_or(&0) as usize;
     if last > 0 && ((last - 1) * q_stride + nh * d > q.len() || (last - 1) * out_stride + nh * d > out.len()) {
@@ -454,8 +488,9 @@ fn prefill<E: KvElem>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attention::paged_decode;
 
-    /// The tile kernel against the decode kernel row by row: f32 and f16 caches, chunks over
+    /// The tile kernel against the decode kernel row by row: f32, f16 and q8_0 caches, chunks over
     /// a cached prefix, a chunk longer than a tile, windows, soft-capping, odd lengths.
     #[test]
     fn prefill_matches_decode_row_by_row() {
@@ -470,8 +505,9 @@ mod tests {
             };
             let k: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd()).collect();
             let v: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd()).collect();
-            let k16: Vec<crate::kv::F16> = k.iter().map(|&x| crate::kv::F16::from_f32(x)).collect();
-            let v16: Vec<crate::kv::F16> = v.iter().map(|&x| crate::kv::F16::from_f32(x)).collect();
+            let k16: Vec<crate::kv::F16> = k.iter().map(|&x| <crate::kv::F16 as crate::kv::KvScalar>::from_f32(x)).collect();
+            let v16: Vec<crate::kv::F16> = v.iter().map(|&x| <crate::kv::F16 as crate::kv::KvScalar>::from_f32(x)).collect();
+            let ((k8, kd), (v8, vd)) = (crate::attention::tests::q8_cache(&k, d), crate::attention::tests::q8_cache(&v, d));
             // three sequences: 37 rows over 41 positions, 3 over 3, 20 over 60
             let starts = [0i64, 37, 40, 60];
             let lens = [41i32, 3, 60];
@@ -506,6 +542,14 @@ mod tests {
                     .unwrap();
                 let err = got16.iter().zip(&want16).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
                 assert!(err < 1e-5, "f16 d {d} window {window} cap {cap}: max error {err}");
+                // q8_0: the tiles read the blocks as the decode kernel does
+                let (mut got8, mut want8) = (vec![0f32; 60 * hs.nh * d], vec![0f32; 60 * hs.nh * d]);
+                prefill(&q, hs.nh * d, &mut got8, hs.nh * d, &starts, &lens, &tables, &k8, &v8, bs, hs, 0.3, window, cap,
+                        w512).unwrap();
+                paged_decode(&q, hs.nh * d, &mut want8, hs.nh * d, &rows, &rl, &rt, &kd, &vd, bs, hs, 0.3, window, cap)
+                    .unwrap();
+                let err = got8.iter().zip(&want8).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(err < 1e-5, "q8_0 d {d} window {window} cap {cap}: max error {err}");
             }
             // a row outside the table is refused, not read
             let mut out = vec![0f32; 60 * hs.nh * d];

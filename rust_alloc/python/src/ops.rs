@@ -7,7 +7,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use cpu_kernels::decoder::{decode_layers, DecodeStep, Part, QLayer, QLinear};
-use cpu_kernels::kv::F16;
+use cpu_kernels::kv::{KvElem, F16};
 use cpu_kernels::ops::{self, Heads, OpError};
 use cpu_kernels::{attention, prefill, QMatrix, QType};
 
@@ -15,43 +15,76 @@ use crate::quant::{contiguous, contiguous_mut, qtype, rmatrix, rows_cols, Lay};
 
 fn verr(e: OpError) -> PyErr { PyValueError::new_err(e.0) }
 
-/// A K/V cache array, float32 or float16, borrowed for writing.
+/// A K/V cache array, float32, float16 or q8_0 (int8 head rows: `d` values, then `d / 32`
+/// half-precision scales as 2 bytes each; the last axis is `d + d / 16`), borrowed for
+/// writing.
 enum CacheMut<'py> {
     F32(PyReadwriteArrayDyn<'py, f32>),
     F16(PyReadwriteArrayDyn<'py, F16>),
+    Q8(PyReadwriteArrayDyn<'py, i8>),
 }
 
 /// The same, borrowed for reading.
 enum CacheRef<'py> {
     F32(PyReadonlyArrayDyn<'py, f32>),
     F16(PyReadonlyArrayDyn<'py, F16>),
+    Q8(PyReadonlyArrayDyn<'py, i8>),
 }
 
 fn cache_mut<'py>(a: &Bound<'py, PyAny>, what: &str) -> PyResult<CacheMut<'py>> {
     if let Ok(x) = a.extract::<PyReadwriteArrayDyn<'py, f32>>() {
         return Ok(CacheMut::F32(x));
     }
+    if let Ok(x) = a.extract::<PyReadwriteArrayDyn<'py, i8>>() {
+        return Ok(CacheMut::Q8(x));
+    }
     a.extract::<PyReadwriteArrayDyn<'py, F16>>().map(CacheMut::F16)
-        .map_err(|_| PyValueError::new_err(format!("{what}: expected a writable float32 or float16 array")))
+        .map_err(|_| PyValueError::new_err(format!("{what}: expected a writable float32, float16 or int8 (q8_0) array")))
 }
 
 fn cache_ref<'py>(a: &Bound<'py, PyAny>, what: &str) -> PyResult<CacheRef<'py>> {
     if let Ok(x) = a.extract::<PyReadonlyArrayDyn<'py, f32>>() {
         return Ok(CacheRef::F32(x));
     }
+    if let Ok(x) = a.extract::<PyReadonlyArrayDyn<'py, i8>>() {
+        return Ok(CacheRef::Q8(x));
+    }
     a.extract::<PyReadonlyArrayDyn<'py, F16>>().map(CacheRef::F16)
-        .map_err(|_| PyValueError::new_err(format!("{what}: expected a float32 or float16 array")))
+        .map_err(|_| PyValueError::new_err(format!("{what}: expected a float32, float16 or int8 (q8_0) array")))
 }
 
 impl CacheMut<'_> {
     fn shape(&self) -> Vec<usize> {
-        match self { CacheMut::F32(a) => a.shape().to_vec(), CacheMut::F16(a) => a.shape().to_vec() }
+        match self {
+            CacheMut::F32(a) => a.shape().to_vec(),
+            CacheMut::F16(a) => a.shape().to_vec(),
+            CacheMut::Q8(a) => a.shape().to_vec(),
+        }
+    }
+
+    fn units(&self, d: usize) -> usize {
+        match self { CacheMut::Q8(_) => <i8 as KvElem>::units(d), _ => d }
     }
 }
 
 impl CacheRef<'_> {
     fn shape(&self) -> Vec<usize> {
-        match self { CacheRef::F32(a) => a.shape().to_vec(), CacheRef::F16(a) => a.shape().to_vec() }
+        match self {
+            CacheRef::F32(a) => a.shape().to_vec(),
+            CacheRef::F16(a) => a.shape().to_vec(),
+            CacheRef::Q8(a) => a.shape().to_vec(),
+        }
+    }
+
+    /// The head size of a cache whose head rows take `units` elements.
+    fn head_dim(&self, units: usize) -> PyResult<usize> {
+        match self {
+            CacheRef::Q8(_) if units % 17 != 0 => {
+                Err(PyValueError::new_err(format!("a q8_0 cache's head rows take d + d / 16 bytes, not {units}")))
+            }
+            CacheRef::Q8(_) => Ok(units / 17 * 16),
+            _ => Ok(units),
+        }
     }
 }
 
@@ -101,7 +134,7 @@ fn silu_mul(py: Python<'_>, gu: PyReadonlyArrayDyn<'_, f32>, mut out: PyReadwrit
 
 /// Rotary embedding of the Q and K heads of fused QKV rows [T, (H + 2 Hkv) D] in place, then
 /// K and V written to their cache slots (int64 [T], -1: skip). cos/sin [P, D] tables,
-/// positions int64 [T]; caches [num_blocks, block_size, Hkv, D] float32 or float16.
+/// positions int64 [T]; caches [num_blocks, block_size, Hkv, D] float32, float16 or int8 (q8_0 head rows of D + D / 16 bytes).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn rope_write_kv<'py>(
@@ -126,6 +159,10 @@ fn rope_write_kv<'py>(
             let (kc, vc) = (contiguous_mut(&mut k, "k_cache")?, contiguous_mut(&mut v, "v_cache")?);
             py.detach(|| ops::rope_write_kv(q, rows, hs, p, c, s, sl, kc, vc)).map_err(verr)
         }
+        (CacheMut::Q8(mut k), CacheMut::Q8(mut v)) => {
+            let (kc, vc) = (contiguous_mut(&mut k, "k_cache")?, contiguous_mut(&mut v, "v_cache")?);
+            py.detach(|| ops::rope_write_kv(q, rows, hs, p, c, s, sl, kc, vc)).map_err(verr)
+        }
         _ => Err(PyValueError::new_err(MIXED)),
     }
 }
@@ -143,14 +180,15 @@ fn attend<'py>(
     py: Python<'py>, what: &str, q: PyReadonlyArrayDyn<'py, f32>, mut out: PyReadwriteArrayDyn<'py, f32>,
     rows: PyReadonlyArrayDyn<'py, i64>, seq_lens: PyReadonlyArrayDyn<'py, i32>, block_tables: PyReadonlyArrayDyn<'py, i32>,
     k_cache: Bound<'py, PyAny>, v_cache: Bound<'py, PyAny>, num_heads: usize, num_kv_heads: usize,
-    scale: f32, window: usize, softcap: f32, f32k: AttnKernel<f32>, f16k: AttnKernel<F16>,
+    scale: f32, window: usize, softcap: f32, kernels: (AttnKernel<f32>, AttnKernel<F16>, AttnKernel<i8>),
 ) -> PyResult<()> {
+    let (f32k, f16k, q8k) = kernels;
     let (k_cache, v_cache) = (cache_ref(&k_cache, "k_cache")?, cache_ref(&v_cache, "v_cache")?);
     let kshape = k_cache.shape();
     if kshape.len() != 4 || v_cache.shape() != kshape || kshape[2] != num_kv_heads {
         return Err(PyValueError::new_err(format!("{what}: caches must be [num_blocks, block_size, Hkv, D]")));
     }
-    let (bs, d) = (kshape[1], kshape[3]);
+    let (bs, d) = (kshape[1], k_cache.head_dim(kshape[3])?);
     let hs = Heads { nh: num_heads, nkv: num_kv_heads, d };
     let (_, q_stride) = rows_cols(q.shape());
     let (_, out_stride) = rows_cols(out.shape());
@@ -164,6 +202,10 @@ fn attend<'py>(
         (CacheRef::F16(k), CacheRef::F16(v)) => {
             let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
             py.detach(|| f16k(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap))
+        }
+        (CacheRef::Q8(k), CacheRef::Q8(v)) => {
+            let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
+            py.detach(|| q8k(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap))
         }
         _ => return Err(PyValueError::new_err(MIXED)),
     }
@@ -181,7 +223,7 @@ fn paged_decode<'py>(
     scale: f32, window: usize, softcap: f32,
 ) -> PyResult<()> {
     attend(py, "paged_decode", q, out, rows, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads, scale,
-           window, softcap, attention::paged_decode::<f32>, attention::paged_decode::<F16>)
+           window, softcap, (attention::paged_decode::<f32>, attention::paged_decode::<F16>, attention::paged_decode::<i8>))
 }
 
 /// Prefill attention: rows starts[b]..starts[b + 1] of q (a chunk of sequence b) over the
@@ -197,7 +239,7 @@ fn paged_prefill<'py>(
     scale: f32, window: usize, softcap: f32,
 ) -> PyResult<()> {
     attend(py, "paged_prefill", q, out, starts, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads,
-           scale, window, softcap, prefill::paged_prefill::<f32>, prefill::paged_prefill::<F16>)
+           scale, window, softcap, (prefill::paged_prefill::<f32>, prefill::paged_prefill::<F16>, prefill::paged_prefill::<i8>))
 }
 
 /// One linear layer of the decoder: its weight segments (format, interleaved, blocks, rows,
@@ -297,7 +339,7 @@ impl QuantDecoder {
         let mut kv_cache = cache_mut(&kv_cache, "kv_cache")?;
         let kshape = kv_cache.shape();
         if kshape.len() != 6 || kshape[0] != self.layers.len() || kshape[1] != 2 || kshape[4] != self.hs.nkv
-            || kshape[5] != self.hs.d
+            || kshape[5] != kv_cache.units(self.hs.d)
         {
             return Err(PyValueError::new_err("QuantDecoder.decode: kv_cache must be [layers, 2, blocks, block_size, Hkv, D]"));
         }
@@ -348,6 +390,10 @@ impl QuantDecoder {
                 py.detach(|| decode_layers(&layers, hs, hidden, inter, eps, hsl, t, &step, kv))
             }
             CacheMut::F16(a) => {
+                let kv = contiguous_mut(a, "kv_cache")?;
+                py.detach(|| decode_layers(&layers, hs, hidden, inter, eps, hsl, t, &step, kv))
+            }
+            CacheMut::Q8(a) => {
                 let kv = contiguous_mut(a, "kv_cache")?;
                 py.detach(|| decode_layers(&layers, hs, hidden, inter, eps, hsl, t, &step, kv))
             }
