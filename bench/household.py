@@ -439,7 +439,8 @@ async def settled_stats(addr: str, timeout_s: float = 30.0) -> dict:
 def llama_server_run(exe: str, model: Path, items, kv_memory: int, kv: str, tok, cfg) -> dict:
     """The same arrivals against llama.cpp's `llama-server` given the same KV memory: as many
     slots (`-np`) as it holds of the longest request (prompt and answer), `kv` as its K and V
-    types; each answer `answer_tokens` long (ignore_eos), streamed. tok/s, TTFT by class, slots."""
+    types; each prompt as its token ids on /completion, each answer `answer_tokens` long
+    (ignore_eos), streamed. tok/s, TTFT by class, slots."""
     from soak import start_llama_server
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * {"f16": 2, "q8_0": 34 / 32}[kv]
     longest = max(len(it.prompt_ids) + it.answer_tokens for it in items) + 32
@@ -453,21 +454,22 @@ def llama_server_run(exe: str, model: Path, items, kv_memory: int, kv: str, tok,
 
     def one(it):
         time.sleep(max(0.0, it.at - (time.monotonic() - t0)))
-        body = {"messages": it.messages, "max_tokens": it.answer_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True}
+        # the prompt's token ids (the same file's tokenizer), counted by the tokens streamed back:
+        # a random-weight model's tokens may print as nothing
+        body = {"prompt": list(it.prompt_ids), "n_predict": it.answer_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True, "return_tokens": True, "cache_prompt": True}
         start = time.monotonic()
-        req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+        req = urllib.request.Request(base + "/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         first, n = None, 0
         try:
             with urllib.request.urlopen(req, timeout=3600) as r:
                 for line in r:
                     if line.startswith(b"data: {"):
-                        obj = json.loads(line[6:])
-                        for ch in obj.get("choices", []):
-                            if (ch.get("delta") or {}).get("content"):
-                                first = first or time.monotonic()
-                                n += 1
+                        got = len(json.loads(line[6:]).get("tokens") or [])
+                        if got:
+                            first = first or time.monotonic()
+                            n += got
         except OSError as e:
             results.append({"klass": it.klass, "ttft_s": None, "tokens": n, "error": str(e)})
             return
@@ -502,12 +504,14 @@ def serve_matrix(args, items, model: Path) -> None:
     del files
     kinds = [k for k in (args.kv_dtype or "f16").split(",") if k]
     modes = [m for m in args.modes.split(",") if m]
-    out = {"model": model.name, "kv_memory": args.kv_memory, "runs": {}, "llama_cpp": {},
+    out = {"model": model.name, "kv_memory": args.kv_memory, "speculate": args.speculate or "default", "runs": {},
+           "llama_cpp": {},
            "workload": dict(requests=args.requests, scale=args.scale, answer_scale=args.answer_scale, rate=args.rate)}
     for kv in kinds:
         for mode in modes:
             t = time.monotonic()
-            srv = Serve(args.kv_memory, mode == "contiguous", 512, model=model, extra=["--kv-dtype", kv])
+            srv = Serve(args.kv_memory, mode == "contiguous", 512, model=model,
+                        extra=["--kv-dtype", kv] + (["--speculate", args.speculate] if args.speculate else []))
             try:
                 r = trio.run(run_e2e, srv.addr, items)
                 final = trio.run(settled_stats, srv.addr)
@@ -645,6 +649,8 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default=None, metavar="LIST",
                     help="--model: the KV cache types to run in turn with the same --kv-memory (e.g. f16,q8_0)")
     ap.add_argument("--modes", default="paged", metavar="LIST", help="--model: paged, contiguous or both (paged,contiguous)")
+    ap.add_argument("--speculate", default=None, choices=["lookup", "off"],
+                    help="--model with --kv-dtype/--modes: the servers' --speculate (default: theirs)")
     ap.add_argument("--llama-server", default=None, metavar="PATH",
                     help="--model: llama.cpp's server, run beside with the same KV memory (each --kv-dtype)")
     ap.add_argument("--clients", type=int, default=None,

@@ -210,3 +210,14 @@ def test_serve_kv_dtype_q8_0_holds_more_blocks_and_answers():
     finally:
         s.proc.terminate()
         s.proc.wait(30)
+
+
+def test_auto_picks_q8_0_when_the_kv_memory_is_what_limits(tmp_path):
+    from edgepaged.server.app import AUTO_Q8_BELOW_TOKENS, auto_kv_dtype
+    per_token = 2 * 30 * 3 * 64 * 2                          # the embedded model's f16 bytes a token
+    kind, why = auto_kv_dtype(None, 64 << 20)
+    assert kind == "q8_0" and f"{(64 << 20) // per_token} tokens in f16" in why
+    assert auto_kv_dtype(None, AUTO_Q8_BELOW_TOKENS * per_token)[0] is None
+    hf = make_family_model(tmp_path / "llama", "llama")     # heads of 16 values: f16 whatever the memory
+    path = write_family_gguf(tmp_path / "llama", tmp_path / "llama.gguf", hf)
+    assert auto_kv_dtype(path, 1 << 20) == (None, "heads that do not split into blocks of 32")

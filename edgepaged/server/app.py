@@ -315,6 +315,10 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
         settings = dataclasses.replace(settings, quant_math=quant_math)
     device = resolve_device(device)
     kind = choose_runtime(runtime, device, model_path)
+    if kv_dtype is None and kind == "cpu":
+        kv_dtype, why = auto_kv_dtype(model_path, kv_bytes, draft)
+        if kv_dtype:
+            say(f"KV cache {kv_dtype}: {why} (--kv-dtype f16 keeps f16)")
     t0 = time.monotonic()
     say(f"loading {model_path or 'the embedded model (SmolLM2-135M-Instruct)'} on {device} "
         f"({'numpy + Rust' if kind == 'cpu' else 'torch'})...")
@@ -340,6 +344,34 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
         say(f"loaded the draft model {runner.draft.model_path.name} in {time.monotonic() - t0:.1f} s "
             f"({runner.num_blocks} blocks shared: {share:.0%} of the KV memory is the model's, the rest the draft's)")
     return runner
+
+
+# --kv-dtype auto on the CPU runtime: q8_0 when an f16 cache would hold fewer tokens than this
+# in the KV memory (a household's few long prompts and chats at once), f16 otherwise. q8_0 holds
+# 1.88 times the tokens at a measured perplexity cost of 0.02 % (KL divergence 1.5e-4 from f16,
+# bench/RESULTS.md), its decode attention as fast as f16's.
+AUTO_Q8_BELOW_TOKENS = 32768
+
+
+def auto_kv_dtype(model_path, kv_bytes, draft=None) -> tuple[str | None, str]:
+    """What `--kv-dtype auto` picks on the CPU runtime: ("q8_0", why) when the KV memory is
+    what limits and every model's heads split into q8_0's blocks, else (None, why): f16."""
+    from ..model.cpu_runtime import kv_bytes_per_value
+    from ..model.encoder import is_encoder
+    from ..model.loader import ModelFiles
+    from ..model.runtime import CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, available_ram
+    if model_path is not None and is_encoder(model_path):
+        return None, "an embedding model keeps no KV cache"
+    cfgs = [ModelFiles(p).config for p in [model_path] + ([draft] if draft is not None else [])]
+    if any(c.head_dim % 32 for c in cfgs):
+        return None, "heads that do not split into blocks of 32"
+    budget = kv_bytes if kv_bytes is not None else min(CPU_KV_MAX_BYTES, int(CPU_KV_RAM_FRACTION * available_ram()))
+    per_token = sum(2 * c.num_layers * c.num_kv_heads * c.head_dim for c in cfgs) * kv_bytes_per_value("f16")
+    tokens = int(budget // per_token)
+    if tokens >= AUTO_Q8_BELOW_TOKENS:
+        return None, f"f16 holds {tokens} tokens"
+    return "q8_0", (f"the KV memory ({budget >> 20} MiB) would hold {tokens} tokens in f16, "
+                    f"{int(budget // (per_token * kv_bytes_per_value('q8_0') / 2))} in q8_0")
 
 
 def draft_share(model_path, draft_path, kv_dtype=None) -> float:

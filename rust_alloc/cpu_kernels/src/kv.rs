@@ -254,18 +254,53 @@ impl KvElem for i8 {
             };
             let (vals, scales) = row.split_at_mut(d);
             for (b, xs) in x.chunks_exact(Q8_BLOCK).enumerate() {
-                let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let h = f32_to_f16((amax / 127.0).min(65504.0));
-                let s = f16_to_f32(h);
-                let inv = if s > 0.0 && s.is_finite() { 1.0 / s } else { 0.0 };
-                for (q, v) in vals[b * Q8_BLOCK..(b + 1) * Q8_BLOCK].iter_mut().zip(xs) {
-                    *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
-                }
+                let h = q8_block(xs, &mut vals[b * Q8_BLOCK..(b + 1) * Q8_BLOCK]);
                 scales[2 * b] = h as u8 as i8;
                 scales[2 * b + 1] = (h >> 8) as u8 as i8;
             }
         }
     }
+}
+
+/// One q8_0 block: 32 values as integers over the returned half-precision scale (their largest
+/// magnitude over 127), rounded to nearest, ties to even.
+#[inline]
+fn q8_block(xs: &[f32], q: &mut [i8]) -> u16 {
+    let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let h = f32_to_f16((amax / 127.0).min(65504.0));
+    let s = f16_to_f32(h);
+    let inv = if s > 0.0 && s.is_finite() { 1.0 / s } else { 0.0 };
+    #[cfg(target_arch = "x86_64")]
+    if crate::ops::has_avx2() {
+        // SAFETY: the CPU has AVX2; both slices hold a whole block.
+        unsafe { q8_block_avx2(xs, q, inv) };
+        return h;
+    }
+    for (q, v) in q.iter_mut().zip(xs) {
+        *q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+    }
+    h
+}
+
+/// The integers of `q8_block` on 8-lane registers (the same values: the conversion rounds to
+/// nearest even as `round_ties_even` does).
+///
+/// # Safety
+/// The CPU must have AVX2; `xs` and `q` hold 32 values each.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q8_block_avx2(xs: &[f32], q: &mut [i8], inv: f32) {
+    use std::arch::x86_64::*;
+    assert!(xs.len() >= Q8_BLOCK && q.len() >= Q8_BLOCK);
+    let (iv, hi, lo) = (_mm256_set1_ps(inv), _mm256_set1_ps(127.0), _mm256_set1_ps(-127.0));
+    let n: [__m256i; 4] = std::array::from_fn(|i| {
+        let v = _mm256_mul_ps(_mm256_loadu_ps(xs.as_ptr().add(8 * i)), iv);
+        _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(v, hi), lo))
+    });
+    // packs interleave the 128-bit halves: put the 4-byte groups back in order
+    let b = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, b);
 }
 
 /// The rotation's chunk for head rows of `d` values (a multiple of 32): 64 values, or 32.
@@ -275,6 +310,16 @@ pub fn rot_len(d: usize) -> usize { if d % 64 == 0 { 64 } else { 32 } }
 /// Walsh-Hadamard matrix of each chunk of `rot_len(d)` values (Sylvester's order, scaled by
 /// 1 / sqrt(n)): its own inverse, so turning twice gives the row back.
 pub fn hadamard(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::ops::has_avx2() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        unsafe { hadamard_avx2(x) };
+        return;
+    }
+    hadamard_scalar(x);
+}
+
+fn hadamard_scalar(x: &mut [f32]) {
     let n = rot_len(x.len());
     let norm = 1.0 / (n as f32).sqrt();
     for c in x.chunks_exact_mut(n) {
@@ -291,6 +336,50 @@ pub fn hadamard(x: &mut [f32]) {
         }
         for v in c.iter_mut() {
             *v *= norm;
+        }
+    }
+}
+
+/// `hadamard` on 8-lane registers, the same butterflies in the same order (the same bits):
+/// the stages within a register (pairs 1, 2 and 4 apart) as a lane swap and one fused
+/// multiply-add by a ±1 pattern, the stages between registers as adds and subtracts.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hadamard_avx2(x: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = rot_len(x.len());
+    let nv = n / 8;
+    let norm = _mm256_set1_ps(1.0 / (n as f32).sqrt());
+    let s1 = _mm256_setr_ps(1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0);
+    let s2 = _mm256_setr_ps(1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0);
+    let s4 = _mm256_setr_ps(1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0);
+    for c in x.chunks_exact_mut(n) {
+        let mut v = [_mm256_setzero_ps(); 8];
+        for (i, r) in v.iter_mut().enumerate().take(nv) {
+            *r = _mm256_loadu_ps(c.as_ptr().add(8 * i));
+        }
+        for r in v.iter_mut().take(nv) {
+            // lane j + h gets (lane j) - (lane j + h), lane j gets their sum
+            *r = _mm256_fmadd_ps(*r, s1, _mm256_permute_ps::<0b10_11_00_01>(*r));
+            *r = _mm256_fmadd_ps(*r, s2, _mm256_permute_ps::<0b01_00_11_10>(*r));
+            *r = _mm256_fmadd_ps(*r, s4, _mm256_permute2f128_ps::<0x01>(*r, *r));
+        }
+        let mut h = 1;
+        while h < nv {
+            for i in (0..nv).step_by(2 * h) {
+                for j in i..i + h {
+                    let (a, b) = (v[j], v[j + h]);
+                    v[j] = _mm256_add_ps(a, b);
+                    v[j + h] = _mm256_sub_ps(a, b);
+                }
+            }
+            h *= 2;
+        }
+        for (i, r) in v.iter().enumerate().take(nv) {
+            _mm256_storeu_ps(c.as_mut_ptr().add(8 * i), _mm256_mul_ps(*r, norm));
         }
     }
 }
@@ -398,6 +487,23 @@ mod tests {
             }
         }
         assert!(row[u..2 * u].iter().all(|&q| q == 0));
+        // the vector quantizer gives the portable one's integers (ties to even)
+        let xs: Vec<f32> = (0..32).map(|i| if i < 4 { 0.5 * i as f32 } else { ((i as f32) * 2.3).sin() * 9.0 }).collect();
+        let (mut a, mut b) = ([0i8; 32], [0i8; 32]);
+        q8_block(&xs, &mut a);
+        let s = f16_to_f32(f32_to_f16(xs.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0));
+        for (q, v) in b.iter_mut().zip(&xs) {
+            *q = (v / s).round_ties_even().clamp(-127.0, 127.0) as i8;
+        }
+        assert!(a.iter().zip(&b).all(|(p, q)| (*p as i32 - *q as i32).abs() <= 1), "{a:?} vs {b:?}");
+        // the vector rotation gives the portable one's bits
+        for n in [32usize, 64, 96, 128, 256] {
+            let v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 3.0 + (i % 7) as f32).collect();
+            let (mut a, mut b) = (v.clone(), v.clone());
+            hadamard(&mut a);
+            hadamard_scalar(&mut b);
+            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "{n}");
+        }
         // the rotation: its own inverse, and it keeps lengths (chunks of 64, or of 32)
         for n in [64usize, 96, 128] {
             let v: Vec<f32> = (0..n).map(|i| (i as f32 * 1.7).cos() + if i == 3 { 9.0 } else { 0.0 }).collect();
