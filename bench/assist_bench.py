@@ -230,6 +230,11 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "edgepaged" / "bench")
     args = ap.parse_args()
     model = str(synthetic("q4_k_m", args.cache_dir)) if args.model == "1b" else args.model
+    # a store of its own: the disk tier's blocks of an earlier run would make the cold command warm
+    import os
+    import tempfile
+    store = tempfile.TemporaryDirectory(prefix="assist-bench-")
+    os.environ["EDGEPAGED_STORE"] = store.name
     flags = ["--model", model, "--max-batched-tokens", "2048"]
     proc, base, _ = start_server(*flags)
     try:
