@@ -243,10 +243,13 @@ class CpuModel:
         t = len(ids)
         q_lens = np.diff(query_start_loc)
         h = self.embed(ids)
-        one_call = self.decoder is not None and t < settings.fused_max_tokens
-        # short chunks (q * n at most rust_attention_max each, as the torch runner decides)
-        # attend row by row too: a tile's set-up outweighs their little work
-        row_by_row = len(q_lens) == t or int((q_lens * seq_lens).max()) <= settings.rust_attention_max
+        # short chunks (q * n at most tile_attention_min each) attend row by row too: a tile's
+        # set-up outweighs their little work; a longer chunk (a new turn's tail over a long
+        # history) reads the context once per tile of rows, not once per row, and its step
+        # goes layer by layer (bench/RESULTS.md: 25-35 % less time at 16-64 rows over 2,000)
+        limit = min(settings.rust_attention_max, settings.tile_attention_min)
+        row_by_row = len(q_lens) == t or int((q_lens * seq_lens).max()) <= limit
+        one_call = self.decoder is not None and t < settings.fused_max_tokens and row_by_row
         if row_by_row or one_call:
             # one row per query: row j of a sequence's q rows sees n - q + j + 1 positions (a
             # decode-only step: each sequence's own row, its table as it is)

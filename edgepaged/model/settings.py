@@ -14,6 +14,7 @@ every EDGEPAGED_ variable that changes how the model runs is in this table (the 
 | `EDGEPAGED_QUANT_TORCH_THREADS`   | 1       | 0: let torch keep all its threads beside the kernels' pool   |
 | `EDGEPAGED_RUST_ATTENTION_MAX`    | 131072  | a prefill chunk of q rows over n positions attends in Rust while q * n is at most this |
 | `EDGEPAGED_FUSED_MAX_TOKENS`      | 256     | steps with fewer rows run all layers in one Rust call        |
+| `EDGEPAGED_TILE_ATTENTION_MIN`    | 8192    | CPU runtime: a prefill chunk of q rows over n positions attends in `paged_prefill`'s tiles (its step layer by layer) once q * n is above this |
 | `EDGEPAGED_SCHEDULER`             | (empty) | `before`: the scheduler as it was before short prompts went first and steps were timed (the benchmarks' baseline; read by the engine) |
 | `EDGEPAGED_NO_AVX512`             | 0       | 1: the kernels use AVX2 even on a CPU with AVX-512 (read by Rust, at the first kernel call) |
 
@@ -56,6 +57,7 @@ class CpuConfig:
     torch_single_thread: bool = True
     rust_attention_max: int = 131072
     fused_max_tokens: int = 256
+    tile_attention_min: int = 8192
     runtime: str = "auto"              # what runs a model: RUNTIMES (model/runtime.py)
     scheduler: str = ""                # "before": the scheduler's baseline policy
     no_avx512: bool = False            # (Rust reads the variable itself; here for the record)
@@ -76,6 +78,7 @@ class CpuConfig:
             torch_single_thread=_flag(env, "EDGEPAGED_QUANT_TORCH_THREADS", True),
             rust_attention_max=_int(env, "EDGEPAGED_RUST_ATTENTION_MAX", 131072),
             fused_max_tokens=_int(env, "EDGEPAGED_FUSED_MAX_TOKENS", 256),
+            tile_attention_min=_int(env, "EDGEPAGED_TILE_ATTENTION_MIN", 8192),
             runtime=(env.get("EDGEPAGED_RUNTIME") or "auto").strip().lower(),
             scheduler=(env.get("EDGEPAGED_SCHEDULER") or "").strip().lower(),
             no_avx512=_flag(env, "EDGEPAGED_NO_AVX512", False),
