@@ -85,6 +85,8 @@ class Serve:
         cmd = [sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--no-mdns", "--no-http", "--kv-memory", str(kv_bytes), "--max-batched-tokens", str(max_batched),
                "--max-connections", "512", "--grace", "1",
+               # no disk tier: a server must not find the prompts an earlier run (another mode) computed
+               "--prefix-cache-disk", "0",
                # the clients all come from loopback here: each stands for a device of its own
                "--max-unauthenticated", "256", "--max-unauthenticated-per-address", "256"] + (["--contiguous"] if contiguous else []) + (
                ["--model", str(model)] if model else []) + (extra or [])

@@ -3,7 +3,7 @@ import pytest
 
 from edgepaged._native.blocks import BlockAllocator
 from edgepaged.engine.request import BACKGROUND, INTERACTIVE, Request, Status
-from edgepaged.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from edgepaged.engine.scheduler import FIRST_TOKENS, RequestRejected, Scheduler, SchedulerConfig
 from edgepaged.model.params import SamplingParams
 
 BS = 16
@@ -368,3 +368,27 @@ def test_a_long_prompt_past_its_wait_starts_before_short_ones():
     b = step(s)
     assert long in b.requests and b.num_new[b.requests.index(long)] >= 64
     assert all(r in b.requests for r in shorts)                          # and the short ones still start
+
+
+def test_a_new_answer_s_first_steps_stay_short_while_a_document_is_read():
+    """A home command's answer (a tool call whose first streamed byte needs its name, a few
+    tokens) decodes beside a document's prefill: its first FIRST_TOKENS steps carry at most
+    FIRST_TOKENS_STEP_S of that prefill, not the timed step's full budget (before: each of
+    those steps took a full chunk of the document, 0.5 s, and the call's first byte came
+    after 2.7 s on the 1 B file; with 8 first tokens, 1.8 s: the name is about 15 tokens in)."""
+    s = make(num_blocks=400, max_num_batched_tokens=512, step_time_target_s=0.5, short_step_extra_tokens=64,
+             max_model_len=4096)
+    s.observe_step(512, 1.536)                       # 3 ms a token: a timed step takes 166
+    doc = req(n=1400, max_tokens=4, client="doc", base=3)
+    s.add(doc)
+    step(s)
+    home = req(n=31, max_tokens=40, client="ha", base=11)
+    s.add(home)
+    b = step(s)                                      # the command's prompt: a short step
+    assert home in b.requests and b.num_tokens <= 31 + 64 + 1
+    for i in range(FIRST_TOKENS - 1):                # its first tokens: steps of 0.1 s (33 tokens at 3 ms)
+        b = step(s)
+        assert home in b.requests and b.num_tokens <= 33 + 1, (i, b.num_new)
+    for _ in range(2):                               # then the document has the step again
+        b = step(s)
+    assert b.num_tokens > 64 + 1 and doc in b.requests

@@ -29,6 +29,14 @@ import numpy as np
 from .request import BACKGROUND, INTERACTIVE, PRIORITIES, Request, RequestRejected, Status
 
 
+# An interactive answer's first tokens (a tool call streams once its name is out: about 15
+# tokens of the generic syntax): while one of them is being decoded, a timed step takes at most
+# short_step_extra_tokens of other prefill, and no more than fits in FIRST_TOKENS_STEP_S at the
+# measured speed (at least 16), so those tokens come quickly beside a document being read.
+FIRST_TOKENS = 16
+FIRST_TOKENS_STEP_S = 0.1
+
+
 @dataclass
 class SchedulerConfig:
     max_model_len: int
@@ -53,6 +61,9 @@ class SchedulerConfig:
     # with the step timed: a step that starts a short prompt takes at most this many tokens
     # more of other prefill, so that prompt's first token comes quickly
     short_step_extra_tokens: int = 64
+    # an interactive answer's first this many tokens keep a timed step short (FIRST_TOKENS; 0: off)
+    first_tokens: int = FIRST_TOKENS
+
 
 
 @dataclass
@@ -307,6 +318,14 @@ class Scheduler:
         self.running.sort(key=lambda r: (rank[r.priority], r.arrival))
         for prio in PRIORITIES:
             self._schedule_running(step, prio, (True,))          # decodes
+            first = self.config.first_tokens
+            if prio == INTERACTIVE and step.timed and first and any(
+                    r.priority == INTERACTIVE and 0 < len(r.output_ids) < first for r in step.plan):
+                # an answer's first tokens (a tool call's name): a short step
+                extra = self.config.short_step_extra_tokens
+                if self.sec_per_token:
+                    extra = max(16, min(extra, int(FIRST_TOKENS_STEP_S / self.sec_per_token)))
+                step.budget = min(step.budget, extra)
             if prio == INTERACTIVE:                               # short new prompts before long prefills
                 self._admit_overdue(step, prio)                   # (after prompts that waited their limit)
                 if self._admit_short(step, prio) and step.timed:
