@@ -200,9 +200,12 @@ fn group_codes(q: QType, blk: &[u8], g: usize) -> GroupCodes {
             }
         }
         QType::Q4_K => {
-            let qs = &blk[16 + 32 * (g / 2)..];
-            for i in 0..32 {
-                c[i] = (qs[i] >> (4 * (g % 2))) & 15;
+            // 8 codes at a time: the nibble of 8 bytes (the bulk of a Q4_K_M file's load)
+            let qs = &blk[16 + 32 * (g / 2)..16 + 32 * (g / 2) + 32];
+            let shift = 4 * (g % 2) as u32;
+            for (o, x) in c.chunks_exact_mut(8).zip(qs.chunks_exact(8)) {
+                let v = u64::from_le_bytes(x.try_into().expect("8 bytes"));
+                o.copy_from_slice(&((v >> shift) & 0x0f0f_0f0f_0f0f_0f0f).to_le_bytes());
             }
         }
         QType::Q5_K => {
@@ -212,11 +215,15 @@ fn group_codes(q: QType, blk: &[u8], g: usize) -> GroupCodes {
             }
         }
         QType::Q6_K => {
+            // 8 codes at a time, as Q4_K's
             let (h, j) = (g / 4, g % 4);
-            let ql = &blk[64 * h + 32 * (j % 2)..];
-            let qh = &blk[128 + 32 * h..];
-            for i in 0..32 {
-                c[i] = ((ql[i] >> (4 * (j / 2))) & 15) | (((qh[i] >> (2 * j)) & 3) << 4);
+            let ql = &blk[64 * h + 32 * (j % 2)..64 * h + 32 * (j % 2) + 32];
+            let qh = &blk[128 + 32 * h..128 + 32 * h + 32];
+            let (s0, s1) = (4 * (j / 2) as u32, 2 * j as u32);
+            for ((o, l), hb) in c.chunks_exact_mut(8).zip(ql.chunks_exact(8)).zip(qh.chunks_exact(8)) {
+                let (l, hb) = (u64::from_le_bytes(l.try_into().expect("8")), u64::from_le_bytes(hb.try_into().expect("8")));
+                let v = ((l >> s0) & 0x0f0f_0f0f_0f0f_0f0f) | (((hb >> s1) & 0x0303_0303_0303_0303) << 4);
+                o.copy_from_slice(&v.to_le_bytes());
             }
         }
         QType::F16 | QType::BF16 => unreachable!(),
@@ -322,6 +329,27 @@ fn repack_rows(l: &Layout, data: &[u8], rb: usize, rgi: usize, rg: &mut [u8]) {
 /// The codes of 16 rows × 32 into their vectors: byte `4r + i` of chunk `c` is row `r`'s
 /// code `4c + i`.
 fn write_codes(kind: Codes, codes: &[[u8; 32]; ROWS], out: &mut [u8]) {
+    if matches!(kind, Codes::Four | Codes::Six) {
+        // 4 codes (one row, i = 0..4) at a time, as the loop below writes them: byte 4r + i of
+        // chunk c holds code 4c + i's low nibble and code 4c + 16 + i's; Q6_K's 2-bit highs of
+        // codes 4c + i (c < 4) go to byte 4r + i at 256, those of 4c + 16 + i at 320
+        let word = |r: usize, k: usize| u32::from_le_bytes(codes[r][k..k + 4].try_into().expect("4 bytes"));
+        for r in 0..ROWS {
+            let (mut h0, mut h1) = (0u32, 0u32);
+            for c in 0..4 {
+                let (lo, hi) = (word(r, 4 * c), word(r, 4 * c + 16));
+                let v = (lo & 0x0f0f_0f0f) | ((hi & 0x0f0f_0f0f) << 4);
+                out[64 * c + 4 * r..64 * c + 4 * r + 4].copy_from_slice(&v.to_le_bytes());
+                h0 |= ((lo >> 4) & 0x0303_0303) << (2 * c);
+                h1 |= ((hi >> 4) & 0x0303_0303) << (2 * c);
+            }
+            if kind == Codes::Six {
+                out[256 + 4 * r..256 + 4 * r + 4].copy_from_slice(&h0.to_le_bytes());
+                out[320 + 4 * r..320 + 4 * r + 4].copy_from_slice(&h1.to_le_bytes());
+            }
+        }
+        return;
+    }
     let at = |c: usize, r: usize, i: usize| codes[r][4 * c + i];
     for r in 0..ROWS {
         for i in 0..4 {
