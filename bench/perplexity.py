@@ -152,6 +152,8 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "edgepaged" / "bench")
     args = ap.parse_args()
     if args.kv_dtype:
+        if args.ctx < 8 or (args.chunks is not None and args.chunks < 1):
+            ap.error("--ctx takes at least 8 tokens and --chunks at least 1")
         out = kv_dtypes(args)
         if args.json:
             print(json.dumps(out))

@@ -27,7 +27,7 @@ from .loader import ModelFiles, terminal_progress
 from .placement import check_linear, place
 from .quant.formats import QuantWeight, lay_out, merge_segments
 from .rope import rotary_tables
-from .runtime import CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, KvBudgetError, RunnerBase, available_ram
+from .runtime import KvBudgetError, RunnerBase, cpu_kv_default_bytes
 from .settings import CpuConfig
 from .tokenizer import Tokenizer
 
@@ -56,8 +56,10 @@ def kv_row_units(name: str, head_dim: int) -> int:
 
 
 def kv_bytes_per_value(name: str | None) -> float:
-    """Bytes of KV cache per stored value (f32 4, f16 2, q8_0 34 / 32)."""
-    return {"f32": 4.0, "q8_0": 34 / 32}.get(name or "f16", 2.0)
+    """Bytes of KV cache per stored value (f32 4, f16 2, q8_0 34 / 32), from the type and its
+    row units (heads of a multiple of 32 values)."""
+    name = name or "f16"
+    return np.dtype(kv_numpy_dtype(name)).itemsize * kv_row_units(name, 32) / 32
 
 
 class Linear:
@@ -246,7 +248,7 @@ class CpuModel:
         # short chunks (q * n at most tile_attention_min each) attend row by row too: a tile's
         # set-up outweighs their little work; a longer chunk (a new turn's tail over a long
         # history) reads the context once per tile of rows, not once per row, and its step
-        # goes layer by layer (bench/RESULTS.md: 25-35 % less time at 16-64 rows over 2,000)
+        # goes layer by layer (bench/RESULTS.md: 10-31 % less time at 16-64 rows over 1-2 k)
         limit = min(settings.rust_attention_max, settings.tile_attention_min)
         row_by_row = len(q_lens) == t or int((q_lens * seq_lens).max()) <= limit
         one_call = self.decoder is not None and t < settings.fused_max_tokens and row_by_row
@@ -376,7 +378,7 @@ class CpuRunner(RunnerBase):
         del files
         if num_blocks is None:
             if kv_memory_bytes is None:
-                kv_memory_bytes = min(CPU_KV_MAX_BYTES, int(CPU_KV_RAM_FRACTION * available_ram()))
+                kv_memory_bytes = cpu_kv_default_bytes()
             num_blocks = int(kv_memory_bytes // self.block_bytes)
         if num_blocks < 1:
             raise KvBudgetError(f"KV cache budget too small: {kv_memory_bytes} bytes, one block of this model is "

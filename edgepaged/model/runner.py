@@ -10,7 +10,7 @@ from .attention import AttentionMetadata, backend_for
 from .llama import LlamaForCausalLM
 from .loader import ModelFiles, terminal_progress
 from .runtime import (CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, KvBudgetError, RunnerBase, _gib,  # noqa: F401
-                      available_ram, rss_bytes)
+                      available_ram, cpu_kv_default_bytes, rss_bytes)
 from .settings import CpuConfig
 from .tokenizer import Tokenizer
 
@@ -106,7 +106,7 @@ class ModelRunner(RunnerBase):
         if num_blocks is None:
             if kv_memory_bytes is None:
                 kv_memory_bytes = (self._gpu_kv_budget(gpu_memory_utilization, max_num_batched_tokens) if on_gpu
-                                   else min(CPU_KV_MAX_BYTES, int(CPU_KV_RAM_FRACTION * available_ram())))
+                                   else cpu_kv_default_bytes())
             num_blocks = int(kv_memory_bytes // self.block_bytes)
         if num_blocks < 1:
             raise KvBudgetError(f"KV cache budget too small: {kv_memory_bytes} bytes, one block of this model is "

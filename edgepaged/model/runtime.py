@@ -53,6 +53,11 @@ def available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def cpu_kv_default_bytes() -> int:
+    """The CPU's KV budget when none is given: min(1 GiB, 25 % of the available RAM)."""
+    return min(CPU_KV_MAX_BYTES, int(CPU_KV_RAM_FRACTION * available_ram()))
+
+
 def rss_bytes() -> int | None:
     """The process's resident memory (Linux), or None."""
     try:

@@ -326,8 +326,8 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
     if draft is not None:
         share = draft_share(model_path, draft, kv_dtype)
         if kv_bytes is None:
-            from ..model.runtime import CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, available_ram
-            kv_bytes = min(CPU_KV_MAX_BYTES, int(CPU_KV_RAM_FRACTION * available_ram())) if device == "cpu" else None
+            from ..model.runtime import cpu_kv_default_bytes
+            kv_bytes = cpu_kv_default_bytes() if device == "cpu" else None
         if kv_bytes is not None:
             kv_bytes = int(kv_bytes * share)
     runner = open_runner(model_path, device, kv_bytes, block_size, max_num_batched_tokens=max_batched_tokens,
@@ -348,7 +348,7 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
 
 # --kv-dtype auto on the CPU runtime: q8_0 when an f16 cache would hold fewer tokens than this
 # in the KV memory (a household's few long prompts and chats at once), f16 otherwise. q8_0 holds
-# 1.88 times the tokens at a measured perplexity cost of 0.02 % (KL divergence 1.5e-4 from f16,
+# 1.88 times the tokens at a measured perplexity cost of 0.03 % (KL divergence 1.6e-4 from f16,
 # bench/RESULTS.md), its decode attention as fast as f16's.
 AUTO_Q8_BELOW_TOKENS = 32768
 
@@ -359,13 +359,13 @@ def auto_kv_dtype(model_path, kv_bytes, draft=None) -> tuple[str | None, str]:
     from ..model.cpu_runtime import kv_bytes_per_value
     from ..model.encoder import is_encoder
     from ..model.loader import ModelFiles
-    from ..model.runtime import CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, available_ram
+    from ..model.runtime import cpu_kv_default_bytes
     if model_path is not None and is_encoder(model_path):
         return None, "an embedding model keeps no KV cache"
     cfgs = [ModelFiles(p).config for p in [model_path] + ([draft] if draft is not None else [])]
     if any(c.head_dim % 32 for c in cfgs):
         return None, "heads that do not split into blocks of 32"
-    budget = kv_bytes if kv_bytes is not None else min(CPU_KV_MAX_BYTES, int(CPU_KV_RAM_FRACTION * available_ram()))
+    budget = kv_bytes if kv_bytes is not None else cpu_kv_default_bytes()
     per_token = sum(2 * c.num_layers * c.num_kv_heads * c.head_dim for c in cfgs) * kv_bytes_per_value("f16")
     tokens = int(budget // per_token)
     if tokens >= AUTO_Q8_BELOW_TOKENS:

@@ -310,11 +310,7 @@ pub fn paged_decode<E: KvElem>(
     let mut ot = vec![0f32; qt.len()];
     let dense: Vec<i64> = (0..rows.len() as i64).collect();
     decode(&qt, w, &mut ot, w, &dense, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap)?;
-    for (i, &r) in rows.iter().enumerate() {
-        let o = &mut out[r as usize * out_stride..r as usize * out_stride + w];
-        o.copy_from_slice(&ot[i * w..(i + 1) * w]);
-        o.chunks_exact_mut(hs.d).for_each(crate::kv::hadamard);
-    }
+    crate::kv::turn_back_rows(&ot, out, out_stride, rows.iter().map(|&r| r as usize), hs.nh, hs.d);
     Ok(())
 }
 

@@ -396,6 +396,17 @@ pub fn turned_rows(x: &[f32], stride: usize, rows: impl Iterator<Item = usize>, 
     out
 }
 
+/// The inverse of `turned_rows`: row `i` of `dense` (`heads * d` values each) turned back
+/// into row `rows[i]` of `out` (stride `stride`).
+pub fn turn_back_rows(dense: &[f32], out: &mut [f32], stride: usize, rows: impl Iterator<Item = usize>, heads: usize,
+                      d: usize) {
+    for (src, r) in dense.chunks_exact(heads * d).zip(rows) {
+        let o = &mut out[r * stride..r * stride + heads * d];
+        o.copy_from_slice(src);
+        o.chunks_exact_mut(d).for_each(hadamard);
+    }
+}
+
 /// The scale of value `i`'s block in the q8_0 head row at `row`.
 #[inline(always)]
 unsafe fn q8_scale(row: *const i8, i: usize, d: usize) -> f32 {

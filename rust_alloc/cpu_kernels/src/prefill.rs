@@ -380,11 +380,7 @@ fn prefill<E: KvElem>(
     let mut ot = vec![0f32; qt.len()];
     let shifted: Vec<i64> = starts.iter().map(|&s| s - first as i64).collect();
     prefill_rows(&qt, w, &mut ot, w, &shifted, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap, allow512)?;
-    for (i, r) in (first..last).enumerate() {
-        let o = &mut out[r * out_stride..r * out_stride + w];
-        o.copy_from_slice(&ot[i * w..(i + 1) * w]);
-        o.chunks_exact_mut(hs.d).for_each(crate::kv::hadamard);
-    }
+    crate::kv::turn_back_rows(&ot, out, out_stride, first..last, hs.nh, hs.d);
     Ok(())
 }
 
