@@ -168,13 +168,14 @@ def check_manifest(ref: Ref, manifest: dict) -> dict:
 
 
 def _check_config(ref: Ref, config: dict) -> None:
-    from .model.loader import SUPPORTED_ARCHS, EMBEDDING_ARCHS
+    from .model import families as decoders
+    from .model.loader import EMBEDDING_ARCHS
     fmt = config.get("model_format")
     if fmt and fmt != "gguf":
         raise StoreError(f"{ref.name} is in the {fmt} format; edgepaged serves GGUF files")
     family = config.get("model_family")
     families = config.get("model_families") or ([family] if family else [])
-    known = set(SUPPORTED_ARCHS) | set(EMBEDDING_ARCHS)
+    known = set(decoders.names()) | set(EMBEDDING_ARCHS)
     if family and family not in known:
         raise StoreError(f"{ref.name} is a {family} model; edgepaged runs {', '.join(sorted(known))}")
     others = [f for f in families if f not in known and f != "clip"]

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from edgepaged.model import ModelRunner
+from edgepaged.model import ModelRunner, families
+from edgepaged.model.families.llama import Llama
 from edgepaged.model.cpu_runtime import CpuRunner
 from edgepaged.model.forward import TorchForward
 from edgepaged.model.loader import ModelFileError, ModelFiles
@@ -222,6 +223,52 @@ def test_tokenizer_from_gguf_equals_tokenizers(name, built):
     assert Tokenizer.load(folder).tok.token_to_id(fam.end_of_turn) in Tokenizer.load(folder).stop_token_ids
     bos = tok.encode("hi")[0] == tok.bos_token_id
     assert bos == fam.add_bos
+
+
+# ---------------------------------------------------------------- a family of the test's own
+
+class Tinycap(Llama):
+    """A family defined only here, a variant of llama: llama's tensors and metadata keys, a
+    GELU-tanh MLP, attention scores soft-capped at the file's attn_logit_softcapping (2 when
+    absent) and logits at 3. Nothing of it is in edgepaged/: the family file's hooks are the
+    extension point."""
+    name = "tinycap"
+
+    def gguf_config(self, key, tensors, base):
+        return {"attn_softcap": key("attn_logit_softcapping", 2.0), "final_softcap": 3.0}
+
+    def layer(self, cfg, i):
+        return families.pre_norm_layer(window=cfg.window(i), softcap=cfg.attn_softcap, activation="gelu_tanh")
+
+
+@pytest.fixture
+def tinycap():
+    fam = families.register(Tinycap)
+    yield fam
+    families.unregister(fam.name)
+
+
+def test_a_family_defined_in_a_test_runs_on_the_cpu_runtime_and_the_torch_reference(tinycap, built, tmp_path):
+    """Registered from this file, written as a GGUF file under its own architecture name: the
+    CPU runtime (numpy + Rust, layer by layer), the torch reference and the torch runner's
+    Rust forward give the same logits within 1e-4, and they are not llama's."""
+    folder, llama_gguf, hf = built("llama")
+    path = write_family_gguf(folder, tmp_path / "tinycap.gguf", hf, arch="tinycap")
+    cpu = CpuRunner(path, num_blocks=32, kv_dtype="f32")
+    spec = cpu.config.layer(1)
+    assert cpu.config.arch == "tinycap" and spec.mlp.activation == "gelu_tanh" and spec.attention.softcap == 2.0
+    assert cpu.model.decoder is None          # not llama's block: the one-call decoder stays out
+    tokens = _prompt(hf)
+    got = _paged_logits(cpu, tokens, 30)
+    for path_name in ("torch", "rust"):
+        want = _paged_logits(_runner(path, path_name), tokens, 30)
+        assert (got - want).abs().max().item() <= 1e-4, path_name
+    assert got.abs().max().item() <= 3.0      # the family's logit cap
+    llama = _paged_logits(CpuRunner(llama_gguf, num_blocks=32, kv_dtype="f32"), tokens, 30)
+    assert (got - llama).abs().max().item() > 1e-2
+    families.unregister("tinycap")
+    with pytest.raises(ModelFileError, match="'tinycap'"):
+        ModelFiles(path)
 
 
 # ---------------------------------------------------------------- refused clearly

@@ -248,9 +248,16 @@ class TritonAttention:
 
 
 def backend_for(device, cfg, block_size: int, dtype):
-    """The attention backend for model `cfg` on `device`: its windows, score scale and soft-cap."""
+    """The attention backend for model `cfg` on `device`: its layers' windows and score
+    soft-cap (their `Attention` steps), and the score scale."""
+    steps = [cfg.layer(i).attention for i in range(cfg.num_layers)]
+    caps = {a.softcap or None for a in steps}
+    if len(caps) > 1:
+        raise ValueError(f"layers with different score soft-caps ({sorted(caps, key=lambda c: c or 0)}): the "
+                         "attention backends take one per model")
+    windows = sorted({a.window for a in steps}, key=lambda w: w or 0)
     return make_backend(device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, cfg.sliding_window, dtype,
-                        scale=cfg.scale, softcap=cfg.attn_softcap, windows=cfg.windows)
+                        scale=cfg.scale, softcap=caps.pop(), windows=windows)
 
 
 def make_backend(device, *args, **kwargs):

@@ -22,6 +22,7 @@ import torch
 
 from .._native import ops
 from .attention import AttentionMetadata, TorchAttention
+from .families import base as steps
 from .llama import act_mul
 from .quant import QuantLinear
 from .quant.threads import all_torch_threads, kernel_threads_only
@@ -40,19 +41,11 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def decoder_runs(cfg) -> bool:
-    """Whether the one-call Rust decoder runs this model's layers: llama's block (no q/k
-    norms, sandwich norms, GELU, soft-capped scores, per-layer windows or rotary tables).
-    The other families run layer by layer here, on the same Rust operators."""
-    return (not cfg.qk_norm and not cfg.sandwich_norms and cfg.activation == "silu" and not cfg.attn_softcap
-            and cfg.rope_local is None and len(cfg.windows) == 1)
-
-
 def quant_decoder(model) -> ops.QuantDecoder | None:
     """A Rust `QuantDecoder` running every layer of a step in one call, when all of the
     model's linear layers kept their GGUF blocks (None otherwise)."""
     cfg = model.cfg
-    if not model.quantized or not decoder_runs(cfg):
+    if not model.quantized or not steps.llama_blocks(cfg):
         return None
 
     def lin(m: QuantLinear):
@@ -123,46 +116,49 @@ class FusedCpuForward:
                                 backend.window or 0)
             return self._final(h, None, meta, logits_indices)
         prefills = {w: backend.prefill_plan(meta, sdpa, w) for w in backend.windows} if sdpa else {}
-        softcap = backend.softcap or 0.0
         hn, a = _np(h), torch.empty_like(h)
         an = _np(a)
         out = torch.empty(t, q_size)
         on = _np(out)
-        delta = None
+        x = None        # the last step's output, added to the residual by the next Norm
         for layer, (kc, vc), (kt, vt) in zip(model.layers, self.layer_kv, zip(self.kv[:, 0], self.kv[:, 1])):
             attn, mlp = layer.self_attn, layer.mlp
-            attn_in, attn_out, mlp_in, mlp_out = layer.norms()
-            ops.add_rms_norm(hn, delta, _np(attn_in.weight), attn_in.eps, an)
-            qkv = attn.qkv_proj(a)
-            if attn.q_norm is not None:      # per-head q/k norms before the rotary
-                qk = qkv[:, : q_size + attn.kv_size].view(t, nh + nkv, -1)
-                qk.copy_(attn.norm_qk(qk))
-            qn = _np(qkv)
-            cos, sin = tables_np[attn.rope]
-            ops.rope_write_kv(qn, pos, cos, sin, slots, kc, vc, nh, nkv)
-            if len(rows):
-                ops.paged_decode(qn, on, rows, lens, tables, kc, vc, nh, nkv, backend.scale, attn.window or 0,
-                                 softcap)
-            if prefills:   # SDPA on all of torch's threads
-                with all_torch_threads():
-                    backend.attend_prefills(qkv[:, :q_size].view(t, nh, -1), kt, vt, prefills[attn.window],
-                                            out.view(t, nh, -1))
-            delta = _np(self._out_norm(attn.o_proj(out), attn_out))
-            ops.add_rms_norm(hn, delta, _np(mlp_in.weight), mlp_in.eps, an)
-            gu = mlp.gate_up_proj(a)
-            if mlp.activation == "silu":
-                m = torch.empty(t, mlp.inter)
-                ops.silu_mul(_np(gu), _np(m))
-            else:
-                m = act_mul(gu, mlp.inter, mlp.activation)
-            delta = _np(self._out_norm(mlp.down_proj(m), mlp_out))
+            for step in layer.spec.steps:      # the family's steps (families/base.py)
+                if isinstance(step, steps.Norm):
+                    norm = getattr(layer, step.name)
+                    ops.add_rms_norm(hn, None if x is None else _np(x.contiguous()), _np(norm.weight), norm.eps, an)
+                    x = a
+                elif isinstance(step, steps.Attention):
+                    qkv = attn.qkv_proj(x)
+                    if attn.q_norm is not None:      # per-head q/k norms before the rotary
+                        qk = qkv[:, : q_size + attn.kv_size].view(t, nh + nkv, -1)
+                        qk.copy_(attn.norm_qk(qk))
+                    qn = _np(qkv)
+                    cos, sin = tables_np[attn.rope]
+                    ops.rope_write_kv(qn, pos, cos, sin, slots, kc, vc, nh, nkv)
+                    if len(rows):
+                        ops.paged_decode(qn, on, rows, lens, tables, kc, vc, nh, nkv, backend.scale,
+                                         attn.window or 0, step.softcap or 0.0)
+                    if prefills:   # SDPA on all of torch's threads
+                        with all_torch_threads():
+                            backend.attend_prefills(qkv[:, :q_size].view(t, nh, -1), kt, vt, prefills[attn.window],
+                                                    out.view(t, nh, -1))
+                    x = attn.o_proj(out)
+                elif isinstance(step, steps.OutNorm):
+                    x = self._out_norm(x, getattr(layer, step.name))
+                elif mlp.activation == "silu":
+                    gu = mlp.gate_up_proj(x)
+                    m = torch.empty(t, mlp.inter)
+                    ops.silu_mul(_np(gu), _np(m))
+                    x = mlp.down_proj(m)
+                else:
+                    x = mlp.down_proj(act_mul(mlp.gate_up_proj(x), mlp.inter, mlp.activation))
+        delta = None if x is None else _np(x.contiguous())
         return self._final(h, delta, meta, logits_indices)
 
     @staticmethod
     def _out_norm(x: torch.Tensor, norm) -> torch.Tensor:
-        """Gemma's norm of a block's output before it joins the residual (None: as it is)."""
-        if norm is None:
-            return x
+        """Gemma's norm of a block's output before it joins the residual."""
         x = x.contiguous()
         y = torch.empty_like(x)
         ops.add_rms_norm(_np(x), None, _np(norm.weight), norm.eps, _np(y))

@@ -23,6 +23,8 @@ import numpy as np
 
 from .._native import ops
 from .._native import quant as kernels
+from .families import base as steps
+from .families.base import llama_blocks
 from .loader import ModelFiles, terminal_progress
 from .placement import check_linear, place
 from .quant.formats import QuantWeight, lay_out, merge_segments
@@ -113,12 +115,13 @@ class Linear:
 
 
 class Layer:
-    __slots__ = ("norms", "qkv", "o", "gate_up", "down", "q_norm", "k_norm", "window", "rope")
+    """A layer's steps (its family's, `cfg.layer(i)`) and weights: norms by name, linears."""
+    __slots__ = ("spec", "norms", "qkv", "o", "gate_up", "down")
 
-    def __init__(self):
+    def __init__(self, spec):
+        self.spec = spec
         self.norms: dict[str, np.ndarray] = {}
         self.qkv = self.o = self.gate_up = self.down = None
-        self.window, self.rope = None, 0
 
 
 class CpuModel:
@@ -126,10 +129,7 @@ class CpuModel:
 
     def __init__(self, cfg, settings: CpuConfig, max_positions: int):
         self.cfg, self.settings = cfg, settings
-        self.layers = [Layer() for _ in range(cfg.num_layers)]
-        for i, layer in enumerate(self.layers):
-            layer.window = cfg.window(i)
-            layer.rope = 1 if cfg.local_rope(i) else 0
+        self.layers = [Layer(cfg.layer(i)) for i in range(cfg.num_layers)]
         self.embed_q: QuantWeight | None = None
         self.embed_dense: np.ndarray | None = None
         self.final_norm = np.ones(cfg.hidden_size, np.float32)
@@ -206,12 +206,10 @@ class CpuModel:
                                             cfg.rope_local["scaling"]))
 
     def _quant_decoder(self):
-        """One Rust call for every layer of a step: llama's block (no q/k norms, sandwich norms,
-        GELU, soft-capped scores, per-layer windows or rotary tables), every linear quantized."""
+        """One Rust call for every layer of a step: every layer llama's block with one window
+        (`families.llama_blocks`), every linear quantized."""
         cfg = self.cfg
-        plain = (not cfg.qk_norm and not cfg.sandwich_norms and cfg.activation == "silu" and not cfg.attn_softcap
-                 and cfg.rope_local is None and len(cfg.windows) == 1)
-        if not plain or not self.quantized:
+        if not llama_blocks(cfg) or not self.quantized:
             return None
 
         def lin(m: Linear):
@@ -262,7 +260,7 @@ class CpuModel:
         if one_call:
             cos, sin = self.ropes[0]
             self.decoder.decode(h, positions, slots, per_row[1], per_row[2], kv, cos, sin, cfg.scale,
-                                cfg.window(0) or 0)
+                                self.layers[0].spec.attention.window or 0)
             delta = None
         elif row_by_row:                 # decode rows, short chunks: paged_decode, one call per layer
             delta = self._layers(h, positions, slots, kv, decode=per_row)
@@ -286,52 +284,50 @@ class CpuModel:
         return logits
 
     def _layers(self, h, positions, slots, kv, decode=None, chunks=None) -> np.ndarray:
-        """Layer by layer (every family); h holds the residual stream without the last
-        block's output, which is returned."""
+        """Layer by layer, each its family's steps (families/base.py); h holds the residual
+        stream without the last layer's output, which is returned."""
         cfg = self.cfg
         t, nh, nkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = nh * d, nkv * d
-        softcap = cfg.attn_softcap or 0.0
+        inter = cfg.intermediate_size
         a = np.empty_like(h)
         out = np.empty((t, q_size), np.float32)
-        delta = None
-        sandwich = cfg.sandwich_norms
-        mlp_in_name = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
+        x = None       # the last step's output, added to the residual by the next Norm
         for li, layer in enumerate(self.layers):
             kc, vc = kv[li, 0], kv[li, 1]
             n = layer.norms
-            ops.add_rms_norm(h, delta, n["input_layernorm"], cfg.rms_eps, a)
-            qkv = np.ascontiguousarray(layer.qkv(a))
-            if cfg.qk_norm:        # per-head q/k norms before the rotary
-                qkv[:, :q_size] = self._norm(np.ascontiguousarray(qkv[:, :q_size]).reshape(t * nh, d),
-                                             n["q_norm"]).reshape(t, q_size)
-                k = qkv[:, q_size: q_size + kv_size]
-                qkv[:, q_size: q_size + kv_size] = self._norm(np.ascontiguousarray(k).reshape(t * nkv, d),
-                                                              n["k_norm"]).reshape(t, kv_size)
-            cos, sin = self.ropes[layer.rope]
-            ops.rope_write_kv(qkv, positions, cos, sin, slots, kc, vc, nh, nkv)
-            if decode is not None:
-                ops.paged_decode(qkv, out, *decode, kc, vc, nh, nkv, cfg.scale, layer.window or 0, softcap)
-            else:
-                ops.paged_prefill(qkv, out, *chunks, kc, vc, nh, nkv, cfg.scale, layer.window or 0, softcap)
-            delta = layer.o(out)
-            if sandwich:
-                delta = self._norm(delta, n["post_attention_layernorm"])
-            ops.add_rms_norm(h, delta, n[mlp_in_name], cfg.rms_eps, a)
-            gu = layer.gate_up(a)
-            inter = cfg.intermediate_size
-            if cfg.activation == "silu":
-                m = np.empty((t, inter), np.float32)
-                ops.silu_mul(gu, m)
-            else:
-                g = gu[:, :inter]
-                m = (np.float32(0.5) * g * (np.float32(1) + np.tanh(np.float32(math.sqrt(2 / math.pi))
-                                                                     * (g + np.float32(0.044715) * g * g * g))))
-                m *= gu[:, inter:]
-            delta = layer.down(np.ascontiguousarray(m, dtype=np.float32))
-            if sandwich:
-                delta = self._norm(delta, n["post_feedforward_layernorm"])
-        return delta
+            for step in layer.spec.steps:
+                if isinstance(step, steps.Norm):
+                    ops.add_rms_norm(h, x, n[step.name], cfg.rms_eps, a)
+                    x = a
+                elif isinstance(step, steps.Attention):
+                    qkv = np.ascontiguousarray(layer.qkv(x))
+                    if step.qk_norm:        # per-head q/k norms before the rotary
+                        qkv[:, :q_size] = self._norm(np.ascontiguousarray(qkv[:, :q_size]).reshape(t * nh, d),
+                                                     n["q_norm"]).reshape(t, q_size)
+                        k = qkv[:, q_size: q_size + kv_size]
+                        qkv[:, q_size: q_size + kv_size] = self._norm(np.ascontiguousarray(k).reshape(t * nkv, d),
+                                                                      n["k_norm"]).reshape(t, kv_size)
+                    cos, sin = self.ropes[step.rope]
+                    ops.rope_write_kv(qkv, positions, cos, sin, slots, kc, vc, nh, nkv)
+                    attend = (ops.paged_decode, decode) if decode is not None else (ops.paged_prefill, chunks)
+                    attend[0](qkv, out, *attend[1], kc, vc, nh, nkv, cfg.scale, step.window or 0,
+                              step.softcap or 0.0)
+                    x = layer.o(out)
+                elif isinstance(step, steps.OutNorm):
+                    x = self._norm(x, n[step.name])
+                else:
+                    gu = layer.gate_up(x)
+                    if step.activation == "silu":
+                        m = np.empty((t, inter), np.float32)
+                        ops.silu_mul(gu, m)
+                    else:   # gelu_tanh
+                        g = gu[:, :inter]
+                        m = (np.float32(0.5) * g * (np.float32(1) + np.tanh(np.float32(math.sqrt(2 / math.pi))
+                                                                             * (g + np.float32(0.044715) * g * g * g))))
+                        m *= gu[:, inter:]
+                    x = layer.down(np.ascontiguousarray(m, dtype=np.float32))
+        return x
 
 
 class CpuRunner(RunnerBase):

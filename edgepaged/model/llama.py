@@ -1,4 +1,4 @@
-"""Llama-family decoder (llama, mistral, qwen2) over a flat batch with a paged KV cache.
+"""The decoder of every family (`families/`) in torch, over a flat batch with a paged KV cache.
 
 The module tree is built empty and filled by one placement routine, `load_weights`, from
 the loader's weight stream: each linear becomes a dense `Linear` or, when every part of it
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata
+from .families import base as steps
 from .layers import Linear, RMSNorm, Rotary
 from .loader import ModelConfig
 from ..memory import release_free_memory
@@ -22,14 +23,14 @@ from .quant import QuantEmbedding, QuantLinear, QuantWeight, lay_out_weights
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, **dd):
+    def __init__(self, cfg: ModelConfig, step: steps.Attention, **dd):
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.h * self.d, self.hkv * self.d
-        self.window = cfg.window(layer)               # None: the whole context
-        self.rope = 1 if cfg.local_rope(layer) else 0  # which rotary table (gemma3's local one: 1)
-        self.q_norm = RMSNorm(self.d, cfg.rms_eps, **dd) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.d, cfg.rms_eps, **dd) if cfg.qk_norm else None
+        self.window = step.window                     # None: the whole context
+        self.rope = step.rope                         # which rotary table (gemma3's local one: 1)
+        self.q_norm = RMSNorm(self.d, cfg.rms_eps, **dd) if step.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_eps, **dd) if step.qk_norm else None
         self.qkv_proj: nn.Module | None = None
         self.o_proj: nn.Module | None = None
 
@@ -58,9 +59,9 @@ def act_mul(gu: torch.Tensor, inter: int, activation: str) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, step: steps.Mlp):
         super().__init__()
-        self.inter, self.activation = cfg.intermediate_size, cfg.activation
+        self.inter, self.activation = cfg.intermediate_size, step.activation
         self.gate_up_proj: nn.Module | None = None
         self.down_proj: nn.Module | None = None
 
@@ -69,34 +70,32 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; with `sandwich_norms` (gemma) the attention's and the MLP's outputs are
-    normed too before they join the residual. Hugging Face's names: `post_attention_layernorm`
-    is the MLP's input norm in llama and the attention's output norm in gemma."""
+    """Layer i's steps (`cfg.layer(i)`, from its family file) over torch modules; its norms
+    are attributes under Hugging Face's names (`input_layernorm`, ...)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0, **dd):
         super().__init__()
-        self.sandwich = cfg.sandwich_norms
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, **dd)
-        self.self_attn = Attention(cfg, layer, **dd)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, **dd)
-        self.mlp = MLP(cfg)
-        if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, **dd)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, **dd)
-
-    def norms(self) -> tuple[RMSNorm, RMSNorm | None, RMSNorm, RMSNorm | None]:
-        """(attention input, attention output or None, MLP input, MLP output or None)."""
-        if self.sandwich:
-            return (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
-                    self.post_feedforward_layernorm)
-        return self.input_layernorm, None, self.post_attention_layernorm, None
+        self.spec = cfg.layer(layer)
+        for name in self.spec.norms():
+            if name not in ("q_norm", "k_norm"):
+                setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_eps, **dd))
+        self.self_attn = Attention(cfg, self.spec.attention, **dd)
+        self.mlp = MLP(cfg, self.spec.mlp)
 
     def forward(self, h, ropes, backend, plan, k_cache, v_cache):
-        attn_in, attn_out, mlp_in, mlp_out = self.norms()
-        a = self.self_attn(attn_in(h), ropes, backend, plan, k_cache, v_cache)
-        h = h + (attn_out(a) if attn_out is not None else a)
-        m = self.mlp(mlp_in(h))
-        return h + (mlp_out(m) if mlp_out is not None else m)
+        x = None
+        for step in self.spec.steps:
+            if isinstance(step, steps.Norm):
+                if x is not None:
+                    h = h + x
+                x = getattr(self, step.name)(h)
+            elif isinstance(step, steps.Attention):
+                x = self.self_attn(x, ropes, backend, plan, k_cache, v_cache)
+            elif isinstance(step, steps.OutNorm):
+                x = getattr(self, step.name)(x)
+            else:
+                x = self.mlp(x)
+        return h + x
 
 
 def _dense(w, dtype, device) -> torch.Tensor:

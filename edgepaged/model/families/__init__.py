@@ -1,0 +1,24 @@
+"""Model families, one file each (see `base.py` for what a family file says):
+
+| file        | families                       |
+|-------------|--------------------------------|
+| `llama.py`  | llama, mistral                 |
+| `qwen2.py`  | qwen2                          |
+| `qwen3.py`  | qwen3                          |
+| `gemma2.py` | gemma2                         |
+| `gemma3.py` | gemma3                         |
+| `phi3.py`   | phi3                           |
+
+Adding one: a file here (its class, `register`ed), its import below, a test, the README's
+table. A test may register a family of its own (tests/test_families.py does).
+"""
+from __future__ import annotations
+
+from . import llama, qwen2, qwen3, gemma2, gemma3, phi3  # noqa: F401,I001  (each registers its families, in this order)
+from .base import (Attention, Family, LayerSpec, Mlp, Norm, OutNorm, for_hf_type, get, layer_pattern, llama_blocks, names,
+                   pre_norm_layer, register, unregister)
+
+BUILT_IN = names()
+
+__all__ = ["Attention", "BUILT_IN", "Family", "LayerSpec", "Mlp", "Norm", "OutNorm", "for_hf_type", "get",
+           "layer_pattern", "llama_blocks", "names", "pre_norm_layer", "register", "unregister"]
