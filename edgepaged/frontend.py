@@ -32,9 +32,9 @@ from .brief import first_line
 from .engine.request import BACKGROUND, INTERACTIVE, PRIORITIES, Request, RequestRejected
 from .model.params import SamplingParams
 from .protocol import GenerateRequest
+from .schema import MAX_SAMPLES
 
 log = logging.getLogger("edgepaged.frontend")
-MAX_SAMPLES = 8     # n: parallel samples of one prompt
 MAX_EMBED_INPUTS = 512   # texts in one embeddings request
 
 

@@ -6,12 +6,14 @@ engine and no sockets beyond a Trio receive stream: both the server and the clie
 """
 from __future__ import annotations
 
-import re
-
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+
+from . import schema
+from .schema import (CONTEXT_POLICIES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, FieldError,  # noqa: F401 (re-exported)
+                     GenerateRequest, parse_context_policy, parse_keep_alive, parse_truncate)
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -19,8 +21,6 @@ MAX_FRAME_BYTES = 1 << 20
 HEADER_BYTES = 4
 MAX_ID_LEN = 64
 MAX_MESSAGES = 1024
-MAX_STOP = 16
-MAX_NAME_LEN = 128
 
 # Error codes. Fatal ones close the connection after the error frame; the others leave it usable.
 FATAL_CODES = {
@@ -57,15 +57,8 @@ CODES = {
     "internal_error": "a bug or a failed model step on the server",
 }
 
-PRIORITIES = ("interactive", "background")
-SAMPLING_FIELDS = {   # name -> accepted python types (after msgpack decoding)
-    "temperature": (int, float), "top_k": (int,), "top_p": (int, float), "min_p": (int, float),
-    "repetition_penalty": (int, float), "seed": (int,), "ignore_eos": (bool,),
-    "presence_penalty": (int, float), "frequency_penalty": (int, float), "logit_bias": (dict,), "logprobs": (int,),
-}
-REQUEST_FIELDS = {"type", "id", "max_tokens", "priority", "stop", "stop_token_ids", "share_prefix_cache",
-                  "format", "tools", "tool_choice", "parallel_tool_calls", "n", "model", "keep_alive", "truncate",
-                  "context_policy", "think", "speculative", *SAMPLING_FIELDS}
+# a request frame's fields: the schema's (schema.py), but Ollama's num_ctx (context_limit)
+REQUEST_FIELDS = {"type", "id", *(set(schema.FIELDS) - {"context_limit"})}
 
 
 class ProtocolError(Exception):
@@ -172,33 +165,6 @@ class Hello:
 
 
 @dataclass
-class GenerateRequest:
-    """A `chat` (messages) or `generate` (prompt) request, validated for shape only; the
-    ranges of the sampling parameters are checked where they are built (SamplingParams)."""
-    id: Any
-    kind: str
-    messages: list[dict] | None = None
-    prompt: str | None = None
-    max_tokens: int | None = None
-    priority: str = "interactive"
-    share_prefix_cache: bool = False               # opt in to the household-wide prefix cache
-    sampling: dict = field(default_factory=dict)   # SamplingParams keyword arguments (no max_tokens)
-    format: dict | None = None    # constrained output: {"type": json_object|json_schema|regex|lark, ...}
-    context_limit: int | None = None  # prompt + answer at most this many tokens (Ollama's num_ctx)
-    tools: list | None = None      # checked by tools.check_tools (OpenAI's function tools)
-    tool_choice: str = "none"      # auto | none | required | a function's name
-    parallel_tool_calls: bool | None = None   # None: unset (a few calls at most, tools.MAX_DEFAULT_CALLS)
-    n: int = 1                     # parallel samples of the prompt (copy-on-write forks)
-    model: str | None = None       # which of the box's models (None: its default)
-    keep_alive_s: float | None = None  # how long the model stays loaded after this (-1: always)
-    truncate: str | None = None    # "auto": drop the oldest turns (after the system message) to fit
-    context_policy: str | None = None  # "full" | "window" (None: the server's)
-    think: bool | None = None      # a thinking model thinks (True), or not (False); None: its default
-    suffix: str | None = None      # generate: fill in the middle between prompt and suffix (FIM models)
-    speculative: bool | None = None    # False: no speculative decoding for it (None: the server's)
-
-
-@dataclass
 class Simple:
     """cancel (id = the request to cancel), stats, models."""
     kind: str
@@ -274,131 +240,21 @@ def _parse_generate(msg: dict) -> GenerateRequest:
     _check_fields(msg, REQUEST_FIELDS | ({"messages"} if kind == "chat" else {"prompt", "suffix"}), rid)
     if body not in msg:
         raise ProtocolError("bad_request", f"{kind} needs {body}", rid)
-    req = GenerateRequest(rid, kind)
+    messages = prompt = suffix = None
     if kind == "chat":
-        req.messages = _parse_messages(msg["messages"], rid)
+        messages = _parse_messages(msg["messages"], rid)
     else:
         _type_check("prompt", msg["prompt"], (str,), rid)
-        req.prompt = msg["prompt"]
+        prompt = msg["prompt"]
         if msg.get("suffix") is not None:
             _type_check("suffix", msg["suffix"], (str,), rid)
-            req.suffix = msg["suffix"]
-    if msg.get("max_tokens") is not None:
-        _type_check("max_tokens", msg["max_tokens"], (int,), rid)
-        req.max_tokens = msg["max_tokens"]
-    priority = msg.get("priority", "interactive")
-    if priority not in PRIORITIES:
-        raise ProtocolError("bad_request", f"priority must be one of {', '.join(PRIORITIES)}", rid)
-    req.priority = priority
-    if msg.get("share_prefix_cache") is not None:
-        _type_check("share_prefix_cache", msg["share_prefix_cache"], (bool,), rid)
-        req.share_prefix_cache = msg["share_prefix_cache"]
-    if msg.get("speculative") is not None:
-        _type_check("speculative", msg["speculative"], (bool,), rid)
-        req.speculative = msg["speculative"]
-    for name, types in SAMPLING_FIELDS.items():
-        if msg.get(name) is not None:
-            _type_check(name, msg[name], types, rid)
-            req.sampling[name] = msg[name]
-    if isinstance(req.sampling.get("logit_bias"), dict):   # map keys may come as strings
-        try:
-            req.sampling["logit_bias"] = {int(k): v for k, v in req.sampling["logit_bias"].items()}
-        except (TypeError, ValueError):
-            raise ProtocolError("bad_request", "logit_bias must map token ids to numbers", rid) from None
-    stop = msg.get("stop")
-    if stop is not None:
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
-            raise ProtocolError("bad_request", f"stop must be a string or a list of at most {MAX_STOP} strings", rid)
-        req.sampling["stop"] = stop
-    ids = msg.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list) or len(ids) > MAX_STOP or not all(_is_int(t) for t in ids):
-            raise ProtocolError("bad_request", f"stop_token_ids must be a list of at most {MAX_STOP} integers", rid)
-        req.sampling["stop_token_ids"] = ids
-    if msg.get("n") is not None:
-        _type_check("n", msg["n"], (int,), rid)
-        req.n = msg["n"]
-    if msg.get("model") is not None:
-        _type_check("model", msg["model"], (str,), rid)
-        if not 0 < len(msg["model"]) <= MAX_NAME_LEN:
-            raise ProtocolError("bad_request", f"model must be a name of 1..{MAX_NAME_LEN} characters", rid)
-        req.model = msg["model"]
-    if msg.get("truncate") is not None:
-        req.truncate = parse_truncate(msg["truncate"], kind)
-    if msg.get("context_policy") is not None:
-        req.context_policy = parse_context_policy(msg["context_policy"])
-    if msg.get("keep_alive") is not None:
-        try:
-            req.keep_alive_s = parse_keep_alive(msg["keep_alive"])
-        except ValueError as e:
-            raise ProtocolError("bad_request", str(e), rid) from None
-    fmt = msg.get("format")
-    if fmt is not None:
-        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-            raise ProtocolError("bad_request", "format must be a map with a type (json_object, json_schema, regex, "
-                                "lark)", rid)
-        req.format = fmt
-    if msg.get("tools") is not None or msg.get("tool_choice") is not None:
-        from .tools import check_choice, check_tools
-        try:
-            req.tools = check_tools(msg["tools"]) if msg.get("tools") is not None else None
-            req.tool_choice = check_choice(msg.get("tool_choice"), req.tools)
-        except ValueError as e:
-            raise ProtocolError("bad_request", str(e), rid) from None
-        if msg.get("parallel_tool_calls") is not None:
-            _type_check("parallel_tool_calls", msg["parallel_tool_calls"], (bool,), rid)
-            req.parallel_tool_calls = msg["parallel_tool_calls"]
-    if msg.get("think") is not None:
-        _type_check("think", msg["think"], (bool,), rid)
-        req.think = msg["think"]
-    return req
-
-
-def parse_truncate(value, kind: str = "chat") -> str | None:
-    """`truncate`: "auto" (chat only) or "none"/false; ProtocolError otherwise."""
-    if value in (None, False, "none", "disabled"):
-        return None
-    if value != "auto":
-        raise ProtocolError("bad_request", 'truncate must be "auto" or "none"')
-    if kind != "chat":
-        raise ProtocolError("bad_request", 'truncate "auto" is for chat requests (it drops whole turns)')
-    return "auto"
-
-
-CONTEXT_POLICIES = ("full", "window")
-
-
-def parse_context_policy(value) -> str:
-    """`context_policy`: "full" (attention over the whole context) or "window" (the server's
-    sink + window: out-of-window KV blocks given back, generation past the context)."""
-    if value not in CONTEXT_POLICIES:
-        raise ProtocolError("bad_request", 'context_policy must be "full" or "window"')
-    return value
-
-
-def parse_keep_alive(value) -> float:
-    """Ollama's keep_alive: seconds (a number), a duration ("30s", "5m", "1h", "1h30m"), or
-    negative for always. ValueError saying what it takes."""
-    if isinstance(value, bool):
-        raise ValueError("keep_alive must be a duration (\"5m\") or a number of seconds")
-    if isinstance(value, (int, float)):
-        return -1.0 if value < 0 else float(value)
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            n = float(text)
-            return -1.0 if n < 0 else n
-        except ValueError:
-            pass
-        parts = re.fullmatch(r"(-)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", text)
-        if parts and text and any(parts.group(i) for i in (2, 3, 4)):
-            if parts.group(1):
-                return -1.0
-            h, m, sec = (float(parts.group(i) or 0) for i in (2, 3, 4))
-            return h * 3600 + m * 60 + sec
-    raise ValueError("keep_alive must be a duration (\"5m\", \"30s\", \"1h\") or a number of seconds; negative "
-                     "keeps the model loaded")
+            suffix = msg["suffix"]
+    # the frame's names are the schema's: every field checked by its one rule
+    fields = {name: msg.get(name) for name in REQUEST_FIELDS - {"type", "id"}}
+    try:
+        return schema.parse(fields, rid, kind, messages=messages, prompt=prompt, suffix=suffix)
+    except FieldError as e:
+        raise ProtocolError(e.code, e.message, rid) from None
 
 
 def _parse_simple(msg: dict) -> Simple:

@@ -217,12 +217,23 @@ def _add(root: Path, name: str, file: Path, origin: str, sha256: str, extras: di
     return entry
 
 
-def pull(spec: str, name: str | None = None, root: Path | None = None, progress=None) -> Entry:
-    """Bring a model into the store: `spec` is a local GGUF file, REPO[:FILE] on the hub, or an
-    Ollama name (`llama3.2:3b`, `ollama:user/model:tag`) from Ollama's registry (registry.py)."""
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):     # a name too long for the file system, a NUL
+        return False
+
+
+def pull(spec: str, name: str | None = None, root: Path | None = None, progress=None, *,
+         local_files: bool = True) -> Entry:
+    """Bring a model into the store: `spec` is a local GGUF file (unless `local_files` is off:
+    a name a client sent over the network never reads the server's files), REPO[:FILE] on
+    the hub, or an Ollama name (`llama3.2:3b`, `ollama:user/model:tag`) from Ollama's
+    registry (registry.py)."""
     root = root or store_dir()
     local = Path(spec).expanduser()
-    if local.exists() or spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf") and ":" not in spec:
+    if local_files and (_exists(local) or spec.startswith((".", "/", "~"))
+                        or spec.lower().endswith(".gguf") and ":" not in spec):
         if not local.is_file():
             raise StoreError(f"no file {spec}")
         return import_file(local, name, root)

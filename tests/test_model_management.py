@@ -136,6 +136,12 @@ def test_models_managed_over_the_ollama_api(tiny, env, tmp_path):
             assert q.value.status_code == 400 and "does not quantize" in q.value.error
             path = httpx.post(box.http + "/api/pull", json={"model": str(tiny["llama"]), "stream": False})
             assert path.status_code == 400 and "never a path" in path.json()["error"]
+            # a name too long for a file name (the fuzzer's find: it was a 500), and the name of
+            # a file in the server's folder: never read as a local file over the API
+            long = httpx.post(box.http + "/api/pull", json={"model": "x" * 300, "stream": False})
+            assert long.status_code == 400, long.text
+            local = httpx.post(box.http + "/api/pull", json={"model": "README.md", "stream": False})
+            assert local.status_code in (400, 404) and "GGUF" not in local.json()["error"], local.text
             assert box.proc.poll() is None
         finally:
             box.stop()

@@ -70,7 +70,7 @@ def test_error_keeps_the_request_id():
     with pytest.raises(ProtocolError) as e:
         parse(chat(id=42, temperature="hot"))
     assert e.value.frame() == {"type": "error", "code": "bad_request", "id": 42,
-                               "message": "temperature must be int or float, got str"}
+                               "message": "temperature must be a number, got str"}
 
 
 @pytest.mark.parametrize("body, code", [

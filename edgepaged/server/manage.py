@@ -134,7 +134,7 @@ class ModelAdmin:
 
         def work(progress):
             progress("pulling manifest")
-            return store.pull(spec, root=root, progress=progress)
+            return store.pull(spec, root=root, progress=progress, local_files=False)
         return ProgressStream(work, self._stream(body), after=self._serve_new)
 
     async def delete(self, request: HttpRequest) -> Response:

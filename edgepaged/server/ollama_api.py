@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from ..protocol import (MAX_MESSAGES, MAX_STOP, GenerateRequest, ProtocolError, parse_context_policy,
-                        parse_keep_alive, parse_truncate)
+from .. import schema
+from ..protocol import MAX_MESSAGES, GenerateRequest
+from ..schema import FieldError
 from ..thinking import ThinkSplit, thinks
-from ..tools import check_message, check_tools
+from ..tools import check_message
 from .openai_api import ApiError, Generation
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -54,44 +54,41 @@ def bad(message: str) -> OllamaError:
 @dataclass
 class OllamaGeneration(Generation):
     model: str = ""
+    item_id: str = ""     # the request's id (its item is built once the door's fields are read)
 
 
-def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _integral(value):
+    """Ollama's clients send integers as JSON numbers (40.0): as ints; anything else as it is,
+    for the schema to judge."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _options(body: dict, item: GenerateRequest, gen: OllamaGeneration) -> None:
+def _options(body: dict, f: dict, gen: OllamaGeneration) -> dict:
+    """`options` onto the schema's names in `f`; -> schema name -> the option's name."""
     opts = body.get("options")
     if opts is None:
-        return
+        return {}
     if not isinstance(opts, dict):
         raise bad("options must be an object")
+    names = {}
     for name, value in opts.items():
         if value is None or name in RUNTIME_OPTIONS or name == "speculative":
             continue
         if name in UNSUPPORTED:
             if value not in UNSUPPORTED[name]:
                 gen.warnings.append(f"option {name} is not supported by this server: ignored")
-        elif name in SAMPLING:
-            want_int = name in ("top_k", "seed")
-            if not _num(value) or (want_int and not float(value).is_integer()):
-                raise bad(f"option {name} must be {'an integer' if want_int else 'a number'}")
-            item.sampling[SAMPLING[name]] = int(value) if want_int else value
-        elif name == "num_predict":
-            if not _num(value) or not float(value).is_integer():
-                raise bad("option num_predict must be an integer")
-            item.max_tokens = int(value) if value > 0 else None   # -1, -2: up to the context
-        elif name == "num_ctx":
-            if not _num(value) or not float(value).is_integer() or value < 1:
-                raise bad("option num_ctx must be a positive integer")
-            item.context_limit = int(value)
+            continue
+        ours = SAMPLING.get(name) or {"num_predict": "max_tokens", "num_ctx": "context_limit", "stop": "stop"}.get(name)
+        if ours is None:
+            continue            # other names: ignored, as Ollama ignores options it does not know
+        value = _integral(value) if name in ("top_k", "seed", "num_predict", "num_ctx") else value
+        if name == "num_predict" and isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+            value = None        # -1, -2: up to the context
         elif name == "stop":
-            stop = [value] if isinstance(value, str) else value
-            if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-                raise bad(f"option stop must be a list of at most {MAX_STOP} non-empty strings")
-            if stop:
-                item.sampling["stop"] = stop
-        # other names: ignored, as Ollama ignores options it does not know
+            value = value or None
+        f[ours] = value
+        names[ours] = f"option {name}"
+    return names
 
 
 def _format(body: dict):
@@ -105,7 +102,9 @@ def _format(body: dict):
     raise bad('format must be "json" or a JSON schema (an object)')
 
 
-def _common(body: dict, item: GenerateRequest, gen: OllamaGeneration) -> None:
+def _request(body: dict, gen: OllamaGeneration, kind: str, fields: dict | None = None, **text) -> GenerateRequest:
+    """The body's generation fields onto the schema's names, checked by its rules; the
+    door's own (model required, stream, images) here."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model is required")
@@ -116,35 +115,23 @@ def _common(body: dict, item: GenerateRequest, gen: OllamaGeneration) -> None:
     gen.stream = stream
     if body.get("images"):
         raise bad("images are not supported: this server runs text-only models")
-    item.model = model
-    if body.get("truncate") is not None:
-        try:
-            item.truncate = parse_truncate(body["truncate"], item.kind)
-        except ProtocolError as e:
-            raise bad(str(e)) from None
-    if body.get("context_policy") is not None:
-        try:
-            item.context_policy = parse_context_policy(body["context_policy"])
-        except ProtocolError as e:
-            raise bad(str(e)) from None
-    if body.get("keep_alive") is not None:
-        try:
-            item.keep_alive_s = parse_keep_alive(body["keep_alive"])
-        except ValueError as e:
-            raise bad(str(e)) from None
-    item.format = _format(body)
-    spec = body.get("speculative", (body.get("options") or {}).get("speculative")
-                    if isinstance(body.get("options"), dict) else None)
-    if spec is not None:
-        if not isinstance(spec, bool):
-            raise bad("speculative must be true or false")
-        item.speculative = spec
+    f = {"model": model, "truncate": body.get("truncate"), "context_policy": body.get("context_policy"),
+         "keep_alive": body.get("keep_alive"), "format": _format(body), **(fields or {})}
+    opts = body.get("options")
+    f["speculative"] = body.get("speculative", opts.get("speculative") if isinstance(opts, dict) else None)
     think = body.get("think")
     if think is not None:    # Ollama's levels are for models that take them; here they mean "think"
         if not isinstance(think, bool) and think not in ("low", "medium", "high"):
             raise bad('think must be true, false or "low", "medium", "high"')
-        item.think = think is not False
-    _options(body, item, gen)
+        f["think"] = think is not False
+    names = _options(body, f, gen)
+    try:
+        return schema.parse(f, gen.item_id, kind, **text)
+    except FieldError as e:
+        message = e.message
+        if e.field in names:     # name the option as the client sent it
+            message = message.replace(e.field, names[e.field], 1)
+        raise OllamaError(400, message, e.code, e.field) from None
 
 
 def _text(i: int, m: dict) -> str:
@@ -172,17 +159,13 @@ def parse_chat(body: dict, rid: str) -> OllamaGeneration:
             out.append(check_message({**m, "content": _text(i, m)}, i))
         except ValueError as e:
             raise bad(str(e)) from None
-    item = GenerateRequest(rid, "chat", messages=out)
-    gen = OllamaGeneration(item, chat=True)
-    _common(body, item, gen)
-    if body.get("truncate") is None:   # Ollama's way: a conversation past num_ctx loses its oldest turns (the
-        item.truncate = "auto"  # system message stays), and X-Edgepaged-Truncated-Messages says how many
-    if body.get("tools"):    # Ollama has no tool_choice: the model decides
-        try:
-            item.tools = check_tools(body["tools"])
-        except ValueError as e:
-            raise bad(str(e)) from None
-        item.tool_choice = "auto"
+    gen = OllamaGeneration(None, chat=True, item_id=rid)
+    # Ollama's way: a conversation past num_ctx loses its oldest turns (the system message
+    # stays), and X-Edgepaged-Truncated-Messages says how many; Ollama has no tool_choice:
+    # the model decides
+    tools = body.get("tools") or None
+    gen.item = _request(body, gen, "chat", {"truncate": "auto" if body.get("truncate") is None else body["truncate"],
+                                            "tools": tools, "tool_choice": "auto" if tools else None}, messages=out)
     return gen
 
 
@@ -204,16 +187,15 @@ def parse_generate(body: dict, rid: str, template: str | None = None) -> OllamaG
     if body.get("context"):
         raise bad("context (the token list of an earlier answer) is not supported: send the conversation to "
                   "/api/chat instead")
+    gen = OllamaGeneration(None, chat=False, item_id=rid)
     if suffix:      # fill in the middle (Continue's autocomplete): the model's FIM tokens around the two
-        item = GenerateRequest(rid, "generate", prompt=prompt, suffix=suffix)
+        gen.item = _request(body, gen, "generate", prompt=prompt, suffix=suffix)
     elif body.get("raw"):
-        item = GenerateRequest(rid, "generate", prompt=prompt)
+        gen.item = _request(body, gen, "generate", prompt=prompt)
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
                                                                                    "content": prompt}]
-        item = GenerateRequest(rid, "chat", messages=messages)
-    gen = OllamaGeneration(item, chat=False)
-    _common(body, item, gen)
+        gen.item = _request(body, gen, "chat", messages=messages)
     return gen
 
 

@@ -14,13 +14,13 @@ OpenAI-compatible servers do, since clients send many (docs/HTTP.md lists them).
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..protocol import (MAX_MESSAGES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, GenerateRequest, ProtocolError,
-                        parse_context_policy, parse_truncate)
+from .. import schema
+from ..protocol import MAX_MESSAGES, MAX_NAME_LEN, GenerateRequest
+from ..schema import FieldError
 from ..thinking import ThinkSplit
 from ..tools import check_choice, check_message, check_tools
 
@@ -76,19 +76,8 @@ class Generation:
 
 # ---------------------------------------------------------------- requests
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
-
-
 def _refuse_unsupported(body: dict) -> None:
     """Features whose non-default values this server cannot honour."""
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or not 1 <= n <= 8):
-        raise bad("n must be an integer in 1..8", "n", "invalid_params")
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise bad("best_of is not supported", "best_of", "invalid_params")
@@ -100,42 +89,45 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad("suffix must be a string (fill in the middle)", "suffix", "invalid_params")
 
 
-def _sampling(body: dict, item: GenerateRequest) -> None:
-    """The sampling fields, type-checked (ranges are checked by SamplingParams)."""
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v is not None:
-            if not _is_num(v):
-                raise bad(f"{name} must be a number", name)
-            item.sampling[name] = v
-    for name in ("top_k", "seed"):
-        v = body.get(name)
-        if v is not None:
-            if not _is_int(v):
-                raise bad(f"{name} must be an integer", name)
-            item.sampling[name] = v
-    if body.get("ignore_eos") is not None:
-        if not isinstance(body["ignore_eos"], bool):
-            raise bad("ignore_eos must be a boolean", "ignore_eos")
-        item.sampling["ignore_eos"] = body["ignore_eos"]
-    stop = body.get("stop")
-    if stop is not None:
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-            raise bad(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
-        if stop:
-            item.sampling["stop"] = stop
-    bias = body.get("logit_bias")
-    if bias:
-        try:
-            item.sampling["logit_bias"] = {int(k): v for k, v in bias.items()}
-        except (AttributeError, TypeError, ValueError):
-            raise bad("logit_bias must map token ids to numbers", "logit_bias") from None
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list) or len(ids) > MAX_STOP or not all(_is_int(t) for t in ids):
-            raise bad(f"stop_token_ids must be a list of at most {MAX_STOP} integers", "stop_token_ids")
-        item.sampling["stop_token_ids"] = ids
+# the schema's fields this door takes under the same names (schema.py has their rules)
+SAME_NAMES = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_k",
+              "seed", "ignore_eos", "stop", "logit_bias", "stop_token_ids", "n", "share_prefix_cache", "speculative",
+              "priority", "truncate", "context_policy", "parallel_tool_calls", "tools", "tool_choice")
+
+
+def _fields(body: dict, default_max_tokens: int | None) -> dict:
+    """The body's generation fields under the schema's names (None: not given)."""
+    f = {name: body.get(name) for name in SAME_NAMES}
+    f["model"] = body.get("model") or None
+    if f["stop"] == [] or f["logit_bias"] == {}:      # empty: none
+        f["stop"] = f["stop"] or None
+        f["logit_bias"] = f["logit_bias"] or None
+    f["tools"] = body.get("tools") or None
+    f["format"] = output_format(body)
+    for name in ("max_completion_tokens", "max_tokens"):   # the newer name wins
+        if body.get(name) is not None:
+            f["max_tokens"] = body[name]
+            break
+    else:
+        f["max_tokens"] = default_max_tokens
+    return f
+
+
+def _request(body: dict, fields: dict, rid: str, kind: str, **text) -> GenerateRequest:
+    """The schema's request, its FieldError as a 400 naming this door's field."""
+    try:
+        return schema.parse(fields, rid, kind, **text)
+    except FieldError as e:
+        raise ApiError(400, e.message, e.code, _param(body, e.field)) from None
+
+
+def _param(body: dict, name: str | None) -> str | None:
+    """The schema's field `name` as this door calls it (an error's `param`)."""
+    if name == "max_tokens" and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    if name == "logprobs" and body.get("top_logprobs") is not None:
+        return "top_logprobs"
+    return {"format": "response_format", "think": "chat_template_kwargs"}.get(name, name)
 
 
 def output_format(body: dict) -> dict | None:
@@ -174,49 +166,8 @@ def output_format(body: dict) -> dict | None:
     raise bad("response_format type must be text, json_object or json_schema", name, "invalid_params")
 
 
-def _common(body: dict, item: GenerateRequest, gen: Generation, default_max_tokens: int | None) -> None:
-    _refuse_unsupported(body)
-    _sampling(body, item)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("model must be a string", "model")
-    item.model = model or None
-    if body.get("truncate") is not None:
-        try:
-            item.truncate = parse_truncate(body["truncate"], item.kind)
-        except ProtocolError as e:
-            raise bad(str(e), "truncate") from None
-    if body.get("context_policy") is not None:
-        try:
-            item.context_policy = parse_context_policy(body["context_policy"])
-        except ProtocolError as e:
-            raise bad(str(e), "context_policy") from None
-    item.n = body.get("n") or 1
-    item.format = output_format(body)
-    for name in ("max_completion_tokens", "max_tokens"):   # the newer name wins
-        v = body.get(name)
-        if v is not None:
-            if not _is_int(v):
-                raise bad(f"{name} must be an integer", name)
-            item.max_tokens = v
-            break
-    else:
-        item.max_tokens = default_max_tokens
-    share = body.get("share_prefix_cache")
-    if share is not None:
-        if not isinstance(share, bool):
-            raise bad("share_prefix_cache must be a boolean", "share_prefix_cache")
-        if hasattr(item, "share_prefix_cache"):
-            item.share_prefix_cache = share
-    spec = body.get("speculative")
-    if spec is not None:
-        if not isinstance(spec, bool):
-            raise bad("speculative must be a boolean", "speculative")
-        item.speculative = spec
-    priority = body.get("priority", "interactive")
-    if priority not in PRIORITIES:
-        raise bad(f"priority must be one of {', '.join(PRIORITIES)}", "priority")
-    item.priority = priority
+def _answer(body: dict, gen: Generation) -> None:
+    """How to answer: streamed, usage, the fairness identity."""
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise bad("stream must be a boolean", "stream")
@@ -261,40 +212,27 @@ def parse_chat(body: dict, rid: str) -> Generation:
                                      i))
         except ValueError as e:
             raise bad(str(e), f"messages[{i}]") from None
-    item = GenerateRequest(rid, "chat", messages=out)
-    gen = Generation(item, chat=True)
-    _common(body, item, gen, None)
+    _refuse_unsupported(body)
+    fields = _fields(body, None)
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if lp not in (None, False):
         if lp is not True:
             raise bad("logprobs must be a boolean (top_logprobs: how many alternatives)", "logprobs")
-        if top is not None and not _is_int(top):
-            raise bad("top_logprobs must be an integer", "top_logprobs")
-        item.sampling["logprobs"] = top or 0
+        fields["logprobs"] = 0 if top is None else top
     elif top:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-    try:
-        item.tools = check_tools(body["tools"]) if body.get("tools") else None
-        item.tool_choice = check_choice(body.get("tool_choice"), item.tools)
-    except ValueError as e:
-        raise bad(str(e), "tools" if "tools" in str(e) else "tool_choice", "invalid_params") from None
-    ptc = body.get("parallel_tool_calls")
-    if ptc is not None:
-        if not isinstance(ptc, bool):
-            raise bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
-        item.parallel_tool_calls = ptc
-    fmt = body.get("reasoning_format", "none")   # llama.cpp's: "none" keeps <think>…</think> in content
-    if fmt not in ("none", "auto", "deepseek"):
-        raise bad('reasoning_format must be "none", "auto" or "deepseek"', "reasoning_format")
-    gen.reasoning = fmt != "none"
     kw = body.get("chat_template_kwargs")    # vLLM's: only the thinking switch is taken
     if kw is not None:
         if not isinstance(kw, dict):
             raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
-        think = kw.get("enable_thinking")
-        if think is not None and not isinstance(think, bool):
-            raise bad("chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs")
-        item.think = think
+        fields["think"] = kw.get("enable_thinking")
+    item = _request(body, fields, rid, "chat", messages=out)
+    gen = Generation(item, chat=True)
+    _answer(body, gen)
+    fmt = body.get("reasoning_format", "none")   # llama.cpp's: "none" keeps <think>…</think> in content
+    if fmt not in ("none", "auto", "deepseek"):
+        raise bad('reasoning_format must be "none", "auto" or "deepseek"', "reasoning_format")
+    gen.reasoning = fmt != "none"
     return gen
 
 
@@ -304,14 +242,12 @@ def parse_completion(body: dict, rid: str) -> Generation:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise bad("prompt must be a string (one prompt per request)", "prompt")
-    item = GenerateRequest(rid, "generate", prompt=prompt, suffix=body.get("suffix") or None)
+    _refuse_unsupported(body)
+    fields = _fields(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    fields["logprobs"] = body.get("logprobs")
+    item = _request(body, fields, rid, "generate", prompt=prompt, suffix=body.get("suffix") or None)
     gen = Generation(item, chat=False)
-    _common(body, item, gen, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    lp = body.get("logprobs")
-    if lp is not None:
-        if not _is_int(lp):
-            raise bad("logprobs must be an integer (how many alternatives)", "logprobs")
-        item.sampling["logprobs"] = lp
+    _answer(body, gen)
     return gen
 
 

@@ -1,0 +1,286 @@
+"""One generation request, whichever door it comes through: its fields, their types and their
+rules, defined once (pydantic v2, strict: no "1" taken for 1, no true for 1).
+
+Each door maps its own names onto these (OpenAI's `max_completion_tokens`, Ollama's
+`options.num_predict` and `repeat_penalty`, the Responses API's `max_output_tokens`, ...)
+and calls `parse`, which gives the protocol's `GenerateRequest` or raises `FieldError`
+naming the field, with the code every door answers it with: a wrong type or shape is
+`bad_request`, a value out of its range `invalid_params`. `SamplingParams` checks its own
+values with the same rules (`check_sampling`), so a request built in code meets them too.
+docs/PROTOCOL.md's request table and docs/HTTP.md list these fields (tests/test_schema.py
+checks both against `FIELDS`).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic_core import PydanticCustomError
+
+MAX_STOP = 16            # stop strings, stop token ids
+MAX_SAMPLES = 8          # n: parallel samples of one prompt
+MAX_LOGIT_BIAS = 300
+MAX_TOP_LOGPROBS = 20
+MAX_NAME_LEN = 128
+MIN_TEMPERATURE = 1e-4   # a positive temperature below this samples greedily (0 does)
+MAX_TEMPERATURE = 1e6    # (far past uniform already; 1e308 overflows float32)
+MIN_PENALTY, MAX_PENALTY = 0.01, 100.0   # repetition_penalty: beyond these logits overflow or vanish
+PRIORITIES = ("interactive", "background")
+
+Num = StrictInt | StrictFloat
+
+
+class FieldError(ValueError):
+    """A request field that breaks its rule: `field` (the schema's name), `code` (bad_request
+    for a wrong type or shape, invalid_params for a value out of range)."""
+
+    def __init__(self, field: str | None, message: str, code: str = "bad_request"):
+        super().__init__(message)
+        self.field, self.message, self.code = field, message, code
+
+
+def _rule(kind: str, rule: str, **constraints) -> Any:
+    """A field: `kind` names its type in messages ("int or float"), `rule` its range ("a
+    number in [0, 1]"); the constraints are pydantic's (ge, le, gt, max_length)."""
+    return Field(default=None, json_schema_extra={"kind": kind, "rule": rule}, **constraints)
+
+
+def _finite(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        raise PydanticCustomError("range", "not finite")
+    return v
+
+
+class Sampling(BaseModel):
+    """How the next token is drawn (SamplingParams' fields but max_tokens)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    temperature: Num | None = _rule("a number", f"a number in [0, {MAX_TEMPERATURE:g}]", ge=0,
+                                    le=MAX_TEMPERATURE)
+    top_k: StrictInt | None = _rule("an integer", "an integer >= 0 (0 = off)", ge=0)
+    top_p: Num | None = _rule("a number", "in (0, 1]", gt=0, le=1)
+    min_p: Num | None = _rule("a number", "in [0, 1]", ge=0, le=1)
+    repetition_penalty: Num | None = _rule("a number", f"in [{MIN_PENALTY}, {MAX_PENALTY}]", ge=MIN_PENALTY,
+                                           le=MAX_PENALTY)
+    seed: StrictInt | None = _rule("an integer", "an integer in [0, 2**63)", ge=0, lt=2 ** 63)
+    ignore_eos: StrictBool | None = _rule("a boolean", "a boolean")
+    presence_penalty: Num | None = _rule("a number", "in [-2, 2]", ge=-2, le=2)
+    frequency_penalty: Num | None = _rule("a number", "in [-2, 2]", ge=-2, le=2)
+    logit_bias: dict[StrictInt, Num] | None = _rule(
+        "a map of token ids to numbers", f"a map of at most {MAX_LOGIT_BIAS} token ids >= 0 to numbers in [-100, 100]",
+        max_length=MAX_LOGIT_BIAS)
+    logprobs: StrictInt | None = _rule("an integer", f"an integer in 0..{MAX_TOP_LOGPROBS}", ge=0, le=MAX_TOP_LOGPROBS)
+    stop: list[StrictStr] | None = _rule(f"a string or a list of at most {MAX_STOP} strings",
+                                         "a list of non-empty strings", max_length=MAX_STOP)
+    stop_token_ids: list[StrictInt] | None = _rule(f"a list of at most {MAX_STOP} integers",
+                                                   "a list of token ids >= 0", max_length=MAX_STOP)
+
+class Request(Sampling):
+    """One generation request: the sampling fields, and what to run and how."""
+    max_tokens: StrictInt | None = _rule("an integer", "an integer >= 1", ge=1)
+    n: StrictInt | None = _rule("an integer", f"an integer in 1..{MAX_SAMPLES}", ge=1, le=MAX_SAMPLES)
+    priority: Literal["interactive", "background"] | None = _rule(f"one of {', '.join(PRIORITIES)}",
+                                                                  f"one of {', '.join(PRIORITIES)}")
+    share_prefix_cache: StrictBool | None = _rule("a boolean", "a boolean")
+    speculative: StrictBool | None = _rule("a boolean", "a boolean")
+    think: StrictBool | None = _rule("a boolean", "a boolean")
+    parallel_tool_calls: StrictBool | None = _rule("a boolean", "a boolean")
+    model: StrictStr | None = _rule("a string", f"a name of 1..{MAX_NAME_LEN} characters", min_length=1,
+                                    max_length=MAX_NAME_LEN)
+    context_limit: StrictInt | None = _rule("an integer", "an integer >= 1", ge=1)
+    format: dict | None = _rule("a map with a type (json_object, json_schema, regex, lark)",
+                                "a map with a type (json_object, json_schema, regex, lark)")
+    tools: list | None = _rule("a list of tools", "a list of tools")
+    tool_choice: StrictStr | dict | None = _rule("a string or a map", "auto, none, required or a function")
+    truncate: Any = _rule("a string", '"auto" or "none"')
+    context_policy: Any = _rule("a string", '"full" or "window"')
+    keep_alive: Any = _rule("a number of seconds or a duration", 'a number of seconds or a duration ("5m")')
+
+
+SAMPLING_FIELDS = tuple(Sampling.model_fields)
+# every field of a generation request, by the schema's (the msgpack protocol's) names
+FIELDS = tuple(Request.model_fields)
+
+
+def _after(obj: BaseModel) -> None:
+    """The rules pydantic's constraints do not say."""
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        v = getattr(obj, name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise _range(name, v)
+    if obj.stop is not None and not all(obj.stop):
+        raise _range("stop", obj.stop)
+    if obj.stop_token_ids is not None and any(t < 0 for t in obj.stop_token_ids):
+        raise _range("stop_token_ids", obj.stop_token_ids)
+    if obj.logit_bias is not None and any(k < 0 or not (math.isfinite(v) and -100 <= v <= 100)
+                                          for k, v in obj.logit_bias.items()):
+        raise _range("logit_bias", obj.logit_bias)
+    fmt = getattr(obj, "format", None)
+    if fmt is not None and not isinstance(fmt.get("type"), str):
+        raise FieldError("format", "format must be a map with a type (json_object, json_schema, regex, lark)")
+
+
+def _range(name: str, value) -> FieldError:
+    rule = Request.model_fields[name].json_schema_extra["rule"]
+    return FieldError(name, f"{name} must be {rule}, got {value!r}", "invalid_params")
+
+
+# pydantic's error types that mean "wrong type or shape" (the rest: a value out of range)
+_SHAPE = {"int_type", "float_type", "bool_type", "string_type", "dict_type", "list_type", "literal_error",
+          "missing", "extra_forbidden", "int_from_float", "model_type", "too_long", "is_instance_of",
+          "union_tag_invalid", "model_attributes_type"}
+
+
+def _error(e: ValidationError, data: dict) -> FieldError:
+    err = e.errors(include_url=False)[0]
+    name = str(err["loc"][0]) if err["loc"] else None
+    info = Request.model_fields.get(name) if name else None
+    if info is None:
+        return FieldError(name, f"{name}: {err['msg']}")
+    extra = info.json_schema_extra
+    value = data.get(name)
+    kinds = {e2["type"] for e2 in e.errors(include_url=False) if e2["loc"] and e2["loc"][0] == name}
+    if kinds & _SHAPE:
+        got = repr(value) if kinds == {"literal_error"} else type(value).__name__
+        return FieldError(name, f"{name} must be {extra['kind']}, got {got}"
+                          if not isinstance(value, (list, dict)) else f"{name} must be {extra['kind']}")
+    return FieldError(name, f"{name} must be {extra['rule']}, got {value!r}", "invalid_params")
+
+
+def validate(data: dict, model: type[BaseModel] = None) -> BaseModel:
+    """`data` (the schema's names; None values are absent) checked against the rules ->
+    the validated model; FieldError for the first field that breaks one."""
+    model = model or Request
+    data = {k: v for k, v in data.items() if v is not None}
+    if isinstance(data.get("stop"), str):
+        data["stop"] = [data["stop"]]
+    bias = data.get("logit_bias")
+    if isinstance(bias, dict) and any(isinstance(k, str) for k in bias):   # JSON's keys are strings
+        try:
+            data["logit_bias"] = {int(k): v for k, v in bias.items()}
+        except (TypeError, ValueError):
+            raise FieldError("logit_bias", "logit_bias must map token ids to numbers") from None
+    try:
+        obj = model.model_validate(data)
+    except ValidationError as e:
+        raise _error(e, data) from None
+    _after(obj)
+    return obj
+
+
+def check_sampling(values: dict) -> None:
+    """SamplingParams' values (and max_tokens) against the same rules (FieldError, a
+    ValueError, naming the field)."""
+    validate(values)
+
+
+# ---------------------------------------------------------------- the request the front end takes
+
+@dataclass
+class GenerateRequest:
+    """A `chat` (messages) or `generate` (prompt) request, its fields checked by `parse`
+    (the ranges that depend on the model or the server: by the front end)."""
+    id: Any
+    kind: str
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = None
+    priority: str = "interactive"
+    share_prefix_cache: bool = False               # opt in to the household-wide prefix cache
+    sampling: dict = field(default_factory=dict)   # SamplingParams keyword arguments (no max_tokens)
+    format: dict | None = None    # constrained output: {"type": json_object|json_schema|regex|lark, ...}
+    context_limit: int | None = None  # prompt + answer at most this many tokens (Ollama's num_ctx)
+    tools: list | None = None      # checked by tools.check_tools (OpenAI's function tools)
+    tool_choice: str = "none"      # auto | none | required | a function's name
+    parallel_tool_calls: bool | None = None   # None: unset (a few calls at most, tools.MAX_DEFAULT_CALLS)
+    n: int = 1                     # parallel samples of the prompt (copy-on-write forks)
+    model: str | None = None       # which of the box's models (None: its default)
+    keep_alive_s: float | None = None  # how long the model stays loaded after this (-1: always)
+    truncate: str | None = None    # "auto": drop the oldest turns (after the system message) to fit
+    context_policy: str | None = None  # "full" | "window" (None: the server's)
+    think: bool | None = None      # a thinking model thinks (True), or not (False); None: its default
+    suffix: str | None = None      # generate: fill in the middle between prompt and suffix (FIM models)
+    speculative: bool | None = None    # False: no speculative decoding for it (None: the server's)
+
+
+def parse(fields: dict, rid: Any, kind: str, *, messages: list | None = None, prompt: str | None = None,
+          suffix: str | None = None) -> GenerateRequest:
+    """A door's request, its names mapped onto the schema's (`fields`; None: not given),
+    checked -> GenerateRequest; FieldError naming the first field that breaks its rule."""
+    unknown = sorted(set(fields) - set(FIELDS))
+    if unknown:
+        raise FieldError(unknown[0], f"unknown field(s): {', '.join(unknown)}")
+    v = validate(fields)
+    req = GenerateRequest(rid, kind, messages=messages, prompt=prompt, suffix=suffix)
+    req.sampling = {k: getattr(v, k) for k in SAMPLING_FIELDS if getattr(v, k) is not None}
+    for name in ("max_tokens", "format", "context_limit", "model", "think", "speculative", "parallel_tool_calls"):
+        setattr(req, name, getattr(v, name))
+    req.n = v.n or 1
+    req.priority = v.priority or "interactive"
+    req.share_prefix_cache = bool(v.share_prefix_cache)
+    if v.truncate is not None:
+        req.truncate = parse_truncate(v.truncate, kind)
+    if v.context_policy is not None:
+        req.context_policy = parse_context_policy(v.context_policy)
+    if v.keep_alive is not None:
+        req.keep_alive_s = parse_keep_alive(v.keep_alive)
+    if v.tools is not None or v.tool_choice is not None:
+        from .tools import check_choice, check_tools
+        try:
+            req.tools = check_tools(v.tools) if v.tools is not None else None
+        except ValueError as e:
+            raise FieldError("tools", str(e)) from None
+        try:
+            req.tool_choice = check_choice(v.tool_choice, req.tools)
+        except ValueError as e:
+            raise FieldError("tool_choice", str(e)) from None
+    return req
+
+
+def parse_truncate(value, kind: str = "chat") -> str | None:
+    """`truncate`: "auto" (chat only) or "none"/false; FieldError otherwise."""
+    if value in (None, False, "none", "disabled"):
+        return None
+    if value != "auto":
+        raise FieldError("truncate", 'truncate must be "auto" or "none"')
+    if kind != "chat":
+        raise FieldError("truncate", 'truncate "auto" is for chat requests (it drops whole turns)')
+    return "auto"
+
+
+CONTEXT_POLICIES = ("full", "window")
+
+
+def parse_context_policy(value) -> str:
+    """`context_policy`: "full" (attention over the whole context) or "window" (the server's
+    sink + window: out-of-window KV blocks given back, generation past the context)."""
+    if value not in CONTEXT_POLICIES:
+        raise FieldError("context_policy", 'context_policy must be "full" or "window"')
+    return value
+
+
+def parse_keep_alive(value) -> float:
+    """Ollama's keep_alive: seconds (a number), a duration ("30s", "5m", "1h", "1h30m"), or
+    negative for always. FieldError (a ValueError) saying what it takes."""
+    if isinstance(value, bool):
+        raise FieldError("keep_alive", "keep_alive must be a duration (\"5m\") or a number of seconds")
+    if isinstance(value, (int, float)):
+        return -1.0 if value < 0 else float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            n = float(text)
+            return -1.0 if n < 0 else n
+        except ValueError:
+            pass
+        parts = re.fullmatch(r"(-)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", text)
+        if parts and text and any(parts.group(i) for i in (2, 3, 4)):
+            if parts.group(1):
+                return -1.0
+            h, m, sec = (float(parts.group(i) or 0) for i in (2, 3, 4))
+            return h * 3600 + m * 60 + sec
+    raise FieldError("keep_alive", "keep_alive must be a duration (\"5m\", \"30s\", \"1h\") or a number of seconds; "
+                     "negative keeps the model loaded")
