@@ -98,11 +98,10 @@ class Request:
     engine: Any = field(default=None, repr=False)
     model: str = ""
     truncated: int = 0             # messages the front end dropped to fit the context (truncate "auto")
-    # a thinking model's answer (thinking.ThinkSplit): whether the doors that separate thinking
-    # should, and whether the prompt already opened the block
+    # a thinking model's answer (thinking.ThinkSplit, in answer.Answer): whether the doors
+    # that separate thinking should, and whether the prompt already opened the block
     thinking: bool = False
     think_open: bool = False
-    think_split: Any = None        # the door's ThinkSplit, once it splits this answer
     # the window policy: (sink, window) tokens kept, the blocks between given back as the
     # sequence grows (it may then generate past the context); None: full attention
     context_window: tuple[int, int] | None = None

@@ -15,8 +15,8 @@ import trio
 
 from .. import brief
 from ..engine import DoneEvent, EngineClosed, RequestRejected, TokenEvent
+from ..answer import Answer, End, Piece, answer_events
 from ..frontend import AuthFailed, Caller
-from ..thinking import ThinkSplit
 from ..protocol import (CODES, SUPPORTED_VERSIONS, ConnectionClosed, FrameReader, GenerateRequest, Hello,
                        ProtocolError, encode, parse, with_id)
 
@@ -53,43 +53,20 @@ def event_frame(rid, ev: TokenEvent | DoneEvent, model: str = "", truncated: int
     return frame
 
 
-def sample_frames(rid, req, ev: TokenEvent | DoneEvent) -> list[dict]:
-    """The frames of one engine event of `req` (a request, or one of its parallel samples).
-    With tools offered (`req.calls`) the text is held back while it may be a call, and the
-    calls come parsed on the done frame (finish_reason "tool_calls"); a thinking model's
-    thinking comes apart in `thinking` (`req.thinking`)."""
-    calls = req.calls
-    if calls is None and not req.thinking:
-        return [event_frame(rid, ev, req.model, req.truncated)]
-    if isinstance(ev, TokenEvent):
-        text = calls.push(ev.token_ids, ev.text) if calls is not None else ev.text
-        return [_thinking_apart(req, event_frame(rid, TokenEvent(ev.token_ids, text, ev.logprobs)))]
-    rest, found = calls.finish() if calls is not None else ("", [])
-    out = [_thinking_apart(req, event_frame(rid, TokenEvent([], rest)))] if rest else []
-    if req.think_split is not None:                     # what the split still held
-        thinking, content = req.think_split.flush()
-        if thinking or content:
-            out.append(event_frame(rid, TokenEvent([], content)))
-            if thinking:
-                out[-1]["thinking"] = thinking
-    frame = event_frame(rid, ev, req.model, req.truncated)
-    if found and ev.finish_reason in ("stop", "length"):
+def item_frame(rid, item: Piece | End, req) -> dict:
+    """One answer item (answer.py) as this protocol's frame: a `token` frame (the text, a
+    thinking model's thinking apart in `thinking`), or the `done` frame (the tool calls the
+    answer made, finish_reason "tool_calls")."""
+    if isinstance(item, Piece):
+        frame = event_frame(rid, TokenEvent(item.token_ids, item.text, item.logprobs))
+        if item.thinking:
+            frame["thinking"] = item.thinking
+        return frame
+    frame = event_frame(rid, item.done, req.model, req.truncated)
+    if item.calls and item.finish_reason == "tool_calls":
         frame["finish_reason"] = "tool_calls"
         frame["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
-            "name": c["name"], "arguments": c["arguments"]}} for c in found]
-    out.append(frame)
-    return out
-
-
-def _thinking_apart(req, frame: dict) -> dict:
-    """A thinking model's token frame: its thinking in `thinking`, the answer in `text`."""
-    if not req.thinking:
-        return frame
-    if req.think_split is None:
-        req.think_split = ThinkSplit.of(req)
-    thinking, frame["text"] = req.think_split.feed(frame["text"])
-    if thinking:
-        frame["thinking"] = thinking
+            "name": c["name"], "arguments": c["arguments"]}} for c in item.calls]
     return frame
 
 
@@ -317,33 +294,23 @@ class Connection:
                 self.idle_scope.deadline = trio.current_time() + self.config.idle_timeout_s
 
     async def _stream(self, rid, req, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        if req.children:
-            return await self._stream_samples(rid, req, task_status)
-        try:
-            async with self.engine.stream(req) as events:
-                task_status.started()
-                async for ev in events:
-                    for frame in sample_frames(rid, req, ev):
-                        await self.send(frame)
-        finally:
-            self.inflight.pop(rid, None)
-            if not self.inflight and self.idle_scope is not None:   # idle again: arm the timeout
-                self.idle_scope.deadline = trio.current_time() + self.config.idle_timeout_s
-
-    async def _stream_samples(self, rid, req, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """n > 1: every frame carries the sample's `index`; one done frame per sample."""
+        """The answer's items as frames; n > 1: every frame carries the sample's `index` and
+        each sample ends with a done frame of its own."""
         samples = [req, *req.children]
-        self.samples[rid] = samples
+        if len(samples) > 1:
+            self.samples[rid] = samples
+        answer = Answer(req, thinking=True)
         try:
-            async with self.engine.stream_samples(req) as events:
+            async with answer_events(self.engine, req) as events:
                 task_status.started()
                 async for k, ev in events:
-                    for frame in sample_frames(rid, samples[k], ev):
-                        frame["index"] = k
+                    for item in answer.feed(k, ev):
+                        frame = item_frame(rid, item, samples[k])
+                        if answer.n > 1:
+                            frame["index"] = k
                         await self.send(frame)
         finally:
             self.samples.pop(rid, None)
             self.inflight.pop(rid, None)
-            if not self.inflight and self.idle_scope is not None:
+            if not self.inflight and self.idle_scope is not None:   # idle again: arm the timeout
                 self.idle_scope.deadline = trio.current_time() + self.config.idle_timeout_s
-

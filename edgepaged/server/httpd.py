@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import brief
+from ..answer import Answer, Call, End, Piece, answer_events
 from ..engine import DoneEvent, EmbeddingEvent, EngineClosed, RequestRejected, TokenEvent
 from ..protocol import parse_keep_alive
 from ..frontend import AuthFailed, FrontEnd
@@ -679,58 +680,64 @@ class GenerationResponse:
 
     async def _run(self, send) -> None:
         engine = self.req.engine or self.http.engine
-        if self.n > 1:   # parallel samples: (index, event)
-            opened, stream, answer = engine.stream_samples(self.req), self._stream_samples, self._answer_samples
-        else:
-            opened, stream, answer = engine.stream(self.req), self._stream, self._answer
+        sh = self.shaper
+        answer = Answer(self.req, thinking=sh.splits_thinking,
+                        stream_calls=self.gen.stream and self.n == 1 and getattr(sh, "streams_calls", False))
         try:
-            async with opened as events:
-                await (stream if self.gen.stream else answer)(events, send)
+            async with answer_events(engine, self.req) as events:
+                await (self._stream if self.gen.stream else self._answer)(answer, events, send)
         except EngineClosed:   # entering the stream: nothing was sent yet
             err = ApiError(503, "the server is shutting down", "shutdown")
-            await self._send_json(send, 503, self.shaper.error_body(err))
+            await self._send_json(send, 503, sh.error_body(err))
         except RequestRejected as e:
             err = ApiError.from_rejected(e)
-            await self._send_json(send, err.status, self.shaper.error_body(err))
+            await self._send_json(send, err.status, sh.error_body(err))
 
-    def _samples_logprobs(self):
-        return [Logprobs(self.tokenizer, self.gen.chat) if self.req.params.logprobs is not None else None
-                for _ in range(self.n)]
+    def _logprobs(self):
+        """Per sample: the shaper of OpenAI's logprobs, when asked (None otherwise)."""
+        asked = self.req.params.logprobs is not None and getattr(self.shaper, "shapes_logprobs", False)
+        return [Logprobs(self.tokenizer, self.gen.chat) if asked else None for _ in range(self.n)]
 
-    async def _answer_samples(self, events, send) -> None:
+    async def _answer(self, answer: Answer, events, send) -> None:
+        """One JSON body once every sample has ended."""
         n = self.n
-        texts, dones, lps = [[] for _ in range(n)], [None] * n, [([], []) for _ in range(n)]
-        found = [[] for _ in range(n)]
+        texts, thinks = [[] for _ in range(n)], [[] for _ in range(n)]
+        lps, ends = [([], []) for _ in range(n)], [None] * n
         async for k, ev in events:
-            calls = self.samples[k].calls
-            if isinstance(ev, TokenEvent):
-                texts[k].append(calls.push(ev.token_ids, ev.text) if calls is not None else ev.text)
-                if ev.logprobs:
-                    lps[k][0].extend(ev.token_ids)
-                    lps[k][1].extend(ev.logprobs)
-            else:
-                dones[k] = ev
-                if calls is not None:
-                    rest, found[k] = calls.finish()
-                    texts[k].append(rest)
-        errs = [done_error(d) for d in dones if d is not None]
-        err = next((e for e in errs if e is not None), None)
-        if err is not None or any(d is None for d in dones):
+            for item in answer.feed(k, ev):
+                if isinstance(item, Piece):
+                    texts[k].append(item.text)
+                    thinks[k].append(item.thinking)
+                    if item.logprobs:
+                        lps[k][0].extend(item.token_ids)
+                        lps[k][1].extend(item.logprobs)
+                elif isinstance(item, End):
+                    ends[k] = item
+        err = next((e for e in (done_error(x.done) for x in ends if x is not None) if e is not None), None)
+        if err is not None or any(x is None for x in ends):
             err = err or ApiError(500, "a sample ended without an answer", "internal_error")
             return await self._send_json(send, err.status, self.shaper.error_body(err))
-        shapers = self._samples_logprobs()
-        answers = [("".join(texts[k]), dones[k], None if shapers[k] is None else shapers[k].of(*lps[k]), found[k])
-                   for k in range(n)]
-        await self._send_json(send, 200, self.shaper.full_n(answers))
+        shapers = self._logprobs()
+        lp = [None if shapers[k] is None else shapers[k].of(*lps[k]) for k in range(n)]
+        if n > 1:
+            body = self.shaper.full_n([("".join(texts[k]), ends[k].done, lp[k], ends[k].calls) for k in range(n)])
+        else:
+            body = self.shaper.full("".join(texts[0]), ends[0].done, ends[0].calls, lp[0], "".join(thinks[0]))
+            if self.req.truncated:
+                body["truncated_messages"] = self.req.truncated
+        await self._send_json(send, 200, body)
 
-    async def _stream_samples(self, events, send) -> None:
-        sh = self.shaper
-        n = self.n
-        lps = self._samples_logprobs()
+    async def _stream(self, answer: Answer, events, send) -> None:
+        """The items as the door's chunks as they come (what is already queued goes in one
+        write); n > 1: each chunk's choice carries its sample's index, the usage chunk (if
+        asked) comes once, at the end."""
+        sh, n = self.shaper, self.n
+        lps = self._logprobs()
 
         def at(chunk, k):
-            for c in chunk["choices"]:
-                c["index"] = k
+            if n > 1:
+                for c in chunk["choices"]:
+                    c["index"] = k
             return sh.frame(chunk)
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", sh.media_type.encode()), (b"cache-control", b"no-cache"),
@@ -739,113 +746,57 @@ class GenerationResponse:
         if first[0] is not None:
             await send({"type": "http.response.body", "body": b"".join(at(c, k) for k, c in enumerate(first)),
                         "more_body": True})
-        dones, err = [], None
-        async for k, ev in events:
-            calls = self.samples[k].calls
-            if isinstance(ev, TokenEvent):
-                text = calls.push(ev.token_ids, ev.text) if calls is not None else ev.text
-                if ev.logprobs and lps[k] is not None:
-                    body = at(sh.text_chunk(text, lps[k].of(ev.token_ids, ev.logprobs)), k)
-                elif text:
-                    body = at(sh.text_chunk(text), k)
-                else:
-                    continue
-            else:
-                dones.append(ev)
-                err = err or done_error(ev)
-                if err is not None:
-                    break
-                body, found = b"", []
-                if calls is not None:
-                    rest, found = calls.finish()
-                    if rest:
-                        body = at(sh.text_chunk(rest), k)
-                # the sample's calls and its end; the usage chunk (if asked) comes once, at the end
-                body += b"".join(at(c, k) for c in sh.last_chunks(ev, found) if c["choices"])
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-        out = []
-        if err is not None:
-            out.append(sh.frame(sh.error_chunk(err)))
-        elif self.gen.include_usage:
-            u = {"prompt_tokens": dones[0].usage["prompt_tokens"],
-                 "completion_tokens": sum(d.usage["completion_tokens"] for d in dones), "cached_tokens": 0}
-            out.append(sh.frame(sh._chunk(None, usage(u))))
-        out.append(sh.trailer)
-        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
-
-    async def _answer(self, events, send) -> None:
-        parts, calls = [], self.req.calls
-        lp_ids, lp_infos = [], []
-        async for ev in events:
-            if isinstance(ev, TokenEvent):
-                parts.append(calls.push(ev.token_ids, ev.text) if calls is not None else ev.text)
-                if ev.logprobs:
-                    lp_ids += ev.token_ids
-                    lp_infos += ev.logprobs
-                continue
-            err = done_error(ev)
-            if err is not None:
-                return await self._send_json(send, err.status, self.shaper.error_body(err))
-            found = []
-            if calls is not None:
-                rest, found = calls.finish()
-                parts.append(rest)
-            logprobs = None
-            if self.req.params.logprobs is not None and isinstance(self.shaper, Shaper):
-                logprobs = Logprobs(self.tokenizer, self.gen.chat).of(lp_ids, lp_infos)
-            body = self.shaper.full("".join(parts), ev, found, logprobs)
-            if self.req.truncated:
-                body["truncated_messages"] = self.req.truncated
-            return await self._send_json(send, 200, body)
-
-    async def _stream(self, events, send) -> None:
-        sh = self.shaper
-        lp = Logprobs(self.tokenizer, self.gen.chat) \
-            if self.req.params.logprobs is not None and isinstance(sh, Shaper) else None
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", sh.media_type.encode()), (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no")]})
-        first = sh.first_chunk()
-        if first is not None:
-            await send({"type": "http.response.body", "body": sh.frame(first), "more_body": True})
-        done = None
-        while done is None:
-            batch = [await events.receive()]
+        ended, err = [], None
+        while err is None and len(ended) < n:
+            try:
+                batch = [await events.receive()]
+            except trio.EndOfChannel:
+                break
             while True:   # what else is already queued goes in the same write
                 try:
                     batch.append(events.receive_nowait())
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
             out = []
-            calls = self.req.calls
-            stream_calls = calls is not None and getattr(sh, "streams_calls", False)
-            for ev in batch:
-                if isinstance(ev, TokenEvent):
-                    text = calls.push(ev.token_ids, ev.text) if calls is not None else ev.text
-                    if ev.logprobs and lp is not None:
-                        out.append(sh.frame(sh.text_chunk(text, lp.of(ev.token_ids, ev.logprobs))))
-                    elif text and (chunk := sh.text_chunk(text)) is not None:
-                        out.append(sh.frame(chunk))
-                    if stream_calls:      # a call goes out as it is written (the grammar holds it valid)
-                        out += [sh.frame(c) for k, part in calls.deltas()
-                                if (c := sh.call_chunk(k, part)) is not None]
-                else:
-                    done = ev
-            if done is not None:
-                err = done_error(done)
-                found = []
-                if calls is not None and err is None:
-                    rest, found = calls.finish()
-                    if rest and (chunk := sh.text_chunk(rest)) is not None:
-                        out.append(sh.frame(chunk))
-                chunks = [sh.error_chunk(err)] if err is not None else sh.last_chunks(done, found)
-                if self.req.truncated and err is None:
-                    for c in chunks:
-                        c["truncated_messages"] = self.req.truncated
-                out += [sh.frame(c) for c in chunks]
+            for k, ev in batch:
+                items = answer.feed(k, ev)
+                if isinstance(items[-1], End) and (err := done_error(items[-1].done)) is not None:
+                    break
+                for item in items:
+                    if isinstance(item, Piece):
+                        lp = lps[k].of(item.token_ids, item.logprobs) if item.logprobs and lps[k] is not None \
+                            else None
+                        if (item.text or item.thinking or lp is not None) and \
+                                (chunk := sh.text_chunk(item.text, item.thinking, lp)) is not None:
+                            out.append(at(chunk, k))
+                    elif isinstance(item, Call):
+                        if (chunk := sh.call_chunk(item.k, item.part)) is not None:
+                            out.append(at(chunk, k))
+                    else:
+                        chunks = sh.last_chunks(item.done, item.calls)
+                        if n > 1:
+                            chunks = [c for c in chunks if c["choices"]]
+                        elif self.req.truncated:
+                            for c in chunks:
+                                c["truncated_messages"] = self.req.truncated
+                        out += [at(c, k) for c in chunks]
+                        ended.append(item)
+            finished = err is not None or len(ended) == n
+            if err is not None:
+                out.append(sh.frame(sh.error_chunk(err)))
+            elif finished and n > 1 and self.gen.include_usage:
+                dones = [e.done for e in ended]
+                u = {"prompt_tokens": dones[0].usage["prompt_tokens"],
+                     "completion_tokens": sum(d.usage["completion_tokens"] for d in dones), "cached_tokens": 0}
+                out.append(sh.frame(sh._chunk(None, usage(u))))
+            if finished:
                 out.append(sh.trailer)
-            if out:
-                await send({"type": "http.response.body", "body": b"".join(out), "more_body": done is None})
+            if out or finished:
+                await send({"type": "http.response.body", "body": b"".join(out), "more_body": not finished})
+        if err is None and len(ended) < n:    # the events ended before every sample did
+            err = ApiError(500, "a sample ended without an answer", "internal_error")
+            await send({"type": "http.response.body", "body": sh.frame(sh.error_chunk(err)) + sh.trailer,
+                        "more_body": False})
 
     @staticmethod
     async def _send_json(send, status: int, body: dict) -> None:

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from .. import schema
 from ..protocol import MAX_MESSAGES, GenerateRequest
 from ..schema import FieldError
-from ..thinking import ThinkSplit, thinks
+from ..thinking import thinks
 from ..tools import check_message
 from .openai_api import ApiError, Generation
 
@@ -214,11 +214,10 @@ class OllamaShaper:
 
     media_type = "application/x-ndjson"
     trailer = b""
+    splits_thinking = True      # a thinking model's answer: its thinking in `thinking`, as Ollama gives it
 
     def __init__(self, gen: OllamaGeneration, model: str, req=None):
         self.gen, self.model = gen, model
-        # a thinking model's answer: its thinking in `thinking`, as Ollama gives it
-        self.split = ThinkSplit.of(req)
         self._calls: dict = {}      # calls being written: index -> [name, arguments so far]
         self.sent_calls = 0         # calls that went out whole already
 
@@ -248,8 +247,7 @@ class OllamaShaper:
                    eval_count=u["completion_tokens"], eval_duration=_ns(t["decode_s"]))
         return out
 
-    def full(self, text: str, done, calls=None, logprobs=None) -> dict:
-        thinking, text = self.split.whole(text) if self.split is not None else ("", text)
+    def full(self, text: str, done, calls=None, logprobs=None, thinking: str = "") -> dict:
         out = self._final(text, done, thinking)
         if calls:
             out["message"]["tool_calls"] = ollama_calls(calls)
@@ -258,12 +256,9 @@ class OllamaShaper:
     def first_chunk(self):
         return None
 
-    def text_chunk(self, text: str) -> dict | None:
-        """A piece of the answer (None: nothing to give out yet, a marker may be forming)."""
-        if self.split is None:
-            return self._obj(text, False)
-        thinking, content = self.split.feed(text)
-        return self._obj(content, False, thinking) if thinking or content else None
+    def text_chunk(self, text: str, thinking: str = "", logprobs=None) -> dict | None:
+        """A piece of the answer (None: nothing to give out)."""
+        return self._obj(text, False, thinking) if thinking or text else None
 
     streams_calls = True      # each tool call goes out as soon as it is complete (call_chunk)
 
@@ -287,10 +282,6 @@ class OllamaShaper:
 
     def last_chunks(self, done, calls=None) -> list[dict]:
         out = []
-        if self.split is not None:
-            thinking, content = self.split.flush()
-            if thinking or content:
-                out.append(self._obj(content, False, thinking))
         rest = (calls or [])[self.sent_calls:]
         if rest:
             chunk = self._obj("", False)

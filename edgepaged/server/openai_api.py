@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from .. import schema
 from ..protocol import MAX_MESSAGES, MAX_NAME_LEN, GenerateRequest
 from ..schema import FieldError
-from ..thinking import ThinkSplit
 from ..tools import check_choice, check_message, check_tools
 
 # protocol error code -> HTTP status (the code itself goes to the client as error.code)
@@ -314,6 +313,7 @@ class Shaper:
         return err.body()
 
     streams_calls = True      # tool calls go out as they are written (call_chunk)
+    shapes_logprobs = True    # OpenAI's logprobs objects (Logprobs)
 
     def __init__(self, gen: Generation, model: str, req=None):
         self.gen, self.model = gen, model
@@ -322,7 +322,7 @@ class Shaper:
         self.created = int(time.time())
         # reasoning_format asked and a thinking model's answer: its thinking in reasoning_content
         # (one answer: parallel samples keep it in content)
-        self.split = ThinkSplit.of(req) if gen.reasoning and req is not None and not req.children else None
+        self.splits_thinking = gen.reasoning and req is not None and not req.children
 
     def _envelope(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -346,10 +346,9 @@ class Shaper:
             "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": answers[0][1].usage.get("cached_tokens", 0)}}}
 
-    def full(self, text: str, done, calls=None, logprobs=None) -> dict:
+    def full(self, text: str, done, calls=None, logprobs=None, thinking: str = "") -> dict:
         """The non-streamed answer (`calls`: the tool calls parsed out of it; `logprobs`: the
-        shaped logprobs, or None)."""
-        thinking, text = self.split.whole(text) if self.split is not None else ("", text)
+        shaped logprobs, or None; `thinking`: a thinking model's, apart)."""
         if self.gen.chat:
             message = {"role": "assistant", "content": text if text or not calls else None}
             if thinking:
@@ -378,16 +377,14 @@ class Shaper:
         return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
-    def text_chunk(self, text: str, logprobs=None) -> dict | None:
-        """A piece of the answer (None: nothing to give out yet, a <think> marker may be forming)."""
+    def text_chunk(self, text: str, thinking: str = "", logprobs=None) -> dict | None:
+        """A piece of the answer (None: nothing to give out)."""
+        if not text and not thinking and logprobs is None:
+            return None
         if self.gen.chat:
             delta = {"content": text}
-            if self.split is not None:
-                thinking, delta["content"] = self.split.feed(text)
-                if thinking:
-                    delta["reasoning_content"] = thinking
-                elif not delta["content"] and logprobs is None:
-                    return None
+            if thinking:
+                delta["reasoning_content"] = thinking
             return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None})
         return self._chunk({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None})
 
@@ -405,11 +402,6 @@ class Shaper:
 
     def last_chunks(self, done, calls=None) -> list[dict]:
         out = []
-        if self.split is not None:
-            thinking, content = self.split.flush()
-            if thinking or content:
-                delta = {"content": content, **({"reasoning_content": thinking} if thinking else {})}
-                out.append(self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}))
         rest = (calls or [])[self.sent_calls:]
         if rest:    # calls not streamed already: each whole in one delta (the client joins deltas by index)
             out.append(self._chunk({"index": 0, "delta": {"tool_calls": [

@@ -214,6 +214,7 @@ class ResponsesShaper:
 
     media_type = "text/event-stream; charset=utf-8"
     trailer = b""
+    splits_thinking = False     # the answer's text as the model wrote it
 
     def __init__(self, gen: ResponsesGeneration, model: str, req=None, remember=None):
         self.gen, self.model, self.remember = gen, model, remember
@@ -267,7 +268,7 @@ class ResponsesShaper:
                               {"reason": "max_output_tokens"} if length else None)
 
     # -- the door's interface (as openai_api.Shaper) --------------------------------------------
-    def full(self, text: str, done, calls=None, logprobs=None) -> dict:
+    def full(self, text: str, done, calls=None, logprobs=None, thinking: str = "") -> dict:
         return self._final(text, done, calls)
 
     def error_body(self, err: ApiError) -> dict:
@@ -294,7 +295,7 @@ class ResponsesShaper:
                 {"type": "response.content_part.added", "item_id": self.msg_id, "output_index": 0,
                  "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}]
 
-    def text_chunk(self, text: str, logprobs=None):
+    def text_chunk(self, text: str, thinking: str = "", logprobs=None):
         if not text:
             return None
         out = [] if self.opened else self._open()
