@@ -372,8 +372,6 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
         mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
     if cfg.http is not None:
         cfg.http.sock = http_sock
-    if hasattr(runner, "slots"):     # several models: every one gets the box's settings
-        runner.front_config, runner.engine_config = cfg.front, cfg.engine
     try:
         trio.run(partial(run, runner, cfg, say=lambda line: click.echo(line) or sys.stdout.flush()))
     except BaseExceptionGroup as group:   # e.g. the port is taken: say so without a traceback

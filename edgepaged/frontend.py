@@ -169,42 +169,19 @@ WINDOW_MAX_TOKENS = 1 << 16  # the window policy's cap on max_tokens when the se
 DEFAULT_ANSWER_ROOM = 512   # truncate "auto" keeps this much room for an answer when max_tokens is not given
 
 
-class FrontEnd:
-    def __init__(self, engine, config: FrontEndConfig | None = None, throttle: AuthThrottle | None = None):
-        self.engine = engine
-        self.config = cfg = config or FrontEndConfig()
+class Box:
+    """What every door talks to: the box, serving one model (`FrontEnd`) or several
+    (`models.MultiFront`). Both say who is asking (`authenticate`, `caller`), what a caller
+    may see (`stats`), and take requests (`build`, `build_embeds`, `models`); each has
+    `engine`, `model` (the default model's name), `tokenizer`, `max_prompt_tokens`,
+    `max_tokens`, `embedding_only`, `warm_grammars`. `modelset` is the several models' set
+    (models.ModelSet), None on a box of one model."""
+
+    modelset = None
+
+    def __init__(self, config: FrontEndConfig | None = None, throttle: AuthThrottle | None = None):
+        self.config = config or FrontEndConfig()
         self.throttle = throttle or AuthThrottle()
-        self.tokenizer = engine.tokenizer
-        ctx = engine.max_model_len
-        self.max_prompt_tokens = min(cfg.max_prompt_tokens or ctx - 1, ctx - 1)
-        self.max_tokens = min(cfg.max_tokens or ctx, ctx)
-        self.model = model_display_name(engine)
-        self._grammars = None
-
-    @property
-    def grammars(self):
-        """The model's constrained-decoding compiler (llguidance), made on first use."""
-        if self._grammars is None:
-            from .model.grammar import Grammars
-            vocab = getattr(getattr(getattr(self.engine, "runner", None), "config", None), "vocab_size", None)
-            self._grammars = Grammars(self.tokenizer, vocab or self.tokenizer.vocab_size, self.config.grammar)
-        return self._grammars
-
-
-    def warm_grammars(self) -> None:
-        """Build the llguidance tokenizer ahead of the first format (call it in a worker thread
-        while nobody waits: its constructor holds the GIL ~0.2-0.3 s)."""
-        if self.embedding_only:
-            return
-        try:
-            self.grammars.lltok
-        except Exception as e:   # no grammars is no reason not to serve; the first format says why
-            log.warning("the grammar tokenizer could not be built: %s", e)
-
-    @property
-    def embedding_only(self) -> bool:
-        """An embedding model (encoder.py): it answers embeddings only."""
-        return bool(getattr(self.engine.runner, "embedding_only", False))
 
     # -- who is asking --------------------------------------------------------------------------
     @property
@@ -251,6 +228,58 @@ class FrontEnd:
         admins = getattr(self.config.users, "admins", ())
         return Caller(f"{user}/{client_name}" if client_name else user, user, sees_all=user in admins,
                       namespace="user")
+
+    def stats(self, caller: Caller, full: dict) -> dict:
+        """What `caller` may see of the box's stats (`full`, the engine's and the doors'):
+        everything without per-user tokens or for an admin; else its own figures and the
+        box's load at a coarse grain (nothing that moves with another user's prompt)."""
+        if caller.sees_all:
+            return full
+        return {"model": self.model, "box": full.get("box"), "max_model_len": full.get("max_model_len"),
+                "num_requests_running": full["num_requests_running"],
+                "num_requests_waiting": full["num_requests_waiting"],
+                "kv_cache_usage_perc": round(full["kv_cache_usage_perc"], 1), "scope": "own",
+                "own": self.engine.metrics.owner_snapshot(caller.identity)}
+
+
+class FrontEnd(Box):
+    """The box of one model: validates, renders and tokenizes its requests for its engine."""
+
+    def __init__(self, engine, config: FrontEndConfig | None = None, throttle: AuthThrottle | None = None):
+        super().__init__(config, throttle)
+        self.engine = engine
+        cfg = self.config
+        self.tokenizer = engine.tokenizer
+        ctx = engine.max_model_len
+        self.max_prompt_tokens = min(cfg.max_prompt_tokens or ctx - 1, ctx - 1)
+        self.max_tokens = min(cfg.max_tokens or ctx, ctx)
+        self.model = model_display_name(engine)
+        self._grammars = None
+
+    @property
+    def grammars(self):
+        """The model's constrained-decoding compiler (llguidance), made on first use."""
+        if self._grammars is None:
+            from .model.grammar import Grammars
+            vocab = getattr(getattr(getattr(self.engine, "runner", None), "config", None), "vocab_size", None)
+            self._grammars = Grammars(self.tokenizer, vocab or self.tokenizer.vocab_size, self.config.grammar)
+        return self._grammars
+
+
+    def warm_grammars(self) -> None:
+        """Build the llguidance tokenizer ahead of the first format (call it in a worker thread
+        while nobody waits: its constructor holds the GIL ~0.2-0.3 s)."""
+        if self.embedding_only:
+            return
+        try:
+            self.grammars.lltok
+        except Exception as e:   # no grammars is no reason not to serve; the first format says why
+            log.warning("the grammar tokenizer could not be built: %s", e)
+
+    @property
+    def embedding_only(self) -> bool:
+        """An embedding model (encoder.py): it answers embeddings only."""
+        return self.engine.runner.embedding_only
 
     # -- requests -------------------------------------------------------------------------------
     async def build(self, item: GenerateRequest, caller: Caller) -> Request:
@@ -483,17 +512,5 @@ class FrontEnd:
         return ids, cut - head
 
     # -- what the box says about itself ---------------------------------------------------------
-    def stats(self, caller: Caller, full: dict) -> dict:
-        """What `caller` may see of the box's stats (`full`, the engine's and the doors'):
-        everything without per-user tokens or for an admin; else its own figures and the
-        box's load at a coarse grain (nothing that moves with another user's prompt)."""
-        if caller.sees_all:
-            return full
-        return {"model": self.model, "box": full.get("box"), "max_model_len": full.get("max_model_len"),
-                "num_requests_running": full["num_requests_running"],
-                "num_requests_waiting": full["num_requests_waiting"],
-                "kv_cache_usage_perc": round(full["kv_cache_usage_perc"], 1), "scope": "own",
-                "own": self.engine.metrics.owner_snapshot(caller.identity)}
-
     def models(self) -> list[dict]:
         return [{"name": self.model, "context_length": self.engine.max_model_len, "default": True}]

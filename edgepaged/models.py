@@ -27,7 +27,7 @@ import trio
 
 from .engine import Engine, EngineConfig, RequestRejected
 from .engine.metrics import merge_prometheus
-from .frontend import AuthThrottle, FrontEnd, FrontEndConfig
+from .frontend import AuthThrottle, Box, FrontEnd, FrontEndConfig
 
 log = logging.getLogger("edgepaged.models")
 KEEP_ALIVE_S = 300.0
@@ -403,18 +403,19 @@ class _NoOwnerMetrics:
         return out
 
 
-class MultiFront(FrontEnd):
-    """The front end every door talks to when the box serves several models: auth and identity
-    are the box's; a request is validated, rendered and tokenized by its model's FrontEnd."""
+class MultiFront(Box):
+    """The box of several models: auth and identity are the box's; a request is validated,
+    rendered and tokenized by its model's FrontEnd."""
 
     embedding_only = False                      # each model's own front end says
 
-    def __init__(self, models: ModelSet):       # no engine of its own: FrontEnd.__init__ is not run
+    def __init__(self, models: ModelSet):
+        super().__init__(models.front_config, models.throttle)
         self.modelset = models
-        self.config = models.front_config
-        self.throttle = models.throttle
         self.engine = BoxEngine(models)
-        self._grammars = None
+
+    def warm_grammars(self) -> None:
+        """Each model's front end warms its own when the model loads."""
 
     @property
     def model(self) -> str:

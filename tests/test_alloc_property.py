@@ -89,8 +89,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         if data.draw(st.booleans()):
             args.append(np.array(new, dtype=np.int64))
         kind, out = self._both("prepare_step", *args)
-        if kind != "ok":
-            return
+        if kind == "ok":
+            self._write(ids, ns, out)
+
+    def _write(self, ids, ns, out):
+        """A step's KV writes into the simulated cache, as the runner makes them."""
         slots, tables, seq_lens, copies, num_free = out
         assert num_free == self.ref.num_free_blocks
         for src, dst in copies:  # copy-on-write first, as the runner does
@@ -135,6 +138,29 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def duplicate_id(self, data):
         self._both("add_sequence", data.draw(st.sampled_from(self._live())), [1, 2, 3])
+
+    @rule(prefix=st.sampled_from(range(-1, len(PREFIXES))),
+          suffix=st.lists(st.integers(0, 5), min_size=1, max_size=9), salt=st.sampled_from([0, 0, 1]),
+          data=st.data())
+    def admit(self, prefix, suffix, salt, data):
+        """The scheduler's admission test: `admission_blocks` (a query) says what adding the
+        sequence and its first step then take from the free pool, to the block."""
+        prompt = (PREFIXES[prefix] if prefix >= 0 else []) + suffix
+        cached = self.rust.prefix_match(prompt, salt)[0]
+        n = data.draw(st.integers(0, len(prompt) - cached))
+        want = self.rust.admission_blocks(prompt, salt, n)
+        assert want == self.rust.admission_blocks(prompt, salt, n)          # it changed nothing
+        free = self.rust.num_free_blocks
+        sid = self.next_id
+        self.next_id += 1
+        kind, got = self._both("add_sequence", sid, prompt, salt)
+        assert kind == "ok" and got == cached
+        kind, out = self._both("prepare_step", np.array([sid], dtype=np.int64), np.array([n], dtype=np.int64))
+        if kind == "ok":
+            self._write([sid], [n], out)
+            assert free - self.rust.num_free_blocks == want, (prompt, salt, n)
+        else:                  # the pool could not hold the step: the query said more than was free
+            assert want > free
 
     @rule(prefix=st.sampled_from(range(len(PREFIXES))), salt=st.sampled_from([0, 1]))
     def query(self, prefix, salt):
@@ -211,6 +237,7 @@ def test_prepare_step_arrays():
 def test_contiguous_mode_reserves_up_front():
     a = BlockAllocator(8, 4, contiguous=True)
     assert not a.enable_prefix_caching
+    assert a.admission_blocks([1, 2], 0, 2, reserve_tokens=16) == 4      # what admitting it takes
     a.add_sequence(1, [1, 2], reserve_tokens=16)
     assert a.num_used_blocks == 4
     with pytest.raises(NoFreeBlocksError):

@@ -62,6 +62,11 @@ class BlockAllocator:
     def has_sequence(self, seq_id: int) -> bool: ...
     def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
         """Blocks prepare_step would take from the pool for that many more tokens."""
+    def admission_blocks(self, prompt: _Ints, salt: int = 0, new_tokens: int = 0,
+                         reserve_tokens: int | None = None) -> int:
+        """Blocks add_sequence(prompt, salt, reserve_tokens) and then a first prepare_step of
+        `new_tokens` tokens take from the pool (cached blocks out of the free list, new
+        blocks, a contiguous reservation); changes nothing."""
     def can_allocate(self, num_blocks: int) -> bool: ...
     def prefix_match(self, prompt: _Ints, salt: int = 0) -> tuple[int, int]:
         """(cached tokens, how many of those blocks sit in the free list); changes nothing."""

@@ -54,7 +54,7 @@ def check_pair(target, draft) -> None:
     if set(dt.stop_token_ids) != set(tt.stop_token_ids):
         raise DraftError(f"the draft model {draft.model_path.name} stops on other tokens than "
                          f"{target.model_path.name}")
-    if getattr(draft, "embedding_only", False):
+    if draft.embedding_only:
         raise DraftError(f"{draft.model_path.name} is an embedding model: it cannot draft tokens")
     if draft.num_blocks < target.num_blocks or draft.block_size != target.block_size:
         raise DraftError("the draft model's cache needs as many blocks of the same size as the target's")

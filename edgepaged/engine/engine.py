@@ -94,7 +94,7 @@ class Engine:
                                  usable * runner.block_size)
         # an embedding model's engine serves nothing a person waits on token by token: its steps
         # take whole batches of inputs (the encoder runs once per input, at its last chunk)
-        encoder = bool(getattr(runner, "embedding_only", False))
+        encoder = runner.embedding_only
         from ..model.settings import CpuConfig
         before = CpuConfig.from_env().scheduler == "before"
         self.scheduler = Scheduler(self.allocator, SchedulerConfig(
@@ -109,9 +109,9 @@ class Engine:
             step_time_target_s=None if before or encoder
             else cfg.step_time_target_s))
         self.drafter: Drafter | None = None
-        if not getattr(runner, "embedding_only", False) and not cfg.contiguous:
+        if not runner.embedding_only and not cfg.contiguous:
             mode = cfg.speculation
-            if mode == "draft" and getattr(runner, "draft", None) is None:
+            if mode == "draft" and runner.draft is None:
                 raise ValueError("speculation 'draft' needs a draft model (serve --draft MODEL)")
             k = cfg.spec_tokens if cfg.spec_tokens is not None else 4 if mode == "draft" else 8
             self.spec = Speculation(SpecConfig(mode=mode, max_k=k,
@@ -124,10 +124,10 @@ class Engine:
             self.spec = Speculation(SpecConfig(mode="off"))
         self.disk = None
         if (cfg.prefix_cache_disk and cfg.enable_prefix_caching and not cfg.contiguous
-                and not getattr(runner, "embedding_only", False) and hasattr(runner, "read_block")):
+                and runner.keeps_kv):
             self.disk = self._disk_tier(runner, cfg)
-        path = getattr(runner, "model_path", None)
-        self.model_name = getattr(runner, "model_name", None) or (path.stem if hasattr(path, "stem") else "model")
+        path = runner.model_path
+        self.model_name = runner.model_name or (path.stem if hasattr(path, "stem") else "model")
         self.metrics = Metrics(self.model_name)
         self.requests: dict[int, Request] = {}
         self.accepting = False
@@ -292,7 +292,7 @@ class Engine:
 
     def memory(self) -> dict:
         """What the model holds (runner.memory) plus the KV blocks in use now."""
-        m = dict(self.runner.memory()) if hasattr(self.runner, "memory") else {}
+        m = dict(self.runner.memory())
         if "block_bytes" in m:
             m["kv_used_bytes"] = self.allocator.stats()["used_blocks"] * m.pop("block_bytes")
         return m
@@ -314,7 +314,7 @@ class Engine:
                  kv_blocks_used=a["used_blocks"], kv_blocks_free=a["free_blocks"], kv_blocks_cached=a["cached_blocks"],
                  kv_blocks_total=a["num_blocks"], kv_cache_usage_perc=round(a["used_blocks"] / a["num_blocks"], 4),
                  block_size=self.block_size, evictions=a["evictions"], max_model_len=self.max_model_len,
-                 kv_dtype=getattr(self.runner, "kv_dtype_name", ""),
+                 kv_dtype=self.runner.kv_dtype_name,
                  mode="contiguous" if self.config.contiguous else "paged", context_policy=self.config.context_policy,
                  speculation=self.spec.stats(), **self.scheduler.kv_bound_stats())
         if self.drafter is not None:

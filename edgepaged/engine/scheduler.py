@@ -498,7 +498,7 @@ class Scheduler:
                 return
             if cfg.contiguous:
                 reserve = req.reserve_tokens = min(req.max_total, cfg.max_model_len)
-                k = self._blocks_for(reserve)
+                k = self.alloc.admission_blocks(req.all_ids, req.salt, 0, reserve)
             else:
                 reserve = None
                 _, k = self._admission(req, self._first_chunk(step, prio))
@@ -522,10 +522,10 @@ class Scheduler:
         """Admitting `req` now with a first chunk of at most `most` tokens: (that chunk, the
         blocks it takes from the pool: its new blocks and the cached ones it takes out of the
         free list)."""
-        cached, free_cached = self.alloc.prefix_match(req.all_ids, req.salt)
+        cached = self.alloc.prefix_match(req.all_ids, req.salt)[0]
         loaded = self._disk_tokens(req, cached)
         n = min(len(req.all_ids) - cached - loaded, most)
-        return n, free_cached + self._blocks_for(cached + loaded + n) - cached // self.block_size
+        return n, self.alloc.admission_blocks(req.all_ids, req.salt, loaded + n)
 
     def _disk_tokens(self, req: Request, cached: int) -> int:
         """Tokens of `req`'s prompt past the RAM cache's `cached` that the disk tier found."""

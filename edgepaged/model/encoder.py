@@ -449,6 +449,10 @@ class EncoderRunner:
 
     embedding_only = True
     kv_dtype_name = "tokens"
+    keeps_kv = False          # its blocks hold token ids: nothing for the disk tier
+    draft = None
+    model_name: str | None = None
+    file_info: dict | None = None
 
     def __init__(self, path, *, kv_memory_bytes: int | None = None, block_size: int = 16, num_blocks=None,
                  math: str | None = None, settings=None, **_ignored):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import os
 import time
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -75,15 +76,43 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n < 2**40 else f"{n / 2**40:.1f} TiB"
 
 
+class Runner(Protocol):
+    """What the engine, the front end and the doors use of a runner; every runner declares
+    it (`CpuRunner`, `ModelRunner` through `RunnerBase`; `encoder.EncoderRunner`), so no
+    caller probes one with getattr."""
+
+    config: Any                 # ModelConfig (or an encoder's config)
+    tokenizer: Any
+    model_path: Any
+    model_name: str | None      # a name for lists and banners (None: the file's stem)
+    file_info: dict | None      # format, size, modification time, quantization (model lists)
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    kv_dtype_name: str
+    embedding_only: bool        # an embedding model: it answers embeddings only
+    keeps_kv: bool              # its blocks hold K/V: read_block / write_block (the disk tier)
+    draft: Any                  # a draft model's runner (engine/draft.py), or None
+    products: str               # how the weights multiply, for banners
+
+    def step(self, batch, params, prev_tokens=None, **kw) -> list: ...
+
+    def memory(self) -> dict: ...
+
+
 class RunnerBase:
-    """The engine's side of a runner. A runner sets: config, tokenizer, model_path,
-    file_info, block_size, block_bytes, num_blocks, max_model_len, quantized, quant_math,
-    kv_dtype_name, and implements `execute` and `copy_blocks`; a runner whose cache holds
-    K/V (not an encoder's token ids) also implements `read_block(block) -> uint8 bytes` and
-    `write_block(block, bytes)` for the prefix cache's disk tier."""
+    """The engine's side of a decoder's runner (`Runner`). A runner sets: config, tokenizer,
+    model_path, file_info, block_size, block_bytes, num_blocks, max_model_len, quantized,
+    quant_math, kv_dtype_name, and implements `execute`, `copy_blocks`, and
+    `read_block(block) -> uint8 bytes` / `write_block(block, bytes)` for the prefix cache's
+    disk tier."""
 
     mask_ms: collections.deque
     draft = None          # a draft model's runner (speculation by a draft: engine/draft.py), or None
+    embedding_only = False
+    keeps_kv = True
+    model_name: str | None = None
+    file_info: dict | None = None
 
     def _init_stats(self) -> None:
         self.mask_ms = collections.deque(maxlen=10000)   # constrained steps' mask times

@@ -65,7 +65,7 @@ def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig,
     host = sc.host or "0.0.0.0"
     where = (f"{host}:{server.port} (all interfaces: reachable from the local network)"
              if host in ("0.0.0.0", "::") else f"{host}:{server.port}")
-    models = getattr(front, "modelset", None)
+    models = front.modelset
     if models is not None:
         parts = [f"edgepaged ready on {where}", f"models {', '.join(models.slots)} (default {models.default}; "
                  f"loaded on first use, unloaded after {models.slots[models.default].keep_alive_s:g} s idle)",
@@ -75,11 +75,11 @@ def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig,
     else:
         capacity = e.kv_capacity_blocks * e.block_size
         parts = [f"edgepaged ready on {where}", f"model {front.model}",
-                 f"products {getattr(e.runner, 'products', '?')}", f"context {e.max_model_len} tokens"
+                 f"products {e.runner.products}", f"context {e.max_model_len} tokens"
                  + (f" (window policy: {e.config.window_sink} sink + {e.config.window_tokens} window tokens)"
                     if e.config.context_policy == "window" else ""),
                  f"KV capacity {capacity} tokens ({e.kv_capacity_blocks} blocks of {e.block_size}, "
-                 f"{getattr(e.runner, 'kv_dtype_name', '?')})",
+                 f"{e.runner.kv_dtype_name})",
                  memory_line(e.memory()),
                  f"HTTP (OpenAI API, chat page) {http_url(http)}" if http else "HTTP off",
                  f"mDNS {adv.name!r}" if adv else "mDNS off"]
@@ -124,6 +124,7 @@ async def _front_end(runner, cfg: AppConfig):
     model set (models.ModelSet: its models load and unload on their own)."""
     from ..models import ModelSet, MultiFront
     if isinstance(runner, ModelSet):
+        runner.front_config, runner.engine_config = cfg.front, cfg.engine   # every model gets the box's settings
         async with trio.open_nursery() as nursery:
             await nursery.start(runner.run)
             yield MultiFront(runner)
@@ -156,7 +157,7 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
                         props = mdns.txt_properties(version=PROTOCOL_VERSION, model=front.model,
                                                     context_length=engine.max_model_len, auth=front.auth_required,
                                                     http_port=http.port if http else None)
-                        if getattr(front, "modelset", None) is not None:   # every model of the box
+                        if front.modelset is not None:   # every model of the box
                             props["models"] = ",".join(front.modelset.slots)[:200]
                         try:
                             addresses = await trio.to_thread.run_sync(
@@ -179,7 +180,7 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
                     # every door), and the grammar tokenizer built now, while nobody waits (its
                     # constructor holds the GIL ~0.2-0.3 s: it stalled the first format's neighbours)
                     gc.freeze()
-                    if getattr(front, "modelset", None) is None:
+                    if front.modelset is None:
                         nursery.start_soon(partial(trio.to_thread.run_sync, front.warm_grammars))
                     say(banner(server, adv, cfg, http))
                     systemd.notify(f"READY=1\nSTATUS=serving {front.model}")

@@ -105,7 +105,7 @@ class HttpServer:
     def __init__(self, front: FrontEnd, config: HttpConfig | None = None, stats=None):
         """stats: what /stats shows (default: the engine's stats)."""
         self.front, self.engine = front, front.engine
-        self.modelset = getattr(front, "modelset", None)   # several models (models.py), else None
+        self.modelset = front.modelset      # several models (models.py), else None
         self.config = config or HttpConfig()
         self.host = self.config.host or "0.0.0.0"
         self._stats = stats or self.engine.stats
@@ -682,7 +682,7 @@ class GenerationResponse:
         engine = self.req.engine or self.http.engine
         sh = self.shaper
         answer = Answer(self.req, thinking=sh.splits_thinking,
-                        stream_calls=self.gen.stream and self.n == 1 and getattr(sh, "streams_calls", False))
+                        stream_calls=self.gen.stream and self.n == 1 and sh.streams_calls)
         try:
             async with answer_events(engine, self.req) as events:
                 await (self._stream if self.gen.stream else self._answer)(answer, events, send)
@@ -695,7 +695,7 @@ class GenerationResponse:
 
     def _logprobs(self):
         """Per sample: the shaper of OpenAI's logprobs, when asked (None otherwise)."""
-        asked = self.req.params.logprobs is not None and getattr(self.shaper, "shapes_logprobs", False)
+        asked = self.req.params.logprobs is not None and self.shaper.shapes_logprobs
         return [Logprobs(self.tokenizer, self.gen.chat) if asked else None for _ in range(self.n)]
 
     async def _answer(self, answer: Answer, events, send) -> None:

@@ -215,6 +215,7 @@ class OllamaShaper:
     media_type = "application/x-ndjson"
     trailer = b""
     splits_thinking = True      # a thinking model's answer: its thinking in `thinking`, as Ollama gives it
+    shapes_logprobs = False
 
     def __init__(self, gen: OllamaGeneration, model: str, req=None):
         self.gen, self.model = gen, model
@@ -310,7 +311,7 @@ def _size_label(n: int) -> str:
 
 
 def model_entry(name: str, runner, running: bool = False, context: int | None = None) -> dict:
-    info = getattr(runner, "file_info", None) or {"format": "gguf", "size": 0, "modified": 0.0,
+    info = runner.file_info or {"format": "gguf", "size": 0, "modified": 0.0,
                                                   "quantization": "unknown"}
     cfg = runner.config
     digest = hashlib.sha256(f"{name}:{info['size']}:{info['modified']}".encode()).hexdigest()

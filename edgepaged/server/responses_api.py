@@ -215,6 +215,8 @@ class ResponsesShaper:
     media_type = "text/event-stream; charset=utf-8"
     trailer = b""
     splits_thinking = False     # the answer's text as the model wrote it
+    streams_calls = False       # calls come whole at the end
+    shapes_logprobs = False
 
     def __init__(self, gen: ResponsesGeneration, model: str, req=None, remember=None):
         self.gen, self.model, self.remember = gen, model, remember

@@ -591,6 +591,32 @@ impl BlockPool {
         Ok(self.store.blocks_needed_for(self.sequence(seq_id)?, n))
     }
 
+    /// Blocks that `add_sequence(tokens, salt, reserve_tokens)` and then a first
+    /// `prepare_step` of `new_tokens` tokens would take from the free pool: the cached
+    /// prefix blocks taken out of the free list, and the new blocks (contiguous mode: its
+    /// reservation). A pure query: the scheduler's admission test asks it rather than
+    /// counting blocks itself.
+    pub fn admission_blocks(&self, tokens: &[u32], salt: u64, new_tokens: usize, reserve_tokens: Option<usize>) -> usize {
+        let st = &self.store;
+        let cached = st.match_prefix(tokens, salt);
+        let from_free = cached.iter().filter(|&&id| st.refcount(id) == 0).count();
+        if self.contiguous {
+            return from_free + st.blocks_for(reserve_tokens.unwrap_or(0).max(tokens.len()));
+        }
+        let cached_tokens = cached.len() * st.block_size;
+        let seq = Sequence {
+            tokens: Vec::new(),
+            blocks: cached,
+            num_slots: cached_tokens,
+            num_computed: cached_tokens,
+            num_hashed_blocks: 0,
+            salt,
+            released: 0,
+            step: 0,
+        };
+        from_free + st.blocks_needed_for(&seq, new_tokens)
+    }
+
     /// The hot path, once per engine step: reserve slots for `num_new[i]` new tokens of
     /// each sequence `seq_ids[i]` and return the slot mapping, the padded block tables,
     /// the context lengths and the copy-on-write copies. All or nothing.

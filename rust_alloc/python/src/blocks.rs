@@ -107,6 +107,14 @@ impl BlockAllocator {
         self.pool.blocks_needed(seq_id, num_new_tokens).map_err(err)
     }
 
+    /// Blocks admitting a sequence with this prompt and a first step of `new_tokens` tokens
+    /// takes from the pool (`add_sequence`, then `prepare_step`); changes nothing.
+    #[pyo3(signature = (prompt, salt = 0, new_tokens = 0, reserve_tokens = None))]
+    fn admission_blocks(&self, prompt: &Bound<'_, PyAny>, salt: u64, new_tokens: usize,
+                        reserve_tokens: Option<usize>) -> PyResult<usize> {
+        Ok(self.pool.admission_blocks(&token_ids(prompt)?, salt, new_tokens, reserve_tokens))
+    }
+
     fn can_allocate(&self, num_blocks: usize) -> bool { num_blocks <= self.pool.num_free_blocks() }
 
     #[pyo3(signature = (prompt, salt = 0))]
