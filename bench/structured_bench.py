@@ -42,7 +42,7 @@ async def one(engine, front, i: int, constrained: bool, max_tokens: int, out: li
     item = GenerateRequest(f"r{i}", "chat", messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                            max_tokens=max_tokens, sampling={"temperature": 0.8, "seed": i},
                            format={"type": "json_schema", "schema": SCHEMA} if constrained else None)
-    req = await front.build(item, Caller(f"c{i}", f"c{i}"))
+    req = (await front.build(item, Caller(f"c{i}", f"c{i}"))).req
     text = []
     async with engine.stream(req) as events:
         async for ev in events:

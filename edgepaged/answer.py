@@ -2,8 +2,8 @@
 items, and each door only encodes them (msgpack frames, SSE chunks, NDJSON lines, the
 Responses API's events, or one JSON body).
 
-    async with answer_events(engine, req) as events:       # (sample index, event) pairs
-        answer = Answer(req, thinking=True, stream_calls=False)
+    async with answer_events(engine, ticket.req) as events:    # (sample index, event) pairs
+        answer = Answer(ticket, thinking=True, stream_calls=False)
         async for k, ev in events:
             for item in answer.feed(k, ev):                 # Piece | Call | End
                 ...
@@ -63,16 +63,17 @@ class End:
 
 
 class Answer:
-    """The answer of one request and its parallel samples, item by item."""
+    """The answer of one request (the front end's `Ticket`) and its parallel samples, item
+    by item."""
 
-    def __init__(self, req, *, thinking: bool, stream_calls: bool = False):
-        self.samples = [req, *req.children]     # (the engine's forking empties req.children later)
-        self.n = len(self.samples)
-        self.splits = [ThinkSplit.of(s) if thinking else None for s in self.samples]
+    def __init__(self, ticket, *, thinking: bool, stream_calls: bool = False):
+        self.calls = ticket.calls                # per sample
+        self.n = len(self.calls)
+        self.splits = [ThinkSplit.of(ticket) if thinking else None for _ in range(self.n)]
         self.stream_calls = stream_calls
 
     def feed(self, k: int, ev: TokenEvent | DoneEvent) -> list:
-        calls, split = self.samples[k].calls, self.splits[k]
+        calls, split = self.calls[k], self.splits[k]
         if isinstance(ev, TokenEvent):
             text = calls.push(ev.token_ids, ev.text) if calls is not None else ev.text
             thinking = ""

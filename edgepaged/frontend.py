@@ -169,6 +169,19 @@ WINDOW_MAX_TOKENS = 1 << 16  # the window policy's cap on max_tokens when the se
 DEFAULT_ANSWER_ROOM = 512   # truncate "auto" keeps this much room for an answer when max_tokens is not given
 
 
+@dataclass(eq=False)
+class Ticket:
+    """A built generation request: the engine's `Request` (token ids, sampling, blocks; its
+    parallel samples in `req.children`) and what the doors need to answer it, which the engine
+    never reads."""
+    req: Request
+    model: str = ""                 # the model that answers (its display name)
+    truncated: int = 0              # messages truncate "auto" dropped to fit the context
+    calls: list = field(default_factory=lambda: [None])   # per sample: tools.ToolStream of its calls, or None
+    thinking: bool = False          # a thinking model's answer: its thinking may come apart (ThinkSplit)
+    think_open: bool = False        # the prompt already opened the thinking block
+
+
 class Box:
     """What every door talks to: the box, serving one model (`FrontEnd`) or several
     (`models.MultiFront`). Both say who is asking (`authenticate`, `caller`), what a caller
@@ -282,8 +295,9 @@ class FrontEnd(Box):
         return self.engine.runner.embedding_only
 
     # -- requests -------------------------------------------------------------------------------
-    async def build(self, item: GenerateRequest, caller: Caller) -> Request:
-        """Validate, render and tokenize one request into an engine Request; RequestRejected
+    async def build(self, item: GenerateRequest, caller: Caller) -> Ticket:
+        """Validate, render and tokenize one request into an engine Request (in a `Ticket`,
+        beside what the doors need to answer it); RequestRejected
         with the protocol's code when something is wrong with it."""
         if self.embedding_only:
             raise RequestRejected("invalid_params", f"{self.model} is an embedding model: it answers /api/embed and "
@@ -386,14 +400,14 @@ class FrontEnd(Box):
                            salt=cache_salt(caller.identity, item.share_prefix_cache, caller.namespace),
                            owner=caller.identity, speculative=item.speculative,
                            matcher=None if matchers is None else matchers[k],
-                           calls=None if calls is None else tl.ToolStream(calls.syntax, tok),
                            lazy=None if lazy is None else tl.LazyCall(lazy[0], lazy[1].grammar, self.grammars, tok,
                                                                        matcher=lazy[1].matchers[k]),
-                           fork_of=parent, engine=self.engine, model=self.model, truncated=dropped,
-                           context_window=window, thinking=thinks, think_open=think_open)
+                           fork_of=parent, engine=self.engine, context_window=window)
         req = one(0)
         req.children = [one(k, req) for k in range(1, n)]
-        return req
+        return Ticket(req, self.model, dropped,
+                      [None if calls is None else tl.ToolStream(calls.syntax, tok) for _ in range(n)],
+                      thinks, think_open)
 
     async def _prepare(self, spec, n: int, grammar: str | None, what: str):
         """A format (or a grammar a door built) compiled with n matchers, off the event loop;
@@ -475,7 +489,7 @@ class FrontEnd(Box):
                                priority=INTERACTIVE if self.embedding_only else BACKGROUND,
                                salt=cache_salt(caller.identity, False, caller.namespace) if pool == "last" else
                                secrets.randbits(62) | 1, owner=caller.identity,
-                               engine=self.engine, model=self.model, embed=True, pool=pool))
+                               engine=self.engine, embed=True, pool=pool))
         return out
 
     def _template_kwargs(self, item: GenerateRequest, offered) -> dict:

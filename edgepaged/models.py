@@ -453,9 +453,9 @@ class MultiFront(Box):
 
     async def build(self, item, caller):
         async with self._held(item.model, item.keep_alive_s) as front:
-            req = await front.build(item, caller)
-            front.engine.expect(req)
-            return req
+            ticket = await front.build(item, caller)
+            front.engine.expect(ticket.req)
+            return ticket
 
     async def build_embeds(self, inputs, caller, truncate: bool = True, model: str | None = None):
         """`FrontEnd.build_embeds` on the model `model` names."""

@@ -44,9 +44,10 @@ class ThinkSplit:
         self.buf = ""
 
     @classmethod
-    def of(cls, req) -> "ThinkSplit | None":
-        """The split of a request's answer, or None when it is no thinking model's."""
-        return cls(req.think_open) if req is not None and req.thinking else None
+    def of(cls, ticket) -> "ThinkSplit | None":
+        """The split of a request's answer (the front end's `Ticket`), or None when it is no
+        thinking model's."""
+        return cls(ticket.think_open) if ticket is not None and ticket.thinking else None
 
     def whole(self, text: str) -> tuple[str, str]:
         """A whole answer -> (thinking, content)."""

@@ -34,8 +34,8 @@ async def test_the_prompt_is_llama_cpps_and_every_door_takes_suffix(coder):
     pre, suf, mid = tok.fim
     assert [tok.tok.id_to_token(i) for i in tok.fim] == ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
     async with serving(runner, http=True) as http:
-        req = await http.front.build(GenerateRequest("x", "generate", prompt=PREFIX, suffix=SUFFIX, max_tokens=4),
-                                     Caller("c", "c"))
+        req = (await http.front.build(GenerateRequest("x", "generate", prompt=PREFIX, suffix=SUFFIX, max_tokens=4),
+                                      Caller("c", "c"))).req
         assert req.prompt_ids == [pre] + tok.encode_plain(PREFIX) + [suf] + tok.encode_plain(SUFFIX) + [mid]
         assert tok.tok.token_to_id("<|im_start|>") not in req.prompt_ids          # the code's text stays text
         model = http.front.model

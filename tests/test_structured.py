@@ -92,7 +92,7 @@ async def test_unconstrained_rows_are_untouched_beside_a_constrained_one(embedde
         from edgepaged.frontend import Caller
 
         async def run(item):
-            req = await front.build(item, Caller("c", "c"))
+            req = (await front.build(item, Caller("c", "c"))).req
             text = []
             async with engine.stream(req) as events:
                 async for ev in events:
@@ -658,7 +658,7 @@ async def test_samples_end_with_their_parent_and_give_every_block_back(embedded_
         front = FrontEnd(engine)
         item = GenerateRequest("n", "chat", messages=ASK, max_tokens=12, sampling={"temperature": 1.0, "seed": 3})
         item.n = 3
-        req = await front.build(item, Caller("c", "c"))
+        req = (await front.build(item, Caller("c", "c"))).req
         samples = [req, *req.children]
         done = {}
         async with engine.stream_samples(req) as events:
@@ -667,7 +667,7 @@ async def test_samples_end_with_their_parent_and_give_every_block_back(embedded_
                     done[k] = ev.finish_reason
         assert done == {0: "length", 1: "length", 2: "length"}
         assert [len(s.output_ids) for s in samples] == [12, 12, 12] and len({tuple(s.output_ids) for s in samples}) > 1
-        req = await front.build(item, Caller("c", "c"))
+        req = (await front.build(item, Caller("c", "c"))).req
         samples = [req, *req.children]
         async with engine.stream_samples(req) as events:
             pass                                   # the client leaves at once
@@ -794,9 +794,9 @@ async def test_think_reaches_the_template_and_ollama_gives_thinking_apart(tmp_pa
         caller = Caller("t", "t", True)
         texts = {}
         for think in (None, True, False):
-            req = await front.build(GenerateRequest(1, "chat", messages=Q, max_tokens=4, think=think), caller)
-            texts[think] = tok.decode(req.prompt_ids, skip_special_tokens=False)
-            assert req.thinking == (think is not False) and not req.think_open
+            t = await front.build(GenerateRequest(1, "chat", messages=Q, max_tokens=4, think=think), caller)
+            texts[think] = tok.decode(t.req.prompt_ids, skip_special_tokens=False)
+            assert t.thinking == (think is not False) and not t.think_open
         assert texts[None] == texts[True] and "<think>" not in texts[None]
         assert texts[False].rstrip().endswith("</think>") and texts[False].startswith(texts[None])
 

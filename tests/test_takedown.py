@@ -369,7 +369,7 @@ async def test_a_request_holds_its_model_while_it_is_built(embedded_runner):
                 item = GenerateRequest(id=1, kind="chat", messages=FRANCE, max_tokens=8, sampling={"temperature": 0},
                                        model=name)
                 try:
-                    req = await front.build(item, caller)
+                    req = (await front.build(item, caller)).req
                     async with front.engine.stream(req) as events:
                         async for ev in events:
                             if hasattr(ev, "finish_reason"):

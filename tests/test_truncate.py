@@ -34,9 +34,9 @@ async def test_the_front_end_drops_whole_old_turns_and_keeps_the_system_message(
         caller = Caller("t", "t", True)
         messages = conversation(12)
         item = GenerateRequest(1, "chat", messages=messages, max_tokens=16, truncate="auto")
-        req = await front.build(item, caller)
-        text = tok.decode(req.prompt_ids, skip_special_tokens=False)
-        assert len(req.prompt_ids) <= LIMIT and req.truncated > 0 and req.truncated % 2 == 0   # whole turns
+        req = await front.build(item, caller)          # a Ticket: the engine's request and the door's figures
+        text = tok.decode(req.req.prompt_ids, skip_special_tokens=False)
+        assert len(req.req.prompt_ids) <= LIMIT and req.truncated > 0 and req.truncated % 2 == 0   # whole turns
         assert SYSTEM["content"] in text and "capital of France" in text
         assert "Question 0:" not in text                                    # the oldest went first
         kept = (len(messages) - 2 - req.truncated) // 2                    # turns left besides the last question

@@ -85,7 +85,6 @@ class Request:
     error: dict[str, str] | None = None
     detok: Any = None              # IncrementalDetokenizer
     matcher: Any = None            # llguidance matcher of a constrained output (model/grammar.py), else None
-    calls: Any = None              # tools.ToolStream when tools were offered: the doors parse calls with it
     lazy: Any = None               # tools.LazyCall: constrains a call the model starts (auto tool choice)
     # parallel samples (n > 1): the parent's `children` wait, outside the scheduler, until the
     # step that ends the parent's prompt; then each is forked from it (copy-on-write blocks)
@@ -94,14 +93,9 @@ class Request:
     fork_of: Any = None            # the parent of a child sample
     send: Any = None               # the engine's side of the event channel
     reserve_tokens: int = 0        # contiguous mode: tokens reserved at admission
-    # where it runs: the engine of the model the front end picked, and that model's name
+    # where it runs: the engine of the model the front end picked (what the doors need to
+    # answer it, its model's name, tool calls, thinking, is the front end's `Ticket`'s)
     engine: Any = field(default=None, repr=False)
-    model: str = ""
-    truncated: int = 0             # messages the front end dropped to fit the context (truncate "auto")
-    # a thinking model's answer (thinking.ThinkSplit, in answer.Answer): whether the doors
-    # that separate thinking should, and whether the prompt already opened the block
-    thinking: bool = False
-    think_open: bool = False
     # the window policy: (sink, window) tokens kept, the blocks between given back as the
     # sequence grows (it may then generate past the context); None: full attention
     context_window: tuple[int, int] | None = None

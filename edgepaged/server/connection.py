@@ -53,7 +53,7 @@ def event_frame(rid, ev: TokenEvent | DoneEvent, model: str = "", truncated: int
     return frame
 
 
-def item_frame(rid, item: Piece | End, req) -> dict:
+def item_frame(rid, item: Piece | End, ticket) -> dict:
     """One answer item (answer.py) as this protocol's frame: a `token` frame (the text, a
     thinking model's thinking apart in `thinking`), or the `done` frame (the tool calls the
     answer made, finish_reason "tool_calls")."""
@@ -62,7 +62,7 @@ def item_frame(rid, item: Piece | End, req) -> dict:
         if item.thinking:
             frame["thinking"] = item.thinking
         return frame
-    frame = event_frame(rid, item.done, req.model, req.truncated)
+    frame = event_frame(rid, item.done, ticket.model, ticket.truncated)
     if item.calls and item.finish_reason == "tool_calls":
         frame["finish_reason"] = "tool_calls"
         frame["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
@@ -267,17 +267,17 @@ class Connection:
 
     async def _run(self, rid, item: GenerateRequest) -> None:
         scope = self.building[rid]
-        req = None
+        ticket = None
         try:
             with scope:
-                req = await self.server.front.build(item, self.caller)
-            if req is None or scope.cancel_called:   # cancelled while it was built
+                ticket = await self.server.front.build(item, self.caller)
+            if ticket is None or scope.cancel_called:   # cancelled while it was built
                 await self.send(event_frame(rid, DoneEvent("cancelled", {"prompt_tokens": 0, "completion_tokens": 0,
                                                                          "cached_tokens": 0}, {})))
                 return
-            self.inflight[rid] = req
+            self.inflight[rid] = ticket.req
             self.building.pop(rid, None)
-            await self._stream(rid, req)
+            await self._stream(rid, ticket)
         except EngineClosed:
             await self.send(ProtocolError("shutdown", "the server is shutting down", rid).frame())
         except RequestRejected as e:
@@ -293,19 +293,20 @@ class Connection:
             if not self.inflight and self.idle_scope is not None:   # idle again: arm the timeout
                 self.idle_scope.deadline = trio.current_time() + self.config.idle_timeout_s
 
-    async def _stream(self, rid, req, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _stream(self, rid, ticket, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The answer's items as frames; n > 1: every frame carries the sample's `index` and
         each sample ends with a done frame of its own."""
+        req = ticket.req
         samples = [req, *req.children]
         if len(samples) > 1:
             self.samples[rid] = samples
-        answer = Answer(req, thinking=True)
+        answer = Answer(ticket, thinking=True)
         try:
             async with answer_events(self.engine, req) as events:
                 task_status.started()
                 async for k, ev in events:
                     for item in answer.feed(k, ev):
-                        frame = item_frame(rid, item, samples[k])
+                        frame = item_frame(rid, item, ticket)
                         if answer.n > 1:
                             frame["index"] = k
                         await self.send(frame)

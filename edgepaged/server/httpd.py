@@ -40,7 +40,7 @@ from .. import brief
 from ..answer import Answer, Call, End, Piece, answer_events
 from ..engine import DoneEvent, EmbeddingEvent, EngineClosed, RequestRejected, TokenEvent
 from ..protocol import parse_keep_alive
-from ..frontend import AuthFailed, FrontEnd
+from ..frontend import AuthFailed, FrontEnd, model_display_name
 from .guard import Guard
 from .manage import ModelAdmin
 from . import ollama_api
@@ -408,7 +408,9 @@ class HttpServer:
         if failed or any(v is None for v in vectors):
             raise failed[0] if failed and failed[0] is not None else ApiError(
                 503, "the server stopped before the embeddings were done", "shutdown")
-        return vectors, sum(len(r.prompt_ids) for r in reqs), (reqs[0].model or self.front.model)
+        # the model that answered: the engine each request went to (several models: the one named)
+        model = model_display_name(reqs[0].engine) if reqs[0].engine is not None else self.front.model
+        return vectors, sum(len(r.prompt_ids) for r in reqs), model
 
     @staticmethod
     def _shaped(vectors, dimensions, normalize: bool = True):
@@ -597,22 +599,22 @@ class HttpServer:
         caller = self.front.caller(user, gen.user, self._peer(request))
         self.inflight += 1   # held from here; the response gives it back when it ends
         try:
-            req = await self.front.build(gen.item, caller)
+            ticket = await self.front.build(gen.item, caller)
         except BaseException as e:
             self.inflight -= 1
             if isinstance(e, RequestRejected):
                 raise ApiError.from_rejected(e) from None
             raise
-        model = req.model or self.front.model
+        model = ticket.model or self.front.model
         if ollama and self.modelset is None:
             model = self.front.model
         if isinstance(gen, ResponsesGeneration):
             who = (caller.namespace, caller.identity)
-            shaper = ResponsesShaper(gen, model, req, remember=lambda rid, msgs: self.response_store.put(who, rid,
-                                                                                                        msgs))
+            shaper = ResponsesShaper(gen, model, ticket, remember=lambda rid, msgs: self.response_store.put(who, rid,
+                                                                                                           msgs))
         else:
-            shaper = OllamaShaper(gen, model, req) if ollama else Shaper(gen, model, req)
-        return GenerationResponse(self, gen, req, shaper)
+            shaper = OllamaShaper(gen, model, ticket) if ollama else Shaper(gen, model, ticket)
+        return GenerationResponse(self, gen, ticket, shaper)
 
 
 def prometheus_text(engine) -> bytes:
@@ -644,17 +646,18 @@ class GenerationResponse:
     """An ASGI response that runs one request on the engine: a JSON answer, or server-sent
     events as the tokens come. The client's disconnect ends it (and the request) at once."""
 
-    def __init__(self, http: HttpServer, gen: Generation, req, shaper=None):
-        self.http, self.gen, self.req = http, gen, req
-        self.shaper = shaper or Shaper(gen, req.model or http.front.model, req)
+    def __init__(self, http: HttpServer, gen: Generation, ticket, shaper=None):
+        self.http, self.gen, self.ticket = http, gen, ticket
+        self.req = req = ticket.req
+        self.shaper = shaper or Shaper(gen, ticket.model or http.front.model, ticket)
         self.tokenizer = req.engine.tokenizer if req.engine is not None else http.front.tokenizer
         self.samples = [req, *req.children]   # parallel samples (the parent's list empties as they fork)
         self.n = len(self.samples)
 
     async def __call__(self, scope, receive, send) -> None:
         extra = [(b"x-edgepaged-warning", w.encode("utf-8", "replace")) for w in self.gen.warnings]
-        if self.req.truncated:   # truncate "auto" (Ollama's num_ctx): how many old messages were dropped
-            extra.append((b"x-edgepaged-truncated-messages", str(self.req.truncated).encode()))
+        if self.ticket.truncated:   # truncate "auto" (Ollama's num_ctx): how many old messages were dropped
+            extra.append((b"x-edgepaged-truncated-messages", str(self.ticket.truncated).encode()))
         if extra:
             plain_send = send
 
@@ -681,7 +684,7 @@ class GenerationResponse:
     async def _run(self, send) -> None:
         engine = self.req.engine or self.http.engine
         sh = self.shaper
-        answer = Answer(self.req, thinking=sh.splits_thinking,
+        answer = Answer(self.ticket, thinking=sh.splits_thinking,
                         stream_calls=self.gen.stream and self.n == 1 and sh.streams_calls)
         try:
             async with answer_events(engine, self.req) as events:
@@ -723,8 +726,8 @@ class GenerationResponse:
             body = self.shaper.full_n([("".join(texts[k]), ends[k].done, lp[k], ends[k].calls) for k in range(n)])
         else:
             body = self.shaper.full("".join(texts[0]), ends[0].done, ends[0].calls, lp[0], "".join(thinks[0]))
-            if self.req.truncated:
-                body["truncated_messages"] = self.req.truncated
+            if self.ticket.truncated:
+                body["truncated_messages"] = self.ticket.truncated
         await self._send_json(send, 200, body)
 
     async def _stream(self, answer: Answer, events, send) -> None:
@@ -776,9 +779,9 @@ class GenerationResponse:
                         chunks = sh.last_chunks(item.done, item.calls)
                         if n > 1:
                             chunks = [c for c in chunks if c["choices"]]
-                        elif self.req.truncated:
+                        elif self.ticket.truncated:
                             for c in chunks:
-                                c["truncated_messages"] = self.req.truncated
+                                c["truncated_messages"] = self.ticket.truncated
                         out += [at(c, k) for c in chunks]
                         ended.append(item)
             finished = err is not None or len(ended) == n

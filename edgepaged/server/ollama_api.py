@@ -217,7 +217,7 @@ class OllamaShaper:
     splits_thinking = True      # a thinking model's answer: its thinking in `thinking`, as Ollama gives it
     shapes_logprobs = False
 
-    def __init__(self, gen: OllamaGeneration, model: str, req=None):
+    def __init__(self, gen: OllamaGeneration, model: str, ticket=None):
         self.gen, self.model = gen, model
         self._calls: dict = {}      # calls being written: index -> [name, arguments so far]
         self.sent_calls = 0         # calls that went out whole already

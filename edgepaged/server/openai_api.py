@@ -315,14 +315,14 @@ class Shaper:
     streams_calls = True      # tool calls go out as they are written (call_chunk)
     shapes_logprobs = True    # OpenAI's logprobs objects (Logprobs)
 
-    def __init__(self, gen: Generation, model: str, req=None):
+    def __init__(self, gen: Generation, model: str, ticket=None):
         self.gen, self.model = gen, model
         self.sent_calls = 0   # calls whose name went out already (their arguments follow as written)
         self.id = gen.item.id
         self.created = int(time.time())
         # reasoning_format asked and a thinking model's answer: its thinking in reasoning_content
         # (one answer: parallel samples keep it in content)
-        self.splits_thinking = gen.reasoning and req is not None and not req.children
+        self.splits_thinking = gen.reasoning and ticket is not None and not ticket.req.children
 
     def _envelope(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}

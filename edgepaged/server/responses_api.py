@@ -218,7 +218,7 @@ class ResponsesShaper:
     streams_calls = False       # calls come whole at the end
     shapes_logprobs = False
 
-    def __init__(self, gen: ResponsesGeneration, model: str, req=None, remember=None):
+    def __init__(self, gen: ResponsesGeneration, model: str, ticket=None, remember=None):
         self.gen, self.model, self.remember = gen, model, remember
         self.created = int(time.time())
         self.seq = 0

@@ -9,14 +9,21 @@
 | `gemma3.py` | gemma3                         |
 | `phi3.py`   | phi3                           |
 
-Adding one: a file here (its class, `register`ed), its import below, a test, the README's
-table. A test may register a family of its own (tests/test_families.py does).
+Adding one: a file here (its class, `register`ed: every module of this package is imported,
+nothing lists them), a test, the README's table. A test may register a family of its own
+(tests/test_families.py does).
 """
 from __future__ import annotations
 
-from . import llama, qwen2, qwen3, gemma2, gemma3, phi3  # noqa: F401,I001  (each registers its families, in this order)
+import importlib
+import pkgutil
+
 from .base import (Attention, Family, LayerSpec, Mlp, Norm, OutNorm, for_hf_type, get, layer_pattern, llama_blocks, names,
                    pre_norm_layer, register, unregister)
+
+for _module in pkgutil.iter_modules(__path__):      # each family file registers its families
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")
 
 BUILT_IN = names()
 
