@@ -371,3 +371,23 @@ def test_one_table_of_the_runtime_knobs():
         if f.name != "settings.py":
             stray = set(re.findall(r'"(EDGEPAGED_[A-Z0-9_]+)"', f.read_text())) & table
             assert not stray, (f, stray)
+
+
+@pytest.mark.parametrize("qtype", [8, 12, 14])
+def test_fused_parts_are_repacked_where_they_lie(qtype):
+    """A fused Q/K/V (or gate/up) for the integer kernels: repacked straight from its parts
+    (no stacked copy at load), byte for byte what repacking the stacked rows gives; a part
+    before the last that is not whole groups of 16 rows falls back to stacking first."""
+    from edgepaged.model.quant.formats import merge_segments
+    rng = np.random.default_rng(qtype)
+    cols = 512
+    parts = [QuantWeight(qtype, random_blocks(qtype, r, cols, rng), r, cols) for r in (64, 32, 32)]
+    stacked = QuantWeight(qtype, np.concatenate([p.data for p in parts]), 128, cols)
+    assert stacked.repack()
+    (merged,) = merge_segments(parts, repack=True)
+    assert merged.layout == "r16" and merged.rows == 128 and np.array_equal(merged.data, stacked.data)
+    (rows,) = merge_segments(parts)                       # exact math: stacked, in GGUF's rows
+    assert rows.layout == "rows" and rows.rows == 128
+    odd = [QuantWeight(qtype, random_blocks(qtype, r, cols, rng), r, cols) for r in (24, 8)]
+    (fallback,) = merge_segments(odd, repack=True)
+    assert fallback.layout == "rows" and fallback.rows == 32

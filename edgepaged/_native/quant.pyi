@@ -59,4 +59,7 @@ def repack(weight: U8, qtype: int, rows: int) -> U8:
     """GGUF blocks [rows, row_bytes] repacked for the integer kernels in groups of 16 rows:
     uint8 [ceil(rows / 16), bytes per 16 rows] (the file's bytes; K-quants 2-3% more), a new
     array; rows past `rows` are zero."""
+def repack_parts(parts: list[U8], qtype: int, part_rows: list[int]) -> U8:
+    """`repack` of the parts' rows stacked (each [rows_i, row_bytes], every part but the last a
+    multiple of 16 rows), read where they lie: no stacked copy first."""
 def info() -> Info: ...

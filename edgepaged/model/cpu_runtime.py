@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from .._native import ops
+from ..memory import release_free_memory
 from .._native import quant as kernels
 from .families import base as steps
 from .families.base import llama_blocks
@@ -70,9 +71,10 @@ class Linear:
     scratch and multiplied by numpy's GEMM, as `QuantLinear` does with oneDNN), or a float32
     matrix for numpy's GEMM."""
 
-    def __init__(self, parts: list, bias: np.ndarray | None, dense_min_tokens: int):
+    def __init__(self, parts: list, bias: np.ndarray | None, dense_min_tokens: int, repack: bool = False):
+        """repack: the integer kernels' layout, made as the parts are merged."""
         if all(isinstance(p, QuantWeight) for p in parts):
-            self.segments = merge_segments(parts)
+            self.segments = merge_segments(parts, repack)
             self.offsets = np.cumsum([0] + [s.rows for s in self.segments]).tolist()
             self.weight = None
             self.out_features, self.in_features = self.offsets[-1], parts[0].cols
@@ -135,6 +137,7 @@ class CpuModel:
         self.final_norm = np.ones(cfg.hidden_size, np.float32)
         self.head: Linear | None = None
         self.freq_factors = None
+        self._math = "exact"
         self.max_positions = 0
         self.decoder = None
         self.build_rotary(max_positions)
@@ -160,7 +163,7 @@ class CpuModel:
     def linear(self, i: int, fused: str, parts: list, bias):
         b = None if bias is None else np.concatenate([np.asarray(x, np.float32) for x in bias])
         attr = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}[fused]
-        setattr(self.layers[i], attr, Linear(parts, b, self.settings.dense_min_tokens))
+        setattr(self.layers[i], attr, Linear(parts, b, self.settings.dense_min_tokens, self._math == "int8"))
 
     def head_weight(self, w):
         if w is None:
@@ -171,12 +174,14 @@ class CpuModel:
     def load(self, weights, math_: str, interleave: bool) -> None:
         sink = SimpleNamespace(rope_freqs=self.rope_freqs, embedding=self.embedding, norm=self.norm,
                                linear=self.linear, final_norm=self.final_norm_weight, head=self.head_weight)
+        self._math = math_        # int8: the fused linears are repacked as their parts merge
         place(self.cfg, weights, sink)
         if math_ != "exact" or interleave:
             quant = [self.embed_q] if self.embed_q is not None else []
             for lin in [self.head] + [getattr(la, a) for la in self.layers for a in ("qkv", "o", "gate_up", "down")]:
                 quant.extend(lin.segments)
             lay_out(quant, math_)
+        release_free_memory()     # the file-layout copies just freed: pages back to the system
         self.decoder = self._quant_decoder()
 
     @property

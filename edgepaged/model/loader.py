@@ -387,9 +387,13 @@ def _gguf_weights(path: Path, reader, cfg: ModelConfig, keep_quantized: bool, as
         if keep_quantized and name.endswith(".weight") and can_keep(qtype, shape):
             # read the bytes into our own memory rather than through the reader's memmap,
             # whose touched pages would count as resident until the reader is gone
-            data = np.fromfile(path, np.uint8, int(t.n_bytes), offset=int(t.data_offset)).reshape(shape[0], -1)
-            if heads:
-                data = np.ascontiguousarray(unpermute_rope(data, heads))
+            if heads:      # the rows gathered in their unpermuted order: one copy, not two
+                rows = np.memmap(path, np.uint8, "r", offset=int(t.data_offset), shape=(shape[0], int(t.n_bytes)
+                                                                                       // shape[0]))
+                data = rows[unpermute_rope(np.arange(shape[0]), heads)]
+                del rows
+            else:
+                data = np.fromfile(path, np.uint8, int(t.n_bytes), offset=int(t.data_offset)).reshape(shape[0], -1)
             yield name, QuantWeight(qtype, data, *shape)
             continue
         w = dequantize(t.data, t.tensor_type)

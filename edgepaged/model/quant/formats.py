@@ -100,16 +100,30 @@ class QuantWeight:
         return out
 
 
-def merge_segments(segments: list[QuantWeight]) -> list[QuantWeight]:
+def merge_segments(segments: list[QuantWeight], repack: bool = False) -> list[QuantWeight]:
     """Neighbouring row segments of one format (in GGUF's row layout) as one matrix: one
-    kernel call instead of several."""
-    merged: list[QuantWeight] = []
+    kernel call instead of several. With `repack` (the integer kernels' layout), a run of
+    several repackable segments is repacked straight from the parts (`kernels.repack_parts`: no
+    stacked copy first, one pass over the bytes at load) when every part but the last holds
+    whole groups of 16 rows."""
+    runs: list[list[QuantWeight]] = []
     for s in segments:
-        if merged and merged[-1].qtype == s.qtype and s.layout == merged[-1].layout == "rows":
-            p = merged[-1]
-            merged[-1] = QuantWeight(s.qtype, np.concatenate([p.data, s.data]), p.rows + s.rows, s.cols)
+        if runs and runs[-1][0].qtype == s.qtype and s.layout == runs[-1][0].layout == "rows":
+            runs[-1].append(s)
         else:
-            merged.append(s)
+            runs.append([s])
+    merged = []
+    for run in runs:
+        first = run[0]
+        if len(run) == 1:    # as it is (lay_out re-lays it, once for every weight over its array)
+            merged.append(first)
+        elif repack and first.qtype in REPACKABLE and all(s.rows % 16 == 0 for s in run[:-1]):
+            rows = sum(s.rows for s in run)
+            data = kernels.repack_parts([s.data for s in run], first.qtype, [s.rows for s in run])
+            merged.append(QuantWeight(first.qtype, data, rows, first.cols, "r16"))
+        else:
+            merged.append(QuantWeight(first.qtype, np.concatenate([s.data for s in run]), sum(s.rows for s in run),
+                                      first.cols))
     return merged
 
 

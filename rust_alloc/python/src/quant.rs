@@ -241,6 +241,20 @@ fn repack<'py>(py: Python<'py>, weight: PyReadonlyArrayDyn<'py, u8>, qtype: u32,
     Ok(numpy::PyArray1::from_vec(py, out).reshape([l.row_groups(), l.rg_bytes()])?.into_any())
 }
 
+/// `repack` of several row-layout parts stacked (a fused weight's Q/K/V or gate/up), read
+/// in place: every part but the last a multiple of 16 rows.
+#[pyfunction]
+fn repack_parts<'py>(py: Python<'py>, parts: Vec<PyReadonlyArrayDyn<'py, u8>>, qtype: u32, part_rows: Vec<usize>)
+                     -> PyResult<Bound<'py, PyAny>> {
+    let slices = parts.iter().enumerate().map(|(i, p)| contiguous(p, &format!("part {i}"))).collect::<PyResult<Vec<_>>>()?;
+    let rows: usize = part_rows.iter().sum();
+    let total: usize = slices.iter().map(|s| s.len()).sum();
+    let (q, _, cols) = rows_layout("repack_parts", qtype, total, rows)?;
+    let l = Layout::new(q, rows, cols).map_err(verr)?;
+    let out = py.detach(|| q8::repack_parts(q, &slices, &part_rows, cols)).map_err(verr)?;
+    Ok(numpy::PyArray1::from_vec(py, out).reshape([l.row_groups(), l.rg_bytes()])?.into_any())
+}
+
 /// {"isa": "avx2" | "scalar", "int8_isa": "avx512-vnni" | "avx2" | "scalar", "threads": n,
 /// "formats": {name: (ggml_type, block_weights, block_bytes)}, "x8_flag": 0x100,
 /// "interleavable": [ggml_type, ...], "r16_flag": 0x200, "repackable": [ggml_type, ...]}
@@ -269,6 +283,7 @@ pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     m.add_function(wrap_pyfunction!(gather_rows, &m)?)?;
     m.add_function(wrap_pyfunction!(interleave, &m)?)?;
     m.add_function(wrap_pyfunction!(repack, &m)?)?;
+    m.add_function(wrap_pyfunction!(repack_parts, &m)?)?;
     m.add_function(wrap_pyfunction!(info, &m)?)?;
     Ok(m)
 }

@@ -257,6 +257,50 @@ pub fn repack(q: QType, data: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>
     Ok(out)
 }
 
+/// `repack` of the rows of several parts stacked (a fused Q/K/V or gate/up weight), read
+/// where they lie: no stacked copy is made first. Every part but the last holds whole row
+/// groups (a multiple of 16 rows), so a row group never straddles two parts; the result is
+/// `repack` of the stacked rows, byte for byte.
+pub fn repack_parts(q: QType, parts: &[&[u8]], part_rows: &[usize], cols: usize) -> Result<Vec<u8>, QuantError> {
+    if parts.len() != part_rows.len() || parts.is_empty() {
+        return bad(format!("{} parts but {} row counts", parts.len(), part_rows.len()));
+    }
+    let rb = q.row_bytes(cols)?;
+    let mut first_group = Vec::with_capacity(parts.len() + 1);
+    let mut groups = 0usize;
+    for (i, (p, &r)) in parts.iter().zip(part_rows).enumerate() {
+        if p.len() != r * rb {
+            return bad(format!("part {i}: {} [{r}, {cols}] needs {} bytes, got {}", q.name(), r * rb, p.len()));
+        }
+        if i + 1 < parts.len() && r % ROWS != 0 {
+            return bad(format!("part {i} has {r} rows: every part but the last needs a multiple of {ROWS}"));
+        }
+        first_group.push(groups);
+        groups += r.div_ceil(ROWS);
+    }
+    first_group.push(groups);
+    let rows: usize = part_rows.iter().sum();
+    let l = Layout::new(q, rows, cols)?;
+    let layouts = part_rows.iter().map(|&r| Layout::new(q, r, cols)).collect::<Result<Vec<_>, _>>()?;
+    let mut out = vec![0u8; l.bytes()];
+    let dst = Bytes(out.as_mut_ptr());
+    let one = |rgi: usize| {
+        let dst = dst.get();
+        let p = first_group.partition_point(|&g| g <= rgi) - 1;
+        // SAFETY: row group rgi owns bytes rgi * rg_bytes .. (rgi + 1) * rg_bytes of `out`
+        // (every part's row groups have the whole's size: it depends on the format and the
+        // columns only), which outlives the calls; no two calls share a row group.
+        let rg = unsafe { std::slice::from_raw_parts_mut(dst.0.add(rgi * l.rg_bytes()), l.rg_bytes()) };
+        repack_rows(&layouts[p], parts[p], rb, rgi - first_group[p], rg);
+    };
+    if rows * cols >= 1 << 20 {
+        parallel_for(l.row_groups(), &one);
+    } else {
+        (0..l.row_groups()).for_each(one);
+    }
+    Ok(out)
+}
+
 /// A byte pointer the pool's threads write disjoint parts of.
 #[derive(Clone, Copy)]
 struct Bytes(*mut u8);

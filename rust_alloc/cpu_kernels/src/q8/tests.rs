@@ -44,6 +44,26 @@ fn repacked_rows_dequantize_to_the_file_s_weights() {
 }
 
 #[test]
+fn parts_repack_as_their_stacked_rows() {
+    // Q/K/V-like parts (the last one not a whole row group), small and pool-sized
+    let mut rng = Rng(0x0bad_cafe_1234_5678);
+    for (q, (part_rows, cols)) in FORMATS.iter().flat_map(|&q| {
+        [(q, (vec![32usize, 16, 21], 2 * q.block_weights())), (q, (vec![256usize, 64, 64], 4096))]
+    }) {
+        let parts: Vec<Vec<u8>> = part_rows.iter().map(|&r| random_rows(q, r, cols, &mut rng)).collect();
+        let stacked: Vec<u8> = parts.concat();
+        let rows: usize = part_rows.iter().sum();
+        let want = repack(q, &stacked, rows, cols).unwrap();
+        let slices: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
+        assert!(repack_parts(q, &slices, &part_rows, cols).unwrap() == want, "{} {:?}", q.name(), part_rows);
+    }
+    // a part before the last that is not whole row groups is refused
+    let q = QType::Q8_0;
+    let parts = [random_rows(q, 20, 32, &mut rng), random_rows(q, 16, 32, &mut rng)];
+    assert!(repack_parts(q, &[&parts[0], &parts[1]], &[20, 16], 32).is_err());
+}
+
+#[test]
 fn every_path_equals_the_portable_one_and_the_integers_are_exact() {
     let mut rng = Rng(0x0bad_cafe_f00d_1234);
     for q in FORMATS {
