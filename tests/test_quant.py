@@ -391,3 +391,24 @@ def test_fused_parts_are_repacked_where_they_lie(qtype):
     odd = [QuantWeight(qtype, random_blocks(qtype, r, cols, rng), r, cols) for r in (24, 8)]
     (fallback,) = merge_segments(odd, repack=True)
     assert fallback.layout == "rows" and fallback.rows == 32
+
+
+def test_repacking_as_weights_arrive_changes_no_logit(monkeypatch):
+    """The CPU runtime under int8 math repacks each linear as it arrives (fused ones from their
+    parts); laying them out after the whole load instead gives the same logits, bit for bit."""
+    if kernels.info()["int8_isa"] == "scalar":
+        pytest.skip("no integer kernels on this CPU")
+    from edgepaged.model import cpu_runtime
+    from edgepaged.model.quant import formats
+    from edgepaged.testing.decode import make_allocator, prompt_logits
+
+    def logits():
+        r = cpu_runtime.CpuRunner(num_blocks=16, kv_dtype="f32", settings=CpuConfig(quant_math="int8"),
+                                  progress=lambda *a, **k: None)
+        return r, prompt_logits(r, make_allocator(r), list(range(40, 80)), every=True)
+    now, got = logits()
+    assert {s.layout for la in now.model.layers for s in la.qkv.segments} == {"r16"}
+    monkeypatch.setattr(cpu_runtime, "merge_segments", lambda segments, repack=False: formats.merge_segments(segments))
+    after, want = logits()
+    assert {s.layout for la in after.model.layers for s in la.qkv.segments} == {"r16"}    # by lay_out, at the end
+    assert np.array_equal(np.asarray(got), np.asarray(want))

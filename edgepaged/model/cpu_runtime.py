@@ -30,7 +30,7 @@ from .loader import ModelFiles, terminal_progress
 from .placement import check_linear, place
 from .quant.formats import QuantWeight, lay_out, merge_segments
 from .rope import rotary_tables
-from .runtime import KvBudgetError, RunnerBase, cpu_kv_default_bytes
+from .runtime import KvBudgetError, RunnerBase, _Background, cpu_kv_default_bytes
 from .settings import CpuConfig
 from .tokenizer import Tokenizer
 
@@ -166,10 +166,11 @@ class CpuModel:
         setattr(self.layers[i], attr, Linear(parts, b, self.settings.dense_min_tokens, self._math == "int8"))
 
     def head_weight(self, w):
+        tied = w is None        # the embedding's array: lay_out re-lays it once for both
         if w is None:
             w = self.embed_q if self.embed_q is not None else self.embed_dense
             check_linear(self.cfg, "lm_head", [w])
-        self.head = Linear([w], None, self.settings.dense_min_tokens)
+        self.head = Linear([w], None, self.settings.dense_min_tokens, self._math == "int8" and not tied)
 
     def load(self, weights, math_: str, interleave: bool) -> None:
         sink = SimpleNamespace(rope_freqs=self.rope_freqs, embedding=self.embedding, norm=self.norm,
@@ -177,7 +178,10 @@ class CpuModel:
         self._math = math_        # int8: the fused linears are repacked as their parts merge
         place(self.cfg, weights, sink)
         if math_ != "exact" or interleave:
-            quant = [self.embed_q] if self.embed_q is not None else []
+            # the embedding table is only gathered from (rows layout does): re-laid out only
+            # when it is the LM head too (tied), so the two stay one array
+            tied = self.embed_q is not None and any(s.data is self.embed_q.data for s in self.head.segments)
+            quant = [self.embed_q] if tied else []
             for lin in [self.head] + [getattr(la, a) for la in self.layers for a in ("qkv", "o", "gate_up", "down")]:
                 quant.extend(lin.segments)
             lay_out(quant, math_)
@@ -365,7 +369,9 @@ class CpuRunner(RunnerBase):
                             * np.dtype(self.kv_np_dtype).itemsize)
         if num_blocks is None and kv_memory_bytes is not None:   # say so before loading the weights
             self._check_budget(kv_memory_bytes, files.path)
-        self.tokenizer = Tokenizer.load(files.path, reader=files.reader)
+        # the tokenizer (a 128 k-entry vocabulary takes ~0.5 s) is built beside the weights,
+        # whose reading and repacking release the GIL
+        tokenizer = _Background(lambda: Tokenizer.load(files.path, reader=files.reader))
         keep = files.has_quantized and quantized is not False
         if quantized and not files.has_quantized:
             from .quant.formats import FORMATS
@@ -377,6 +383,7 @@ class CpuRunner(RunnerBase):
         self.model.load(files.weights(None, progress=progress, keep_quantized=keep), self.quant_math or "exact",
                         settings.quant_interleave)
         del files
+        self.tokenizer = tokenizer.result()
         if num_blocks is None:
             if kv_memory_bytes is None:
                 kv_memory_bytes = cpu_kv_default_bytes()

@@ -102,10 +102,12 @@ class QuantWeight:
 
 def merge_segments(segments: list[QuantWeight], repack: bool = False) -> list[QuantWeight]:
     """Neighbouring row segments of one format (in GGUF's row layout) as one matrix: one
-    kernel call instead of several. With `repack` (the integer kernels' layout), a run of
-    several repackable segments is repacked straight from the parts (`kernels.repack_parts`: no
-    stacked copy first, one pass over the bytes at load) when every part but the last holds
-    whole groups of 16 rows."""
+    kernel call instead of several. With `repack` (the integer kernels' layout) every
+    segment is repacked here, as the weight arrives (its bytes just read, still in the
+    cache: twice the rate of repacking it once the whole file is in), and a run of several
+    is repacked straight from the parts (`kernels.repack_parts`: no stacked copy first) when
+    every part but the last holds whole groups of 16 rows. (Not for a weight whose array
+    another shares, a tied LM head: `lay_out` re-lays those once for both.)"""
     runs: list[list[QuantWeight]] = []
     for s in segments:
         if runs and runs[-1][0].qtype == s.qtype and s.layout == runs[-1][0].layout == "rows":
@@ -115,7 +117,9 @@ def merge_segments(segments: list[QuantWeight], repack: bool = False) -> list[Qu
     merged = []
     for run in runs:
         first = run[0]
-        if len(run) == 1:    # as it is (lay_out re-lays it, once for every weight over its array)
+        if len(run) == 1:
+            if repack:
+                first.repack()
             merged.append(first)
         elif repack and first.qtype in REPACKABLE and all(s.rows % 16 == 0 for s in run[:-1]):
             rows = sum(s.rows for s in run)
