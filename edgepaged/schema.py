@@ -15,10 +15,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
-from pydantic_core import PydanticCustomError
 
 MAX_STOP = 16            # stop strings, stop token ids
 MAX_SAMPLES = 8          # n: parallel samples of one prompt
@@ -46,12 +45,6 @@ def _rule(kind: str, rule: str, **constraints) -> Any:
     """A field: `kind` names its type in messages ("int or float"), `rule` its range ("a
     number in [0, 1]"); the constraints are pydantic's (ge, le, gt, max_length)."""
     return Field(default=None, json_schema_extra={"kind": kind, "rule": rule}, **constraints)
-
-
-def _finite(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        raise PydanticCustomError("range", "not finite")
-    return v
 
 
 class Sampling(BaseModel):
@@ -125,7 +118,7 @@ def _after(obj: BaseModel) -> None:
 
 def _range(name: str, value) -> FieldError:
     rule = Request.model_fields[name].json_schema_extra["rule"]
-    return FieldError(name, f"{name} must be {rule}, got {value!r}", "invalid_params")
+    return FieldError(name, f"{name} must be {rule}, got {_shown(value)}", "invalid_params")
 
 
 # pydantic's error types that mean "wrong type or shape" (the rest: a value out of range)
@@ -144,10 +137,16 @@ def _error(e: ValidationError, data: dict) -> FieldError:
     value = data.get(name)
     kinds = {e2["type"] for e2 in e.errors(include_url=False) if e2["loc"] and e2["loc"][0] == name}
     if kinds & _SHAPE:
-        got = repr(value) if kinds == {"literal_error"} else type(value).__name__
+        got = _shown(value) if kinds == {"literal_error"} else type(value).__name__
         return FieldError(name, f"{name} must be {extra['kind']}, got {got}"
                           if not isinstance(value, (list, dict)) else f"{name} must be {extra['kind']}")
-    return FieldError(name, f"{name} must be {extra['rule']}, got {value!r}", "invalid_params")
+    return FieldError(name, f"{name} must be {extra['rule']}, got {_shown(value)}", "invalid_params")
+
+
+def _shown(value, most: int = 80) -> str:
+    """A value as an error message quotes it: its repr, cut at `most` characters."""
+    text = repr(value)
+    return text if len(text) <= most else text[:most] + "…"
 
 
 def validate(data: dict, model: type[BaseModel] = None) -> BaseModel:

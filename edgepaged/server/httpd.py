@@ -38,7 +38,7 @@ from starlette.routing import Route
 
 from .. import brief
 from ..answer import Answer, Call, End, Piece, answer_events
-from ..engine import DoneEvent, EmbeddingEvent, EngineClosed, RequestRejected, TokenEvent
+from ..engine import DoneEvent, EmbeddingEvent, EngineClosed, RequestRejected
 from ..protocol import parse_keep_alive
 from ..frontend import AuthFailed, FrontEnd, model_display_name
 from .guard import Guard

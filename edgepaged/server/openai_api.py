@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .. import schema
 from ..protocol import MAX_MESSAGES, MAX_NAME_LEN, GenerateRequest
 from ..schema import FieldError
-from ..tools import check_choice, check_message, check_tools
+from ..tools import check_message
 
 # protocol error code -> HTTP status (the code itself goes to the client as error.code)
 STATUS = {
