@@ -1,13 +1,15 @@
 """The front end: the one transport-neutral place between every door and the engine.
 
-A door (a msgpack connection, the OpenAI API, later the Ollama API) parses its transport's
-shape into a `GenerateRequest` (edgepaged/protocol.py) and hands it here with the caller:
+A door (a msgpack connection, the OpenAI, Ollama and Responses APIs) maps its transport's
+shape onto the one request schema (`GenerateRequest`, edgepaged/schema.py) and hands it
+here with the caller:
 
     front = FrontEnd(engine, FrontEndConfig(token=..., users=...))
     user = await front.authenticate(token, peer)     # AuthFailed, or the user's name (None: no users)
     caller = front.caller(user, client_name, peer)   # fairness identity + prefix-cache identity
-    req = await front.build(item, caller)            # RequestRejected(code, message), or an engine Request
-    async with engine.stream(req) as events: ...
+    ticket = await front.build(item, caller)         # RequestRejected(code, message), or a Ticket:
+    async with answer_events(engine, ticket.req) as events:   # the engine's Request, and the doors' part
+        answer = Answer(ticket, thinking=True)       # edgepaged/answer.py: the one answer stream
 
 The front end checks who is asking, validates every field against the model (sampling
 fields, the vocabulary, the context), renders the chat template, tokenizes in a worker
