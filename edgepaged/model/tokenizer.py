@@ -6,6 +6,8 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
+
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -69,10 +71,12 @@ def tokenizer_from_gguf(reader) -> "Tokenizer":
         return _wordpiece_from_gguf(reader, tokens, types)
     else:
         raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (edgepaged reads 'gpt2', 'llama' and 'bert')")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == _GGUF_CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, ty in zip(tokens, types) if ty == _GGUF_USER])
+    kinds = np.asarray(types)          # (a 128 k-entry vocabulary: no Python loop over it)
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i in np.flatnonzero(kinds == _GGUF_CONTROL)])
+    user = [AddedToken(tokens[i], special=False, normalized=False) for i in np.flatnonzero(kinds == _GGUF_USER)]
+    if user:                           # (an empty call still rebuilds the added-token matcher)
+        tok.add_tokens(user)
 
     def token(key):
         i = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
