@@ -42,7 +42,7 @@ class FieldError(ValueError):
 
 
 def _rule(kind: str, rule: str, **constraints) -> Any:
-    """A field: `kind` names its type in messages ("int or float"), `rule` its range ("a
+    """A field: `kind` names its type in messages ("a number"), `rule` its range ("a
     number in [0, 1]"); the constraints are pydantic's (ge, le, gt, max_length)."""
     return Field(default=None, json_schema_extra={"kind": kind, "rule": rule}, **constraints)
 
@@ -70,6 +70,7 @@ class Sampling(BaseModel):
                                          "a list of non-empty strings", max_length=MAX_STOP)
     stop_token_ids: list[StrictInt] | None = _rule(f"a list of at most {MAX_STOP} integers",
                                                    "a list of token ids >= 0", max_length=MAX_STOP)
+
 
 class Request(Sampling):
     """One generation request: the sampling fields, and what to run and how."""
@@ -108,8 +109,8 @@ def _after(obj: BaseModel) -> None:
         raise _range("stop", obj.stop)
     if obj.stop_token_ids is not None and any(t < 0 for t in obj.stop_token_ids):
         raise _range("stop_token_ids", obj.stop_token_ids)
-    if obj.logit_bias is not None and any(k < 0 or not (math.isfinite(v) and -100 <= v <= 100)
-                                          for k, v in obj.logit_bias.items()):
+    if obj.logit_bias is not None and any(k < 0 or not (-100 <= v <= 100 and math.isfinite(v))   # (an int past
+                                          for k, v in obj.logit_bias.items()):                  # float's range)
         raise _range("logit_bias", obj.logit_bias)
     fmt = getattr(obj, "format", None)
     if fmt is not None and not isinstance(fmt.get("type"), str):
@@ -266,15 +267,19 @@ def parse_keep_alive(value) -> float:
     negative for always. FieldError (a ValueError) saying what it takes."""
     if isinstance(value, bool):
         raise FieldError("keep_alive", "keep_alive must be a duration (\"5m\") or a number of seconds")
-    if isinstance(value, (int, float)):
-        return -1.0 if value < 0 else float(value)
     if isinstance(value, str):
-        text = value.strip()
         try:
-            n = float(text)
-            return -1.0 if n < 0 else n
+            value = float(value.strip())
         except ValueError:
             pass
+    if isinstance(value, int):
+        value = float(value) if abs(value) < 2 ** 1000 else (math.inf if value > 0 else -math.inf)
+    if isinstance(value, float):
+        if math.isnan(value):
+            raise FieldError("keep_alive", "keep_alive must be a number of seconds, not NaN")
+        return -1.0 if value < 0 or math.isinf(value) else float(value)   # forever: -1
+    if isinstance(value, str):
+        text = value.strip()
         parts = re.fullmatch(r"(-)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?", text)
         if parts and text and any(parts.group(i) for i in (2, 3, 4)):
             if parts.group(1):

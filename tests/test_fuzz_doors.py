@@ -46,7 +46,8 @@ def deep_list(n: int):
 
 # -- values ------------------------------------------------------------------------------------
 extreme_numbers = st.sampled_from([0, -1, 1, 2**31, 2**63 - 1, 2**63, -(2**63), 2**64, 10**30, 1e308, -1e308,
-                                   5e-324, 1e-40, 0.5, -0.5, 7, 100, 1e6, math.inf, -math.inf, math.nan])
+                                   5e-324, 1e-40, 0.5, -0.5, 7, 100, 1e6, math.inf, -math.inf, math.nan,
+                                   10**400, -(10**400)])   # (JSON's ints past any float)
 scalars = st.one_of(st.none(), st.booleans(), extreme_numbers, st.integers(-2**70, 2**70),
                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12))
 huge = st.sampled_from(["x" * 200_000, "word " * 20_000, "\u0000" * 1000, "\ud800" * 10, "<|im_start|>" * 200])

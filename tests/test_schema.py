@@ -128,3 +128,40 @@ def test_the_http_doc_names_every_field_the_doors_take():
     ollama = text[text.index("## The Ollama API"):]
     missing = sorted(n for n in (*OLLAMA_OPTIONS.values(), "num_ctx") if f"`{n}`" not in ollama)
     assert not missing, f"docs/HTTP.md's Ollama section does not name the options {missing}"
+
+
+HOSTILE = [("logit_bias", {"1": 10**400}, "invalid_params"), ("logit_bias", {"1": float("nan")}, "invalid_params"),
+           ("temperature", 10**400, "invalid_params"), ("temperature", float("nan"), "invalid_params"),
+           ("n", -(10**400), "invalid_params"), ("keep_alive", "nan", "bad_request"),
+           ("keep_alive", float("nan"), "bad_request"), ("stop", ["x"] * 10_000, "bad_request"),
+           ("logit_bias", {str(i): 1 for i in range(301)}, "bad_request"), ("model", "m" * 10_000, "invalid_params")]
+
+
+@pytest.mark.parametrize("field, value, code", HOSTILE, ids=[f for f, _, _ in HOSTILE])
+def test_the_largest_and_the_not_a_number_are_refused_alike(field, value, code):
+    """Ints past any float (JSON carries them), NaN, huge lists and names: a 4xx code on
+    every door that has the field, never an exception of the parser's own; the message quotes
+    at most 80 characters of the value."""
+    if field != "keep_alive":       # (the OpenAI door has no keep_alive)
+        got = _openai(field, value)
+        assert got is not None and got[0] == code and len(got[1]) < 300, got
+    try:
+        parse({"type": "chat", "id": 1, "messages": HI, field: value})
+    except ProtocolError as e:
+        assert e.code == code and len(e.message) < 300
+    else:
+        raise AssertionError("taken")
+    if field in OLLAMA_OPTIONS or field in OLLAMA_TOP | {"keep_alive"}:
+        body = {"model": "m", "messages": HI}
+        if field in OLLAMA_OPTIONS:
+            body["options"] = {OLLAMA_OPTIONS[field]: value}
+        else:
+            body[field] = value
+        with pytest.raises(ollama_api.OllamaError) as e:
+            ollama_api.parse_chat(body, "x")
+        assert e.value.code == code, e.value.message
+
+
+def test_keep_alive_s_forever_and_its_numbers():
+    assert schema.parse_keep_alive(10**400) == schema.parse_keep_alive("inf") == schema.parse_keep_alive(-1) == -1.0
+    assert schema.parse_keep_alive("1h30m") == 5400.0 and schema.parse_keep_alive(" 30 ") == 30.0

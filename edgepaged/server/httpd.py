@@ -651,8 +651,7 @@ class GenerationResponse:
         self.req = req = ticket.req
         self.shaper = shaper or Shaper(gen, ticket.model or http.front.model, ticket)
         self.tokenizer = req.engine.tokenizer if req.engine is not None else http.front.tokenizer
-        self.samples = [req, *req.children]   # parallel samples (the parent's list empties as they fork)
-        self.n = len(self.samples)
+        self.n = len(ticket.calls)            # parallel samples (the parent's children empty as they fork)
 
     async def __call__(self, scope, receive, send) -> None:
         extra = [(b"x-edgepaged-warning", w.encode("utf-8", "replace")) for w in self.gen.warnings]
