@@ -230,6 +230,8 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=0,
                     help="the server's step budget (0: its default, 512, what a household runs; measured better "
                          "than 2048 on every figure, bench/RESULTS.md)")
+    ap.add_argument("--step-time", type=float, default=None,
+                    help="the server's --step-time (default: its own)")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "edgepaged" / "bench")
     args = ap.parse_args()
     model = str(synthetic("q4_k_m", args.cache_dir)) if args.model == "1b" else args.model
@@ -238,7 +240,8 @@ def main() -> None:
     import tempfile
     store = tempfile.TemporaryDirectory(prefix="assist-bench-")
     os.environ["EDGEPAGED_STORE"] = store.name
-    flags = ["--model", model] + (["--max-batched-tokens", str(args.max_batched_tokens)] if args.max_batched_tokens else [])
+    flags = ["--model", model] + (["--max-batched-tokens", str(args.max_batched_tokens)] if args.max_batched_tokens else []) \
+        + (["--step-time", str(args.step_time)] if args.step_time is not None else [])
     proc, base, _ = start_server(*flags)
     try:
         out = {"cpu": cpu_flags(), "model": Path(model).name, **commands(base, args.reps, args.max_tokens)}

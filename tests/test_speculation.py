@@ -162,6 +162,31 @@ async def test_tokens_a_format_forces_are_drafts(embedded_runner):
     assert steps[True] < steps[False] - 8, steps
 
 
+def test_lookup_guesses_a_grammar_forbids_are_cut(embedded_runner):
+    """At a choice of a constrained answer's format, prompt lookup guesses what followed the
+    same tokens in the prompt: Home Assistant's prompt lists its tools as JSON, so after the
+    answer's `{"` it guesses a tool's `type": "function"`, which the generic tool syntax
+    forbids (8 rows computed for nothing in a step of the warm command, bench/RESULTS.md).
+    `checked_guesses` keeps the longest run the grammar allows: none of those, all of a run
+    it allows."""
+    from edgepaged.engine.speculate import checked_guesses
+    from edgepaged.model.grammar import Grammars
+    g = Grammars(embedded_runner.tokenizer, embedded_runner.config.vocab_size)
+    grammar = g.compile({"type": "lark", "grammar": 'start: "{\\"" ("tool_calls\\": [1]" | "response\\": \\"ok\\"") "}"'})
+    tok = g.lltok.tokenize_str
+    for seen, kept in (('{"type": "function"} ', 0), ('{"response": "ok"} ', None)):
+        ids = tok(seen * 3 + '{"')
+        m = g.matcher(grammar)
+        assert m.consume_tokens(tok('{"'))
+        guess = propose(ids, 8)
+        assert guess, seen                                  # lookup guesses something
+        got = checked_guesses(ids, 8, m)
+        assert got == (guess[:kept] if kept is not None else got) and got == guess[:len(got)]
+        if kept is None:                                    # what it allows is kept, whole
+            assert m.validate_tokens(got) == len(got) and len(got) >= 3, (guess, got)
+        assert not m.is_error() and m.validate_tokens(got) == len(got)   # the matcher's state is untouched
+
+
 async def test_a_tight_pool_preempts_drafting_requests_and_loses_nothing(tmp_path):
     """Eight requests at once on a pool that holds about two: drafting ones are preempted and
     resumed; each answer is its plain one, every block comes back."""

@@ -32,7 +32,7 @@ from .metrics import Metrics
 from ..memory import release_free_memory
 from .request import DoneEvent, EmbeddingEvent, Request, Status, TokenEvent
 from .draft import Drafter, check_pair
-from .speculate import SpecConfig, Speculation
+from .speculate import SpecConfig, Speculation, checked_guesses
 from .scheduler import Batch, ScheduleError, Scheduler, SchedulerConfig
 from ..model.grammar import matcher_error
 
@@ -569,6 +569,8 @@ class Engine:
         forces next (`{"response": "` of a JSON reply, a call's `{"name": "` ...) become the
         request's drafts of the next step (`Speculation.drafts_for`), checked like any draft:
         several forced tokens cost one forward instead of one each."""
+        cfg = self.scheduler.spec.config
+        lookup = cfg if cfg.mode == "lookup" else None
         for req, t in took.items():
             m = (req.matcher if t[0] == "took" and t[1] and not t[2] or t[0] == "spec" and not t[1]
                  else t[1] if t[0] == "lazy" and t[1] else None)
@@ -579,8 +581,17 @@ class Engine:
             except Exception:   # noqa: BLE001 - no forced tokens then
                 continue
             tok = tokens.get(req)
-            n = len(tok) if isinstance(tok, list) else 1
-            req.forced = (req.num_tokens + n, list(ff)) if ff else None
+            new = list(tok) if isinstance(tok, list) else [tok[0] if isinstance(tok, tuple) else tok]
+            at = req.num_tokens + len(new)
+            req.forced = (at, list(ff)) if ff else None
+            req.checked = None
+            if not ff and lookup is not None:
+                # a choice of the format's: prompt lookup's guesses, cut where the grammar
+                # refuses them (a guess it forbids is a row computed for nothing)
+                try:
+                    req.checked = (at, checked_guesses(req.all_ids + new, req.spec_k or lookup.max_k, m))
+                except Exception:   # noqa: BLE001 - unchecked guesses then
+                    req.checked = None
 
     def _process(self, batch: Batch, tokens: list, forks=(), grammar: dict | None = None) -> None:
         now = time.monotonic()

@@ -111,6 +111,7 @@ class Request:
     spec_accepted: int = 0
     proposal: Any = None           # a draft model's guesses: (num_tokens when made, [tokens]) (draft.py)
     forced: Any = None             # tokens its format forces next: (num_tokens they follow, [tokens])
+    checked: Any = None            # a constrained request's lookup guesses its grammar allows: (num_tokens, [tokens])
     disk: Any = None               # its prompt's blocks found on disk: (first block index, [payloads])
     loads: Any = None              # this step: the payloads its first planned tokens are loaded from
     disk_saved: bool = False       # its prompt's blocks were offered to the disk tier

@@ -32,9 +32,12 @@ from .request import BACKGROUND, INTERACTIVE, PRIORITIES, Request, RequestReject
 # An interactive answer's first tokens (a tool call streams once its name is out: about 15
 # tokens of the generic syntax): while one of them is being decoded, a timed step takes at most
 # short_step_extra_tokens of other prefill, and no more than fits in FIRST_TOKENS_STEP_S at the
-# measured speed (at least 16), so those tokens come quickly beside a document being read.
+# measured speed (at least MIN_EXTRA_TOKENS), so those tokens come quickly beside a document
+# being read; so does the step that starts a short prompt. 0.1 s of a document a step made a
+# warm Home Assistant command's 6 steps 60-70 ms longer each (bench/RESULTS.md).
 FIRST_TOKENS = 16
-FIRST_TOKENS_STEP_S = 0.1
+FIRST_TOKENS_STEP_S = 0.03
+MIN_EXTRA_TOKENS = 8
 
 
 @dataclass
@@ -322,15 +325,12 @@ class Scheduler:
             if prio == INTERACTIVE and step.timed and first and any(
                     r.priority == INTERACTIVE and 0 < len(r.output_ids) < first for r in step.plan):
                 # an answer's first tokens (a tool call's name): a short step
-                extra = self.config.short_step_extra_tokens
-                if self.sec_per_token:
-                    extra = max(16, min(extra, int(FIRST_TOKENS_STEP_S / self.sec_per_token)))
-                step.budget = min(step.budget, extra)
+                step.budget = min(step.budget, self._short_extra())
             if prio == INTERACTIVE:                               # short new prompts before long prefills
                 self._admit_overdue(step, prio)                   # (after prompts that waited their limit)
                 if self._admit_short(step, prio) and step.timed:
                     # a short prompt's first token comes out of this step: keep it short
-                    step.budget = min(step.budget, self.config.short_step_extra_tokens)
+                    step.budget = min(step.budget, self._short_extra())
             self._schedule_running(step, prio, (False,))         # prefill chunks of running requests
             self._admit(step, prio)
             self._lengthen_chunks(step, prio)
@@ -342,6 +342,14 @@ class Scheduler:
         if not step.plan:
             return None
         return self._build(step)
+
+    def _short_extra(self) -> int:
+        """Other prefill a short step takes: short_step_extra_tokens, and no more than fits
+        in FIRST_TOKENS_STEP_S at the measured speed (at least MIN_EXTRA_TOKENS)."""
+        extra = self.config.short_step_extra_tokens
+        if self.sec_per_token:
+            extra = max(MIN_EXTRA_TOKENS, min(extra, int(FIRST_TOKENS_STEP_S / self.sec_per_token)))
+        return extra
 
     def kv_bound_stats(self) -> dict:
         """What memory allows, whatever the box's speed: in the steps where the pool held a

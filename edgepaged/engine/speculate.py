@@ -53,6 +53,16 @@ def propose(tokens, k: int, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM) -> l
     return []
 
 
+def checked_guesses(tokens, k: int, matcher) -> list[int]:
+    """Prompt lookup's guesses for a constrained answer at a choice of its format, cut where
+    its grammar (`matcher`, in its state after `tokens`) refuses them: a guess the grammar
+    forbids could never be kept, and its row would be computed for nothing (Home Assistant's
+    prompt lists its tools as JSON, so after the answer's `{"` lookup guesses a tool's
+    `"type": "function"` where the answer must say `tool_calls` or `response`)."""
+    guess = propose(tokens, k)
+    return guess[:matcher.validate_tokens(guess)] if guess else []
+
+
 def verify(logits: np.ndarray, drafts: list[int], params, prev: list[int], outputs: list[int] | None,
            matcher=None, stops=frozenset(), vocab: int | None = None, first: int | None = None,
            forced: int = 0) -> list[int]:
@@ -147,6 +157,9 @@ class Speculation:
         if self.config.mode == "draft":
             p = req.proposal
             return list(p[1][:k]) if p is not None and p[0] == req.num_tokens else []
+        c = req.checked
+        if c is not None and c[0] == req.num_tokens:     # guessed and checked by its grammar already
+            return list(c[1][:k])
         return propose(req.all_ids, k)
 
     def want_k(self, req, max_model_len: int) -> int:
