@@ -117,9 +117,11 @@ pub(crate) mod x86 {
     /// (one accumulator per position, the 8 reduced together by `hsum8`), the last
     /// `len % 8` one by one, and the slot offsets are computed block by block, with no
     /// division per position (both measured: bench/RESULTS.md, "Seventh session").
+    /// Only KV heads `kvh` (and their query heads): a sequence may be split by heads
+    /// between threads.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn item<E: KvElem, const NV: usize>(
-        a: &DecodeArgs<E>, b: usize, scores: &mut Vec<f32>, slots: &mut Vec<usize>,
+        a: &DecodeArgs<E>, b: usize, kvh: std::ops::Range<usize>, scores: &mut Vec<f32>, slots: &mut Vec<usize>,
     ) {
         let Heads { nh, nkv, d } = a.hs;
         let g = nh / nkv;
@@ -138,14 +140,16 @@ pub(crate) mod x86 {
         }
         let stride = len.next_multiple_of(8);
         scores.clear();
-        scores.resize(nh * stride, f32::NEG_INFINITY);
+        scores.resize((kvh.end - kvh.start) * g * stride, f32::NEG_INFINITY);
         let q0 = a.q.0.add(a.rows[b] as usize * a.q_stride) as *const f32;
         let (kp, vp) = (a.k.as_ptr(), a.v.as_ptr());
         let sp = scores.as_mut_ptr();
         let nfull = len / 8 * 8;
         let sc8 = _mm256_set1_ps(a.scale);
+        let heads = kvh.start * g..kvh.end * g;
+        let h0 = heads.start;
         for t0 in (0..nfull).step_by(8) {
-            for kh in 0..nkv {
+            for kh in kvh.clone() {
                 let ks: [*const E; 8] = std::array::from_fn(|u| kp.add(slots[t0 + u] + kh * du));
                 for h in kh * g..(kh + 1) * g {
                     let q = q0.add(h * d);
@@ -163,12 +167,12 @@ pub(crate) mod x86 {
                             }
                         }
                     }
-                    _mm256_storeu_ps(sp.add(h * stride + t0), _mm256_mul_ps(hsum8(&acc), sc8));
+                    _mm256_storeu_ps(sp.add((h - h0) * stride + t0), _mm256_mul_ps(hsum8(&acc), sc8));
                 }
             }
         }
         for (t, &off) in slots.iter().enumerate().skip(nfull) {
-            for kh in 0..nkv {
+            for kh in kvh.clone() {
                 let k = kp.add(off + kh * du);
                 let mut kr = [_mm256_setzero_ps(); NV];
                 for (j, r) in kr.iter_mut().enumerate() {
@@ -180,18 +184,18 @@ pub(crate) mod x86 {
                     for (j, r) in kr.iter().enumerate().skip(1) {
                         acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(8 * j)), *r, acc);
                     }
-                    *sp.add(h * stride + t) = hsum(acc) * a.scale;
+                    *sp.add((h - h0) * stride + t) = hsum(acc) * a.scale;
                 }
             }
         }
         if a.softcap > 0.0 {
-            for h in 0..nh {
-                cap_scores(std::slice::from_raw_parts_mut(sp.add(h * stride), len), a.softcap);
+            for h in heads.clone() {
+                cap_scores(std::slice::from_raw_parts_mut(sp.add((h - h0) * stride), len), a.softcap);
             }
         }
         let mut inv = [0f32; 64];
-        for (h, inv) in inv.iter_mut().enumerate().take(nh) {
-            let s = sp.add(h * stride);
+        for (h, inv) in inv.iter_mut().enumerate().take(heads.end).skip(heads.start) {
+            let s = sp.add((h - h0) * stride);
             let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
             for c in (0..stride).step_by(8) {
                 m = _mm256_max_ps(m, _mm256_loadu_ps(s.add(c)));
@@ -207,8 +211,8 @@ pub(crate) mod x86 {
             }
             *inv = 1.0 / hsum(sum);
         }
-        for h in 0..nh {
-            let s = sp.add(h * stride);
+        for h in heads {
+            let s = sp.add((h - h0) * stride);
             let vo = h / g * du;
             let mut acc = [_mm256_setzero_ps(); NV];
             for (t, &off) in slots.iter().enumerate() {
@@ -251,16 +255,19 @@ pub(crate) mod x86 {
     /// Whether `items` runs these heads (else the portable loop does).
     pub(super) fn supports(hs: Heads) -> bool { hs.d % 8 == 0 && hs.nh <= 64 && matches!(hs.d / 8, 4 | 8 | 16) }
 
-    /// Sequences `i0..i1`, every KV head of each.
+    /// Items `i0..i1`: item `i` is part `i % parts` of sequence `i / parts`, a run of its KV
+    /// heads (`parts` 1: all of them).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn items<E: KvElem>(a: &DecodeArgs<E>, i0: usize, i1: usize) {
+    pub(super) unsafe fn items<E: KvElem>(a: &DecodeArgs<E>, i0: usize, i1: usize, parts: usize) {
         let (mut scores, mut slots) = (Vec::new(), Vec::new());
-        let nv = a.hs.d / 8;
-        for b in i0..i1 {
+        let (nv, nkv) = (a.hs.d / 8, a.hs.nkv);
+        for i in i0..i1 {
+            let (b, p) = (i / parts, i % parts);
+            let kvh = p * nkv / parts..(p + 1) * nkv / parts;
             match nv {
-                4 => item::<E, 4>(a, b, &mut scores, &mut slots),
-                8 => item::<E, 8>(a, b, &mut scores, &mut slots),
-                16 => item::<E, 16>(a, b, &mut scores, &mut slots),
+                4 => item::<E, 4>(a, b, kvh, &mut scores, &mut slots),
+                8 => item::<E, 8>(a, b, kvh, &mut scores, &mut slots),
+                16 => item::<E, 16>(a, b, kvh, &mut scores, &mut slots),
                 _ => unreachable!(),
             }
         }
@@ -355,14 +362,18 @@ pub(crate) fn decode<E: KvElem>(
     let whole = avx && x86::supports(hs);
     #[cfg(not(target_arch = "x86_64"))]
     let whole = false;
-    let items = if whole { b } else { b * nkv };
     let work: usize = lens.iter().map(|&n| n as usize).sum::<usize>() * nh * d;
+    // fewer sequences than threads (one stream, a command's few rows): each split by KV heads,
+    // so that every thread has work (one sequence over 2,193 positions ran on one thread)
+    let nt = num_threads();
+    let parts = if whole && work >= 1 << 16 && b < 2 * nt { (2 * nt).div_ceil(b.max(1)).min(nkv) } else { 1 };
+    let items = if whole { b * parts } else { b * nkv };
     // SAFETY: every row, length and block id was checked against q, out and the caches
     // above; items write disjoint rows of `out`; the AVX2 paths run only when the CPU has it.
     let run = |i0: usize, i1: usize| unsafe {
         #[cfg(target_arch = "x86_64")]
         if whole {
-            return x86::items(&args, i0, i1);
+            return x86::items(&args, i0, i1, parts);
         }
         #[cfg(target_arch = "x86_64")]
         if avx {
@@ -439,13 +450,26 @@ pub(crate) mod tests {
     #[test]
     fn decode_matches_naive() {
         for d in [16, 64] {
-            decode_case(Heads { nh: 6, nkv: 2, d });
+            decode_case(Heads { nh: 6, nkv: 2, d }, &[13, 2, 9], 4, &[3, 1, 7, 0, 2, 5, 9, 8, 4, 6, 0, 0], 10);
         }
     }
 
-    fn decode_case(hs: Heads) {
-        let (bs, nblocks) = (4usize, 10usize);
+    /// Fewer sequences than threads over long contexts: each sequence split by KV heads
+    /// between the threads (one, three and five sequences; 8 KV heads, as Llama 3.2's).
+    #[test]
+    fn decode_split_by_heads_matches_naive() {
+        let bs = 16usize;
+        for lens in [&[2193i32][..], &[700, 1, 2193], &[300, 301, 302, 303, 304]] {
+            let mb = 2193usize.div_ceil(bs);
+            let total = lens.len() * mb;
+            let tables: Vec<i32> = (0..total).map(|i| (total - 1 - i) as i32).collect();
+            decode_case(Heads { nh: 32, nkv: 8, d: 64 }, lens, bs, &tables, total);
+        }
+    }
+
+    fn decode_case(hs: Heads, lens: &[i32], bs: usize, tables: &[i32], nblocks: usize) {
         let kvw = hs.nkv * hs.d;
+        let (nb, mb) = (lens.len(), tables.len() / lens.len());
         let mut seed = 7u64;
         let mut rnd = || {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -453,20 +477,19 @@ pub(crate) mod tests {
         };
         let k: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd()).collect();
         let v: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd()).collect();
-        let q: Vec<f32> = (0..3 * hs.nh * hs.d).map(|_| rnd()).collect();
-        let tables = [3, 1, 7, 0, 2, 5, 9, 8, 4, 6, 0, 0];
-        let lens = [13, 2, 9];
+        let q: Vec<f32> = (0..nb * hs.nh * hs.d).map(|_| rnd()).collect();
+        let rows: Vec<i64> = (0..nb as i64).collect();
         for (window, cap) in [(0usize, 0f32), (5, 0.0), (0, 0.05), (5, 0.05)] {
-            let mut out = vec![0f32; 3 * hs.nh * hs.d];
-            paged_decode(&q, hs.nh * hs.d, &mut out, hs.nh * hs.d, &[0, 1, 2], &lens, &tables, &k, &v, bs, hs, 0.25, window, cap)
+            let mut out = vec![0f32; nb * hs.nh * hs.d];
+            paged_decode(&q, hs.nh * hs.d, &mut out, hs.nh * hs.d, &rows, lens, tables, &k, &v, bs, hs, 0.25, window, cap)
                 .unwrap();
-            for b in 0..3 {
+            for b in 0..nb {
                 for h in 0..hs.nh {
                     let kh = h / (hs.nh / hs.nkv);
                     let n = lens[b] as usize;
                     let lo = if window > 0 { n.saturating_sub(window) } else { 0 };
                     let qv = &q[(b * hs.nh + h) * hs.d..(b * hs.nh + h + 1) * hs.d];
-                    let slot = |p: usize| tables[b * 4 + p / bs] as usize * bs + p % bs;
+                    let slot = |p: usize| tables[b * mb + p / bs] as usize * bs + p % bs;
                     let s: Vec<f64> = (lo..n)
                         .map(|p| {
                             let kr = &k[slot(p) * kvw + kh * hs.d..][..hs.d];
