@@ -388,9 +388,10 @@ class FrontEnd(Box):
                                   f"got {max_tokens}{hint}")
         params.max_tokens = max_tokens
         self._check_cost(caller, max_tokens, n)
-        matchers = None
+        matchers, forced = None, None
         if fmt is not None:   # compiled off the event loop, on a large stack, within the limits
-            matchers = (await self._prepare(fmt, n, None, "format")).matchers
+            prepared = await self._prepare(fmt, n, None, "format")
+            matchers, forced = prepared.matchers, ((len(ids), prepared.forced) if prepared.forced else None)
         from . import thinking as th
         thinks = item.messages is not None and item.think is not False and th.thinks(tok.chat_template)
         think_open = thinks and tok.decode(ids[-8:], skip_special_tokens=False).rstrip().endswith(th.OPEN)
@@ -401,7 +402,7 @@ class FrontEnd(Box):
             return Request(prompt_ids=ids, params=p, priority=item.priority, client=caller.client,
                            salt=cache_salt(caller.identity, item.share_prefix_cache, caller.namespace),
                            owner=caller.identity, speculative=item.speculative,
-                           matcher=None if matchers is None else matchers[k],
+                           matcher=None if matchers is None else matchers[k], forced=forced,
                            lazy=None if lazy is None else tl.LazyCall(lazy[0], lazy[1].grammar, self.grammars, tok,
                                                                        matcher=lazy[1].matchers[k]),
                            fork_of=parent, engine=self.engine, context_window=window)

@@ -358,6 +358,27 @@ def test_a_timed_step_starts_home_questions_together_and_stays_short():
     assert b.num_tokens <= 256 + 64 + len(b.requests)
 
 
+def test_a_prompt_longer_than_a_timed_step_does_not_start_as_short_beside_a_command():
+    """A document whose prefix is cached computes 220 of its 492 tokens: under the
+    short-prompt limit (256), but in a timed step of 0.25 s (83 tokens at 3 ms) it is not
+    short. It used to start whole beside a home command's 18-token tail (a 238-token step,
+    0.6 s on the 1 B file, the command's first byte after 1.2 s); now the command starts and
+    the document takes what a short step leaves."""
+    s = make(num_blocks=400, max_num_batched_tokens=512, step_time_target_s=0.25, short_step_extra_tokens=64,
+             max_model_len=4096)
+    s.observe_step(512, 1.536)                       # 3 ms a token
+    chat = req(n=40, max_tokens=40, client="chat", base=3)
+    s.add(chat)
+    step(s)
+    doc = req(n=220, max_tokens=8, client="doc", base=5)
+    home = req(n=18, max_tokens=8, client="ha", base=11)
+    s.add(doc)
+    s.add(home)
+    b = step(s)
+    assert home in b.requests and b.num_new[b.requests.index(home)] == 18
+    assert b.num_tokens <= 18 + 1 + max(MIN_EXTRA_TOKENS, int(FIRST_TOKENS_STEP_S / 0.003)), b.num_new
+
+
 def test_a_long_prompt_past_its_wait_starts_before_short_ones():
     s = make(num_blocks=400, max_num_batched_tokens=256, skip_ahead_max_wait_s=10.0, max_model_len=4096)
     long = req(n=900, max_tokens=4, client="doc", arrival=0.0)        # waited "forever"

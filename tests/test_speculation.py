@@ -162,6 +162,44 @@ async def test_tokens_a_format_forces_are_drafts(embedded_runner):
     assert steps[True] < steps[False] - 8, steps
 
 
+async def test_what_a_format_forces_first_rides_on_the_prompt_s_last_chunk(embedded_runner):
+    """The tokens a format forces before its first choice (`{"` and the first required
+    property's name of a schema) are drafts of the chunk that ends the prompt: its last row
+    draws the first forced token, the drafts' rows the rest and the format's first choice, so
+    the answer's first choice comes out of the prompt's own step (before: one more step of
+    the whole model). The answer is the plain one; every block comes back."""
+    props = {"the_kitchen_light_brightness_percent": {"type": "integer"}}
+    schema = {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+    ask = {"messages": [{"role": "user", "content": "Kitchen light at 40."}], "max_tokens": 30, "temperature": 0,
+           "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}}
+    out, firsts = {}, {}
+    async with serving(embedded_runner, http=True) as server:
+        eng = server.engine
+        for spec in (False, True):
+            seen = []
+
+            def hook(batch, seen=seen):
+                for r in batch.sampled:
+                    if not r.output_ids:                 # the step that ends its prompt
+                        j = batch.requests.index(r)
+                        seen.append((batch.num_new[j], len(r.prompt_ids) - r.num_cached, r in batch.spec,
+                                     list(r.drafts)))
+            eng.step_hook = hook
+            status, _, raw = await afetch(server.http_base + "/v1/chat/completions", {**ask, "speculative": spec})
+            eng.step_hook = None
+            assert status == 200, raw
+            out[spec] = json.loads(raw)["choices"][0]["message"]["content"]
+            firsts[spec] = seen
+        stats = eng.stats()
+        assert stats["kv_blocks_used"] == 0
+        eng.allocator.check_invariants()
+    assert out[True] == out[False] and set(json.loads(out[True])) == set(props)
+    (n, computed, drafted, drafts), = firsts[True]
+    assert drafted and len(drafts) >= 3 and n == computed + len(drafts), firsts   # `{"`, the name's tokens
+    (n, computed, drafted, drafts), = firsts[False]
+    assert not drafted and n == computed
+
+
 def test_lookup_guesses_a_grammar_forbids_are_cut(embedded_runner):
     """At a choice of a constrained answer's format, prompt lookup guesses what followed the
     same tokens in the prompt: Home Assistant's prompt lists its tools as JSON, so after the

@@ -482,6 +482,26 @@ class Scheduler:
                     step.plan[req], step.need[req] = n, k
                     self._planned(step, req, n)
 
+    def _prefill_drafts(self, step: _Step, req: Request, n: int) -> list[int]:
+        """The tokens its format forces first, when this chunk of `n` ends `req`'s prompt
+        (`req.forced`, from its grammar's compile off the loop): drafts of the chunk, certain to
+        be kept, as the pool allows."""
+        spec, f = self.spec, req.forced
+        if (f is None or spec is None or f[0] != req.num_tokens or req.num_known != req.num_tokens
+                or req.num_slots + n != req.num_tokens or req.loads or not spec.eligible(req)
+                or len(self.running) > spec.config.max_running):
+            return []
+        left = min(len(f[1]), req.params.max_tokens - len(req.output_ids) - 1,
+                   self.config.max_model_len - req.num_tokens - 1)
+        if left <= 0:
+            return []
+        k = self.blocks_needed(req, n + left)
+        if k - step.need.get(req, 0) > self._free(step) - self.watermark:
+            return []
+        step.need[req] = k
+        req.drafts_forced = left
+        return list(f[1][:left])
+
     def _drafts(self, step: _Step, req: Request) -> list[int]:
         """Speculation's drafts for a decode: only while few sequences run, within the step's
         budget (one token kept for each other decode) and the context."""
@@ -587,13 +607,16 @@ class Scheduler:
         per_client: dict[str, int] = {}
         for r in self.running:
             per_client[r.client] = per_client.get(r.client, 0) + 1
-        candidates = [r for r in queue.waiting() if self._to_compute(r) <= cfg.short_prompt_tokens
-                      and r not in step.preempted]
+        # in a timed step, short is also at most the step's budget: a document whose prefix is
+        # cached (220 of 492 tokens to compute) started beside a home command made its step
+        # 0.6 s at 0.25 s steps; it starts as long prompts do, after them, in a short step
+        short = min(cfg.short_prompt_tokens, step.total) if step.timed else cfg.short_prompt_tokens
+        candidates = [r for r in queue.waiting() if self._to_compute(r) <= short and r not in step.preempted]
         started = False
         while candidates and len(self.running) < cfg.max_num_seqs:
             # fair across clients, as the queue is: the client running least first, then the
-            # shortest prompt (a home question before a chat turn), then arrival
-            req = min(candidates, key=lambda r: (per_client.get(r.client, 0), len(r.all_ids), r.arrival))
+            # shortest prompt to compute (a home question before a chat turn), then arrival
+            req = min(candidates, key=lambda r: (per_client.get(r.client, 0), self._to_compute(r), r.arrival))
             candidates.remove(req)
             n, k = self._admission(req, cap)           # a prompt longer than what is left: its first part
             if n <= 0:
@@ -656,6 +679,13 @@ class Scheduler:
                 # the step (the allocator's truncate), never reaching the prefix cache
                 self.alloc.append_tokens(r.id, [new_tokens[i]] + r.drafts)
                 new_tokens[i] = -2
+            elif new_tokens[i] < 0 and (forced := self._prefill_drafts(step, r, num_new[i])):
+                # the chunk that ends the prompt: what the format forces first (`{"` of a JSON
+                # answer) rides along as drafts, so its last row draws the format's first choice
+                self.alloc.append_tokens(r.id, forced)
+                r.drafts = forced
+                num_new[i] += len(forced)
+                new_tokens[i] = -3
             else:
                 r.drafts = []
         slot_mapping, block_tables, seq_lens, copies, self._free_blocks = self.alloc.prepare_step(
@@ -692,9 +722,16 @@ class Scheduler:
                 logits_indices.append(t)
                 sampled.append(r)
                 spec[r] = list(range(t + 1, t + n))
+            elif tok == -3:                   # the prompt's last chunk, then the forced drafts
+                p = n - len(r.drafts)
+                input_ids[t:t + p] = r.all_ids[start:start + p]
+                input_ids[t + p:t + n] = r.drafts
+                logits_indices.append(t + p - 1)
+                sampled.append(r)
+                spec[r] = list(range(t + p, t + n))
             elif tok >= 0:
                 r.num_known += 1
-            if tok == -2:
+            if tok in (-2, -3):
                 pass
             elif n == 1 and tok >= 0:
                 input_ids[t] = tok
@@ -704,7 +741,7 @@ class Scheduler:
             r.num_slots += n
             t += n
             qsl[i + 1] = t
-            if tok != -2 and r.num_slots == r.num_tokens:
+            if tok not in (-2, -3) and r.num_slots == r.num_tokens:
                 logits_indices.append(t - 1)
                 sampled.append(r)
         return Batch(reqs, num_new, input_ids, positions, qsl, seq_lens, block_tables, slot_mapping, copies,

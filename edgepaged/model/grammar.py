@@ -31,7 +31,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -380,9 +380,11 @@ COMPILER = _Compiler()
 
 @dataclass
 class Prepared:
-    """A compiled format: its grammar text and one fresh matcher per sample."""
+    """A compiled format: its grammar text, one fresh matcher per sample, and the tokens it
+    forces first (`{"` of a JSON answer: drafts of the prompt's last chunk)."""
     grammar: str
     matchers: list
+    forced: list = field(default_factory=list)
 
 
 class Grammars:
@@ -482,7 +484,11 @@ class Grammars:
                     log.debug("a format failed its first mask: %s", template.get_error())
                     raise GrammarRefused("the format is past the parser's per-token limits at its first token "
                                          "(e.g. too many optional properties); use a simpler format")
-            return g, template, [template.deep_copy() for _ in range(samples)]
+            try:
+                forced = list(template.compute_ff_tokens())
+            except Exception:   # noqa: BLE001 - nothing forced then
+                forced = []
+            return g, template, [template.deep_copy() for _ in range(samples)], forced
 
         def done(fn):
             try:
@@ -516,8 +522,8 @@ class Grammars:
                                  "(the format compile-time limit)")
         if "e" in box:
             raise box["e"]
-        g, _, matchers = box["v"]
-        return Prepared(g, matchers)
+        g, _, matchers, forced = box["v"]
+        return Prepared(g, matchers, forced)
 
     def _check_and_look_up(self, spec: dict | None, grammar: str | None):
         """(the cache key, the cached compile or None); GrammarRefused past a limit or cached."""
