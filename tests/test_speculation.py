@@ -225,6 +225,43 @@ def test_lookup_guesses_a_grammar_forbids_are_cut(embedded_runner):
         assert not m.is_error() and m.validate_tokens(got) == len(got)   # the matcher's state is untouched
 
 
+async def test_a_tight_pool_preempts_constrained_requests_with_forced_drafts_and_loses_nothing(tmp_path):
+    """Eight constrained answers at once on a pool that holds about two: each prompt's last
+    chunk carries its format's forced tokens as drafts, drafting ones are preempted and
+    resumed (their prompt and answer computed again, the forced drafts riding again); each
+    answer is the one without speculation, every block comes back."""
+    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.testing.families import make_family_model, write_family_gguf
+    import trio
+    hf = make_family_model(tmp_path / "m", "llama", seed=3)
+    gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0)
+    schema = {"type": "object", "properties": {"the_answer_in_a_few_words": {"type": "string", "maxLength": 30},
+                                               "how_many_things_were_counted": {"type": "integer"}},
+              "required": ["the_answer_in_a_few_words", "how_many_things_were_counted"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}
+    prompts = [f"{i} {PROMPT}" for i in range(8)]
+    plain, _ = await _answers(CpuRunner(gguf, num_blocks=64), "off", prompts, max_tokens=40, chat=True,
+                              response_format=fmt)
+    runner = CpuRunner(gguf, num_blocks=14, block_size=16)
+    got = [None] * len(prompts)
+    async with serving(runner, http=True, engine={"spec_max_running": 8}) as server:
+        async def one(i):
+            status, _, raw = await afetch(server.http_base + "/v1/chat/completions",
+                                          {"messages": [{"role": "user", "content": prompts[i]}], "max_tokens": 40,
+                                           "temperature": 0, "response_format": fmt})
+            assert status == 200, raw
+            got[i] = json.loads(raw)["choices"][0]["message"]["content"]
+        async with trio.open_nursery() as n:
+            for i in range(len(prompts)):
+                n.start_soon(one, i)
+        stats = server.engine.stats()
+        assert stats["kv_blocks_used"] == 0
+        server.engine.allocator.check_invariants()
+    assert got == plain
+    assert stats["num_preemptions"] > 0 and stats["speculation"]["interactive"]["forced"] > 0, stats
+
+
 async def test_a_tight_pool_preempts_drafting_requests_and_loses_nothing(tmp_path):
     """Eight requests at once on a pool that holds about two: drafting ones are preempted and
     resumed; each answer is its plain one, every block comes back."""
