@@ -226,7 +226,7 @@ def test_lookup_guesses_a_grammar_forbids_are_cut(embedded_runner):
 
 
 async def test_a_tight_pool_preempts_constrained_requests_with_forced_drafts_and_loses_nothing(tmp_path):
-    """Eight constrained answers at once on a pool that holds about two: each prompt's last
+    """Eight constrained answers at once on a pool of 96 tokens: each prompt's last
     chunk carries its format's forced tokens as drafts, drafting ones are preempted and
     resumed (their prompt and answer computed again, the forced drafts riding again); each
     answer is the one without speculation, every block comes back."""
@@ -240,18 +240,19 @@ async def test_a_tight_pool_preempts_constrained_requests_with_forced_drafts_and
               "required": ["the_answer_in_a_few_words", "how_many_things_were_counted"],
               "additionalProperties": False}
     fmt = {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}
-    prompts = [f"{i} {PROMPT}" for i in range(8)]
-    plain, _ = await _answers(CpuRunner(gguf, num_blocks=64), "off", prompts, max_tokens=40, chat=True,
+    prompts = [f"{i} one two" for i in range(8)]
+    plain, _ = await _answers(CpuRunner(gguf, num_blocks=64), "off", prompts, max_tokens=40,
                               response_format=fmt)
-    runner = CpuRunner(gguf, num_blocks=14, block_size=16)
+    runner = CpuRunner(gguf, num_blocks=6, block_size=16)
     got = [None] * len(prompts)
     async with serving(runner, http=True, engine={"spec_max_running": 8}) as server:
         async def one(i):
-            status, _, raw = await afetch(server.http_base + "/v1/chat/completions",
-                                          {"messages": [{"role": "user", "content": prompts[i]}], "max_tokens": 40,
-                                           "temperature": 0, "response_format": fmt})
+            status, _, raw = await afetch(server.http_base + "/v1/completions",
+                                          {"prompt": prompts[i], "max_tokens": 40, "temperature": 0,
+                                           "response_format": fmt})
             assert status == 200, raw
-            got[i] = json.loads(raw)["choices"][0]["message"]["content"]
+            got[i] = json.loads(raw)["choices"][0]["text"]
+        await one(0)                 # the format compiled once: the eight then arrive together
         async with trio.open_nursery() as n:
             for i in range(len(prompts)):
                 n.start_soon(one, i)
