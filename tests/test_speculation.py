@@ -225,6 +225,29 @@ def test_lookup_guesses_a_grammar_forbids_are_cut(embedded_runner):
         assert not m.is_error() and m.validate_tokens(got) == len(got)   # the matcher's state is untouched
 
 
+async def _burst(runner, prompts, warm=False, **body) -> tuple[list, dict]:
+    """Every prompt at once (greedy, 40 tokens) on `runner`, speculation allowed for all of
+    them; the answers and the engine's stats, after checking every block came back. `warm`:
+    the first prompt once before the burst."""
+    import trio
+    got = [None] * len(prompts)
+    async with serving(runner, http=True, engine={"spec_max_running": 8}) as server:
+        async def one(i):
+            status, _, raw = await afetch(server.http_base + "/v1/completions",
+                                          {"prompt": prompts[i], "max_tokens": 40, "temperature": 0, **body})
+            assert status == 200, raw
+            got[i] = json.loads(raw)["choices"][0]["text"]
+        if warm:
+            await one(0)
+        async with trio.open_nursery() as n:
+            for i in range(len(prompts)):
+                n.start_soon(one, i)
+        stats = server.engine.stats()
+        assert stats["kv_blocks_used"] == 0
+        server.engine.allocator.check_invariants()
+    return got, stats
+
+
 async def test_a_tight_pool_preempts_constrained_requests_with_forced_drafts_and_loses_nothing(tmp_path):
     """Eight constrained answers at once on a pool of 96 tokens: each prompt's last
     chunk carries its format's forced tokens as drafts, drafting ones are preempted and
@@ -232,7 +255,6 @@ async def test_a_tight_pool_preempts_constrained_requests_with_forced_drafts_and
     answer is the one without speculation, every block comes back."""
     from edgepaged.model.cpu_runtime import CpuRunner
     from edgepaged.testing.families import make_family_model, write_family_gguf
-    import trio
     hf = make_family_model(tmp_path / "m", "llama", seed=3)
     gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0)
     schema = {"type": "object", "properties": {"the_answer_in_a_few_words": {"type": "string", "maxLength": 30},
@@ -243,22 +265,9 @@ async def test_a_tight_pool_preempts_constrained_requests_with_forced_drafts_and
     prompts = [f"{i} one two" for i in range(8)]
     plain, _ = await _answers(CpuRunner(gguf, num_blocks=64), "off", prompts, max_tokens=40,
                               response_format=fmt)
-    runner = CpuRunner(gguf, num_blocks=6, block_size=16)
-    got = [None] * len(prompts)
-    async with serving(runner, http=True, engine={"spec_max_running": 8}) as server:
-        async def one(i):
-            status, _, raw = await afetch(server.http_base + "/v1/completions",
-                                          {"prompt": prompts[i], "max_tokens": 40, "temperature": 0,
-                                           "response_format": fmt})
-            assert status == 200, raw
-            got[i] = json.loads(raw)["choices"][0]["text"]
-        await one(0)                 # the format compiled once: the eight then arrive together
-        async with trio.open_nursery() as n:
-            for i in range(len(prompts)):
-                n.start_soon(one, i)
-        stats = server.engine.stats()
-        assert stats["kv_blocks_used"] == 0
-        server.engine.allocator.check_invariants()
+    # the format compiled once first: the eight then arrive together
+    got, stats = await _burst(CpuRunner(gguf, num_blocks=6, block_size=16), prompts, warm=True,
+                              response_format=fmt)
     assert got == plain
     assert stats["num_preemptions"] > 0 and stats["speculation"]["interactive"]["forced"] > 0, stats
 
@@ -268,24 +277,10 @@ async def test_a_tight_pool_preempts_drafting_requests_and_loses_nothing(tmp_pat
     resumed; each answer is its plain one, every block comes back."""
     from edgepaged.model.cpu_runtime import CpuRunner
     from edgepaged.testing.families import make_family_model, write_family_gguf
-    import trio
     hf = make_family_model(tmp_path / "m", "llama", seed=3)
     gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0)
     prompts = [f"{i} {PROMPT}" for i in range(8)]
     plain, _ = await _answers(CpuRunner(gguf, num_blocks=64), "off", prompts, max_tokens=40)
-    runner = CpuRunner(gguf, num_blocks=14, block_size=16)
-    got = [None] * len(prompts)
-    async with serving(runner, http=True, engine={"spec_max_running": 8}) as server:
-        async def one(i):
-            status, _, raw = await afetch(server.http_base + "/v1/completions",
-                                          {"prompt": prompts[i], "max_tokens": 40, "temperature": 0})
-            assert status == 200, raw
-            got[i] = json.loads(raw)["choices"][0]["text"]
-        async with trio.open_nursery() as n:
-            for i in range(len(prompts)):
-                n.start_soon(one, i)
-        stats = server.engine.stats()
-        assert stats["kv_blocks_used"] == 0
-        server.engine.allocator.check_invariants()
+    got, stats = await _burst(CpuRunner(gguf, num_blocks=14, block_size=16), prompts)
     assert got == plain
     assert stats["num_preemptions"] > 0 and stats["speculation"]["interactive"]["drafted"] > 0, stats
