@@ -14,6 +14,8 @@ Figures (the last line with --json):
   `answer_warm_s` {p50, p90}: to the complete answer or call.
 - `ttft_after_restart_s`: the first command after the server restarts (what the prefix cache
   kept across it: without a disk tier, nothing).
+- `steps_interrupted`: the server's steps that stopped between layers for a command that
+  arrived while they ran (a document's prefill chunk, planned again after the command).
 - `llama_cpp_*`: the same from llama.cpp's `llama-server` (`-np 4 --cache-reuse 256`).
 - `tool_call_stream`: on the embedded model (which calls tools), whether a streamed call's
   name came out before the answer ended and its arguments in pieces (OpenAI's stream shape).
@@ -245,6 +247,9 @@ def main() -> None:
     proc, base, _ = start_server(*flags)
     try:
         out = {"cpu": cpu_flags(), "model": Path(model).name, **commands(base, args.reps, args.max_tokens)}
+        # the document's prefill steps stopped for a command (Engine._maybe_interrupt)
+        out["steps_interrupted"] = json.loads(urllib.request.urlopen(base + "/stats", timeout=30).read()).get(
+            "steps_interrupted")
     finally:
         proc.terminate()
         proc.wait(30)

@@ -91,6 +91,8 @@ class BlockAllocator:
         inside that the prefix cache holds is given back and its kept positions recomputed.
         Returns how many block references were given back. SequenceError for a sequence the
         window policy released blocks of, ValueError for 0 or more tokens than it has."""
+    def undo_step(self, seq_id: int, num_tokens: int, num_slots: int) -> int:
+        """An interrupted step's undo: back to `num_tokens` tokens and `num_slots` slots."""
     def seq_num_released(self, seq_id: int) -> int: ...
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's blocks; a released entry (window policy) is 2**32 - 1."""

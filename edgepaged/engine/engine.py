@@ -30,11 +30,12 @@ from ..model.tokenizer import IncrementalDetokenizer
 from .. import brief
 from .metrics import Metrics
 from ..memory import release_free_memory
-from .request import DoneEvent, EmbeddingEvent, Request, Status, TokenEvent
+from .request import INTERACTIVE, DoneEvent, EmbeddingEvent, Request, Status, TokenEvent
 from .draft import Drafter, check_pair
 from .speculate import SpecConfig, Speculation, checked_guesses
 from .scheduler import Batch, ScheduleError, Scheduler, SchedulerConfig
 from ..model.grammar import matcher_error
+from ..model.runtime import StepInterrupted
 
 log = logging.getLogger("edgepaged.engine")
 # what a client is told when the server failed on its behalf: never an exception's text (the
@@ -73,7 +74,18 @@ class EngineConfig:
     speculation: str = "lookup"
     spec_tokens: int | None = None          # None: 8 by lookup, 4 by a draft model (each guess costs a forward)
     spec_max_running: int = 4
+    # a long step (a document's prefill chunk) stops between two layers when a short
+    # interactive prompt arrives while little of it has run, and is planned again with that
+    # prompt first (Engine._maybe_interrupt); the runner must support it (CpuRunner)
+    interrupt_long_steps: bool = True
 
+# a step expected to take INTERRUPT_MIN_S or more may be stopped for a new short prompt, if it
+# has INTERRUPT_LEFT_S or more to run and has run at most INTERRUPT_MAX_DONE of its expected
+# time (the work thrown away); after a stopped step the next long one runs to its end (a burst
+# of questions cannot starve a document)
+INTERRUPT_MIN_S = 0.1
+INTERRUPT_LEFT_S = 0.05
+INTERRUPT_MAX_DONE = 0.6
 
 
 class EngineClosed(RuntimeError):
@@ -142,6 +154,10 @@ class Engine:
         self._costs: dict[Request, tuple[str, int]] = {}   # unfinished requests: (owner, max_tokens)
         self._pending: dict[Request, float] = {}   # built for this engine, not streamed yet (expect)
         self._owner_tokens: dict[str, int] = {}
+        # the running step, while it may be stopped: (trio time it began, its expected seconds)
+        self._stoppable: tuple[float, float] | None = None
+        self._may_stop = True      # the last long step ran to its end
+        self.steps_interrupted = 0
 
     @staticmethod
     def _disk_tier(runner, cfg: "EngineConfig"):
@@ -235,6 +251,7 @@ class Engine:
         self._owner_tokens[req.owner] = self._owner_tokens.get(req.owner, 0) + req.params.max_tokens
         self._idle = trio.Event()
         self._wake.set()
+        self._maybe_interrupt(req)
         try:
             async with recv:
                 yield recv
@@ -316,7 +333,8 @@ class Engine:
                  block_size=self.block_size, evictions=a["evictions"], max_model_len=self.max_model_len,
                  kv_dtype=self.runner.kv_dtype_name,
                  mode="contiguous" if self.config.contiguous else "paged", context_policy=self.config.context_policy,
-                 speculation=self.spec.stats(), **self.scheduler.kv_bound_stats())
+                 speculation=self.spec.stats(), steps_interrupted=self.steps_interrupted,
+                 **self.scheduler.kv_bound_stats())
         if self.drafter is not None:
             s["draft_model"] = self.drafter.stats()
         if self.disk is not None:
@@ -434,9 +452,17 @@ class Engine:
         outputs = [r.output_ids if r.params.counts_output else [] for r in rows] \
             if any(r.params.counts_output for r in rows) else None
         embeds = [r.embed for r in rows] if any(r.embed for r in rows) else None
-        tokens, ok = None, False
+        tokens, ok, stopped = None, False, False
         self._in_step = frozenset(batch.requests)
         self.step_started = trio.current_time()
+        stop = self.runner.interrupt if self.config.interrupt_long_steps else None
+        if stop is not None:
+            stop.clear()
+            expected = self._stoppable_for(batch, forks, pool, embeds)
+            if expected and self._may_stop:
+                self._stoppable = (self.step_started, expected)
+            elif expected:
+                self._may_stop = True
         try:
             t0 = time.monotonic()
             tokens, grammar = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers, outputs,
@@ -447,6 +473,21 @@ class Engine:
                 self._settle_drafts(batch, tokens)
             self.scheduler.observe_step(batch.num_tokens, time.monotonic() - t0)
             ok = True
+        except StepInterrupted:
+            # a short prompt arrived: nothing was sampled, the step's reservations go (its
+            # requests keep what earlier steps computed) and the next plan puts that prompt first
+            self._stoppable, self._may_stop = None, False
+            try:
+                self.scheduler.undo_step(batch)
+                stopped = True
+            except Exception as e:   # noqa: BLE001 - cannot happen; if it did, the step fails as any would
+                log.error("a stopped step could not be undone: %s (its %d requests end with an error)", _short(e),
+                          len(batch.requests))
+                for req in batch.requests:
+                    self._end(req, "error", error=INTERNAL)
+            self.steps_interrupted += 1
+            log.debug("a step of %d tokens stopped after %.3f s for a short prompt", batch.num_tokens,
+                      time.monotonic() - t0)
         except Exception as e:  # a failed step fails only its own requests
             log.error("model step failed: %s (its %d requests end with an error)", _short(e), len(batch.requests))
             log.debug("model step failed", exc_info=True)
@@ -455,9 +496,43 @@ class Engine:
                                                "message": "the model step failed (see the server's log)"})
         finally:
             self.step_started = None
-            self._free_after_step(batch, cache=ok)
+            self._stoppable = None
+            if stop is not None:
+                stop.clear()
+            self._free_after_step(batch, cache=ok or stopped)
         if ok:
             self._process(batch, tokens, forks, grammar)
+
+    def _stoppable_for(self, batch: Batch, forks, pool, embeds) -> float:
+        """The seconds `batch` is expected to take if it may be stopped between layers (0 if
+        not): a step without parallel samples, embeddings, disk loads or windowed sequences
+        (whose undoing would be more than giving tokens and slots back) long enough to be
+        worth stopping, at the speed the scheduler measured."""
+        spt = self.scheduler.sec_per_token
+        if not spt or forks or pool or embeds or batch.loads:
+            return 0.0
+        expected = batch.num_tokens * spt
+        if expected < INTERRUPT_MIN_S:
+            return 0.0
+        if any(r.context_window is not None for r in batch.requests):
+            return 0.0
+        return expected
+
+    def _maybe_interrupt(self, req: Request) -> None:
+        """A new request: if it is a short interactive prompt (a voice command over a cached
+        system prompt) and a long step that may be stopped has run little of its time, the
+        step stops at its next layer; its work is planned again after this prompt's."""
+        if self._stoppable is None or req.priority != INTERACTIVE or req.fork_of is not None:
+            return
+        began, expected = self._stoppable
+        now = trio.current_time()
+        ran = now - began
+        if ran > INTERRUPT_MAX_DONE * expected or expected - ran < INTERRUPT_LEFT_S:
+            return
+        sched = self.scheduler
+        if sched.config.short_prompt_tokens <= 0 or sched._to_compute(req) > sched.config.short_prompt_tokens:
+            return
+        self.runner.interrupt.set()
 
     @staticmethod
     def _pooled(batch: Batch, pool: list, tokens: list) -> list:

@@ -38,6 +38,11 @@ from .request import BACKGROUND, INTERACTIVE, PRIORITIES, Request, RequestReject
 FIRST_TOKENS = 16
 FIRST_TOKENS_STEP_S = 0.03
 MIN_EXTRA_TOKENS = 8
+# the first SHORT_STEPS_ALONE short steps in a row take no other prefill at all (a command's
+# prompt step and its first tokens, ~0.4 s on the 1 B file: 10 tokens of a document in each
+# made its first byte ~0.1 s later); a longer run of them (a burst of questions) gives the
+# document its FIRST_TOKENS_STEP_S share again, so no burst starves it
+SHORT_STEPS_ALONE = 8
 
 
 @dataclass
@@ -90,6 +95,8 @@ class Batch:
     # the disk tier: (block id, payload) of blocks whose K/V is read from disk, not computed:
     # their tokens have slots and count in seq_lens but are not rows of the forward
     loads: list = field(default_factory=list)
+    # each request's (num_known, num_slots) before the step: what undo_step goes back to
+    before: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -158,6 +165,7 @@ class _Step:
     need: dict = field(default_factory=dict)        # request -> blocks it takes from the pool
     preempted: list = field(default_factory=list)
     kv_bound: bool = False             # the pool held a waiting request back
+    short: bool = False                # kept short for a prompt's start or an answer's first tokens
 
 
 class ScheduleError(Exception):
@@ -189,6 +197,7 @@ class Scheduler:
         self.kv_bound: dict[int, int] = {}
         self.sec_per_token: float | None = None   # measured on steps of 128+ tokens (observe_step)
         self._computes: dict = {}                 # this step's waiting prompts: tokens their prefill computes
+        self._short_run = 0                       # short steps planned in a row (_short_extra)
         self.spec = None                          # speculate.Speculation: drafts for decodes (the engine's)
         self.drafter = None                       # draft.Drafter: a draft model's sequences in this pool
 
@@ -325,12 +334,12 @@ class Scheduler:
             if prio == INTERACTIVE and step.timed and first and any(
                     r.priority == INTERACTIVE and 0 < len(r.output_ids) < first for r in step.plan):
                 # an answer's first tokens (a tool call's name): a short step
-                step.budget = min(step.budget, self._short_extra())
+                step.budget, step.short = min(step.budget, self._short_extra()), True
             if prio == INTERACTIVE:                               # short new prompts before long prefills
                 self._admit_overdue(step, prio)                   # (after prompts that waited their limit)
                 if self._admit_short(step, prio) and step.timed:
                     # a short prompt's first token comes out of this step: keep it short
-                    step.budget = min(step.budget, self._short_extra())
+                    step.budget, step.short = min(step.budget, self._short_extra()), True
             self._schedule_running(step, prio, (False,))         # prefill chunks of running requests
             self._admit(step, prio)
             self._lengthen_chunks(step, prio)
@@ -341,11 +350,15 @@ class Scheduler:
             self.kv_bound[n] = self.kv_bound.get(n, 0) + 1
         if not step.plan:
             return None
+        self._short_run = self._short_run + 1 if step.short else 0
         return self._build(step)
 
     def _short_extra(self) -> int:
-        """Other prefill a short step takes: short_step_extra_tokens, and no more than fits
-        in FIRST_TOKENS_STEP_S at the measured speed (at least MIN_EXTRA_TOKENS)."""
+        """Other prefill a short step takes: none in the first SHORT_STEPS_ALONE short steps
+        in a row, then short_step_extra_tokens, and no more than fits in FIRST_TOKENS_STEP_S
+        at the measured speed (at least MIN_EXTRA_TOKENS)."""
+        if self._short_run < SHORT_STEPS_ALONE:
+            return 0
         extra = self.config.short_step_extra_tokens
         if self.sec_per_token:
             extra = max(MIN_EXTRA_TOKENS, min(extra, int(FIRST_TOKENS_STEP_S / self.sec_per_token)))
@@ -669,8 +682,20 @@ class Scheduler:
         cfg = self.config
         return cfg.short_prompt_tokens > 0 and time.monotonic() - head.arrival < cfg.skip_ahead_max_wait_s
 
+    def undo_step(self, batch: Batch) -> None:
+        """A step stopped before it sampled (StepInterrupted): each of its requests goes back
+        to what it had before it — the token a decode appended, the slots the step reserved
+        and the blocks past them — so the next plan computes that work again."""
+        for r, (known, slots) in zip(batch.requests, batch.before):
+            if self.alloc.has_sequence(r.id):
+                self.alloc.undo_step(r.id, known, slots)
+            r.num_known, r.num_slots = known, slots
+            r.drafts, r.drafts_forced = [], 0
+        self._free_blocks = None
+
     def _build(self, step: _Step) -> Batch:
         reqs = list(step.plan)
+        before = [(r.num_known, r.num_slots) for r in reqs]
         num_new = [step.plan[r] for r in reqs]
         new_tokens = [r.output_ids[-1] if r.num_known == r.num_tokens - 1 else -1 for r in reqs]
         for i, r in enumerate(reqs):
@@ -745,4 +770,4 @@ class Scheduler:
                 logits_indices.append(t - 1)
                 sampled.append(r)
         return Batch(reqs, num_new, input_ids, positions, qsl, seq_lens, block_tables, slot_mapping, copies,
-                     np.array(logits_indices, dtype=np.int64), sampled, step.preempted, spec, loads)
+                     np.array(logits_indices, dtype=np.int64), sampled, step.preempted, spec, loads, before)

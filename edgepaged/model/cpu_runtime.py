@@ -17,6 +17,7 @@ this one against.
 from __future__ import annotations
 
 import math
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -30,7 +31,7 @@ from .loader import ModelFiles, terminal_progress
 from .placement import check_linear, place
 from .quant.formats import QuantWeight, lay_out, merge_segments
 from .rope import rotary_tables
-from .runtime import KvBudgetError, RunnerBase, _Background, cpu_kv_default_bytes
+from .runtime import KvBudgetError, RunnerBase, StepInterrupted, _Background, cpu_kv_default_bytes
 from .settings import CpuConfig
 from .tokenizer import Tokenizer
 
@@ -140,6 +141,7 @@ class CpuModel:
         self._math = "exact"
         self.max_positions = 0
         self.decoder = None
+        self.interrupt = None     # the runner's threading.Event: set, a step stops between layers
         self.build_rotary(max_positions)
 
     # ------------------------------------------------------------ weights (placement's sink)
@@ -302,7 +304,10 @@ class CpuModel:
         a = np.empty_like(h)
         out = np.empty((t, q_size), np.float32)
         x = None       # the last step's output, added to the residual by the next Norm
+        stop = self.interrupt
         for li, layer in enumerate(self.layers):
+            if stop is not None and stop.is_set():
+                raise StepInterrupted(f"the step stopped before layer {li} of {len(self.layers)}")
             kc, vc = kv[li, 0], kv[li, 1]
             n = layer.norms
             for step in layer.spec.steps:
@@ -379,6 +384,9 @@ class CpuRunner(RunnerBase):
         self.quantized = keep
         self.quant_math = settings.math(cfg.num_params) if keep else None
         self.model = CpuModel(cfg, settings, cfg.context_length)
+        # a long step (a prefill chunk, layer by layer) stops between layers when the engine
+        # sets it: Engine._maybe_interrupt
+        self.interrupt = self.model.interrupt = threading.Event()
         progress = progress or terminal_progress(f"loading {files.path.name}")
         self.model.load(files.weights(None, progress=progress, keep_quantized=keep), self.quant_math or "exact",
                         settings.quant_interleave)

@@ -450,6 +450,7 @@ class EncoderRunner:
     embedding_only = True
     kv_dtype_name = "tokens"
     keeps_kv = False          # its blocks hold token ids: nothing for the disk tier
+    interrupt = None          # its steps are not stopped (Engine._maybe_interrupt)
     draft = None
     model_name: str | None = None
     file_info: dict | None = None

@@ -68,6 +68,12 @@ def rss_bytes() -> int | None:
         return None
 
 
+class StepInterrupted(Exception):
+    """A long step stopped between two layers because the engine asked it to (an interactive
+    prompt arrived behind a document's prefill chunk): nothing was sampled, and the engine
+    undoes the step's reservations (Scheduler.undo_step) and plans again."""
+
+
 class KvBudgetError(ValueError):
     """A KV cache budget this machine cannot hold (or too small for one block)."""
 
@@ -94,6 +100,9 @@ class Runner(Protocol):
     keeps_kv: bool              # its blocks hold K/V: read_block / write_block (the disk tier)
     draft: Any                  # a draft model's runner (engine/draft.py), or None
     products: str               # how the weights multiply, for banners
+    # a threading.Event the engine sets to stop a long step between two layers (the step
+    # raises StepInterrupted), or None where a step cannot be stopped
+    interrupt: Any
 
     def step(self, batch, params, prev_tokens=None, **kw) -> list: ...
 
@@ -113,6 +122,7 @@ class RunnerBase:
     keeps_kv = True
     model_name: str | None = None
     file_info: dict | None = None
+    interrupt = None      # a threading.Event where a step can stop between layers (CpuRunner)
 
     def _init_stats(self) -> None:
         self.mask_ms = collections.deque(maxlen=10000)   # constrained steps' mask times
@@ -200,7 +210,15 @@ class RunnerBase:
         masks = None
         if matchers is not None and any(m is not None for m in matchers):
             masks = _Background(self._masks, matchers)
-        every = as_array(self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices))
+        try:
+            every = as_array(self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices))
+        except StepInterrupted:
+            if masks is not None:        # its matchers are the next step's again: let it finish
+                try:
+                    masks.result()
+                except Exception:  # noqa: BLE001 - the step is undone anyway
+                    pass
+            raise
         logits = every[:len(params)] if spec else every
         if embeds is not None and any(embeds):
             # a request for an embedding: its row's final-norm hidden state (last-token pooling),

@@ -182,6 +182,15 @@ impl Store {
         self.blocks[id as usize].refcount += 1;
     }
 
+    /// A sequence's blocks past its first `keep` go back, tail first; returns how many.
+    fn release_past(&mut self, blocks: &mut Vec<u32>, keep: usize) -> usize {
+        let n = blocks.len().saturating_sub(keep);
+        for id in blocks.drain(keep.min(blocks.len())..).rev() {
+            self.release(id);
+        }
+        n
+    }
+
     fn release(&mut self, id: u32) {
         let b = &mut self.blocks[id as usize];
         debug_assert!(b.refcount > 0);
@@ -576,13 +585,41 @@ impl BlockPool {
         seq.num_computed = seq.num_computed.min(slots);
         seq.num_hashed_blocks = seq.num_hashed_blocks.min(slots / bs);
         let keep = if contiguous { seq.blocks.len() } else { slots.div_ceil(bs) };
-        let mut freed = 0;
-        while seq.blocks.len() > keep {
-            let id = seq.blocks.pop().unwrap();
-            self.store.release(id);
-            freed += 1;
+        Ok(self.store.release_past(&mut seq.blocks, keep))
+    }
+
+    /// An interrupted step's undo: the sequence goes back to what it had before that step,
+    /// `num_tokens` tokens (a token the step appended goes) and `num_slots` slots; the blocks
+    /// past the kept slots return to the pool, tail first (in contiguous mode the reservation
+    /// stays). Hashing covers only the slots reserved before a step, so nothing the step was
+    /// to compute reached the prefix cache; a copy-on-write copy it made stays the
+    /// sequence's. Not for a sequence the window policy released blocks of. Returns how many
+    /// block references were given back.
+    pub fn undo_step(&mut self, seq_id: i64, num_tokens: usize, num_slots: usize) -> Result<usize> {
+        let bs = self.store.block_size;
+        let contiguous = self.contiguous;
+        let seq = self.seqs.get_mut(&seq_id).ok_or(AllocError::UnknownSequence(seq_id))?;
+        if num_tokens == 0 || num_tokens > seq.tokens.len() || num_slots > num_tokens || num_slots > seq.num_slots
+            || num_slots < seq.num_hashed_blocks * bs
+        {
+            return Err(AllocError::Invalid(format!(
+                "undo a step of sequence {seq_id} to {num_tokens} tokens and {num_slots} slots: it has {} tokens, \
+                 {} slots, {} of them in cached blocks",
+                seq.tokens.len(),
+                seq.num_slots,
+                seq.num_hashed_blocks * bs
+            )));
         }
-        Ok(freed)
+        if seq.released > 0 {
+            return Err(AllocError::Sequence(format!(
+                "sequence {seq_id} gave blocks back under the window policy: its step cannot be undone"
+            )));
+        }
+        seq.tokens.truncate(num_tokens);
+        seq.num_slots = num_slots;
+        seq.num_computed = seq.num_computed.min(num_slots);
+        let keep = if contiguous { seq.blocks.len() } else { num_slots.div_ceil(bs) };
+        Ok(self.store.release_past(&mut seq.blocks, keep))
     }
 
     /// Blocks `prepare_step` would take from the free list for `n` more tokens of a sequence

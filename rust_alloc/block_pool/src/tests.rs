@@ -351,3 +351,44 @@ fn truncate_rolls_back_drafted_tokens() {
     assert_eq!(p.num_free_blocks(), 8);
     ok(&p);
 }
+
+#[test]
+fn undo_step_gives_back_what_the_step_reserved() {
+    let mut p = pool(8, 4);
+    // a prompt of 10 tokens: 6 computed, then a step of 4 more is interrupted
+    p.add_sequence(1, (0..10).collect(), 0, None).unwrap();
+    p.prepare_step(&[1], &[6], None).unwrap();
+    p.prepare_step(&[1], &[4], None).unwrap();
+    assert_eq!(p.sequence(1).unwrap().blocks.len(), 3);
+    assert_eq!(p.undo_step(1, 10, 6).unwrap(), 1);
+    let s = p.sequence(1).unwrap();
+    assert_eq!((s.num_slots, s.num_computed, s.tokens.len(), s.blocks.len()), (6, 6, 10, 2));
+    ok(&p);
+    // the chunk again: the same slots, and the first full block was cached before the step
+    let plan = p.prepare_step(&[1], &[4], None).unwrap();
+    assert_eq!(plan.slot_mapping.len(), 4);
+    assert_eq!(p.num_cached_blocks(), 1);
+    // a decode step that appended its token: the token goes too
+    let plan = p.prepare_step(&[1], &[1], Some(&[77])).unwrap();
+    assert_eq!(plan.seq_lens, vec![11]);
+    assert_eq!(p.undo_step(1, 10, 10).unwrap(), 0);
+    assert_eq!(p.sequence(1).unwrap().tokens.len(), 10);
+    p.prepare_step(&[1], &[1], Some(&[77])).unwrap();
+    assert_eq!(p.sequence(1).unwrap().tokens[10], 77);
+    // a fresh prompt whose first chunk is interrupted keeps no block
+    p.add_sequence(2, (100..108).collect(), 0, None).unwrap();
+    p.prepare_step(&[2], &[8], None).unwrap();
+    assert_eq!(p.undo_step(2, 8, 0).unwrap(), 2);
+    assert_eq!(p.sequence(2).unwrap().blocks.len(), 0);
+    ok(&p);
+    // nothing the interrupted step reserved entered the prefix cache
+    p.free_sequence(2, true).unwrap();
+    assert_eq!(p.prefix_match(&(100..108).collect::<Vec<u32>>(), 0).0, 0);
+    // more than the sequence has, or slots the step did not reserve
+    assert!(matches!(p.undo_step(1, 12, 11), Err(AllocError::Invalid(_))));
+    assert!(matches!(p.undo_step(1, 11, 4), Err(AllocError::Invalid(_)))); // cached blocks stay
+    assert!(matches!(p.undo_step(9, 1, 0), Err(AllocError::UnknownSequence(9))));
+    p.free_sequence(1, true).unwrap();
+    assert_eq!(p.num_free_blocks(), 8);
+    ok(&p);
+}

@@ -163,6 +163,12 @@ impl BlockAllocator {
     fn truncate(&mut self, seq_id: i64, num_tokens: i64) -> PyResult<usize> {
         self.pool.truncate(seq_id, usize::try_from(num_tokens).unwrap_or(0)).map_err(err)
     }
+    /// An interrupted step's undo: the sequence goes back to `num_tokens` tokens and
+    /// `num_slots` slots (what it had before the step).
+    fn undo_step(&mut self, seq_id: i64, num_tokens: i64, num_slots: i64) -> PyResult<usize> {
+        let n = |x: i64| usize::try_from(x).map_err(|_| PyValueError::new_err(format!("negative count {x}")));
+        self.pool.undo_step(seq_id, n(num_tokens)?, n(num_slots)?).map_err(err)
+    }
     fn seq_num_released(&self, seq_id: i64) -> PyResult<usize> {
         Ok(self.pool.sequence(seq_id).map_err(err)?.released)
     }

@@ -1,0 +1,81 @@
+"""A long step (a document's prefill chunk) stops between layers for a short interactive
+prompt that arrives while it runs (Engine._maybe_interrupt): the step is undone and planned
+again after that prompt, and nothing is lost."""
+from __future__ import annotations
+
+import json
+import threading
+
+import trio
+
+from edgepaged.testing.serving import serving
+from test_http import afetch
+
+CHAT = "one two three four five six seven eight nine ten. one two three four five six seven eight nine ten. one two"
+DOC = " ".join(f"w{i % 37} x{i % 11}" for i in range(120))
+CMD = "turn on the light"
+
+
+async def _ask(base: str, prompt: str, max_tokens: int) -> str:
+    status, _, raw = await afetch(base + "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                                             "temperature": 0})
+    assert status == 200, raw
+    return json.loads(raw)["choices"][0]["text"]
+
+
+async def test_a_long_step_stops_for_a_short_prompt_and_loses_nothing(tmp_path, monkeypatch):
+    """A document's prefill chunk beside a decoding (and drafting) chat: a short prompt
+    arrives while the step is held before its forward, the step stops at its first layer,
+    its requests go back to what they had before it (the chat's appended token and drafts,
+    the document's slots and blocks) and the next plan starts the prompt. Every answer is
+    the one computed without the stop, every block comes back, and the document's cached
+    prefix is sound: asked again, the same answer from the cache."""
+    from edgepaged.engine import engine as engine_mod
+    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.testing.families import make_family_model, write_family_gguf
+    hf = make_family_model(tmp_path / "m", "llama", seed=3)
+    gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0)
+    asks = {"chat": (CHAT, 400), "doc": (DOC, 8), "cmd": (CMD, 8)}
+    plain = {}
+    async with serving(CpuRunner(gguf, num_blocks=128), http=True, engine={"speculation": "off"}) as server:
+        for k, (p, n) in asks.items():
+            plain[k] = await _ask(server.http_base, p, n)
+    # the tiny model's steps take microseconds: any step may stop, whatever it has run
+    monkeypatch.setattr(engine_mod, "INTERRUPT_MIN_S", 0.0)
+    monkeypatch.setattr(engine_mod, "INTERRUPT_LEFT_S", -1e9)
+    monkeypatch.setattr(engine_mod, "INTERRUPT_MAX_DONE", 1e9)
+    runner = CpuRunner(gguf, num_blocks=128)
+    got, held, go = {}, [], threading.Event()
+    async with serving(runner, http=True) as server:
+        eng = server.engine
+
+        def hold(batch):       # in the worker: the step with the document's chunk beside the chat's decode
+            if not held and eng._stoppable is not None and any(r.output_ids for r in batch.requests) \
+                    and any(not r.output_ids for r in batch.requests):
+                held.append([(r.id, r.num_known, r.num_slots) for r in batch.requests])
+                go.wait(30)
+        eng.step_hook = hold
+
+        async def one(k):
+            got[k] = await _ask(server.http_base, *asks[k])
+        async with trio.open_nursery() as n:
+            n.start_soon(one, "chat")
+            with trio.fail_after(30):
+                while not any(r.output_ids for r in eng.requests.values()):    # the chat decodes
+                    await trio.sleep(0.001)
+                n.start_soon(one, "doc")
+                while not held:
+                    await trio.sleep(0.005)
+                n.start_soon(one, "cmd")
+                while not runner.interrupt.is_set():      # the prompt reached the engine: the step stops
+                    await trio.sleep(0.005)
+            go.set()
+        assert got == plain
+        stats = eng.stats()
+        assert stats["steps_interrupted"] == 1, stats
+        assert stats["kv_blocks_used"] == 0
+        eng.allocator.check_invariants()
+        hits = stats["prefix_cache_hits"]
+        assert await _ask(server.http_base, *asks["doc"]) == plain["doc"]
+        assert eng.stats()["prefix_cache_hits"] > hits + 256      # its prompt came from the cache
+        eng.allocator.check_invariants()
