@@ -3,7 +3,8 @@ import pytest
 
 from edgepaged._native.blocks import BlockAllocator
 from edgepaged.engine.request import BACKGROUND, INTERACTIVE, Request, Status
-from edgepaged.engine.scheduler import FIRST_TOKENS, FIRST_TOKENS_STEP_S, MIN_EXTRA_TOKENS, RequestRejected, Scheduler, SchedulerConfig
+from edgepaged.engine.scheduler import (FIRST_TOKENS, FIRST_TOKENS_STEP_S, MIN_EXTRA_TOKENS, SHORT_STEPS_ALONE,
+                                       RequestRejected, Scheduler, SchedulerConfig)
 from edgepaged.model.params import SamplingParams
 
 BS = 16
@@ -414,3 +415,29 @@ def test_a_new_answer_s_first_steps_stay_short_while_a_document_is_read():
     for _ in range(2):                               # then the document has the step again
         b = step(s)
     assert b.num_tokens > 64 + 1 and doc in b.requests
+
+
+def test_a_command_s_first_short_steps_take_no_document_and_a_burst_does_not_starve_it():
+    """The first SHORT_STEPS_ALONE short steps in a row carry none of a document's prefill
+    (a command's prompt and first tokens come ~0.1 s sooner on the 1 B file); a longer run
+    of short steps (answers starting one after another) gives the document its share of each
+    step again, so it is never starved."""
+    s = make(num_blocks=400, max_num_batched_tokens=512, step_time_target_s=0.5, short_step_extra_tokens=64,
+             max_model_len=4096, max_num_seqs=32)
+    s.observe_step(512, 1.536)                       # 3 ms a token
+    doc = req(n=3000, max_tokens=4, client="doc", base=3)
+    s.add(doc)
+    step(s)
+    extra = max(MIN_EXTRA_TOKENS, int(FIRST_TOKENS_STEP_S / 0.003))
+    took = []
+    for i in range(3 * SHORT_STEPS_ALONE):
+        if i % 4 == 0:                               # a new command every few steps: the run goes on
+            s.add(req(n=20, max_tokens=40, client=f"ha{i}", base=11 + i))
+        before = doc.num_slots
+        b = step(s)
+        took.append(doc.num_slots - before)
+        assert b.num_tokens <= 20 + 32 + extra, (i, b.num_new)
+    # a warm command's prompt and the first tokens of its tool call: 7 steps on the 1 B file
+    assert SHORT_STEPS_ALONE >= 7 and took[:SHORT_STEPS_ALONE] == [0] * SHORT_STEPS_ALONE, took
+    later = took[SHORT_STEPS_ALONE:]
+    assert all(t <= extra for t in later) and sum(t > 0 for t in later) >= len(later) // 2, took
