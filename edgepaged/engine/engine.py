@@ -472,6 +472,8 @@ class Engine:
             if spec:
                 self._settle_drafts(batch, tokens)
             self.scheduler.observe_step(batch.num_tokens, time.monotonic() - t0)
+            log.debug("a step of %d tokens (%d requests) in %.3f s", batch.num_tokens, len(batch.requests),
+                      time.monotonic() - t0)
             ok = True
         except StepInterrupted:
             # a short prompt arrived: nothing was sampled, the step's reservations go (its

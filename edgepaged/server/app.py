@@ -20,7 +20,6 @@ import sys
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -175,13 +174,15 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
                                 with refresh:
                                     await _refresh_load(adv, server, cfg.mdns_refresh_s)
                             nursery.start_soon(refresher)
-                    # what the load made lives as long as the server: out of the cyclic collector's
-                    # sight (a full collection over it took ~0.1 s with the GIL held, a stall of
-                    # every door), and the grammar tokenizer built now, while nobody waits (its
-                    # constructor holds the GIL ~0.2-0.3 s: it stalled the first format's neighbours)
-                    gc.freeze()
+                    # the grammar tokenizer built before the banner says ready (its constructor
+                    # holds the GIL ~0.2-0.3 s: built after, it stalled the first format's
+                    # neighbours, and a command with tools sent at "ready" waited for it: 0.33 s
+                    # of Home Assistant's first command), then what the load made lives as long as
+                    # the server: out of the cyclic collector's sight (a full collection over it
+                    # took ~0.1 s with the GIL held, a stall of every door)
                     if front.modelset is None:
-                        nursery.start_soon(partial(trio.to_thread.run_sync, front.warm_grammars))
+                        await trio.to_thread.run_sync(front.warm_grammars)
+                    gc.freeze()
                     say(banner(server, adv, cfg, http))
                     systemd.notify(f"READY=1\nSTATUS=serving {front.model}")
                     pet = systemd.watchdog_interval_s()
