@@ -22,6 +22,8 @@ The files are written once and cached outside the repository (`--cache-dir`, def
     weights_rss_mb     resident memory the weights add to a fresh process (MiB; the --runtime's
                        runner), ready_s: its load on a warm page cache (the cpu runtime)
     file_mb            the file (MiB)
+    attention_products "bf16" or "f32": prefill attention's products (bf16 over an f16 or q8_0
+                       cache on a CPU with AVX-512 BF16 when EDGEPAGED_ATTENTION_BF16=1; else f32)
     isa                the instruction set the products ran on ("avx512-vnni", "avx2", "scalar";
                        `machine` lists the CPU's flags); `math`: "int8" or "exact" (the
                        server's default for the file, EDGEPAGED_QUANT_MATH to choose)
@@ -169,6 +171,13 @@ def prompts(vocab: int, n: int, length: int, seed: int) -> list[np.ndarray]:
     return [rng.integers(300, vocab - 300, length).astype(np.int64) for _ in range(n)]
 
 
+def attention_products(runner) -> str:
+    """"bf16" where prefill attention over the runner's cache multiplies in bf16 (an f16 or q8_0
+    cache, a CPU with AVX-512 BF16, EDGEPAGED_ATTENTION_BF16=1), else "f32"."""
+    from edgepaged._native import ops
+    return "bf16" if ops.bf16_attention() and runner.kv_dtype_name in ("f16", "q8_0") else "f32"
+
+
 def ours(path: Path, new_tokens: int, reps: int, runtime: str = "cpu") -> dict:
     from edgepaged.model.runtime import open_runner
     runner = open_runner(path, "cpu", runtime=runtime, num_blocks=(32 * (32 + new_tokens) + PREFILL) // 16 + 64)
@@ -178,7 +187,7 @@ def ours(path: Path, new_tokens: int, reps: int, runtime: str = "cpu") -> dict:
     res = {"tok_s_b1": 0.0, "tok_s_b32": 0.0, "prefill_tok_s": 0.0, "params": runner.config.num_params,
            "runtime": runtime,
            "forward": getattr(runner, "forward_name", None) or runner.forward.name, "kv_dtype": runner.kv_dtype_name, "math": runner.quant_math,
-           "isa": runner.products.split("(")[-1].rstrip(")")}
+           "isa": runner.products.split("(")[-1].rstrip(")"), "attention_products": attention_products(runner)}
     for r in range(reps):
         base = 10_000 * (r + 1)
         _, _, td = run_batch(runner, alloc, prompts(vocab, 1, 32, r), new_tokens, seq_base=base)

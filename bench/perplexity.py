@@ -19,7 +19,9 @@ element types in turn on one model, the way llama.cpp's `llama-perplexity` measu
 --ctx tokens, each chunk's second half scored), read as a server reads: each chunk's first
 half one prefill, its second half one token a step. The same text through `llama-perplexity`
 with `-ctk/-ctv` of each type beside it when it is installed (--llama-perplexity PATH, or on
-PATH; null with the reason when absent):
+PATH; null with the reason when absent). `TYPE@bf16` is that cache with prefill attention's
+tiles multiplying in bf16 (EDGEPAGED_ATTENTION_BF16, on a CPU with AVX-512 BF16; `TYPE@f32`:
+in f32, the default): `--kv-dtype f16,f16@bf16` measures what bf16 products cost:
 
     python bench/perplexity.py --kv-dtype f16,q8_0 [--model FILE.gguf | --model 1b] [--json]
 
@@ -59,13 +61,33 @@ def policies(windows: list[int], sink: int) -> list[tuple[str, int | None, int]]
 LLAMA_TYPES = {"f16": "f16", "q8_0": "q8_0", "f32": "f32"}
 
 
+class Products:
+    """A runner whose prefill attention multiplies in bf16 or f32 (`TYPE@bf16`, `TYPE@f32` in
+    --kv-dtype) for its own steps only, so both run in one process, chunk by chunk."""
+
+    def __init__(self, runner, bf16: bool):
+        self.runner, self.bf16 = runner, bf16
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def execute(self, *args, **kw):
+        from edgepaged._native import ops
+        was = ops.bf16_attention()
+        ops.bf16_attention(self.bf16)
+        try:
+            return self.runner.execute(*args, **kw)
+        finally:
+            ops.bf16_attention(was)
+
+
 def llama_perplexity(exe: str, model: Path, ctx: int, chunks: int, kv: str, base: Path, first: bool) -> dict:
     """llama.cpp's perplexity of the text with a `kv` cache (its K and V types) and, after the
     first type (which saves its logits to `base`), its KL divergence from the first."""
     import re
     import subprocess
     cmd = [exe, "-m", str(model), "-f", str(TEXT), "-c", str(ctx), "-b", str(ctx), "--chunks", str(chunks),
-           "-t", "2", "-ctk", LLAMA_TYPES[kv], "-ctv", LLAMA_TYPES[kv], "-fa", "on",   # (a quantized V needs it)
+           "-t", "2", "-ctk", LLAMA_TYPES[kv.split("@")[0]], "-ctv", LLAMA_TYPES[kv.split("@")[0]], "-fa", "on",   # (a quantized V needs it)
            "--kl-divergence-base", str(base)] + ([] if first else ["--kl-divergence"])
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     text = p.stdout + p.stderr
@@ -88,6 +110,7 @@ def kv_dtypes(args) -> dict:
 
     from family_bench import cpu_flags, synthetic
 
+    from edgepaged._native import ops
     from edgepaged.model.cpu_runtime import CpuRunner
     from edgepaged.model.loader import default_model_path
     model = (synthetic("q4_k_m", args.cache_dir) if args.model == "1b"
@@ -98,8 +121,10 @@ def kv_dtypes(args) -> dict:
            "method": "llama-perplexity's: chunks of ctx tokens, the second half of each scored; KL divergence "
                      f"of each type's next-token distributions from {kinds[0]}'s"}
     t0 = time.monotonic()
-    runners = {kv: CpuRunner(model, num_blocks=(args.chunks or 64) * (args.ctx // 16 + 1) + 8, kv_dtype=kv,
-                             progress=lambda *a, **k: None) for kv in kinds}
+    runners = {kv: CpuRunner(model, num_blocks=(args.chunks or 64) * (args.ctx // 16 + 1) + 8,
+                             kv_dtype=kv.split("@")[0], progress=lambda *a, **k: None) for kv in kinds}
+    runners = {kv: Products(r, kv.endswith("@bf16")) if "@" in kv else r for kv, r in runners.items()}
+    out["bf16_attention_default"] = ops.bf16_attention()
     tok = runners[kinds[0]].tokenizer
     ids = tok.encode(TEXT.read_text())
     out["ours"] = chunked_perplexity(runners, ids, args.ctx, args.chunks, tok.bos_token_id if tok.add_bos else None)

@@ -115,7 +115,11 @@ def test_written_blocks_are_numpy_s_quantization_and_every_kernel_reads_them_exa
         assert np.abs(got - want).max() < 1e-5
         starts, lens = np.array([0, 17, 40], np.int64), np.array([22, 23], np.int32)   # 17 rows over 22, 23 over 23
         got, want = np.zeros((40, nh * d), np.float32), np.zeros((40, nh * d), np.float32)
-        ops.paged_prefill(q, got, starts, lens, tables, kq, vq, nh, nkv, 0.2, window, cap)
+        was = ops.bf16_attention(False)   # f32 products, as the f32 cache's (test_attention_precision: bf16)
+        try:
+            ops.paged_prefill(q, got, starts, lens, tables, kq, vq, nh, nkv, 0.2, window, cap)
+        finally:
+            ops.bf16_attention(was)
         ops.paged_prefill(q, want, starts, lens, tables, kv, vv, nh, nkv, 0.2, window, cap)
         assert np.abs(got - want).max() < 1e-5
     with pytest.raises(ValueError, match="caches must be"):    # a q8_0 K beside an f32 V

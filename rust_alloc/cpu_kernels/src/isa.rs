@@ -64,3 +64,40 @@ pub fn has_avx512f() -> bool {
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
+
+/// Whether the CPU has AVX-512 BF16 (with the 16-lane float paths): `vdpbf16ps`.
+pub fn has_avx512bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| has_avx512f() && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bf16"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// 0: not decided yet (the environment decides), 1: on, 2: off.
+static BF16_ATTENTION: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether prefill attention's tiles over an f16 or q8_0 cache multiply in bf16 (sums in f32):
+/// where the CPU has AVX-512 BF16 and `EDGEPAGED_ATTENTION_BF16` is set (or after
+/// `set_bf16_attention(true)`). Off by default: the rows a prefill attends row by row (short
+/// chunks, a prompt's tail after a prefix-cache hit) stay f32, so a prompt's answer would
+/// depend on whether its prefix was cached.
+pub fn bf16_attention() -> bool {
+    use std::sync::atomic::Ordering;
+    let mut v = BF16_ATTENTION.load(Ordering::Relaxed);
+    if v == 0 {
+        let on = std::env::var("EDGEPAGED_ATTENTION_BF16").is_ok_and(|v| !v.is_empty() && v != "0");
+        v = if on { 1 } else { 2 };
+        BF16_ATTENTION.store(v, Ordering::Relaxed);
+    }
+    v == 1 && has_avx512bf16()
+}
+
+/// Turn bf16 products in prefill attention on or off for the process (benchmarks alternate).
+pub fn set_bf16_attention(on: bool) {
+    BF16_ATTENTION.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+}

@@ -68,6 +68,38 @@ mod x86 {
         scores: Vec<f32>,
         kt: Vec<f32>,
         vb: Vec<f32>,
+        // the bf16 path's K, V, queries and probabilities, two bf16 values to a u32
+        k2: Vec<u32>,
+        v2: Vec<u32>,
+        q2: Vec<u32>,
+        p2: Vec<u32>,
+    }
+
+    /// Grow `buf` to `need` elements (every element read is written first: never cleared).
+    fn grow<T: Default + Clone>(buf: &mut Vec<T>, need: usize) {
+        if buf.len() < need {
+            buf.resize(need, T::default());
+        }
+    }
+
+    /// The span tile `tile` of sequence b sees (lo, hi), and each K/V row's offset in the
+    /// caches into `s.slots` (KV head kh).
+    fn tile_slots<E: KvElem>(a: &PrefillArgs<E>, b: usize, tile: usize, kh: usize, s: &mut Scratch) -> (usize, usize) {
+        let (_, q) = a.rows(b);
+        let j0 = tile * TILE;
+        let r = TILE.min(q - j0);
+        let (lo, _) = a.span(b, q, j0);
+        let (_, hi) = a.span(b, q, j0 + r - 1);
+        let table = &a.tables[b * a.max_blocks..(b + 1) * a.max_blocks];
+        let du = E::units(a.hs.d);
+        let kvw = a.hs.nkv * du;
+        s.slots.clear();
+        for bi in lo / a.bs..hi.div_ceil(a.bs) {
+            let first = bi * a.bs;
+            let base = table[bi] as usize * a.bs;
+            s.slots.extend((first.max(lo)..(first + a.bs).min(hi)).map(|p| (base + p - first) * kvw + kh * du));
+        }
+        (lo, hi)
     }
 
     /// Tile `tile` (rows tile * TILE ..) of sequence b, KV head kh; head_dim = 8 * NV.
@@ -86,27 +118,15 @@ mod x86 {
         let (row0, q) = a.rows(b);
         let j0 = tile * TILE;
         let r = TILE.min(q - j0);
-        let (lo, _) = a.span(b, q, j0);
-        let (_, hi) = a.span(b, q, j0 + r - 1);
+        let (lo, hi) = tile_slots(a, b, tile, kh, s);
         let span = hi - lo;
         let stride = span.next_multiple_of(16);
-        let table = &a.tables[b * a.max_blocks..(b + 1) * a.max_blocks];
-        let du = E::units(d);
-        let kvw = nkv * du;
-        s.slots.clear();
-        for bi in lo / a.bs..hi.div_ceil(a.bs) {
-            let first = bi * a.bs;
-            let base = table[bi] as usize * a.bs;
-            s.slots.extend((first.max(lo)..(first + a.bs).min(hi)).map(|p| (base + p - first) * kvw + kh * du));
-        }
         let nq = r * g; // query vectors of the tile, (row, head) in order
         // every element read below is written first (K chunks padded with zero rows, scores of
-        // every query vector and chunk, V rows of the span): grown, never cleared
-        for (buf, need) in [(&mut s.kt, stride * d), (&mut s.vb, stride * d), (&mut s.scores, nq * stride)] {
-            if buf.len() < need {
-                buf.resize(need, 0.0);
-            }
-        }
+        // every query vector and chunk, V rows of the span)
+        grow(&mut s.kt, stride * d);
+        grow(&mut s.vb, stride * d);
+        grow(&mut s.scores, nq * stride);
         let (kp, vp) = (a.k.as_ptr(), a.v.as_ptr());
         let (kt, vb, sp) = (s.kt.as_mut_ptr(), s.vb.as_mut_ptr(), s.scores.as_mut_ptr());
         // K transposed per chunk of 16 positions, V as rows, both f32; padding positions are 0
@@ -166,8 +186,278 @@ mod x86 {
             }
             qi += m;
         }
-        // causal softmax per (row, head) over its own span; the rest of its scores become 0
+        // (softmax_rows512 is ~10 % faster here, but its sums round differently from the row
+        // kernel's, and the rows a prompt's tail attends after a prefix-cache hit go there: a
+        // greedy answer in the tests changed with the cache)
         let mut inv = [0f32; TILE * 64];
+        softmax_rows(a, b, j0, r, lo, sp, stride, &mut inv);
+        // out = Σ p V / Σ p: 2 query vectors x 32 dimensions per register block (4 x 64 with
+        // AVX-512)
+        let mut qi = if w512 { pv512(vb, sp, stride, d, &ops[..nq], &spans[..nq], &inv[..nq]); nq } else { 0 };
+        while qi < nq {
+            let m = 2.min(nq - qi);
+            let (qa, qb) = (qi, qi + m - 1);
+            // positions either of the two sees (their scores are 0 elsewhere)
+            let span_of = |x: usize| {
+                let (rlo, rhi) = a.span(b, q, j0 + x / g);
+                (rlo - lo, rhi - lo)
+            };
+            let (sa, sb) = (span_of(qa), span_of(qb));
+            let (t0, t1) = (sa.0.min(sb.0), sa.1.max(sb.1));
+            let (pa, pb) = (sp.add(qa * stride), sp.add(qb * stride));
+            for db in 0..NV.div_ceil(4) {
+                let nr = 4.min(NV - 4 * db);
+                let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+                for t in t0..t1 {
+                    let v = vb.add(t * d + 32 * db);
+                    let (wa, wb) = (_mm256_broadcast_ss(&*pa.add(t)), _mm256_broadcast_ss(&*pb.add(t)));
+                    for j in 0..nr {
+                        let vj = _mm256_loadu_ps(v.add(8 * j));
+                        acc[0][j] = _mm256_fmadd_ps(wa, vj, acc[0][j]);
+                        acc[1][j] = _mm256_fmadd_ps(wb, vj, acc[1][j]);
+                    }
+                }
+                for (k, x) in acc.iter().enumerate().take(m) {
+                    let qk = qi + k;
+                    let o = a.out.0.add((row0 + j0 + qk / g) * a.out_stride + (kh * g + qk % g) * d + 32 * db);
+                    let iv = _mm256_set1_ps(inv[qk]);
+                    for (j, y) in x.iter().enumerate().take(nr) {
+                        _mm256_storeu_ps(o.add(8 * j), _mm256_mul_ps(*y, iv));
+                    }
+                }
+            }
+            qi += m;
+        }
+    }
+
+    /// Tile `tile` of sequence b, KV head kh, with bf16 products and f32 sums (AVX-512 BF16's
+    /// `vdpbf16ps`: 32 products a register, twice the f32 FMA's): the K rows as bf16 pairs
+    /// of dimensions per chunk of 16 positions (`k2[c][jp][u]`), the V rows as bf16 pairs of
+    /// positions per dimension (`v2[tp][j]`), the query vectors and, after the f32 softmax,
+    /// the probabilities rounded to bf16 too (round to nearest even). Scores, softmax, sums
+    /// and the output stay f32.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+    pub(super) unsafe fn tile_bf16<E: KvElem>(a: &PrefillArgs<E>, b: usize, tile: usize, kh: usize, s: &mut Scratch) {
+        let Heads { nh, nkv, d } = a.hs;
+        let (g, dp) = (nh / nkv, d / 2);
+        let (row0, q) = a.rows(b);
+        let j0 = tile * TILE;
+        let r = TILE.min(q - j0);
+        let (lo, hi) = tile_slots(a, b, tile, kh, s);
+        let span = hi - lo;
+        let stride = span.next_multiple_of(16);
+        let nq = r * g;
+        grow(&mut s.k2, stride * dp);
+        grow(&mut s.v2, stride / 2 * d);
+        grow(&mut s.q2, nq * dp);
+        grow(&mut s.p2, nq * stride / 2);
+        grow(&mut s.scores, nq * stride);
+        let (kp, vp) = (a.k.as_ptr(), a.v.as_ptr());
+        let (k2, v2, q2, p2, sp) = (s.k2.as_mut_ptr(), s.v2.as_mut_ptr(), s.q2.as_mut_ptr(), s.p2.as_mut_ptr(),
+                                    s.scores.as_mut_ptr());
+        // 16 values of a row (from `i`) as 8 bf16 pairs; past the span, zeros
+        let pairs16 = |row: Option<usize>, i: usize| -> __m256i {
+            match row {
+                Some(o) => {
+                    let lo8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(kp.add(o), i, d)));
+                    let hi8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(kp.add(o), i + 8, d)));
+                    _mm256_set_m128i(hi8, lo8)
+                }
+                None => _mm256_setzero_si256(),
+            }
+        };
+        // K: per 8 positions and 16 dimensions, 8 x 8 pairs transposed to k2[c][jp][u]
+        for c0 in (0..stride).step_by(8) {
+            for jb in 0..d / 16 {
+                let mut cols = [_mm256_setzero_ps(); 8];
+                for (u, c) in cols.iter_mut().enumerate() {
+                    let at = c0 + u;
+                    *c = _mm256_castsi256_ps(pairs16((at < span).then(|| s.slots[at]), 16 * jb));
+                }
+                transpose8(&mut cols);
+                let (chunk, half) = (c0 / 16, (c0 % 16) / 8);
+                for (jj, col) in cols.iter().enumerate() {
+                    _mm256_storeu_ps(k2.add((chunk * dp + 8 * jb + jj) * 16 + 8 * half) as *mut f32, *col);
+                }
+            }
+        }
+        // V: per pair of positions (t, t + 1), v2[tp][j] = (v[t][j], v[t + 1][j])
+        let vrow = |at: usize, i: usize| -> __m256i {
+            if at < span {
+                let o = s.slots[at];
+                let lo8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(vp.add(o), i, d)));
+                let hi8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(vp.add(o), i + 8, d)));
+                _mm256_set_m128i(hi8, lo8)
+            } else {
+                _mm256_setzero_si256()
+            }
+        };
+        for tp in 0..stride / 2 {
+            for jb in 0..d / 16 {
+                let (x, y) = (vrow(2 * tp, 16 * jb), vrow(2 * tp + 1, 16 * jb));
+                let (l, h) = (_mm256_unpacklo_epi16(x, y), _mm256_unpackhi_epi16(x, y));
+                let o = v2.add(tp * d + 16 * jb) as *mut __m256i;
+                _mm256_storeu_si256(o, _mm256_permute2x128_si256::<0x20>(l, h));
+                _mm256_storeu_si256(o.add(1), _mm256_permute2x128_si256::<0x31>(l, h));
+            }
+        }
+        // the query vectors as bf16 pairs
+        for qi in 0..nq {
+            let src = a.q.0.add((row0 + j0 + qi / g) * a.q_stride + (kh * g + qi % g) * d) as *const f32;
+            for j in (0..d).step_by(16) {
+                _mm256_storeu_si256(q2.add(qi * dp + j / 2) as *mut __m256i,
+                                    std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(src.add(j)))));
+            }
+        }
+        // scores: 8 query vectors x 32 positions per block of 16 registers
+        let sc = _mm512_set1_ps(a.scale);
+        let nc = stride / 16;
+        let mut qi = 0;
+        while qi < nq {
+            let m = 8.min(nq - qi);
+            let qs: [*const i32; 8] = std::array::from_fn(|i| q2.add((qi + i.min(m - 1)) * dp) as *const i32);
+            let mut c = 0;
+            while c < nc {
+                let two = c + 1 < nc;
+                let (k0p, k1p) = (k2.add(c * 16 * dp), k2.add((c + two as usize) * 16 * dp));
+                let mut acc = [[_mm512_setzero_ps(); 2]; 8];
+                for jp in 0..dp {
+                    let k0: __m512bh = std::mem::transmute(_mm512_loadu_si512(k0p.add(jp * 16) as *const _));
+                    let k1: __m512bh = std::mem::transmute(_mm512_loadu_si512(k1p.add(jp * 16) as *const _));
+                    for (i, x) in acc.iter_mut().enumerate() {
+                        let qb: __m512bh = std::mem::transmute(_mm512_set1_epi32(*qs[i].add(jp)));
+                        x[0] = _mm512_dpbf16_ps(x[0], k0, qb);
+                        x[1] = _mm512_dpbf16_ps(x[1], k1, qb);
+                    }
+                }
+                for (i, x) in acc.iter().enumerate().take(m) {
+                    let o = sp.add((qi + i) * stride + 16 * c);
+                    _mm512_storeu_ps(o, _mm512_mul_ps(x[0], sc));
+                    if two {
+                        _mm512_storeu_ps(o.add(16), _mm512_mul_ps(x[1], sc));
+                    }
+                }
+                c += 1 + two as usize;
+            }
+            qi += m;
+        }
+        let mut inv = [0f32; TILE * 64];
+        softmax_rows512(a, b, j0, r, lo, sp, stride, &mut inv);
+        // the probabilities as bf16 pairs of positions (0 outside each row's span)
+        let sh = stride / 2;
+        for qi in 0..nq {
+            for t in (0..stride).step_by(16) {
+                _mm256_storeu_si256(p2.add(qi * sh + t / 2) as *mut __m256i,
+                                    std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(sp.add(qi * stride + t)))));
+            }
+        }
+        // out = Σ p V / Σ p: 4 query vectors x 64 dimensions per block of 16 registers, over
+        // the pairs of positions any of the 4 sees
+        let nz = d / 16;
+        let outs: Vec<*mut f32> =
+            (0..nq).map(|qk| a.out.0.add((row0 + j0 + qk / g) * a.out_stride + (kh * g + qk % g) * d)).collect();
+        let mut qi = 0;
+        while qi < nq {
+            let m = 4.min(nq - qi);
+            let row_of = |x: usize| a.span(b, q, j0 + x / g);
+            let t0 = (qi..qi + m).map(|x| row_of(x).0 - lo).min().unwrap_or(0);
+            let t1 = (qi..qi + m).map(|x| row_of(x).1 - lo).max().unwrap_or(0);
+            let ps: [*const i32; 4] = std::array::from_fn(|k| p2.add((qi + k.min(m - 1)) * sh) as *const i32);
+            for db in 0..nz.div_ceil(4) {
+                let nr = 4.min(nz - 4 * db);
+                let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+                for tp in t0 / 2..t1.div_ceil(2) {
+                    let v = v2.add(tp * d + 64 * db);
+                    let w: [__m512bh; 4] = std::array::from_fn(|k| std::mem::transmute(_mm512_set1_epi32(*ps[k].add(tp))));
+                    for j in 0..nr {
+                        let vj: __m512bh = std::mem::transmute(_mm512_loadu_si512(v.add(16 * j) as *const _));
+                        for k in 0..4 {
+                            acc[k][j] = _mm512_dpbf16_ps(acc[k][j], vj, w[k]);
+                        }
+                    }
+                }
+                store_scaled512(&acc[..m], nr, &outs[qi..qi + m], &inv[qi..qi + m], 64 * db);
+            }
+            qi += m;
+        }
+    }
+
+    /// out_k[off + 16 j ..] = acc[k][j] * inv[k] for j < nr: a block of output rows.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn store_scaled512(acc: &[[__m512; 4]], nr: usize, outs: &[*mut f32], inv: &[f32], off: usize) {
+        for ((x, o), iv) in acc.iter().zip(outs).zip(inv) {
+            let iv = _mm512_set1_ps(*iv);
+            for (j, y) in x.iter().enumerate().take(nr) {
+                _mm512_storeu_ps(o.add(off + 16 * j), _mm512_mul_ps(*y, iv));
+            }
+        }
+    }
+
+    /// `super::exp` on 16 lanes for softmax weights (x <= 0): exactly 0 below e^-46, as
+    /// `softmax_exp8`; the power of two applied by `vscalefps`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn softmax_exp16(x: __m512) -> __m512 {
+        let keep = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(-46.0));
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.3));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
+            _mm512_fmadd_ps(x, _mm512_set1_ps(crate::ops::LOG2E), _mm512_set1_ps(0.5)));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_375), x);
+        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n))
+    }
+
+    /// `softmax_rows` on 16 lanes.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn softmax_rows512<E>(a: &PrefillArgs<E>, b: usize, j0: usize, r: usize, lo: usize, sp: *mut f32,
+                                 stride: usize, inv: &mut [f32]) {
+        let g = a.hs.nh / a.hs.nkv;
+        let (_, q) = a.rows(b);
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        for i in 0..r {
+            let (rlo, rhi) = a.span(b, q, j0 + i);
+            let (a0, a1) = (rlo - lo, rhi - lo);
+            for h in 0..g {
+                let row = sp.add((i * g + h) * stride);
+                if a.softcap > 0.0 {
+                    cap_scores(std::slice::from_raw_parts_mut(row.add(a0), a1 - a0), a.softcap);
+                }
+                let tail = |c: usize| -> __mmask16 { if c + 16 <= a1 { 0xffff } else { ((1u32 << (a1 - c)) - 1) as u16 } };
+                let mut mv = ninf;
+                let mut c = a0;
+                while c < a1 {
+                    mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(ninf, tail(c), row.add(c)));
+                    c += 16;
+                }
+                let neg = _mm512_set1_ps(-_mm512_reduce_max_ps(mv));
+                let mut sum = _mm512_setzero_ps();
+                let mut c = a0;
+                while c < a1 {
+                    let m = tail(c);
+                    let e = _mm512_maskz_mov_ps(m, softmax_exp16(_mm512_add_ps(_mm512_mask_loadu_ps(ninf, m, row.add(c)), neg)));
+                    _mm512_mask_storeu_ps(row.add(c), m, e);
+                    sum = _mm512_add_ps(sum, e);
+                    c += 16;
+                }
+                std::slice::from_raw_parts_mut(row, a0).fill(0.0);
+                std::slice::from_raw_parts_mut(row.add(a1), stride - a1).fill(0.0);
+                inv[i * g + h] = 1.0 / _mm512_reduce_add_ps(sum);
+            }
+        }
+    }
+
+    /// Causal softmax per (row, head) of the tile's scores (`sp`, a row of `stride` per query
+    /// vector) over the row's own span; the rest of each row becomes 0; `inv[qi]`: 1 / sum.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn softmax_rows<E>(a: &PrefillArgs<E>, b: usize, j0: usize, r: usize, lo: usize, sp: *mut f32, stride: usize,
+                              inv: &mut [f32]) {
+        let g = a.hs.nh / a.hs.nkv;
+        let (_, q) = a.rows(b);
         for i in 0..r {
             let (rlo, rhi) = a.span(b, q, j0 + i);
             let (a0, a1) = (rlo - lo, rhi - lo);
@@ -208,43 +498,6 @@ mod x86 {
                 row[a1..].fill(0.0);
                 inv[i * g + h] = 1.0 / total;
             }
-        }
-        // out = Σ p V / Σ p: 2 query vectors x 32 dimensions per register block (4 x 64 with
-        // AVX-512)
-        let mut qi = if w512 { pv512(vb, sp, stride, d, &ops[..nq], &spans[..nq], &inv[..nq]); nq } else { 0 };
-        while qi < nq {
-            let m = 2.min(nq - qi);
-            let (qa, qb) = (qi, qi + m - 1);
-            // positions either of the two sees (their scores are 0 elsewhere)
-            let span_of = |x: usize| {
-                let (rlo, rhi) = a.span(b, q, j0 + x / g);
-                (rlo - lo, rhi - lo)
-            };
-            let (sa, sb) = (span_of(qa), span_of(qb));
-            let (t0, t1) = (sa.0.min(sb.0), sa.1.max(sb.1));
-            let (pa, pb) = (sp.add(qa * stride), sp.add(qb * stride));
-            for db in 0..NV.div_ceil(4) {
-                let nr = 4.min(NV - 4 * db);
-                let mut acc = [[_mm256_setzero_ps(); 4]; 2];
-                for t in t0..t1 {
-                    let v = vb.add(t * d + 32 * db);
-                    let (wa, wb) = (_mm256_broadcast_ss(&*pa.add(t)), _mm256_broadcast_ss(&*pb.add(t)));
-                    for j in 0..nr {
-                        let vj = _mm256_loadu_ps(v.add(8 * j));
-                        acc[0][j] = _mm256_fmadd_ps(wa, vj, acc[0][j]);
-                        acc[1][j] = _mm256_fmadd_ps(wb, vj, acc[1][j]);
-                    }
-                }
-                for (k, x) in acc.iter().enumerate().take(m) {
-                    let qk = qi + k;
-                    let o = a.out.0.add((row0 + j0 + qk / g) * a.out_stride + (kh * g + qk % g) * d + 32 * db);
-                    let iv = _mm256_set1_ps(inv[qk]);
-                    for (j, y) in x.iter().enumerate().take(nr) {
-                        _mm256_storeu_ps(o.add(8 * j), _mm256_mul_ps(*y, iv));
-                    }
-                }
-            }
-            qi += m;
         }
     }
 
@@ -314,12 +567,7 @@ mod x86 {
                         }
                     }
                 }
-                for (k, x) in acc.iter().enumerate().take(m) {
-                    let iv = _mm512_set1_ps(inv[qi + k]);
-                    for (j, y) in x.iter().enumerate().take(nr) {
-                        _mm512_storeu_ps(ops[qi + k].add(64 * db + 16 * j), _mm512_mul_ps(*y, iv));
-                    }
-                }
+                store_scaled512(&acc[..m], nr, &ops[qi..qi + m], &inv[qi..qi + m], 64 * db);
             }
             qi += m;
         }
@@ -327,9 +575,13 @@ mod x86 {
 
     /// Work items i0..i1 (`items` lists (sequence, tile, KV head)).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn run<E: KvElem>(a: &PrefillArgs<E>, items: &[(usize, usize, usize)], w512: bool) {
+    pub(super) unsafe fn run<E: KvElem>(a: &PrefillArgs<E>, items: &[(usize, usize, usize)], w512: bool, bf16: bool) {
         let mut s = Scratch::default();
         for &(b, t, kh) in items {
+            if bf16 {
+                tile_bf16(a, b, t, kh, &mut s);
+                continue;
+            }
             match a.hs.d / 8 {
                 4 => tile::<E, 4>(a, b, t, kh, &mut s, w512),
                 8 => tile::<E, 8>(a, b, t, kh, &mut s, w512),
@@ -352,7 +604,9 @@ pub fn paged_prefill<E: KvElem>(
     q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, starts: &[i64], lens: &[i32], tables: &[i32],
     k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32,
 ) -> Result<(), OpError> {
-    prefill(q, q_stride, out, out_stride, starts, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap, true)
+    // an f32 cache attends in f32; an f16 or q8_0 one with bf16 products when they are on
+    let bf16 = std::mem::size_of::<E>() < 4 && crate::isa::bf16_attention();
+    prefill(q, q_stride, out, out_stride, starts, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap, true, bf16)
 }
 
 /// `prefill` in the model's space: over a rotated cache (`KvElem::ROTATED`, q8_0) the query
@@ -361,10 +615,11 @@ pub fn paged_prefill<E: KvElem>(
 fn prefill<E: KvElem>(
     q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, starts: &[i64], lens: &[i32], tables: &[i32],
     k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32, allow512: bool,
+    bf16: bool,
 ) -> Result<(), OpError> {
     if !E::ROTATED {
         return prefill_rows(q, q_stride, out, out_stride, starts, lens, tables, k_cache, v_cache, bs, hs, scale, window,
-                            softcap, allow512);
+                            softcap, allow512, bf16);
     }
     let w = hs.nh * hs.d;
     if !E::supports(hs.d) || hs.d > 512 {
@@ -379,17 +634,19 @@ fn prefill<E: KvElem>(
     let qt = crate::kv::turned_rows(q, q_stride, first..last, hs.nh, hs.d);
     let mut ot = vec![0f32; qt.len()];
     let shifted: Vec<i64> = starts.iter().map(|&s| s - first as i64).collect();
-    prefill_rows(&qt, w, &mut ot, w, &shifted, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap, allow512)?;
+    prefill_rows(&qt, w, &mut ot, w, &shifted, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap, allow512,
+                 bf16)?;
     crate::kv::turn_back_rows(&ot, out, out_stride, first..last, hs.nh, hs.d);
     Ok(())
 }
 
 /// `paged_prefill` on the cache's own rows, the AVX-512 micro-kernels allowed or not (the
-/// tests run both).
+/// tests run both), with bf16 products (`bf16`, where the CPU has AVX-512 BF16) or f32 ones.
 #[allow(clippy::too_many_arguments)]
 fn prefill_rows<E: KvElem>(
     q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, starts: &[i64], lens: &[i32], tables: &[i32],
     k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32, allow512: bool,
+    bf16: bool,
 ) -> Result<(), OpError> {
     let nseq = lens.len();
     if starts.len() != nseq + 1 || (nseq > 0 && tables.len() % nseq != 0) {
@@ -412,6 +669,8 @@ fn prefill_rows<E: KvElem>(
     let vector = has_avx2() && x86::supports(hs);
     #[cfg(target_arch = "x86_64")]
     let w512 = allow512 && vector && crate::isa::has_avx512f();
+    #[cfg(target_arch = "x86_64")]
+    let bf16 = bf16 && w512 && crate::isa::has_avx512bf16();
     #[cfg(not(target_arch = "x86_64"))]
     let vector = false;
     if !vector || rows.is_empty() {
@@ -465,12 +724,13 @@ fn prefill_rows<E: KvElem>(
         let chunk = &items[c * per..((c + 1) * per).min(items.len())];
         #[cfg(target_arch = "x86_64")]
         // SAFETY: rows, lengths and block ids were checked against q, out and the caches above;
-        // items write disjoint (row, head) slices of `out`; the CPU has AVX2, FMA and F16C.
+        // items write disjoint (row, head) slices of `out`; the CPU has AVX2, FMA and F16C (and
+        // AVX-512 BF16 when `bf16`).
         unsafe {
-            x86::run(&args, chunk, w512)
+            x86::run(&args, chunk, w512, bf16)
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = chunk;
+        let _ = (chunk, bf16);
     };
     let chunks = items.len().div_ceil(per);
     if chunks < 2 {
@@ -485,6 +745,9 @@ fn prefill_rows<E: KvElem>(
 mod tests {
     use super::*;
     use crate::attention::paged_decode;
+
+    /// bf16 products against f32 ones: the largest difference over the largest output value.
+    const BF16_BOUND: f32 = 1e-2;
 
     /// The tile kernel against the decode kernel row by row: f32, f16 and q8_0 caches, chunks over
     /// a cached prefix, a chunk longer than a tile, windows, soft-capping, odd lengths.
@@ -514,8 +777,8 @@ mod tests {
                                         (0, 0.0, false), (9, 0.3, false)] {
                 let mut got = vec![0f32; 60 * hs.nh * d];
                 let mut want = vec![0f32; 60 * hs.nh * d];
-                prefill(&q, hs.nh * d, &mut got, hs.nh * d, &starts, &lens, &tables, &k, &v, bs, hs, 0.3, window, cap, w512)
-                    .unwrap();
+                prefill(&q, hs.nh * d, &mut got, hs.nh * d, &starts, &lens, &tables, &k, &v, bs, hs, 0.3, window, cap, w512,
+                        false).unwrap();
                 let mut rows = Vec::new();
                 let mut rl = Vec::new();
                 let mut rt = Vec::new();
@@ -533,7 +796,7 @@ mod tests {
                 let mut got16 = vec![0f32; 60 * hs.nh * d];
                 let mut want16 = vec![0f32; 60 * hs.nh * d];
                 prefill(&q, hs.nh * d, &mut got16, hs.nh * d, &starts, &lens, &tables, &k16, &v16, bs, hs, 0.3, window, cap,
-                        w512).unwrap();
+                        w512, false).unwrap();
                 paged_decode(&q, hs.nh * d, &mut want16, hs.nh * d, &rows, &rl, &rt, &k16, &v16, bs, hs, 0.3, window, cap)
                     .unwrap();
                 let err = got16.iter().zip(&want16).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
@@ -541,11 +804,30 @@ mod tests {
                 // q8_0: the tiles read the blocks as the decode kernel does
                 let (mut got8, mut want8) = (vec![0f32; 60 * hs.nh * d], vec![0f32; 60 * hs.nh * d]);
                 prefill(&q, hs.nh * d, &mut got8, hs.nh * d, &starts, &lens, &tables, &k8, &v8, bs, hs, 0.3, window, cap,
-                        w512).unwrap();
+                        w512, false).unwrap();
                 paged_decode(&q, hs.nh * d, &mut want8, hs.nh * d, &rows, &rl, &rt, &kd, &vd, bs, hs, 0.3, window, cap)
                     .unwrap();
                 let err = got8.iter().zip(&want8).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
                 assert!(err < 1e-5, "q8_0 d {d} window {window} cap {cap}: max error {err}");
+                // bf16 products (where the CPU has them): within BF16_BOUND of the f32 sums, relative
+                // to the output's largest value
+                if w512 && crate::isa::has_avx512bf16() {
+                    for (kc, vc, want) in [(&k16[..], &v16[..], &want16)] {
+                        let mut got = vec![0f32; 60 * hs.nh * d];
+                        prefill(&q, hs.nh * d, &mut got, hs.nh * d, &starts, &lens, &tables, kc, vc, bs, hs, 0.3, window,
+                                cap, true, true).unwrap();
+                        let top = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+                        let err = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / top;
+                        assert!(err > 0.0 && err < BF16_BOUND, "bf16 f16 d {d} window {window} cap {cap}: error {err}");
+                    }
+                    let mut got = vec![0f32; 60 * hs.nh * d];
+                    prefill(&q, hs.nh * d, &mut got, hs.nh * d, &starts, &lens, &tables, &k8, &v8, bs, hs, 0.3, window,
+                            cap, true, true).unwrap();
+                    let top = want8.iter().fold(0f32, |m, x| m.max(x.abs()));
+                    let err = got.iter().zip(&want8).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / top;
+                    assert!(err > 0.0 && err < BF16_BOUND, "bf16 q8_0 d {d} window {window} cap {cap}: error {err}");
+                    eprintln!("bf16 d {d} window {window} cap {cap}: relative error {err:.2e}");
+                }
             }
             // a row outside the table is refused, not read
             let mut out = vec![0f32; 60 * hs.nh * d];

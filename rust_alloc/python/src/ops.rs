@@ -402,8 +402,21 @@ impl QuantDecoder {
     }
 }
 
+/// Whether `paged_prefill` over an f16 or q8_0 cache multiplies in bf16 (f32 sums): off unless
+/// EDGEPAGED_ATTENTION_BF16 is set, and only where the CPU has AVX-512 BF16; `on` turns it on
+/// or off for the process first. An f32 cache always attends in f32.
+#[pyfunction]
+#[pyo3(signature = (on=None))]
+fn bf16_attention(on: Option<bool>) -> bool {
+    if let Some(on) = on {
+        cpu_kernels::isa::set_bf16_attention(on);
+    }
+    cpu_kernels::isa::bf16_attention()
+}
+
 pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     let m = PyModule::new(py, "ops")?;
+    m.add_function(wrap_pyfunction!(bf16_attention, &m)?)?;
     m.add_function(wrap_pyfunction!(add_rms_norm, &m)?)?;
     m.add_function(wrap_pyfunction!(silu_mul, &m)?)?;
     m.add_function(wrap_pyfunction!(rope_write_kv, &m)?)?;
