@@ -22,6 +22,10 @@ The files are written once and cached outside the repository (`--cache-dir`, def
     weights_rss_mb     resident memory the weights add to a fresh process (MiB; the --runtime's
                        runner), ready_s: its load on a warm page cache (the cpu runtime)
     file_mb            the file (MiB)
+    prefill_int8_frac  prefill_tok_s * 2 * (params - the LM head's) / int8_peak_gops: the
+                       prompt's products as a fraction of the CPU's int8 limit (`vpdpbusd` on
+                       every thread, measured in this run, best; null without AVX-512 VNNI or
+                       with exact math); the formats' unpacking and scales cost the rest
     attention_products "bf16" or "f32": prefill attention's products (bf16 over an f16 or q8_0
                        cache on a CPU with AVX-512 BF16 when EDGEPAGED_ATTENTION_BF16=1; else f32)
     isa                the instruction set the products ran on ("avx512-vnni", "avx2", "scalar";
@@ -185,6 +189,7 @@ def ours(path: Path, new_tokens: int, reps: int, runtime: str = "cpu") -> dict:
     vocab = runner.config.vocab_size
     run_batch(runner, alloc, prompts(vocab, 2, 8, 9), 4, seq_base=1_000_000)   # warm-up
     res = {"tok_s_b1": 0.0, "tok_s_b32": 0.0, "prefill_tok_s": 0.0, "params": runner.config.num_params,
+           "_config": runner.config,
            "runtime": runtime,
            "forward": getattr(runner, "forward_name", None) or runner.forward.name, "kv_dtype": runner.kv_dtype_name, "math": runner.quant_math,
            "isa": runner.products.split("(")[-1].rstrip(")"), "attention_products": attention_products(runner)}
@@ -277,6 +282,7 @@ def main() -> None:
     out = {"machine": machine, "threads": quant.info()["threads"], "shape": args.shape}
     gflops = gemm_gflops()
     bw = mem_read_gbs()
+    peak = quant.int8_peak_gops()
     files = args.files.split(",")
     if args.model:
         files = ["model"]
@@ -304,6 +310,12 @@ def main() -> None:
         # one stream reads every weight once a token: its rate as a fraction of the memory's
         wb = res.get("weights_bytes") or path.stat().st_size
         res["b1_roofline_frac"] = round(res["tok_s_b1"] * wb / (bw * 1e9), 3)
+        # a prompt's rows multiply every layer's weights (the LM head only its last row's)
+        peak = max(peak or 0.0, quant.int8_peak_gops() or 0.0) or None
+        cfg = res.pop("_config")
+        per_token = 2 * (res["params"] - cfg.vocab_size * cfg.hidden_size)
+        res["prefill_int8_frac"] = round(res["prefill_tok_s"] * per_token / (peak * 1e9), 3) \
+            if peak and res.get("math") == "int8" else None
         if args.no_llama_cpp:
             res.update(llama_cpp_tok_s_b1=None, llama_cpp_prefill_tok_s=None, llama_cpp_note="--no-llama-cpp")
         else:
@@ -319,6 +331,7 @@ def main() -> None:
               f"{res['file_mb']} MiB, {res['isa']}", flush=True)
     out["gemm_gflops"] = round(gflops, 1)
     out["mem_read_gbs"] = round(bw, 2)
+    out["int8_peak_gops"] = None if peak is None else round(peak, 1)
     if args.json:
         print(json.dumps(out))
 

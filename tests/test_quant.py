@@ -411,3 +411,26 @@ def test_repacking_as_weights_arrive_changes_no_logit(monkeypatch):
     after, want = logits()
     assert {s.layout for la in after.model.layers for s in la.qkv.segments} == {"r16"}    # by lay_out, at the end
     assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_int8_peak_bounds_the_integer_kernels():
+    """quant.int8_peak_gops (family_bench's `prefill_int8_frac` divides by it): a positive rate
+    where the int8 path is AVX-512 VNNI (None elsewhere), and above what the Q8_0 kernel
+    reaches on a product of 64 tokens by 2048 x 2048 weights (the probe measures the limit)."""
+    import time
+    peak = kernels.int8_peak_gops(2)
+    if kernels.info()["int8_isa"] != "avx512-vnni":
+        assert peak is None
+        return
+    rng = np.random.default_rng(5)
+    n = cols = 2048
+    w = QuantWeight(8, random_blocks(8, n, cols, rng), n, cols)
+    assert w.repack()
+    x = rng.standard_normal((64, cols)).astype(np.float32)
+    out = np.empty((64, n), np.float32)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        kernels.matmul(w.data, w.kind, x, out, rows=n)
+        best = max(best, 2 * 64 * n * cols / (time.perf_counter() - t) / 1e9)
+    assert 0 < best < peak, (best, peak)

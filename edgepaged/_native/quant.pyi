@@ -63,3 +63,7 @@ def repack_parts(parts: list[U8], qtype: int, part_rows: list[int]) -> U8:
     """`repack` of the parts' rows stacked (each [rows_i, row_bytes], every part but the last a
     multiple of 16 rows), read where they lie: no stacked copy first."""
 def info() -> Info: ...
+
+def int8_peak_gops(reps: int = 3) -> float | None:
+    """The int8 products' limit on this CPU: GOPS of `vpdpbusd` (AVX-512 VNNI) on every thread
+    of the kernels' pool at once, the best of `reps` passes; None without AVX-512 VNNI."""

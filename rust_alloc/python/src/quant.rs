@@ -255,6 +255,14 @@ fn repack_parts<'py>(py: Python<'py>, parts: Vec<PyReadonlyArrayDyn<'py, u8>>, q
     Ok(numpy::PyArray1::from_vec(py, out).reshape([l.row_groups(), l.rg_bytes()])?.into_any())
 }
 
+/// The int8 products' limit on this CPU (GOPS: `vpdpbusd` on every thread, the best of `reps`
+/// passes), or None without AVX-512 VNNI.
+#[pyfunction]
+#[pyo3(signature = (reps=3))]
+fn int8_peak_gops(py: Python<'_>, reps: usize) -> Option<f64> {
+    py.detach(|| q8::int8_peak_gops(reps))
+}
+
 /// {"isa": "avx2" | "scalar", "int8_isa": "avx512-vnni" | "avx2" | "scalar", "threads": n,
 /// "formats": {name: (ggml_type, block_weights, block_bytes)}, "x8_flag": 0x100,
 /// "interleavable": [ggml_type, ...], "r16_flag": 0x200, "repackable": [ggml_type, ...]}
@@ -285,5 +293,6 @@ pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     m.add_function(wrap_pyfunction!(repack, &m)?)?;
     m.add_function(wrap_pyfunction!(repack_parts, &m)?)?;
     m.add_function(wrap_pyfunction!(info, &m)?)?;
+    m.add_function(wrap_pyfunction!(int8_peak_gops, &m)?)?;
     Ok(m)
 }

@@ -258,3 +258,16 @@ pub(crate) unsafe fn rows(w: &RMatrix, a: &QAct, o: Out, g0: usize, g1: usize) {
         }
     }
 }
+
+/// `iters` rounds of 16 independent `vpdpbusd` (64 multiply-adds each): the peak probe's loop.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn dpbusd_loop(iters: usize) -> i32 {
+    let (a, b) = (std::hint::black_box(_mm512_set1_epi8(3)), std::hint::black_box(_mm512_set1_epi8(-2)));
+    let mut acc = [_mm512_setzero_si512(); 16];
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm512_dpbusd_epi32(*x, a, b);
+        }
+    }
+    acc.iter().fold(0, |s, x| s.wrapping_add(_mm512_reduce_add_epi32(*x)))
+}

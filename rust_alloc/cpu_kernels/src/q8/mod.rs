@@ -740,3 +740,29 @@ pub fn gather_rows(w: &RMatrix, rows: &[i64], out: &mut [f32], out_stride: usize
     }
     Ok(())
 }
+
+/// The integer products' limit on this CPU, measured in place: int8 multiply-adds of
+/// `vpdpbusd` (AVX-512 VNNI, 512-bit) on every thread of the pool at once, 16 independent
+/// accumulators each (no loads, no dependency stalls), as GOPS (2 operations a multiply-add);
+/// the best of `reps` passes of ~0.05 s. None without AVX-512 VNNI. A kernel's rate over this
+/// is its fraction of the limit (the quantized formats' unpacking and scales are on top).
+pub fn int8_peak_gops(reps: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if best() == Isa::Avx512Vnni {
+        const ITERS: usize = 1 << 20;
+        let threads = num_threads();
+        let mut best_gops = 0f64;
+        for _ in 0..reps.max(1) {
+            let t = std::time::Instant::now();
+            // SAFETY: the CPU has AVX-512 VNNI (best() says so)
+            parallel_for(threads, &|_| {
+                std::hint::black_box(unsafe { avx512::dpbusd_loop(ITERS) });
+            });
+            let ops = (threads * ITERS * 16 * 64 * 2) as f64;
+            best_gops = best_gops.max(ops / t.elapsed().as_secs_f64() / 1e9);
+        }
+        return Some(best_gops);
+    }
+    let _ = reps;
+    None
+}
