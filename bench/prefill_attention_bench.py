@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Prefill attention on the CPU (`ops.paged_prefill`'s tiles): f32 products against bf16
+products (`EDGEPAGED_ATTENTION_BF16`, on a CPU with AVX-512 BF16), alternated call by call
+in one process, on one layer of the Llama-3.2-1B shape (32 query / 8 KV heads of 64, f16
+cache, block size 16, a shuffled block table): a chunk of --rows rows over each context.
+
+    python bench/prefill_attention_bench.py [--json] [--rows 512] [--contexts 512,1024,2048,4096] [--reps 7]
+
+Per context: the median milliseconds of each, GFLOP/s (4 * head_dim per row, query head and
+visible position), the speed-up, and the largest difference over the largest output. With
+--json the last line is one object: {"cpu", "bf16_available", "rows", "results": [{"context",
+"f32_ms", "bf16_ms", "f32_gflops", "bf16_gflops", "speedup", "rel_diff"}, ...]} (bf16 figures
+null where the CPU has no AVX-512 BF16).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+from edgepaged._native import ops
+
+NH, NKV, D, BS = 32, 8, 64, 16
+
+
+def one(rows: int, n: int, reps: int, rng) -> dict:
+    nb = n // BS + 1
+    k = rng.standard_normal((nb, BS, NKV, D)).astype(np.float16)
+    v = rng.standard_normal((nb, BS, NKV, D)).astype(np.float16)
+    q = rng.standard_normal((rows, NH * D)).astype(np.float32)
+    tables = rng.permutation(nb).astype(np.int32)[None]
+    starts, lens = np.array([0, rows], np.int64), np.array([n], np.int32)
+    was = ops.bf16_attention()
+    have = ops.bf16_attention(True)
+    times, outs = {False: [], True: []}, {}
+    try:
+        for _ in range(reps):
+            for bf16 in (False, True) if have else (False,):
+                ops.bf16_attention(bf16)
+                out = np.zeros((rows, NH * D), np.float32)
+                t = time.perf_counter()
+                ops.paged_prefill(q, out, starts, lens, tables, k, v, NH, NKV, D ** -0.5, 0, 0.0)
+                times[bf16].append(time.perf_counter() - t)
+                outs[bf16] = out
+    finally:
+        ops.bf16_attention(was)
+    visible = rows * (n - (rows - 1) / 2)        # rows see n - rows + 1 .. n positions
+    flop = 4 * D * NH * visible
+    f32 = statistics.median(times[False])
+    res = {"context": n, "f32_ms": round(f32 * 1e3, 2), "f32_gflops": round(flop / f32 / 1e9, 1),
+           "bf16_ms": None, "bf16_gflops": None, "speedup": None, "rel_diff": None}
+    if have:
+        b = statistics.median(times[True])
+        res.update(bf16_ms=round(b * 1e3, 2), bf16_gflops=round(flop / b / 1e9, 1), speedup=round(f32 / b, 2),
+                   rel_diff=float(f"{np.abs(outs[True] - outs[False]).max() / np.abs(outs[False]).max():.2e}"))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--contexts", default="512,1024,2048,4096")
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    from family_bench import cpu_flags
+    rng = np.random.default_rng(0)
+    was = ops.bf16_attention()
+    out = {"cpu": cpu_flags(), "bf16_available": ops.bf16_attention(True), "rows": args.rows, "results": []}
+    ops.bf16_attention(was)
+    for n in (int(x) for x in args.contexts.split(",") if x):
+        if n < args.rows:
+            ap.error(f"a context of {n} is shorter than --rows {args.rows}")
+        r = one(args.rows, n, args.reps, rng)
+        out["results"].append(r)
+        print(f"{args.rows} rows over {n}: f32 {r['f32_ms']} ms ({r['f32_gflops']} GFLOP/s), bf16 {r['bf16_ms']} ms "
+              f"({r['bf16_gflops']}), speed-up {r['speedup']}, difference {r['rel_diff']}", flush=True)
+    if args.json:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
