@@ -434,3 +434,34 @@ def test_the_int8_peak_bounds_the_integer_kernels():
         kernels.matmul(w.data, w.kind, x, out, rows=n)
         best = max(best, 2 * 64 * n * cols / (time.perf_counter() - t) / 1e9)
     assert 0 < best < peak, (best, peak)
+
+
+def test_the_decode_prefetch_changes_no_product():
+    """quant.decode_prefetch (EDGEPAGED_DECODE_PREFETCH, default 8192 bytes): one and two tokens
+    against repacked Q4_K and Q6_K weights give the same bits at every distance, the last row
+    group's reads ahead running past the matrix's end included."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "EDGEPAGED_DECODE_PREFETCH"}
+    code = "from edgepaged._native import quant; print(quant.decode_prefetch())"
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "8192"
+    rng = np.random.default_rng(9)
+    was = kernels.decode_prefetch()
+    try:
+        for qtype in (12, 14):
+            n, cols = 67, 1024
+            w = QuantWeight(qtype, random_blocks(qtype, n, cols, rng), n, cols)
+            assert w.repack()
+            for t in (1, 2):
+                x = rng.standard_normal((t, cols)).astype(np.float32)
+                outs = []
+                for d in (0, 64, 8192, 1 << 20):
+                    assert kernels.decode_prefetch(d) == d
+                    out = np.empty((t, n), np.float32)
+                    kernels.matmul(w.data, w.kind, x, out, rows=n)
+                    outs.append(out)
+                assert all(np.array_equal(o, outs[0]) for o in outs)
+    finally:
+        kernels.decode_prefetch(was)

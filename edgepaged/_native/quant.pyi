@@ -67,3 +67,8 @@ def info() -> Info: ...
 def int8_peak_gops(reps: int = 3) -> float | None:
     """The int8 products' limit on this CPU: GOPS of `vpdpbusd` (AVX-512 VNNI) on every thread
     of the kernels' pool at once, the best of `reps` passes; None without AVX-512 VNNI."""
+
+def decode_prefetch(bytes: int | None = None) -> int:
+    """How far ahead (bytes) the integer kernels prefetch a decode step's weights: 8192 unless
+    EDGEPAGED_DECODE_PREFETCH says otherwise (0: the hardware's prefetch alone); `bytes` sets
+    it for the process first (at most 1 MiB)."""

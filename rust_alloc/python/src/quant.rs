@@ -263,6 +263,17 @@ fn int8_peak_gops(py: Python<'_>, reps: usize) -> Option<f64> {
     py.detach(|| q8::int8_peak_gops(reps))
 }
 
+/// How far ahead (bytes) the integer kernels prefetch a decode step's weights (8192 unless
+/// EDGEPAGED_DECODE_PREFETCH says otherwise; 0: off); `bytes` sets it for the process first.
+#[pyfunction]
+#[pyo3(signature = (bytes=None))]
+fn decode_prefetch(bytes: Option<usize>) -> usize {
+    if let Some(b) = bytes {
+        q8::set_decode_prefetch(b);
+    }
+    q8::decode_prefetch()
+}
+
 /// {"isa": "avx2" | "scalar", "int8_isa": "avx512-vnni" | "avx2" | "scalar", "threads": n,
 /// "formats": {name: (ggml_type, block_weights, block_bytes)}, "x8_flag": 0x100,
 /// "interleavable": [ggml_type, ...], "r16_flag": 0x200, "repackable": [ggml_type, ...]}
@@ -294,5 +305,6 @@ pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     m.add_function(wrap_pyfunction!(repack_parts, &m)?)?;
     m.add_function(wrap_pyfunction!(info, &m)?)?;
     m.add_function(wrap_pyfunction!(int8_peak_gops, &m)?)?;
+    m.add_function(wrap_pyfunction!(decode_prefetch, &m)?)?;
     Ok(m)
 }

@@ -122,8 +122,16 @@ unsafe fn tile<const N: usize>(l: &Layout, rg: *const u8, a: &QAct, t0: usize, h
     let q6 = l.qtype == QType::Q6_K;
     let ones = _mm256_set1_epi16(1);
     let b0 = a.at(t0, 0);   // t0 .. t0 + N lie in one tile: token t0 + t of group g is block b0 + TILE g + t
+    // a decode step's first half-pass asks for the bytes ahead (avx512.rs `tile`)
+    let pf = if N <= 2 && h == 0 { super::decode_prefetch() } else { 0 };
+    let step = l.rg_bytes().div_ceil(nb);
     for g in 0..nb {
         let (at, head) = l.group_at(g);
+        if pf > 0 {
+            for off in (0..step).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(rg.add(at + pf + off) as *const i8);
+            }
+        }
         let cb = rg.add(at);
         let bg = b0 + TILE * g;
         let qx = a.q.as_ptr().add(32 * bg) as *const u8;

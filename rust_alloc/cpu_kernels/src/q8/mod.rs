@@ -36,6 +36,29 @@ use crate::threads::{num_threads, parallel_for};
 /// Rows per group of the layout (the lanes of a 512-bit register of i32).
 pub const ROWS: usize = 16;
 
+/// Bytes ahead of its reads a decode step's product asks the memory for (0: the hardware's
+/// prefetch alone); usize::MAX: not read from the environment yet.
+static DECODE_PREFETCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// How far ahead (bytes) the integer kernels prefetch a decode step's weights: 8192 unless
+/// `EDGEPAGED_DECODE_PREFETCH` says otherwise (0 turns it off). Measured on a Zen 4, one
+/// stream of the 1 B and 3 B Q4_K_M files: +20-44 % (bench/prefetch_bench.py, RESULTS.md).
+pub fn decode_prefetch() -> usize {
+    use std::sync::atomic::Ordering::Relaxed;
+    let v = DECODE_PREFETCH.load(Relaxed);
+    if v != usize::MAX {
+        return v;
+    }
+    let v = std::env::var("EDGEPAGED_DECODE_PREFETCH").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(8192);
+    DECODE_PREFETCH.store(v, Relaxed);
+    v
+}
+
+/// Set `decode_prefetch` for the process (benchmarks alternate).
+pub fn set_decode_prefetch(bytes: usize) {
+    DECODE_PREFETCH.store(bytes.min(1 << 20), std::sync::atomic::Ordering::Relaxed);
+}
+
 fn bad<T>(msg: impl Into<String>) -> Result<T, QuantError> { Err(QuantError(msg.into())) }
 
 pub use crate::isa::Isa;
