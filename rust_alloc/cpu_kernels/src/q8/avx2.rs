@@ -122,8 +122,8 @@ unsafe fn tile<const N: usize>(l: &Layout, rg: *const u8, a: &QAct, t0: usize, h
     let q6 = l.qtype == QType::Q6_K;
     let ones = _mm256_set1_epi16(1);
     let b0 = a.at(t0, 0);   // t0 .. t0 + N lie in one tile: token t0 + t of group g is block b0 + TILE g + t
-    // a decode step's first half-pass asks for the bytes ahead (avx512.rs `tile`)
-    let pf = if N <= 2 && h == 0 { super::decode_prefetch() } else { 0 };
+    // the first tile's first half-pass asks for the bytes ahead (avx512.rs `tile`)
+    let pf = if t0 == 0 && h == 0 { super::decode_prefetch() } else { 0 };
     let step = l.rg_bytes().div_ceil(nb);
     for g in 0..nb {
         let (at, head) = l.group_at(g);

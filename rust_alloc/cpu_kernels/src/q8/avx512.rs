@@ -154,10 +154,11 @@ unsafe fn tile<const N: usize, const Q: u8>(
     let (qa, da, dsa, ds16a) = (a.q.as_ptr() as *const u8, a.d.as_ptr(), a.ds.as_ptr(), a.ds16.as_ptr());
     let mask: __mmask16 = if nr == ROWS { 0xffff } else { (1u16 << nr) - 1 };
     let mut acc = [_mm512_setzero_ps(); N];
-    // one or two tokens (a decode step) stream the weights once: each group asks for the bytes
-    // `decode_prefetch()` ahead of it, the next row groups' (the hardware's own prefetch
-    // alone left 15-30 % of the memory's rate unused: bench/RESULTS.md)
-    let pf = if N <= 2 { super::decode_prefetch() } else { 0 };
+    // the first tile of tokens of a row group streams its weights from memory (the later ones
+    // find them in the cache): each group asks for the bytes `decode_prefetch()` ahead of it,
+    // the next row groups' (the hardware's own prefetch alone left 15-45 % of a decode step's
+    // rate unused: bench/RESULTS.md)
+    let pf = if t0 == 0 { super::decode_prefetch() } else { 0 };
     let step = l.rg_bytes().div_ceil(l.groups());
     for g in 0..l.groups() {
         let (at, head) = l.group_at(g);
