@@ -437,9 +437,9 @@ def test_the_int8_peak_bounds_the_integer_kernels():
 
 
 def test_the_decode_prefetch_changes_no_product():
-    """quant.decode_prefetch (EDGEPAGED_DECODE_PREFETCH, default 8192 bytes): one and two tokens
-    against repacked Q4_K and Q6_K weights give the same bits at every distance, the last row
-    group's reads ahead running past the matrix's end included."""
+    """quant.decode_prefetch (EDGEPAGED_DECODE_PREFETCH, default 8192 bytes): 1, 2, 9 and 40
+    tokens against repacked Q4_K and Q6_K weights give the same bits at every distance, the
+    last row group's reads ahead running past the matrix's end included."""
     import os
     import subprocess
     import sys
@@ -454,7 +454,7 @@ def test_the_decode_prefetch_changes_no_product():
             n, cols = 67, 1024
             w = QuantWeight(qtype, random_blocks(qtype, n, cols, rng), n, cols)
             assert w.repack()
-            for t in (1, 2):
+            for t in (1, 2, 9, 40):
                 x = rng.standard_normal((t, cols)).astype(np.float32)
                 outs = []
                 for d in (0, 64, 8192, 1 << 20):
