@@ -438,8 +438,9 @@ def test_the_int8_peak_bounds_the_integer_kernels():
 
 def test_the_decode_prefetch_changes_no_product():
     """quant.decode_prefetch (EDGEPAGED_DECODE_PREFETCH, default 8192 bytes): 1, 2, 9 and 40
-    tokens against repacked Q4_K and Q6_K weights give the same bits at every distance, the
-    last row group's reads ahead running past the matrix's end included."""
+    tokens against repacked Q4_K and Q6_K weights and an interleaved Q4_1 give the same bits
+    at every distance, the last row group's reads ahead running past the matrix's end
+    included."""
     import os
     import subprocess
     import sys
@@ -450,10 +451,11 @@ def test_the_decode_prefetch_changes_no_product():
     rng = np.random.default_rng(9)
     was = kernels.decode_prefetch()
     try:
-        for qtype in (12, 14):
+        # repacked K-quants (the integer kernels) and an interleaved Q4_1 (the exact ones)
+        for qtype, lay in ((12, "repack"), (14, "repack"), (3, "interleave")):
             n, cols = 67, 1024
             w = QuantWeight(qtype, random_blocks(qtype, n, cols, rng), n, cols)
-            assert w.repack()
+            assert getattr(w, lay)()
             for t in (1, 2, 9, 40):
                 x = rng.standard_normal((t, cols)).astype(np.float32)
                 outs = []

@@ -40,7 +40,8 @@ pub const ROWS: usize = 16;
 /// prefetch alone); usize::MAX: not read from the environment yet.
 static DECODE_PREFETCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
 
-/// How far ahead (bytes) the integer kernels prefetch a decode step's weights: 8192 unless
+/// How far ahead (bytes) the integer kernels (and the exact ones' interleaved products) prefetch
+/// a decode step's weights: 8192 unless
 /// `EDGEPAGED_DECODE_PREFETCH` says otherwise (0 turns it off). Measured on a Zen 4, one
 /// stream of the 1 B and 3 B Q4_K_M files: +20-44 % (bench/prefetch_bench.py, RESULTS.md).
 pub fn decode_prefetch() -> usize {

@@ -635,6 +635,16 @@ unsafe fn x8_panel<F: Fmt>(gb: *const u8, wp: *mut f32) {
     }
 }
 
+/// How far ahead an interleaved product asks for its blocks: `q8::decode_prefetch()` (the
+/// integer kernels' distance) when set, else `near` (a few blocks).
+#[inline]
+fn far_ahead(near: usize) -> usize {
+    match crate::q8::decode_prefetch() {
+        0 => near,
+        d => d.max(near),
+    }
+}
+
 /// Ask for the interleaved group of 8 blocks at `p` (read once, from memory).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -669,6 +679,7 @@ unsafe fn gemv_x8_tile<F: Fmt, const NG: usize>(w: &QMatrix, g: usize, x: *const
     let base = w.data.as_ptr().add(g * gbytes);
     let mut acc = [_mm256_setzero_ps(); NG];
     let mut accm = [_mm256_setzero_ps(); NG];
+    let ahead = far_ahead(4 * bb8);
     for (b, &xs) in xsum.iter().enumerate() {
         let xb = x.add(32 * b);
         let mut s = [[_mm256_setzero_ps(); 2]; NG];
@@ -682,7 +693,7 @@ unsafe fn gemv_x8_tile<F: Fmt, const NG: usize>(w: &QMatrix, g: usize, x: *const
         }
         for i in 0..NG {
             let gb = base.add(i * gbytes + b * bb8);
-            prefetch_group::<F>(gb.wrapping_add(4 * bb8));
+            prefetch_group::<F>(gb.wrapping_add(ahead));
             let (d, m) = x8_scales::<F>(gb);
             acc[i] = _mm256_fmadd_ps(d, _mm256_add_ps(s[i][0], s[i][1]), acc[i]);
             if F::Q == QType::Q4_1 {
@@ -723,9 +734,10 @@ unsafe fn tile_x8<F: Fmt, const NT: usize>(w: &QMatrix, g: usize, x: *const f32,
     let base = w.data.as_ptr().add(g * 8 * w.row_bytes());
     let bb8 = 8 * F::Q.block_bytes();
     let mut acc = [_mm256_setzero_ps(); NT];
+    let ahead = far_ahead(2 * bb8);
     for b in 0..w.cols / 32 {
         let gb = base.add(b * bb8);
-        prefetch_group::<F>(gb.wrapping_add(2 * bb8));
+        prefetch_group::<F>(gb.wrapping_add(ahead));
         let (d, m) = x8_scales::<F>(gb);
         for k in 0..32 {
             let wv = x8_vec::<F>(gb, d, m, k);
