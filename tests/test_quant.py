@@ -446,11 +446,16 @@ def test_the_decode_prefetch_changes_no_product():
     import sys
     env = {k: v for k, v in os.environ.items() if k != "EDGEPAGED_DECODE_PREFETCH"}
     code = "from edgepaged._native import quant; print(quant.decode_prefetch())"
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip() == "8192"
+    # unset, unreadable, negative: the default; past 1 MiB: 1 MiB
+    for value, want in ((None, "8192"), ("junk", "8192"), ("-5", "8192"), ("", "8192"), ("0", "0"),
+                        ("99999999999999", str(1 << 20))):
+        e = env if value is None else {**env, "EDGEPAGED_DECODE_PREFETCH": value}
+        assert subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+                              check=True).stdout.strip() == want, value
     rng = np.random.default_rng(9)
     was = kernels.decode_prefetch()
     try:
+        assert kernels.decode_prefetch(1 << 40) == 1 << 20       # at most 1 MiB
         # repacked K-quants (the integer kernels) and an interleaved Q4_1 (the exact ones)
         for qtype, lay in ((12, "repack"), (14, "repack"), (3, "interleave")):
             n, cols = 67, 1024

@@ -128,9 +128,7 @@ unsafe fn tile<const N: usize>(l: &Layout, rg: *const u8, a: &QAct, t0: usize, h
     for g in 0..nb {
         let (at, head) = l.group_at(g);
         if pf > 0 {
-            for off in (0..step).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(rg.add(at + pf + off) as *const i8);
-            }
+            super::prefetch(rg.wrapping_add(at + pf), step);
         }
         let cb = rg.add(at);
         let bg = b0 + TILE * g;

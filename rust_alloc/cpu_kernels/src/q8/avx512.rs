@@ -163,9 +163,7 @@ unsafe fn tile<const N: usize, const Q: u8>(
     for g in 0..l.groups() {
         let (at, head) = l.group_at(g);
         if pf > 0 {
-            for off in (0..step).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(rg.add(at + pf + off) as *const i8);
-            }
+            super::prefetch(rg.wrapping_add(at + pf), step);
         }
         let c = codes(kind, rg.add(at));
         let ab = scales(l, rg, at, head);
@@ -254,7 +252,6 @@ fn pick(q: QType, n: usize) -> TileFn {
 /// `o` must hold `a.tokens` rows with room for the columns of these row groups; the CPU
 /// must have AVX-512 F/BW/VL and VNNI.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-
 pub(crate) unsafe fn rows(w: &RMatrix, a: &QAct, o: Out, g0: usize, g1: usize) {
     let l = &w.layout;
     let full = pick(l.qtype, TILE);

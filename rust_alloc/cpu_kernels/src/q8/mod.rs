@@ -41,8 +41,8 @@ pub const ROWS: usize = 16;
 static DECODE_PREFETCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
 
 /// How far ahead (bytes) the integer kernels (and the exact ones' interleaved products) prefetch
-/// a decode step's weights: 8192 unless
-/// `EDGEPAGED_DECODE_PREFETCH` says otherwise (0 turns it off). Measured on a Zen 4, one
+/// a decode step's weights: 8192 unless `EDGEPAGED_DECODE_PREFETCH` says otherwise (0 turns it
+/// off; at most 1 MiB). Measured on a Zen 4, one
 /// stream of the 1 B and 3 B Q4_K_M files: +20-44 % (bench/prefetch_bench.py, RESULTS.md).
 pub fn decode_prefetch() -> usize {
     use std::sync::atomic::Ordering::Relaxed;
@@ -50,14 +50,26 @@ pub fn decode_prefetch() -> usize {
     if v != usize::MAX {
         return v;
     }
-    let v = std::env::var("EDGEPAGED_DECODE_PREFETCH").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(8192);
-    DECODE_PREFETCH.store(v, Relaxed);
-    v
+    let v = std::env::var("EDGEPAGED_DECODE_PREFETCH").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(8192usize);
+    set_decode_prefetch(v);
+    DECODE_PREFETCH.load(Relaxed)
 }
 
-/// Set `decode_prefetch` for the process (benchmarks alternate).
+/// Set `decode_prefetch` for the process (benchmarks alternate); at most 1 MiB.
 pub fn set_decode_prefetch(bytes: usize) {
     DECODE_PREFETCH.store(bytes.min(1 << 20), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Ask for the `n` bytes from `p` (cache lines of 64 bytes). A prefetch never faults: `p` may
+/// lie past the matrix (the last row groups' reads ahead), so it is never dereferenced.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch(p: *const u8, n: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    for off in (0..n).step_by(64) {
+        // SAFETY: PREFETCHT0 reads nothing architecturally and never faults, at any address
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8) };
+    }
 }
 
 fn bad<T>(msg: impl Into<String>) -> Result<T, QuantError> { Err(QuantError(msg.into())) }
