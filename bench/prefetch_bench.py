@@ -4,7 +4,7 @@
 one process on one file (family_bench's synthetic Llama-shaped Q4_K_M files), with the
 memory's read rate measured in the same process.
 
-    python bench/prefetch_bench.py [--json] [--shape 1b|3b|8b | --model FILE] [--bytes 0,4096] [--reps 5]
+    python bench/prefetch_bench.py [--json] [--shape 1b|3b|8b | --model FILE] [--bytes 0,8192] [--reps 5]
 
 Per distance: the median tok/s of one stream (32-token prompt, 64 new tokens) and its
 fraction of the memory's rate (tok/s x the weights' bytes / mem_read_gbs); the tokens must be
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--shape", default="1b", choices=["1b", "3b", "8b"])
     ap.add_argument("--model", default=None, help="a GGUF file instead of the synthetic shape")
-    ap.add_argument("--bytes", default="0,4096", help="prefetch distances to alternate")
+    ap.add_argument("--bytes", default="0,8192", help="prefetch distances to alternate (8192: the default)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "edgepaged" / "bench")
     args = ap.parse_args()
