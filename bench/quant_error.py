@@ -1,5 +1,5 @@
 """The integer kernels' error: logits of the int8 path (activations quantized per block of
-32, 8-bit dot products) against the exact path (fp32 activations, the weights decoded
+32, 256 for K-quants, 8-bit dot products) against the exact path (fp32 activations, the weights decoded
 exactly) on the same weights, on the embedded model and on the synthetic 1 B files of
 `family_bench.py`.
 

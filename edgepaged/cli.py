@@ -228,8 +228,8 @@ def main(verbose):
 @click.option("--contiguous", is_flag=True,
               help="Reserve prompt + max_tokens of KV up front (the naive scheme, for benchmarks).")
 @click.option("--quant-math", type=click.Choice(["auto", "int8", "exact"]), default=None,
-              help="How quantized weights multiply on CPU: int8 (activations quantized per block of 32, "
-                   "8-bit dot products: llama.cpp's math, 2-3x faster), exact (fp32 activations), auto (int8 "
+              help="How quantized weights multiply on CPU: int8 (activations quantized per block of 32, 256 for "
+                   "K-quants, 8-bit dot products: llama.cpp's math, 2-3x faster), exact (fp32 activations), auto (int8 "
                    "from 0.7 B parameters on). Default: $EDGEPAGED_QUANT_MATH or auto.")
 @click.option("--runtime", type=click.Choice(["auto", "cpu", "torch"]), default=None,
               help="What runs the model: cpu (numpy + the Rust kernels; GGUF files on the CPU, no torch needed), "

@@ -160,21 +160,33 @@ def test_interleaved_weights_give_the_same_products_lookups_and_dense_path():
 REPACKABLE = [q for q in QTYPES if q in kernels.info()["repackable"]]
 
 
-def int8_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+def int8_bound(w: np.ndarray, x: np.ndarray, span: int = 32) -> np.ndarray:
     """The most the integer product may differ from the exact one, per [token, row]: each
-    activation rounds to its block's grid (step max|x| / 127 per 32), so by at most half a
-    step; plus fp32 rounding (1e-5 of the sum of |w x|)."""
-    step = np.abs(x.reshape(len(x), -1, 32)).max(axis=2, keepdims=True) / 127
-    half_step = np.broadcast_to(step / 2, (len(x), x.shape[1] // 32, 32)).reshape(x.shape)
+    activation rounds to its block's grid (step max|x| / 127 per `span`: 32, or 256 for
+    K-quant weights as llama.cpp's q8_K), so by at most half a step; plus fp32 rounding
+    (1e-5 of the sum of |w x|)."""
+    step = np.abs(x.reshape(len(x), -1, span)).max(axis=2, keepdims=True) / 127
+    half_step = np.broadcast_to(step / 2, (len(x), x.shape[1] // span, span)).reshape(x.shape)
     return (half_step.astype(np.float64) @ np.abs(w).T.astype(np.float64)) * (1 + 1e-6) + \
         1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64))
+
+
+def int8_activations(x: np.ndarray, span: int) -> np.ndarray:
+    """x on the int8 grid the integer kernels put it on: per `span` values the scale
+    d = max|x| / 127 and codes round(x · (1 / d)) (ties to even) within ±127, in fp32."""
+    b = x.reshape(len(x), -1, span).astype(np.float32)
+    d = np.abs(b).max(axis=2, keepdims=True) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(b * inv), -127, 127)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
 
 
 @pytest.mark.parametrize("qtype", REPACKABLE, ids=[FORMATS[q] for q in REPACKABLE])
 def test_repacked_weights_int8_products_within_their_bound_exact_lookups(qtype):
     """Weights repacked for the integer kernels (as the loader leaves K-quants and the 5-bit
     formats): products for 1..40 tokens within `int8_bound` of gguf's dequantize + fp32
-    matmul, the portable path equal to the bit, dequantize and lookups bit-for-bit gguf's;
+    matmul and equal (to fp32 rounding) to the weights times the activations on their int8
+    grid (per 32, per 256 for K-quants), the portable path equal to the bit, dequantize and lookups bit-for-bit gguf's;
     a ragged row count is padded and never written past."""
     rng = np.random.default_rng(qtype + 100)
     bw = BLOCK[qtype][0]
@@ -195,7 +207,11 @@ def test_repacked_weights_int8_products_within_their_bound_exact_lookups(qtype):
         kernels.matmul(r.data, r.kind, x, out, rows=n)
         assert np.isnan(out[:, n:]).all()
         exact = x.astype(np.float64) @ dense.T.astype(np.float64)
-        assert (np.abs(out[:, :n] - exact) <= int8_bound(dense, x)).all(), t
+        span = 256 if bw == 256 else 32
+        assert (np.abs(out[:, :n] - exact) <= int8_bound(dense, x, span)).all(), t
+        xq = int8_activations(x, span)     # the activations the kernels multiply, to 1e-5
+        on_grid = xq @ dense.T.astype(np.float64)
+        assert (np.abs(out[:, :n] - on_grid) <= 1e-5 * (np.abs(xq) @ np.abs(dense).T.astype(np.float64)) + 1e-30).all()
         portable = np.full_like(out, np.nan)
         kernels.matmul(r.data, r.kind, x, portable, rows=n, scalar=True)
         assert np.array_equal(out.view(np.uint32), portable.view(np.uint32)), t

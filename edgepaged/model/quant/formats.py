@@ -6,7 +6,7 @@ A weight is in one of three layouts:
   block's bytes spread across the 8 rows, so the exact kernels read 8 rows' weight `k` as 8
   consecutive bytes; same bytes, same results;
 - `r16`: repacked in groups of 16 rows for the integer kernels (`QuantWeight.repack`):
-  activations quantized to int8 per block of 32 and 8-bit dot products, as llama.cpp
+  activations quantized to int8 per block of 32 (256 for K-quants) and 8-bit dot products, as llama.cpp
   computes them (docs/INTERNALS.md, "Quantized weights on CPU").
 """
 from __future__ import annotations

@@ -82,20 +82,30 @@ unsafe fn pair(kind: Codes, cb: *const u8, h: usize, j: usize) -> (__m256i, __m2
     (lo, hi)
 }
 
-/// One block of 32 activations (`super::block_scalar`, the same floats and integers).
+/// The largest |x| of `n` (a multiple of 32) floats from `x` (`super::amax_scalar`).
+///
+/// # Safety
+/// `x` must point at `n` floats; the CPU must have AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn amax(x: *const f32, n: usize) -> f32 {
+    let sign = _mm256_set1_ps(-0.0);
+    let mut m = _mm256_setzero_ps();
+    for i in (0..n).step_by(8) {
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x.add(i))), m);
+    }
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
+}
+
+/// One block of 32 activations to codes (`super::codes_scalar`, the same integers).
 ///
 /// # Safety
 /// `x` must point at 32 floats and `q` at room for 32 bytes; the CPU must have AVX2.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn block(x: *const f32, q: *mut i8) -> (f32, i32, i32) {
+pub(crate) unsafe fn codes32(x: *const f32, q: *mut i8, inv: f32) -> (i32, i32) {
     let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(x.add(8 * i)));
-    let sign = _mm256_set1_ps(-0.0);
-    let m = v.iter().fold(_mm256_setzero_ps(), |m, v| _mm256_max_ps(m, _mm256_andnot_ps(sign, *v)));
-    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-    let d = amax / 127.0;
-    let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+    let inv = _mm256_set1_ps(inv);
     let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
     let r: [__m256i; 4] = std::array::from_fn(|i| {
         let f = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v[i], inv));
@@ -110,21 +120,24 @@ pub(crate) unsafe fn block(x: *const f32, q: *mut i8) -> (f32, i32, i32) {
         let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
         _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)))
     };
-    (d, hsum(_mm256_add_epi32(r[0], r[1])), hsum(_mm256_add_epi32(r[2], r[3])))
+    (hsum(_mm256_add_epi32(r[0], r[1])), hsum(_mm256_add_epi32(r[2], r[3])))
 }
 
-/// `N` tokens of rows `8h .. 8h + 8` of one row group.
+/// `N` tokens of rows `8h .. 8h + 8` of one row group. K-quants sum a superblock's groups
+/// in `sum`, then add it times the token's scale (`super`'s doc).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const N: usize>(l: &Layout, rg: *const u8, a: &QAct, t0: usize, h: usize, acc: &mut [__m256; N]) {
     let nb = l.groups();
     let kind = l.codes();
     let q6 = l.qtype == QType::Q6_K;
+    let sbg = l.act_groups();
     let ones = _mm256_set1_epi16(1);
     let b0 = a.at(t0, 0);   // t0 .. t0 + N lie in one tile: token t0 + t of group g is block b0 + TILE g + t
     // the first tile's first half-pass asks for the bytes ahead (avx512.rs `tile`)
     let pf = if t0 == 0 && h == 0 { super::decode_prefetch() } else { 0 };
     let step = l.rg_bytes().div_ceil(nb);
+    let mut sum = [_mm256_setzero_ps(); N];   // K-quants: the superblock's so far
     for g in 0..nb {
         let (at, head) = l.group_at(g);
         if pf > 0 {
@@ -166,19 +179,27 @@ unsafe fn tile<const N: usize>(l: &Layout, rg: *const u8, a: &QAct, t0: usize, h
         }
         let ab = scales(l, rg, at, head, h);
         for t in 0..N {
-            let dx = _mm256_set1_ps(*a.d.as_ptr().add(bg + t));
             if q6 {
                 for (half, i) in [(0, i0[t]), (1, i1[t])] {
-                    let v = _mm256_mul_ps(ab[half].0, _mm256_cvtepi32_ps(i));
-                    acc[t] = _mm256_fmadd_ps(v, dx, acc[t]);
-                    let ds = _mm256_set1_ps(*a.ds16.as_ptr().add(2 * (bg + t) + half));
-                    acc[t] = _mm256_fmadd_ps(ab[half].1, ds, acc[t]);
+                    let i = _mm256_sub_epi32(i, _mm256_set1_epi32(*a.k16.as_ptr().add(2 * (bg + t) + half)));
+                    sum[t] = _mm256_fmadd_ps(ab[half].0, _mm256_cvtepi32_ps(i), sum[t]);
                 }
+            } else if sbg > 1 {
+                sum[t] = _mm256_fmadd_ps(ab[0].0, _mm256_cvtepi32_ps(i0[t]), sum[t]);
+                sum[t] = _mm256_fmadd_ps(ab[0].1, _mm256_set1_ps(*a.sf.as_ptr().add(bg + t)), sum[t]);
             } else {
+                let dx = _mm256_set1_ps(*a.d.as_ptr().add(bg + t));
                 let v = _mm256_mul_ps(ab[0].0, _mm256_cvtepi32_ps(i0[t]));
                 acc[t] = _mm256_fmadd_ps(v, dx, acc[t]);
                 let ds = _mm256_set1_ps(*a.ds.as_ptr().add(bg + t));
                 acc[t] = _mm256_fmadd_ps(ab[0].1, ds, acc[t]);
+            }
+        }
+        if sbg > 1 && g % sbg == sbg - 1 {   // (one loop over the groups: avx512.rs `tile`)
+            let bs = b0 + TILE * (g + 1 - sbg);
+            for t in 0..N {
+                acc[t] = _mm256_fmadd_ps(sum[t], _mm256_set1_ps(*a.d.as_ptr().add(bs + t)), acc[t]);
+                sum[t] = _mm256_setzero_ps();
             }
         }
     }

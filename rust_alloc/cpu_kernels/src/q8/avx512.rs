@@ -99,16 +99,27 @@ unsafe fn scales(l: &Layout, rg: *const u8, at: usize, head: usize) -> [(__m512,
     }
 }
 
-/// One block of 32 activations (`super::block_scalar`, the same floats and integers).
+/// The largest |x| of `n` (a multiple of 32) floats from `x` (`super::amax_scalar`).
+///
+/// # Safety
+/// `x` must point at `n` floats; the CPU must have AVX-512 F.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn amax(x: *const f32, n: usize) -> f32 {
+    let mut m = _mm512_setzero_ps();
+    for i in (0..n).step_by(16) {
+        m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x.add(i))), m);
+    }
+    _mm512_reduce_max_ps(m)
+}
+
+/// One block of 32 activations to codes (`super::codes_scalar`, the same integers).
 ///
 /// # Safety
 /// `x` must point at 32 floats and `q` at room for 32 bytes; the CPU must have AVX-512 F/BW.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn block(x: *const f32, q: *mut i8) -> (f32, i32, i32) {
+pub(crate) unsafe fn codes32(x: *const f32, q: *mut i8, inv: f32) -> (i32, i32) {
     let (v0, v1) = (_mm512_loadu_ps(x), _mm512_loadu_ps(x.add(16)));
-    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    let d = amax / 127.0;
-    let inv = _mm512_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+    let inv = _mm512_set1_ps(inv);
     let (lo, hi) = (_mm512_set1_epi32(-127), _mm512_set1_epi32(127));
     let code = |v: __m512| {
         let r = _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(v, inv));
@@ -117,7 +128,7 @@ pub(crate) unsafe fn block(x: *const f32, q: *mut i8) -> (f32, i32, i32) {
     let (r0, r1) = (code(v0), code(v1));
     _mm_storeu_si128(q as *mut __m128i, _mm512_cvtepi32_epi8(r0));
     _mm_storeu_si128(q.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(r1));
-    (d, _mm512_reduce_add_epi32(r0), _mm512_reduce_add_epi32(r1))
+    (_mm512_reduce_add_epi32(r0), _mm512_reduce_add_epi32(r1))
 }
 
 /// The format a kernel was built for (its GGUF type id, `Q`).
@@ -137,6 +148,8 @@ fn qt(q: u8) -> QType {
 
 /// `N` tokens (`t0..t0 + N`, inside one tile of the activations) of one row group.
 /// Built once per format (`Q`, its GGUF id), so the decode and the scales are straight code.
+/// K-quants sum a superblock's groups in `sum` and add it times the token's scale into `acc`
+/// (`super`'s doc: the portable path's operations); the other formats go group by group.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn tile<const N: usize, const Q: u8>(
@@ -150,8 +163,10 @@ unsafe fn tile<const N: usize, const Q: u8>(
         _ => Codes::Eight,
     };
     let q6 = qtype == QType::Q6_K;
+    let sbg = if matches!(qtype, QType::Q4_K | QType::Q5_K | QType::Q6_K) { super::ACT_GROUPS } else { 1 };
     let b0 = a.at(t0, 0);   // token t0 + t of group g: block b0 + TILE g + t
-    let (qa, da, dsa, ds16a) = (a.q.as_ptr() as *const u8, a.d.as_ptr(), a.ds.as_ptr(), a.ds16.as_ptr());
+    let (qa, da, dsa) = (a.q.as_ptr() as *const u8, a.d.as_ptr(), a.ds.as_ptr());
+    let (sfa, k16a) = (a.sf.as_ptr(), a.k16.as_ptr());
     let mask: __mmask16 = if nr == ROWS { 0xffff } else { (1u16 << nr) - 1 };
     let mut acc = [_mm512_setzero_ps(); N];
     // the first tile of tokens of a row group streams its weights from memory (the later ones
@@ -160,6 +175,7 @@ unsafe fn tile<const N: usize, const Q: u8>(
     // rate unused: bench/RESULTS.md)
     let pf = if t0 == 0 { super::decode_prefetch() } else { 0 };
     let step = l.rg_bytes().div_ceil(l.groups());
+    let mut sum = [_mm512_setzero_ps(); N];   // K-quants: the superblock's so far
     for g in 0..l.groups() {
         let (at, head) = l.group_at(g);
         if pf > 0 {
@@ -179,37 +195,50 @@ unsafe fn tile<const N: usize, const Q: u8>(
                     }
                 }
                 for t in 0..N {
-                    let v = _mm512_mul_ps(ab[h].0, _mm512_cvtepi32_ps(i[t]));
-                    acc[t] = _mm512_fmadd_ps(v, _mm512_set1_ps(*da.add(bg + t)), acc[t]);
-                    acc[t] = _mm512_fmadd_ps(ab[h].1, _mm512_set1_ps(*ds16a.add(2 * (bg + t) + h)), acc[t]);
+                    let i = _mm512_sub_epi32(i[t], _mm512_set1_epi32(*k16a.add(2 * (bg + t) + h)));
+                    sum[t] = _mm512_fmadd_ps(ab[h].0, _mm512_cvtepi32_ps(i), sum[t]);
                 }
             }
-            continue;
-        }
-        // under 4 tokens two sums per token (even and odd chunks) keep enough chains in flight
-        let mut i0 = [_mm512_setzero_si512(); N];
-        if N < 4 {
-            let mut i1 = [_mm512_setzero_si512(); N];
-            for ci in (0..8).step_by(2) {
+        } else {
+            // under 4 tokens two sums per token (even and odd chunks) keep enough chains in flight
+            let mut i0 = [_mm512_setzero_si512(); N];
+            if N < 4 {
+                let mut i1 = [_mm512_setzero_si512(); N];
+                for ci in (0..8).step_by(2) {
+                    for t in 0..N {
+                        i0[t] = _mm512_dpbusd_epi32(i0[t], c[ci], x4(t, 4 * ci));
+                        i1[t] = _mm512_dpbusd_epi32(i1[t], c[ci + 1], x4(t, 4 * ci + 4));
+                    }
+                }
                 for t in 0..N {
-                    i0[t] = _mm512_dpbusd_epi32(i0[t], c[ci], x4(t, 4 * ci));
-                    i1[t] = _mm512_dpbusd_epi32(i1[t], c[ci + 1], x4(t, 4 * ci + 4));
+                    i0[t] = _mm512_add_epi32(i0[t], i1[t]);
+                }
+            } else {
+                for (ci, c) in c.iter().enumerate() {
+                    for t in 0..N {
+                        i0[t] = _mm512_dpbusd_epi32(i0[t], *c, x4(t, 4 * ci));
+                    }
                 }
             }
             for t in 0..N {
-                i0[t] = _mm512_add_epi32(i0[t], i1[t]);
-            }
-        } else {
-            for (ci, c) in c.iter().enumerate() {
-                for t in 0..N {
-                    i0[t] = _mm512_dpbusd_epi32(i0[t], *c, x4(t, 4 * ci));
+                if sbg > 1 {
+                    sum[t] = _mm512_fmadd_ps(ab[0].0, _mm512_cvtepi32_ps(i0[t]), sum[t]);
+                    sum[t] = _mm512_fmadd_ps(ab[0].1, _mm512_set1_ps(*sfa.add(bg + t)), sum[t]);
+                } else {
+                    let v = _mm512_mul_ps(ab[0].0, _mm512_cvtepi32_ps(i0[t]));
+                    acc[t] = _mm512_fmadd_ps(v, _mm512_set1_ps(*da.add(bg + t)), acc[t]);
+                    acc[t] = _mm512_fmadd_ps(ab[0].1, _mm512_set1_ps(*dsa.add(bg + t)), acc[t]);
                 }
             }
         }
-        for t in 0..N {
-            let v = _mm512_mul_ps(ab[0].0, _mm512_cvtepi32_ps(i0[t]));
-            acc[t] = _mm512_fmadd_ps(v, _mm512_set1_ps(*da.add(bg + t)), acc[t]);
-            acc[t] = _mm512_fmadd_ps(ab[0].1, _mm512_set1_ps(*dsa.add(bg + t)), acc[t]);
+        // (one loop over the groups, not one per superblock: LLVM unrolled the superblock's
+        // 8 groups and that code ran 8 % slower than the old per-group one)
+        if sbg > 1 && g % sbg == sbg - 1 {
+            let bs = b0 + TILE * (g + 1 - sbg);
+            for (t, sum) in sum.iter_mut().enumerate() {
+                acc[t] = _mm512_fmadd_ps(*sum, _mm512_set1_ps(*da.add(bs + t)), acc[t]);
+                *sum = _mm512_setzero_ps();
+            }
         }
     }
     for (t, acc) in acc.iter().enumerate() {

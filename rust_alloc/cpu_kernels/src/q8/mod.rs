@@ -14,10 +14,16 @@
 //! per weight as the file (K-quants 2-3% more: their 6-bit scales are kept as bytes).
 //!
 //! **Activations** (`quantize`): per token and block of 32, `dx = max|x| / 127`,
-//! `qx = round(x / dx)` (int8), and `dxs = dx · Σ qx` (Q6_K: per 16 as well).
+//! `qx = round(x / dx)` (int8), and `dxs = dx · Σ qx`. For K-quant
+//! weights (`quantize_for`) `dx` is one per superblock of 256 (`max|x|` over the 256: llama.cpp's
+//! q8_K), so a superblock's 8 groups share it.
 //!
 //! **Product**: per row `r`, token `t` and group `g`, the integer dot `I = Σ q·qx` (exact),
-//! then `acc ← fma(a·I, dx, acc)`, `acc ← fma(b, dxs, acc)`, groups in order. Every code
+//! then `acc ← fma(a·I, dx, acc)`, `acc ← fma(b, dxs, acc)`, groups in order. K-quants take
+//! `dx` out of the superblock's sum: `S ← fma(a, I, S)`, `S ← fma(b, Σ qx, S)` over its groups
+//! (Q6_K: `S ← fma(a, I − 32 Σ qx, S)` per half of 16, in integers up to the last step), then
+//! `acc ← fma(S, dx, acc)`: per group and token one multiply fewer and one float operand
+//! less than the groups' own scales would take. Every code
 //! path (portable, AVX2, AVX-512 VNNI) computes the same integers and the same float
 //! operations in the same order: their results are equal to the bit.
 
@@ -35,6 +41,12 @@ use crate::threads::{num_threads, parallel_for};
 
 /// Rows per group of the layout (the lanes of a 512-bit register of i32).
 pub const ROWS: usize = 16;
+
+/// Groups of 32 activations that share one scale in products with K-quant weights: a
+/// superblock's 8 (llama.cpp's q8_K). Measured against 4 and 1 (bench/RESULTS.md): 4 kept
+/// less than half of the speed; 8 makes llama.cpp's error (a K-quant file's perplexity +0.5 %
+/// against the exact math where llama.cpp's is +0.6 %; per 32: −0.1 %).
+pub const ACT_GROUPS: usize = 8;
 
 /// Bytes ahead of its reads a decode step's product asks the memory for (0: the hardware's
 /// prefetch alone); usize::MAX: not read from the environment yet.
@@ -143,6 +155,9 @@ impl Layout {
 
     /// Groups of 32 per superblock (K-quants: 8, with a header of the rows' d (and dmin)).
     pub(crate) fn sb_groups(&self) -> usize { if self.kquant() { 8 } else { 1 } }
+
+    /// Groups of 32 whose activations share one scale: `ACT_GROUPS` for K-quants, else 1.
+    pub(crate) fn act_groups(&self) -> usize { if self.kquant() { ACT_GROUPS } else { 1 } }
 
     pub(crate) fn kquant(&self) -> bool { matches!(self.qtype, QType::Q4_K | QType::Q5_K | QType::Q6_K) }
 
@@ -551,14 +566,21 @@ pub struct QAct {
     pub d: Vec<f32>,
     /// scale · Σ codes of the block, at `ds[i]`
     pub ds: Vec<f32>,
-    /// scale · Σ codes of each half block (Q6_K), at `ds16[2 i]`, `ds16[2 i + 1]`
-    pub ds16: Vec<f32>,
     /// Σ codes of the block (the AVX2 path's Q8_0 correction), at `s[i]`
     pub s: Vec<i32>,
+    /// quantized for K-quant weights: one scale per superblock of 8 blocks (`d[i]` the same
+    /// for the 8), the sums below filled
+    pub sb: bool,
+    /// Σ codes of the block as a float (exact), at `sf[i]`
+    pub sf: Vec<f32>,
+    /// 32 · Σ codes of each half block (Q6_K's offset), at `k16[2 i]`, `k16[2 i + 1]`
+    pub k16: Vec<i32>,
 }
 
 impl QAct {
-    pub fn new() -> Self { QAct { tokens: 0, cols: 0, q: vec![], d: vec![], ds: vec![], ds16: vec![], s: vec![] } }
+    pub fn new() -> Self {
+        QAct { tokens: 0, cols: 0, q: vec![], d: vec![], ds: vec![], s: vec![], sb: false, sf: vec![], k16: vec![] }
+    }
 
     /// Groups of 32 per token.
     #[inline]
@@ -573,19 +595,19 @@ impl Default for QAct {
     fn default() -> Self { Self::new() }
 }
 
-/// One block of 32 activations to int8 codes: the scale `d = max|x| / 127` and the codes
-/// `round(x · (1 / d))` (ties to even) within ±127; returns `d` and the sums of the codes of
-/// each half. Every path computes these same floats and integers.
-pub(crate) fn block_scalar(xs: &[f32], q: &mut [i8]) -> (f32, i32, i32) {
-    let amax = xs[..32].iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
-    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+/// The largest |x| of `xs` (a multiple of 32 values): the activations' scale is this / 127.
+pub(crate) fn amax_scalar(xs: &[f32]) -> f32 { xs.iter().fold(0f32, |m, v| m.max(v.abs())) }
+
+/// One block of 32 activations to int8 codes `round(x · inv)` (ties to even) within ±127,
+/// `inv` = 1 / the scale (0 for a zero scale); returns the sums of the codes of each half.
+/// Every path computes these same integers.
+pub(crate) fn codes_scalar(xs: &[f32], q: &mut [i8], inv: f32) -> (i32, i32) {
     let (mut s0, mut s1) = (0i32, 0i32);
     for (k, (q, v)) in q[..32].iter_mut().zip(xs).enumerate() {
         *q = ((v * inv).round_ties_even() as i32).clamp(-127, 127) as i8;
         if k < 16 { s0 += *q as i32 } else { s1 += *q as i32 }
     }
-    (d, s0, s1)
+    (s0, s1)
 }
 
 /// Raw pointers to a `QAct`'s buffers, for the threads that fill disjoint tokens of it.
@@ -594,8 +616,9 @@ struct ActOut {
     q: *mut i8,
     d: *mut f32,
     ds: *mut f32,
-    ds16: *mut f32,
     s: *mut i32,
+    sf: *mut f32,
+    k16: *mut i32,
 }
 // SAFETY: the threads write the blocks of disjoint tokens, inside buffers the caller keeps
 // borrowed until `parallel_for` returns.
@@ -609,17 +632,29 @@ impl ActOut {
 }
 
 /// Quantize `tokens` rows of `cols` values (`x`, row stride `stride`) into `a` (its buffers
-/// reused). Rows go to the pool's threads when there are many.
+/// reused), per block of 32. Rows go to the pool's threads when there are many.
 pub fn quantize(x: &[f32], stride: usize, tokens: usize, cols: usize, a: &mut QAct) -> Result<(), QuantError> {
     quantize_with(x, stride, tokens, cols, a, best())
+}
+
+/// `quantize` for products with `w`'s layout: K-quants one scale per superblock of 256.
+pub fn quantize_for(l: &Layout, x: &[f32], stride: usize, tokens: usize, a: &mut QAct) -> Result<(), QuantError> {
+    quantize_per(x, stride, tokens, l.cols, a, best(), l.kquant())
 }
 
 /// `quantize` on a given code path (every path gives the same bytes).
 pub fn quantize_with(x: &[f32], stride: usize, tokens: usize, cols: usize, a: &mut QAct, isa: Isa)
     -> Result<(), QuantError> {
+    quantize_per(x, stride, tokens, cols, a, isa, false)
+}
+
+/// `quantize_with`, one scale per superblock of 256 when `sb` (for K-quant weights).
+pub fn quantize_per(x: &[f32], stride: usize, tokens: usize, cols: usize, a: &mut QAct, isa: Isa, sb: bool)
+    -> Result<(), QuantError> {
     let isa = checked(isa)?;
-    if cols == 0 || cols % 32 != 0 {
-        return bad(format!("activations of {cols} columns: the integer kernels need a multiple of 32"));
+    let span = if sb { 32 * ACT_GROUPS } else { 32 };
+    if cols == 0 || cols % span != 0 {
+        return bad(format!("activations of {cols} columns: the integer kernels need a multiple of {span}"));
     }
     if tokens > 0 && x.len() < (tokens - 1) * stride + cols {
         return bad("activations: x is shorter than its rows");
@@ -628,34 +663,53 @@ pub fn quantize_with(x: &[f32], stride: usize, tokens: usize, cols: usize, a: &m
     let blocks = tokens.div_ceil(TILE) * TILE * nb;
     a.tokens = tokens;
     a.cols = cols;
+    a.sb = sb;
     a.q.resize(32 * blocks, 0);
     a.d.resize(blocks, 0.0);
     a.ds.resize(blocks, 0.0);
-    a.ds16.resize(2 * blocks, 0.0);
     a.s.resize(blocks, 0);
-    let p = ActOut { q: a.q.as_mut_ptr(), d: a.d.as_mut_ptr(), ds: a.ds.as_mut_ptr(), ds16: a.ds16.as_mut_ptr(),
-                     s: a.s.as_mut_ptr() };
+    a.sf.resize(blocks, 0.0);
+    a.k16.resize(2 * blocks, 0);
+    let p = ActOut { q: a.q.as_mut_ptr(), d: a.d.as_mut_ptr(), ds: a.ds.as_mut_ptr(),
+                     s: a.s.as_mut_ptr(), sf: a.sf.as_mut_ptr(), k16: a.k16.as_mut_ptr() };
+    let per = span / 32;
     let row = |t: usize| {
         let p = p.get();
-        for b in 0..nb {
-            let i = ((t / TILE) * nb + b) * TILE + t % TILE;
-            let xs = &x[t * stride + 32 * b..t * stride + 32 * b + 32];
-            // SAFETY: block i of token t lies inside the buffers sized above, and no other
-            // token writes it; the ISA is the CPU's.
-            unsafe {
-                let q = std::slice::from_raw_parts_mut(p.q.add(32 * i), 32);
-                let (d, s0, s1) = match isa {
+        for b0 in (0..nb).step_by(per) {
+            let xs = &x[t * stride + 32 * b0..t * stride + 32 * (b0 + per)];
+            // SAFETY: the ISA is the CPU's; xs holds 32 · per floats
+            let amax = unsafe {
+                match isa {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512Vnni => avx512::block(xs.as_ptr(), q.as_mut_ptr()),
+                    Isa::Avx512Vnni => avx512::amax(xs.as_ptr(), xs.len()),
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => avx2::block(xs.as_ptr(), q.as_mut_ptr()),
-                    _ => block_scalar(xs, q),
-                };
-                *p.d.add(i) = d;
-                *p.s.add(i) = s0 + s1;
-                *p.ds.add(i) = d * (s0 + s1) as f32;
-                *p.ds16.add(2 * i) = d * s0 as f32;
-                *p.ds16.add(2 * i + 1) = d * s1 as f32;
+                    Isa::Avx2 => avx2::amax(xs.as_ptr(), xs.len()),
+                    _ => amax_scalar(xs),
+                }
+            };
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            for b in b0..b0 + per {
+                let i = ((t / TILE) * nb + b) * TILE + t % TILE;
+                let xs = &x[t * stride + 32 * b..t * stride + 32 * b + 32];
+                // SAFETY: block i of token t lies inside the buffers sized above, and no other
+                // token writes it; the ISA is the CPU's.
+                unsafe {
+                    let q = std::slice::from_raw_parts_mut(p.q.add(32 * i), 32);
+                    let (s0, s1) = match isa {
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx512Vnni => avx512::codes32(xs.as_ptr(), q.as_mut_ptr(), inv),
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx2 => avx2::codes32(xs.as_ptr(), q.as_mut_ptr(), inv),
+                        _ => codes_scalar(xs, q, inv),
+                    };
+                    *p.d.add(i) = d;
+                    *p.s.add(i) = s0 + s1;
+                    *p.ds.add(i) = d * (s0 + s1) as f32;
+                    *p.sf.add(i) = (s0 + s1) as f32;
+                    *p.k16.add(2 * i) = 32 * s0;
+                    *p.k16.add(2 * i + 1) = 32 * s1;
+                }
             }
         }
     };
@@ -689,6 +743,10 @@ pub fn matmul(w: &RMatrix, a: &QAct, out: &mut [f32], out_stride: usize, isa: Is
     let l = &w.layout;
     if a.cols != l.cols {
         return bad(format!("activations of {} columns, weights of {}", a.cols, l.cols));
+    }
+    if a.sb != l.kquant() {
+        return bad(format!("{} weights need activations quantized per {} (quantize_for)", l.qtype.name(),
+                           if l.kquant() { "superblock of 256" } else { "block of 32" }));
     }
     if a.tokens > 0 && (out_stride < l.rows || out.len() < (a.tokens - 1) * out_stride + l.rows) {
         return bad("out is too small for [tokens, rows]");
@@ -741,7 +799,7 @@ pub fn matmul_f32(
 ) -> Result<(), QuantError> {
     ACTS.with(|a| {
         let mut a = a.borrow_mut();
-        quantize(x, x_stride, tokens, w.layout.cols, &mut a)?;
+        quantize_per(x, x_stride, tokens, w.layout.cols, &mut a, best(), w.layout.kquant())?;
         matmul(w, &a, out, out_stride, isa)
     })
 }

@@ -75,7 +75,15 @@ fn every_path_equals_the_portable_one_and_the_integers_are_exact() {
             let m = RMatrix::new(Layout::new(q, rows, cols).unwrap(), &packed).unwrap();
             let x: Vec<f32> = (0..tokens * cols).map(|_| rng.unit()).collect();
             let mut a = QAct::new();
-            quantize(&x, cols, tokens, cols, &mut a).unwrap();
+            // activations quantized per block of 32 are refused by K-quants, and the other way
+            let wrong = !m.layout.kquant();
+            if !wrong || cols % 256 == 0 {
+                quantize_per(&x, cols, tokens, cols, &mut a, best(), wrong).unwrap();
+                let mut out = vec![0f32; tokens * rows];
+                assert!(matmul(&m, &a, &mut out, rows, best()).unwrap_err().0.contains("activations quantized per"));
+            }
+            quantize_for(&m.layout, &x, cols, tokens, &mut a).unwrap();
+            assert_eq!(a.sb, m.layout.kquant());
             let mut outs = vec![];
             for isa in Isa::available(TOP) {
                 let mut out = vec![f32::NAN; tokens * (rows + 3)];
@@ -104,6 +112,12 @@ fn every_path_equals_the_portable_one_and_the_integers_are_exact() {
                     }
                     let got = outs[0].1[t * (rows + 3) + r] as f64;
                     assert!((got - s).abs() <= 1e-5 * mag.max(1e-30), "{} t{t} r{r}: {got} vs {s}", q.name());
+                    if m.layout.kquant() {   // one scale per ACT_GROUPS blocks: their largest |x| / 127
+                        let (n, span) = (cols / (32 * ACT_GROUPS), 32 * ACT_GROUPS);
+                        let amax = x[t * cols + span * (r % n)..t * cols + span * (r % n + 1)].iter()
+                            .fold(0f32, |m, v| m.max(v.abs()));
+                        assert_eq!(a.d[a.at(t, ACT_GROUPS * (r % n) + r % ACT_GROUPS)], amax / 127.0);
+                    }
                 }
             }
         }
@@ -133,7 +147,7 @@ fn activations_quantize_per_block_of_32() {
 #[test]
 fn every_path_quantizes_to_the_same_bytes() {
     let mut rng = Rng(0x5eed_0f_ac71_0a75);
-    for (tokens, cols) in [(1, 32), (3, 64), (9, 2048), (40, 1024)] {
+    for (tokens, cols) in [(1, 32), (3, 64), (9, 2048), (40, 1024), (2, 256)] {
         // values on a grid of halves make ties; a zero block and a huge one
         let mut x: Vec<f32> = (0..tokens * cols).map(|i| match i % 3 {
             0 => (rng.unit() * 254.0).round() * 0.5,
@@ -141,15 +155,22 @@ fn every_path_quantizes_to_the_same_bytes() {
         }).collect();
         x[..32].iter_mut().for_each(|v| *v = 0.0);
         x[cols - 32] = 3e38;
-        let mut want = QAct::new();
-        quantize_with(&x, cols, tokens, cols, &mut want, Isa::Scalar).unwrap();
-        for isa in Isa::available(TOP) {
-            let mut a = QAct::new();
-            quantize_with(&x, cols, tokens, cols, &mut a, isa).unwrap();
-            assert_eq!(a.q, want.q, "{isa:?}");
-            assert_eq!(a.s, want.s, "{isa:?}");
-            for (u, v) in a.d.iter().chain(&a.ds).chain(&a.ds16).zip(want.d.iter().chain(&want.ds).chain(&want.ds16)) {
-                assert_eq!(u.to_bits(), v.to_bits(), "{isa:?}");
+        for sb in [false, true] {
+            if sb && cols % 256 != 0 {
+                assert!(quantize_per(&x, cols, tokens, cols, &mut QAct::new(), Isa::Scalar, sb).is_err());
+                continue;
+            }
+            let mut want = QAct::new();
+            quantize_per(&x, cols, tokens, cols, &mut want, Isa::Scalar, sb).unwrap();
+            for isa in Isa::available(TOP) {
+                let mut a = QAct::new();
+                quantize_per(&x, cols, tokens, cols, &mut a, isa, sb).unwrap();
+                assert_eq!(a.q, want.q, "{isa:?}");
+                assert_eq!(a.s, want.s, "{isa:?}");
+                assert_eq!(a.k16, want.k16, "{isa:?}");
+                for (u, v) in a.d.iter().chain(&a.ds).chain(&a.sf).zip(want.d.iter().chain(&want.ds).chain(&want.sf)) {
+                    assert_eq!(u.to_bits(), v.to_bits(), "{isa:?}");
+                }
             }
         }
     }
