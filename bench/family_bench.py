@@ -27,7 +27,7 @@ The files are written once and cached outside the repository (`--cache-dir`, def
                        every thread, measured in this run, best; null without AVX-512 VNNI or
                        with exact math); the formats' unpacking and scales cost the rest
     attention_products "bf16" or "f32": prefill attention's products (bf16 over an f16 or q8_0
-                       cache on a CPU with AVX-512 BF16 when EDGEPAGED_ATTENTION_BF16=1; else f32)
+                       cache on a CPU with AVX-512 BF16 unless EDGEPAGED_ATTENTION_BF16=0; else f32)
     isa                the instruction set the products ran on ("avx512-vnni", "avx2", "scalar";
                        `machine` lists the CPU's flags); `math`: "int8" or "exact" (the
                        server's default for the file, EDGEPAGED_QUANT_MATH to choose)
@@ -177,7 +177,7 @@ def prompts(vocab: int, n: int, length: int, seed: int) -> list[np.ndarray]:
 
 def attention_products(runner) -> str:
     """"bf16" where prefill attention over the runner's cache multiplies in bf16 (an f16 or q8_0
-    cache, a CPU with AVX-512 BF16, EDGEPAGED_ATTENTION_BF16=1), else "f32"."""
+    cache, a CPU with AVX-512 BF16, EDGEPAGED_ATTENTION_BF16 not 0), else "f32"."""
     from edgepaged._native import ops
     return "bf16" if ops.bf16_attention() and runner.kv_dtype_name in ("f16", "q8_0") else "f32"
 

@@ -20,8 +20,9 @@ element types in turn on one model, the way llama.cpp's `llama-perplexity` measu
 half one prefill, its second half one token a step. The same text through `llama-perplexity`
 with `-ctk/-ctv` of each type beside it when it is installed (--llama-perplexity PATH, or on
 PATH; null with the reason when absent). `TYPE@bf16` is that cache with prefill attention's
-tiles multiplying in bf16 (EDGEPAGED_ATTENTION_BF16, on a CPU with AVX-512 BF16; `TYPE@f32`:
-in f32, the default): `--kv-dtype f16,f16@bf16` measures what bf16 products cost:
+tiles multiplying in bf16 (on a CPU with AVX-512 BF16: the default unless
+EDGEPAGED_ATTENTION_BF16=0); `TYPE@f32` in f32: `--kv-dtype f16@f32,f16@bf16` measures what bf16
+products cost:
 
     python bench/perplexity.py --kv-dtype f16,q8_0 [--model FILE.gguf | --model 1b] [--json]
 

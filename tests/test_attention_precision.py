@@ -1,10 +1,10 @@
-"""Prefill attention's products: with EDGEPAGED_ATTENTION_BF16 (or `ops.bf16_attention(True)`)
-the tiles over an f16 or q8_0 cache multiply in bf16 with f32 sums where the CPU has AVX-512
-BF16 (`vdpbf16ps`, twice the f32 FMA's products a cycle); an f32 cache always in f32. Off by
-default (rows attended row by row stay f32, so an answer would depend on a prefix-cache hit).
-Measured on the embedded model (bench/RESULTS.md): the full-attention perplexity of the
-shipped text 38.230 against 38.231, the KL divergence of the next-token distributions 4e-6
-(the q8_0 cache's: 1.6e-4)."""
+"""Prefill attention's products: where the CPU has AVX-512 BF16 (`vdpbf16ps`, twice the f32
+FMA's products a cycle) the tiles over an f16 or q8_0 cache multiply in bf16 with f32 sums,
+unless EDGEPAGED_ATTENTION_BF16=0 (or `ops.bf16_attention(False)`); an f32 cache always in
+f32. The CPU runtime then gives every prompt row to the tiles, so a prompt's tail after a
+prefix-cache hit attends as the whole prompt did. Measured on the embedded model
+(bench/RESULTS.md): the full-attention perplexity of the shipped text 38.230 against 38.231,
+the KL divergence of the next-token distributions 4e-6 (the q8_0 cache's: 1.6e-4)."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,14 +30,16 @@ def _has_bf16() -> bool:
 HAS_BF16 = _has_bf16()
 
 
-def test_off_by_default():
+def test_on_by_default_where_the_cpu_has_it_and_off_with_0():
     import os
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "EDGEPAGED_ATTENTION_BF16"}
     code = "from edgepaged._native import ops; print(ops.bf16_attention())"
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip() == "False"
+    run = lambda env: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                     check=True).stdout.strip()
+    assert run(env) == str(HAS_BF16)
+    assert run({**env, "EDGEPAGED_ATTENTION_BF16": "0"}) == "False"
 
 
 @pytest.fixture
@@ -118,3 +120,30 @@ def test_the_embedded_model_prefills_as_with_f32_products(products):
     print(f"relative error {err:.2e}, same top {(got.argmax(-1) == want.argmax(-1)).mean():.3f}")
     assert err <= 1e-2 and (err > 0) == HAS_BF16
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+
+
+@pytest.mark.parametrize("cache", ["f16", "q8_0"])
+def test_a_prompt_attends_the_same_whole_or_after_a_cached_prefix(cache, products):
+    """With bf16 products, a prompt's last logits computed in one chunk equal, bit for bit,
+    those computed over its first 32 tokens' blocks (a prefix-cache hit) with a tail of 5
+    rows: a short chunk goes to the tiles too, not row by row in f32 (which changed the
+    greedy answer of test_kv_q8's prefix hits). (A tail of one row is another matter: the
+    linear layers' one-token kernels sum in another order than the batched ones.)"""
+    ops.bf16_attention(True)
+    r = CpuRunner(num_blocks=16, kv_dtype=cache)
+    prompt = [(i * 7919) % 40000 + 100 for i in range(37)]
+
+    def last(chunks, prompt_flag=None):
+        paged = Paged(r.num_blocks, r.block_size, seed=5)
+        for c in chunks:
+            ids, pos, meta = paged.batch([(0, c)])
+            if prompt_flag is not None:
+                meta["prompt"] = np.array([prompt_flag])
+            out = np.asarray(r.execute(ids, pos, meta, [len(c) - 1]))
+        return out[0]
+
+    whole = last([prompt])
+    assert np.array_equal(last([prompt[:32], prompt[32:]]), whole)
+    assert np.array_equal(last([prompt[:32], prompt[32:]], prompt_flag=True), whole)
+    if HAS_BF16:     # rows flagged as generated tokens' (drafts) attend row by row, in f32
+        assert not np.array_equal(last([prompt[:32], prompt[32:]], prompt_flag=False), whole)

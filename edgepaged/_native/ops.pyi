@@ -41,8 +41,8 @@ def paged_prefill(
 
 def bf16_attention(on: bool | None = None) -> bool:
     """Whether paged_prefill's tiles over an f16 or q8_0 cache multiply in bf16 (f32 sums):
-    off unless EDGEPAGED_ATTENTION_BF16 is set, and only on a CPU with AVX-512 BF16; `on`
-    turns it on or off for the process first."""
+    on a CPU with AVX-512 BF16 unless EDGEPAGED_ATTENTION_BF16=0; `on` turns it on or off
+    for the process first."""
 
 # one linear: (segments, bias or None); a segment: (uint8 blocks, ggml type (+ x8 flag), rows, cols)
 _Linear = tuple[Sequence[tuple[npt.NDArray[np.uint8], int, int, int]], F32 | None]

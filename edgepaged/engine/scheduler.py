@@ -97,6 +97,8 @@ class Batch:
     loads: list = field(default_factory=list)
     # each request's (num_known, num_slots) before the step: what undo_step goes back to
     before: list = field(default_factory=list)
+    # bool [B]: the sequence's rows are its prompt's (a prefill chunk), not generated tokens
+    prompt: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -769,5 +771,6 @@ class Scheduler:
             if tok not in (-2, -3) and r.num_slots == r.num_tokens:
                 logits_indices.append(t - 1)
                 sampled.append(r)
+        prompt = np.array([tok in (-1, -3) for tok in new_tokens], dtype=bool)
         return Batch(reqs, num_new, input_ids, positions, qsl, seq_lens, block_tables, slot_mapping, copies,
-                     np.array(logits_indices, dtype=np.int64), sampled, step.preempted, spec, loads, before)
+                     np.array(logits_indices, dtype=np.int64), sampled, step.preempted, spec, loads, before, prompt)

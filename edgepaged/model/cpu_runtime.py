@@ -145,6 +145,7 @@ class CpuModel:
         self._math = "exact"
         self.max_positions = 0
         self.decoder = None
+        self.bf16_tiles = False   # an f16 or q8_0 cache: its tiles may multiply in bf16 (forward)
         self.interrupt = None     # the runner's threading.Event: set, a step stops between layers
         self.build_rotary(max_positions)
 
@@ -251,9 +252,11 @@ class CpuModel:
         ops.add_rms_norm(x, None, w, self.cfg.rms_eps, y)
         return y
 
-    def forward(self, ids, positions, query_start_loc, seq_lens, block_tables, slots, kv, logits_indices):
+    def forward(self, ids, positions, query_start_loc, seq_lens, block_tables, slots, kv, logits_indices,
+                prompt=None):
         """Flat batch [T] -> float32 logits [len(logits_indices), vocab]; kv is the runner's
-        [layers, 2, num_blocks, block_size, kv_heads, head_dim] pool."""
+        [layers, 2, num_blocks, block_size, kv_heads, head_dim] pool. `prompt` (bool per
+        sequence): its rows are its prompt's; without it, a sequence of 2 rows or more is one."""
         cfg, settings = self.cfg, self.settings
         t = len(ids)
         q_lens = np.diff(query_start_loc)
@@ -261,9 +264,14 @@ class CpuModel:
         # short chunks (q * n at most tile_attention_min each) attend row by row too: a tile's
         # set-up outweighs their little work; a longer chunk (a new turn's tail over a long
         # history) reads the context once per tile of rows, not once per row, and its step
-        # goes layer by layer (bench/RESULTS.md: 10-31 % less time at 16-64 rows over 1-2 k)
+        # goes layer by layer (bench/RESULTS.md: 10-31 % less time at 16-64 rows over 1-2 k).
+        # With bf16 products in the tiles (ops.bf16_attention) every prompt row goes to the
+        # tiles, however few: row by row is f32, and a prompt's tail after a prefix-cache hit
+        # must attend as the whole prompt did the first time (the same answer either way)
         limit = min(settings.rust_attention_max, settings.tile_attention_min)
-        row_by_row = len(q_lens) == t or int((q_lens * seq_lens).max()) <= limit
+        prompts = (q_lens > 1) if prompt is None else np.asarray(prompt, dtype=bool)
+        tiles = self.bf16_tiles and bool(prompts.any()) and ops.bf16_attention()
+        row_by_row = not tiles and (len(q_lens) == t or int((q_lens * seq_lens).max()) <= limit)
         one_call = self.decoder is not None and t < settings.fused_max_tokens and row_by_row
         if row_by_row or one_call:
             # one row per query: row j of a sequence's q rows sees n - q + j + 1 positions (a
@@ -396,6 +404,7 @@ class CpuRunner(RunnerBase):
         self.quantized = keep
         self.quant_math = settings.math(cfg.num_params) if keep else None
         self.model = CpuModel(cfg, settings, cfg.context_length)
+        self.model.bf16_tiles = self.kv_dtype_name in ("f16", "q8_0")
         # a long step (a prefill chunk, layer by layer) stops between layers when the engine
         # sets it: Engine._maybe_interrupt
         self.interrupt = self.model.interrupt = threading.Event()
@@ -459,7 +468,7 @@ class CpuRunner(RunnerBase):
         self.rotary_positions(pos)
         slots = np.ascontiguousarray(m["slot_mapping"], dtype=np.int64)
         idx = None if logits_indices is None else np.asarray(logits_indices, dtype=np.int64)
-        return self.model.forward(ids, pos, qsl, seq_lens, tables, slots, self.kv_cache, idx)
+        return self.model.forward(ids, pos, qsl, seq_lens, tables, slots, self.kv_cache, idx, m.get("prompt"))
 
 
 __all__ = ["CpuModel", "CpuRunner", "kv_bytes_per_value", "kv_numpy_dtype", "kv_row_units"]

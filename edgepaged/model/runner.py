@@ -199,12 +199,14 @@ class ModelRunner(RunnerBase):
         """One forward over a flat batch -> float32 logits [len(logits_indices), vocab].
 
         attn_metadata: an AttentionMetadata, or a mapping with query_start_loc, seq_lens,
-        block_tables, slot_mapping (numpy arrays from the allocator are fine).
+        block_tables, slot_mapping (numpy arrays from the allocator are fine); a "prompt" entry
+        (the CPU runtime's, see cpu_runtime.CpuModel.forward) is ignored here.
         logits_indices: rows of the flat batch to compute logits for (default: each sequence's last)."""
         dev = self.device
         with torch.inference_mode():
             meta = (attn_metadata if isinstance(attn_metadata, AttentionMetadata)
-                    else AttentionMetadata.build(**attn_metadata, device=dev))
+                    else AttentionMetadata.build(**{k: v for k, v in attn_metadata.items() if k != "prompt"},
+                                                 device=dev))
             if max(meta.seq_lens_host) > self.max_model_len:
                 raise ValueError(f"context of {max(meta.seq_lens_host)} tokens exceeds max_model_len "
                                  f"{self.max_model_len}")

@@ -207,6 +207,8 @@ class RunnerBase:
             self.write_block(block, data)
         meta = dict(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
                     block_tables=batch.block_tables, slot_mapping=batch.slot_mapping)
+        if getattr(batch, "prompt", None) is not None:
+            meta["prompt"] = batch.prompt
         masks = None
         if matchers is not None and any(m is not None for m in matchers):
             masks = _Background(self._masks, matchers)

@@ -82,16 +82,15 @@ pub fn has_avx512bf16() -> bool {
 static BF16_ATTENTION: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Whether prefill attention's tiles over an f16 or q8_0 cache multiply in bf16 (sums in f32):
-/// where the CPU has AVX-512 BF16 and `EDGEPAGED_ATTENTION_BF16` is set (or after
-/// `set_bf16_attention(true)`). Off by default: the rows a prefill attends row by row (short
-/// chunks, a prompt's tail after a prefix-cache hit) stay f32, so a prompt's answer would
-/// depend on whether its prefix was cached.
+/// where the CPU has AVX-512 BF16, unless `EDGEPAGED_ATTENTION_BF16=0` (or after
+/// `set_bf16_attention(false)`). The CPU runtime then gives every prompt row to the tiles (never
+/// row by row), so a prompt's answer does not depend on whether its prefix was cached.
 pub fn bf16_attention() -> bool {
     use std::sync::atomic::Ordering;
     let mut v = BF16_ATTENTION.load(Ordering::Relaxed);
     if v == 0 {
-        let on = std::env::var("EDGEPAGED_ATTENTION_BF16").is_ok_and(|v| !v.is_empty() && v != "0");
-        v = if on { 1 } else { 2 };
+        let off = std::env::var("EDGEPAGED_ATTENTION_BF16").is_ok_and(|v| v.trim() == "0");
+        v = if off { 2 } else { 1 };
         BF16_ATTENTION.store(v, Ordering::Relaxed);
     }
     v == 1 && has_avx512bf16()

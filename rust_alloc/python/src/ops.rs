@@ -402,9 +402,9 @@ impl QuantDecoder {
     }
 }
 
-/// Whether `paged_prefill` over an f16 or q8_0 cache multiplies in bf16 (f32 sums): off unless
-/// EDGEPAGED_ATTENTION_BF16 is set, and only where the CPU has AVX-512 BF16; `on` turns it on
-/// or off for the process first. An f32 cache always attends in f32.
+/// Whether `paged_prefill` over an f16 or q8_0 cache multiplies in bf16 (f32 sums): where the
+/// CPU has AVX-512 BF16, unless EDGEPAGED_ATTENTION_BF16=0; `on` turns it on or off for the
+/// process first. An f32 cache always attends in f32.
 #[pyfunction]
 #[pyo3(signature = (on=None))]
 fn bf16_attention(on: Option<bool>) -> bool {
