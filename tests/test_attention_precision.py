@@ -19,6 +19,8 @@ from test_model import Paged
 # the kernel's output against f32 products, over the output's largest value (measured:
 # 2e-3 to 9e-3, random rows of unit variance, 300-1000 positions)
 KERNEL_BOUND = 2e-2
+
+
 def _has_bf16() -> bool:
     was = ops.bf16_attention()
     try:
