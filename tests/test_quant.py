@@ -3,6 +3,8 @@
 Ground truth: llama.cpp's own `gguf.quants.dequantize` followed by an fp32 matmul."""
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 import torch
@@ -426,6 +428,48 @@ def test_repacking_as_weights_arrive_changes_no_logit(monkeypatch):
     monkeypatch.setattr(cpu_runtime, "merge_segments", lambda segments, repack=False: formats.merge_segments(segments))
     after, want = logits()
     assert {s.layout for la in after.model.layers for s in la.qkv.segments} == {"r16"}    # by lay_out, at the end
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_an_int8_load_reads_the_file_pages_and_keeps_no_view_of_them(tmp_path, monkeypatch):
+    """Under int8 math the CPU runtime repacks each block weight straight from the file's
+    pages (no private copy first: the 8 B load's np.fromfile share); what it keeps as it is
+    (an F16 linear, an untied embedding's rows) is copied, so no model array views the file.
+    The logits are the ones of a load through private copies, bit for bit."""
+    from edgepaged.model import cpu_runtime, loader
+    from edgepaged.testing.decode import make_allocator, prompt_logits
+    path = write_random_gguf(tmp_path / "mix.gguf", hidden=256, layers=2, heads=4, kv_heads=2, inter=512, tied=False,
+                             qtypes=dict(token_embd=8, output=14, attn_q=12, attn_k=12, attn_v=14, attn_output=1,
+                                         ffn_gate=12, ffn_up=14, ffn_down=2))
+    maps = []
+    real_memmap = loader.np.memmap
+
+    def counted(*a, **k):
+        maps.append(a[0])
+        return real_memmap(*a, **k)
+
+    def load():
+        r = cpu_runtime.CpuRunner(path, num_blocks=16, kv_dtype="f32", settings=CpuConfig(quant_math="int8"),
+                                  progress=lambda *a, **k: None)
+        return r, prompt_logits(r, make_allocator(r), list(range(40, 80)), every=True)
+    monkeypatch.setattr(loader.np, "memmap", counted)
+    r, got = load()
+    assert len(maps) == 2 * 7 + 2    # every block weight in place (Q and K too: their rows gathered from it)
+    m = r.model
+    kept = [m.embed_q] + [s for la in m.layers for lin in (la.qkv, la.o, la.gate_up, la.down) for s in lin.segments]
+    kept += m.head.segments
+    assert {s.layout for s in kept} == {"rows", "r16"} and m.layers[0].o.segments[0].qtype == 1
+    for s in kept:                   # memory of its own: no view of a file mapping
+        base = s.data
+        while base is not None:
+            assert not isinstance(base, (real_memmap, mmap.mmap)), s
+            base = getattr(base, "base", None)
+        assert s.data.flags.writeable and s.data.flags.c_contiguous
+    real_weights = loader.ModelFiles.weights
+    monkeypatch.setattr(loader.ModelFiles, "weights", lambda self, *a, borrow=False, **k: real_weights(self, *a, **k))
+    maps.clear()
+    _, want = load()                 # private copies (np.fromfile), as before: only Q and K's rows mapped
+    assert len(maps) == 2 * 2
     assert np.array_equal(np.asarray(got), np.asarray(want))
 
 

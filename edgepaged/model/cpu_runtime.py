@@ -29,7 +29,7 @@ from .families import base as steps
 from .families.base import llama_blocks
 from .loader import ModelFiles, terminal_progress
 from .placement import check_linear, place
-from .quant.formats import QuantWeight, lay_out, merge_segments
+from .quant.formats import QuantWeight, lay_out, merge_segments, own_weights
 from .rope import rotary_tables
 from .runtime import KvBudgetError, RunnerBase, StepInterrupted, _Background, cpu_kv_default_bytes
 from .settings import CpuConfig
@@ -192,6 +192,10 @@ class CpuModel:
             for lin in [self.head] + [getattr(la, a) for la in self.layers for a in ("qkv", "o", "gate_up", "down")]:
                 quant.extend(lin.segments)
             lay_out(quant, math_)
+        # what still views the file's pages (a borrowed read not re-laid out): copied
+        own_weights([self.embed_q] + [s for lin in [self.head] + [getattr(la, a) for la in self.layers
+                                                                  for a in ("qkv", "o", "gate_up", "down")]
+                                      for s in lin.segments])
         release_free_memory()     # the file-layout copies just freed: pages back to the system
         self.decoder = self._quant_decoder()
 
@@ -409,8 +413,10 @@ class CpuRunner(RunnerBase):
         # sets it: Engine._maybe_interrupt
         self.interrupt = self.model.interrupt = threading.Event()
         progress = progress or terminal_progress(f"loading {files.path.name}")
-        self.model.load(files.weights(None, progress=progress, keep_quantized=keep), self.quant_math or "exact",
-                        settings.quant_interleave)
+        # int8 math re-lays every block weight as it arrives: read through the file's pages
+        self.model.load(files.weights(None, progress=progress, keep_quantized=keep,
+                                      borrow=self.quant_math == "int8"),
+                        self.quant_math or "exact", settings.quant_interleave)
         del files
         self.tokenizer = tokenizer.result()
         if num_blocks is None:

@@ -203,13 +203,18 @@ class ModelFiles:
         return self.reader is not None and any(int(t.tensor_type) in FORMATS for t in self.reader.tensors)
 
     def weights(self, dtype: "torch.dtype | None", device="cpu", progress: Progress | None = None, *,
-                keep_quantized: bool = False) -> Iterator[tuple[str, "torch.Tensor | np.ndarray | QuantWeight"]]:
+                keep_quantized: bool = False, borrow: bool = False,
+                ) -> Iterator[tuple[str, "torch.Tensor | np.ndarray | QuantWeight"]]:
         """The weights under Hugging Face names; with `keep_quantized`, 2-D GGUF tensors in a
         kernel format come as `QuantWeight`s (the file's blocks), everything else as tensors
         of `dtype` on `device`; dtype None: as float32 numpy arrays (GGUF files only; no
-        torch)."""
+        torch). With `borrow` the blocks are read-only views of the file's pages (no private
+        copy: the page cache is read once, by the repack) for a caller that re-lays every
+        one into memory of its own as it arrives and copies what it keeps as it is
+        (`CpuModel.load`)."""
         if self.reader:
-            source = _gguf_weights(self.path, self.reader, self.config, keep_quantized, dtype is None)
+            source = _gguf_weights(self.path, self.reader, self.config, keep_quantized, dtype is None,
+                                   borrow)
             skip = self.config.family.config_tensors
             total = sum(t.name not in skip for t in self.reader.tensors)
         elif dtype is None:
@@ -373,7 +378,8 @@ def _rope_heads(cfg: ModelConfig, gguf_name: str) -> int | None:
     return None
 
 
-def _gguf_weights(path: Path, reader, cfg: ModelConfig, keep_quantized: bool, as_numpy: bool = False):
+def _gguf_weights(path: Path, reader, cfg: ModelConfig, keep_quantized: bool, as_numpy: bool = False,
+                  borrow: bool = False):
     from gguf.quants import dequantize
 
     from .quant.formats import QuantWeight, can_keep
@@ -393,7 +399,16 @@ def _gguf_weights(path: Path, reader, cfg: ModelConfig, keep_quantized: bool, as
                 data = rows[unpermute_rope(np.arange(shape[0]), heads)]
                 del rows
             else:
-                data = np.fromfile(path, np.uint8, int(t.n_bytes), offset=int(t.data_offset)).reshape(shape[0], -1)
+                data = None
+                if borrow:   # the file's pages, read once by the repack (ModelFiles.weights)
+                    try:
+                        data = np.memmap(path, np.uint8, "r", offset=int(t.data_offset),
+                                         shape=(shape[0], int(t.n_bytes) // shape[0]))
+                    except (OSError, ValueError):   # a file system that cannot map it: read it
+                        data = None
+                if data is None:
+                    data = np.fromfile(path, np.uint8, int(t.n_bytes), offset=int(t.data_offset)).reshape(shape[0],
+                                                                                                          -1)
             yield name, QuantWeight(qtype, data, *shape)
             continue
         w = dequantize(t.data, t.tensor_type)

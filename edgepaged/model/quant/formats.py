@@ -131,6 +131,24 @@ def merge_segments(segments: list[QuantWeight], repack: bool = False) -> list[Qu
     return merged
 
 
+def own_weights(weights) -> int:
+    """Copy into memory of its own every weight still viewing a file's pages (read-only: a
+    borrowed read, `ModelFiles.weights(borrow=True)`, that was not re-laid out: formats the
+    kernels read as they are, an untied embedding), so no model array depends on the file
+    staying as it is. Weights over one array share the copy. Returns how many were copied."""
+    copies: dict[int, np.ndarray] = {}
+    n = 0
+    for s in weights:
+        if s is None or s.data.flags.writeable:
+            continue
+        key = id(s.data)
+        if key not in copies:
+            copies[key] = np.array(s.data, dtype=np.uint8, order="C")
+            n += 1
+        s.data = copies[key]
+    return n
+
+
 def lay_out(weights, math: str) -> int:
     """The layout every one of these quantized weights takes for the kernels of `math`:
     "int8", repacked for the integer kernels (every block format; F16/BF16 stay in rows);
