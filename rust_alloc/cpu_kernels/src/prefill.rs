@@ -16,6 +16,10 @@ use crate::threads::{num_threads, parallel_for};
 /// Query rows per tile.
 const TILE: usize = 32;
 
+/// Positions per segment of a bf16 tile's online softmax (boundaries at multiples of it, so a
+/// row's sums do not depend on its tile); even.
+const SEG: usize = 256;
+
 struct PrefillArgs<'a, E> {
     q: P,
     q_stride: usize,
@@ -50,7 +54,7 @@ impl<E> PrefillArgs<'_, E> {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{PrefillArgs, TILE};
+    use super::{PrefillArgs, SEG, TILE};
     use crate::attention::cap_scores;
     use crate::attention::x86::{hmax, tail_mask};
     use crate::kv::KvElem;
@@ -73,6 +77,8 @@ mod x86 {
         v2: Vec<u32>,
         q2: Vec<u32>,
         p2: Vec<u32>,
+        // the bf16 path's running output sums, f32 [query vector][d]
+        acc: Vec<f32>,
     }
 
     /// Grow `buf` to `need` elements (every element read is written first: never cleared).
@@ -189,7 +195,7 @@ mod x86 {
             }
             qi += m;
         }
-        // (softmax_rows512 is ~10 % faster here, but its sums round differently from the row
+        // (a 16-lane softmax is ~10 % faster here, but its sums round differently from the row
         // kernel's, and the rows a prompt's tail attends after a prefix-cache hit go there: a
         // greedy answer in the tests changed with the cache)
         let mut inv = [0f32; TILE * 64];
@@ -242,11 +248,16 @@ mod x86 {
     }
 
     /// Tile `tile` of sequence b, KV head kh, with bf16 products and f32 sums (AVX-512 BF16's
-    /// `vdpbf16ps`: 32 products a register, twice the f32 FMA's): the K rows as bf16 pairs
-    /// of dimensions per chunk of 16 positions (`k2[c][jp][u]`), the V rows as bf16 pairs of
-    /// positions per dimension (`v2[tp][j]`), the query vectors and, after the f32 softmax,
-    /// the probabilities rounded to bf16 too (round to nearest even). Scores, softmax, sums
-    /// and the output stay f32.
+    /// `vdpbf16ps`: 32 products a register, twice the f32 FMA's). The tile's span is attended
+    /// segment by segment (`SEG` positions, boundaries at multiples of `SEG` from position 0),
+    /// with a running max and sum per query vector (online softmax), so the segment's K and V,
+    /// scores and probabilities stay in L2 at any context: per segment the K rows as bf16
+    /// pairs of dimensions per chunk of 16 positions (`k2[c][jp][u]`), the V rows as bf16
+    /// pairs of positions per dimension (`v2[tp][j]`), the scores, and the probabilities
+    /// rounded to bf16 (round to nearest even); the queries as bf16 once. Scores, softmax,
+    /// sums and the output stay f32. A row's result depends on its own span only (absolute
+    /// segments, pairs from even positions, zeros outside the span add nothing): the same in
+    /// any tile.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
     pub(super) unsafe fn tile_bf16<E: KvElem>(a: &PrefillArgs<E>, b: usize, tile: usize, kh: usize, s: &mut Scratch) {
         let Heads { nh, nkv, d } = a.hs;
@@ -255,63 +266,21 @@ mod x86 {
         let j0 = tile * TILE;
         let r = TILE.min(q - j0);
         let (lo, hi) = tile_slots(a, b, tile, kh, s);
-        let span = hi - lo;
-        let stride = span.next_multiple_of(16);
         let nq = r * g;
-        grow(&mut s.k2, stride * dp);
-        grow(&mut s.v2, stride / 2 * d);
+        grow(&mut s.k2, SEG * dp);
+        grow(&mut s.v2, SEG / 2 * d);
         grow(&mut s.q2, nq * dp);
-        grow(&mut s.p2, nq * stride / 2);
-        grow(&mut s.scores, nq * stride);
+        grow(&mut s.p2, nq * SEG / 2);
+        grow(&mut s.scores, nq * SEG);
+        grow(&mut s.acc, nq * d);
         let (kp, vp) = (a.k.as_ptr(), a.v.as_ptr());
-        let (k2, v2, q2, p2, sp) = (s.k2.as_mut_ptr(), s.v2.as_mut_ptr(), s.q2.as_mut_ptr(), s.p2.as_mut_ptr(),
-                                    s.scores.as_mut_ptr());
-        // 16 values of a row (from `i`) as 8 bf16 pairs; past the span, zeros
-        let pairs16 = |row: Option<usize>, i: usize| -> __m256i {
-            match row {
-                Some(o) => {
-                    let lo8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(kp.add(o), i, d)));
-                    let hi8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(kp.add(o), i + 8, d)));
-                    _mm256_set_m128i(hi8, lo8)
-                }
-                None => _mm256_setzero_si256(),
-            }
-        };
-        // K: per 8 positions and 16 dimensions, 8 x 8 pairs transposed to k2[c][jp][u]
-        for c0 in (0..stride).step_by(8) {
-            for jb in 0..d / 16 {
-                let mut cols = [_mm256_setzero_ps(); 8];
-                for (u, c) in cols.iter_mut().enumerate() {
-                    let at = c0 + u;
-                    *c = _mm256_castsi256_ps(pairs16((at < span).then(|| s.slots[at]), 16 * jb));
-                }
-                transpose8(&mut cols);
-                let (chunk, half) = (c0 / 16, (c0 % 16) / 8);
-                for (jj, col) in cols.iter().enumerate() {
-                    _mm256_storeu_ps(k2.add((chunk * dp + 8 * jb + jj) * 16 + 8 * half) as *mut f32, *col);
-                }
-            }
-        }
-        // V: per pair of positions (t, t + 1), v2[tp][j] = (v[t][j], v[t + 1][j])
-        let vrow = |at: usize, i: usize| -> __m256i {
-            if at < span {
-                let o = s.slots[at];
-                let lo8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(vp.add(o), i, d)));
-                let hi8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(vp.add(o), i + 8, d)));
-                _mm256_set_m128i(hi8, lo8)
-            } else {
-                _mm256_setzero_si256()
-            }
-        };
-        for tp in 0..stride / 2 {
-            for jb in 0..d / 16 {
-                let (x, y) = (vrow(2 * tp, 16 * jb), vrow(2 * tp + 1, 16 * jb));
-                let (l, h) = (_mm256_unpacklo_epi16(x, y), _mm256_unpackhi_epi16(x, y));
-                let o = v2.add(tp * d + 16 * jb) as *mut __m256i;
-                _mm256_storeu_si256(o, _mm256_permute2x128_si256::<0x20>(l, h));
-                _mm256_storeu_si256(o.add(1), _mm256_permute2x128_si256::<0x31>(l, h));
-            }
-        }
+        let (k2, v2, q2, p2, sp, accp) = (s.k2.as_mut_ptr(), s.v2.as_mut_ptr(), s.q2.as_mut_ptr(), s.p2.as_mut_ptr(),
+                                          s.scores.as_mut_ptr(), s.acc.as_mut_ptr());
+        std::slice::from_raw_parts_mut(accp, nq * d).fill(0.0);
+        // per query vector: the running max, the running sum, this segment's rescale factor
+        let mut run_max = [f32::NEG_INFINITY; TILE * 64];
+        let mut run_sum = [0f32; TILE * 64];
+        let mut fac = [1f32; TILE * 64];
         // the query vectors as bf16 pairs
         for qi in 0..nq {
             let src = a.q.0.add((row0 + j0 + qi / g) * a.q_stride + (kh * g + qi % g) * d) as *const f32;
@@ -319,77 +288,161 @@ mod x86 {
                 bf16x16(src.add(j), q2.add(qi * dp + j / 2));
             }
         }
-        // scores: 8 query vectors x 32 positions per block of 16 registers
+        let row_of = |x: usize| a.span(b, q, j0 + x / g);
         let sc = _mm512_set1_ps(a.scale);
-        let nc = stride / 16;
-        let mut qi = 0;
-        while qi < nq {
-            let m = 8.min(nq - qi);
-            let qs: [*const i32; 8] = std::array::from_fn(|i| q2.add((qi + i.min(m - 1)) * dp) as *const i32);
-            let mut c = 0;
-            while c < nc {
-                let two = c + 1 < nc;
-                let (k0p, k1p) = (k2.add(c * 16 * dp), k2.add((c + two as usize) * 16 * dp));
-                let mut acc = [[_mm512_setzero_ps(); 2]; 8];
-                for jp in 0..dp {
-                    let k0: __m512bh = std::mem::transmute(_mm512_loadu_si512(k0p.add(jp * 16) as *const _));
-                    let k1: __m512bh = std::mem::transmute(_mm512_loadu_si512(k1p.add(jp * 16) as *const _));
-                    for (i, x) in acc.iter_mut().enumerate() {
-                        let qb: __m512bh = std::mem::transmute(_mm512_set1_epi32(*qs[i].add(jp)));
-                        x[0] = _mm512_dpbf16_ps(x[0], k0, qb);
-                        x[1] = _mm512_dpbf16_ps(x[1], k1, qb);
+        let mut p0 = lo;
+        while p0 < hi {
+            let p1 = ((p0 / SEG + 1) * SEG).min(hi);
+            let span = p1 - p0;
+            let stride = span.next_multiple_of(16);
+            // 16 values of a cache row (from `i`) as 8 bf16 pairs; past the segment, zeros
+            let pairs16 = |base: *const E, at: usize, i: usize| -> __m256i {
+                if at < span {
+                    let o = s.slots[p0 - lo + at];
+                    let lo8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(base.add(o), i, d)));
+                    let hi8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(base.add(o), i + 8, d)));
+                    _mm256_set_m128i(hi8, lo8)
+                } else {
+                    _mm256_setzero_si256()
+                }
+            };
+            // K: per 8 positions and 16 dimensions, 8 x 8 pairs transposed to k2[c][jp][u]
+            for c0 in (0..stride).step_by(8) {
+                for jb in 0..d / 16 {
+                    let mut cols = [_mm256_setzero_ps(); 8];
+                    for (u, c) in cols.iter_mut().enumerate() {
+                        *c = _mm256_castsi256_ps(pairs16(kp, c0 + u, 16 * jb));
+                    }
+                    transpose8(&mut cols);
+                    let (chunk, half) = (c0 / 16, (c0 % 16) / 8);
+                    for (jj, col) in cols.iter().enumerate() {
+                        _mm256_storeu_ps(k2.add((chunk * dp + 8 * jb + jj) * 16 + 8 * half) as *mut f32, *col);
                     }
                 }
-                for (i, x) in acc.iter().enumerate().take(m) {
-                    let o = sp.add((qi + i) * stride + 16 * c);
-                    _mm512_storeu_ps(o, _mm512_mul_ps(x[0], sc));
-                    if two {
-                        _mm512_storeu_ps(o.add(16), _mm512_mul_ps(x[1], sc));
-                    }
+            }
+            // V: per pair of positions (t, t + 1), v2[tp][j] = (v[t][j], v[t + 1][j])
+            for tp in 0..stride / 2 {
+                for jb in 0..d / 16 {
+                    let (x, y) = (pairs16(vp, 2 * tp, 16 * jb), pairs16(vp, 2 * tp + 1, 16 * jb));
+                    let (l, h) = (_mm256_unpacklo_epi16(x, y), _mm256_unpackhi_epi16(x, y));
+                    let o = v2.add(tp * d + 16 * jb) as *mut __m256i;
+                    _mm256_storeu_si256(o, _mm256_permute2x128_si256::<0x20>(l, h));
+                    _mm256_storeu_si256(o.add(1), _mm256_permute2x128_si256::<0x31>(l, h));
                 }
-                c += 1 + two as usize;
             }
-            qi += m;
-        }
-        let mut inv = [0f32; TILE * 64];
-        softmax_rows512(a, b, j0, r, lo, sp, stride, &mut inv);
-        // the probabilities as bf16 pairs of positions (0 outside each row's span)
-        let sh = stride / 2;
-        for qi in 0..nq {
-            for t in (0..stride).step_by(16) {
-                bf16x16(sp.add(qi * stride + t), p2.add(qi * sh + t / 2));
-            }
-        }
-        // out = Σ p V / Σ p: 4 query vectors x 64 dimensions per block of 16 registers, over
-        // the pairs of positions any of the 4 sees
-        let nz = d / 16;
-        let mut outs = [std::ptr::null_mut::<f32>(); TILE * 64];
-        for (qk, o) in outs.iter_mut().enumerate().take(nq) {
-            *o = a.out.0.add((row0 + j0 + qk / g) * a.out_stride + (kh * g + qk % g) * d);
-        }
-        let mut qi = 0;
-        while qi < nq {
-            let m = 4.min(nq - qi);
-            let row_of = |x: usize| a.span(b, q, j0 + x / g);
-            let t0 = (qi..qi + m).map(|x| row_of(x).0 - lo).min().unwrap_or(0);
-            let t1 = (qi..qi + m).map(|x| row_of(x).1 - lo).max().unwrap_or(0);
-            let ps: [*const i32; 4] = std::array::from_fn(|k| p2.add((qi + k.min(m - 1)) * sh) as *const i32);
-            for db in 0..nz.div_ceil(4) {
-                let nr = 4.min(nz - 4 * db);
-                let mut acc = [[_mm512_setzero_ps(); 4]; 4];
-                for tp in t0 / 2..t1.div_ceil(2) {
-                    let v = v2.add(tp * d + 64 * db);
-                    let w: [__m512bh; 4] = std::array::from_fn(|k| std::mem::transmute(_mm512_set1_epi32(*ps[k].add(tp))));
-                    for j in 0..nr {
-                        let vj: __m512bh = std::mem::transmute(_mm512_loadu_si512(v.add(16 * j) as *const _));
-                        for k in 0..4 {
-                            acc[k][j] = _mm512_dpbf16_ps(acc[k][j], vj, w[k]);
+            // scores: 8 query vectors x 32 positions per block of 16 registers
+            let nc = stride / 16;
+            let mut qi = 0;
+            while qi < nq {
+                let m = 8.min(nq - qi);
+                let qs: [*const i32; 8] = std::array::from_fn(|i| q2.add((qi + i.min(m - 1)) * dp) as *const i32);
+                let mut c = 0;
+                while c < nc {
+                    let two = c + 1 < nc;
+                    let (k0p, k1p) = (k2.add(c * 16 * dp), k2.add((c + two as usize) * 16 * dp));
+                    let mut acc = [[_mm512_setzero_ps(); 2]; 8];
+                    for jp in 0..dp {
+                        let k0: __m512bh = std::mem::transmute(_mm512_loadu_si512(k0p.add(jp * 16) as *const _));
+                        let k1: __m512bh = std::mem::transmute(_mm512_loadu_si512(k1p.add(jp * 16) as *const _));
+                        for (i, x) in acc.iter_mut().enumerate() {
+                            let qb: __m512bh = std::mem::transmute(_mm512_set1_epi32(*qs[i].add(jp)));
+                            x[0] = _mm512_dpbf16_ps(x[0], k0, qb);
+                            x[1] = _mm512_dpbf16_ps(x[1], k1, qb);
                         }
                     }
+                    store_scores(&acc[..m], sp.add(qi * stride + 16 * c), stride, two, sc);
+                    c += 1 + two as usize;
                 }
-                store_scaled512(&acc[..m], nr, &outs[qi..qi + m], &inv[qi..qi + m], 64 * db);
+                qi += m;
             }
-            qi += m;
+            online_softmax512(a, b, j0, r, p0, p1, sp, stride, &mut run_max, &mut run_sum, &mut fac);
+            // the probabilities as bf16 pairs of positions (0 outside each row's span)
+            let sh = stride / 2;
+            for qi in 0..nq {
+                for t in (0..stride).step_by(16) {
+                    bf16x16(sp.add(qi * stride + t), p2.add(qi * sh + t / 2));
+                }
+            }
+            // acc = acc * fac + Σ p V: 4 query vectors x 64 dimensions per block of 16
+            // registers, over the pairs of positions any of the 4 sees in the segment
+            let nz = d / 16;
+            let mut qi = 0;
+            while qi < nq {
+                let m = 4.min(nq - qi);
+                let t0 = (qi..qi + m).map(|x| row_of(x).0.max(p0) - p0).min().unwrap_or(0);
+                let t1 = (qi..qi + m).map(|x| row_of(x).1.min(p1).saturating_sub(p0)).max().unwrap_or(0);
+                let ps: [*const i32; 4] = std::array::from_fn(|k| p2.add((qi + k.min(m - 1)) * sh) as *const i32);
+                let (tp0, tp1) = (t0 / 2, t1.div_ceil(2));
+                for db in 0..nz.div_ceil(4) {
+                    if nz - 4 * db >= 4 {
+                        pv_block::<4>(accp, d, qi, m, &fac, &ps, v2, db, tp0, tp1);
+                    } else {
+                        pv_block::<2>(accp, d, qi, m, &fac, &ps, v2, db, tp0, tp1);
+                    }
+                }
+                qi += m;
+            }
+            p0 = p1;
+        }
+        // out = acc / Σ p
+        for (qk, sum) in run_sum.iter().enumerate().take(nq) {
+            let o = a.out.0.add((row0 + j0 + qk / g) * a.out_stride + (kh * g + qk % g) * d);
+            let iv = _mm512_set1_ps(1.0 / sum);
+            for j in (0..d).step_by(16) {
+                _mm512_storeu_ps(o.add(j), _mm512_mul_ps(_mm512_loadu_ps(accp.add(qk * d + j)), iv));
+            }
+        }
+    }
+
+    /// The output sums `acc` (`[query vector][d]`, f32) of 4 query vectors from `qi` (`m` of
+    /// them real: the others repeat the last), dimensions `64 db ..` (`16 NR` of them):
+    /// acc = acc * fac + Σ over the pairs of positions tp0..tp1 of p V (`ps`: the query vectors'
+    /// bf16 probability pairs, `v2`: the segment's V pairs). Every loop static: the 4 x NR
+    /// sums stay in registers.
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+    unsafe fn pv_block<const NR: usize>(accp: *mut f32, d: usize, qi: usize, m: usize, fac: &[f32],
+                                        ps: &[*const i32; 4], v2: *const u32, db: usize, tp0: usize, tp1: usize) {
+        let mut acc = [[_mm512_setzero_ps(); NR]; 4];
+        for (k, x) in acc.iter_mut().enumerate() {
+            let kk = qi + k.min(m - 1);
+            let (at, f) = (accp.add(kk * d + 64 * db), _mm512_set1_ps(fac[kk]));
+            for (j, y) in x.iter_mut().enumerate() {
+                *y = _mm512_mul_ps(_mm512_loadu_ps(at.add(16 * j)), f);
+            }
+        }
+        for tp in tp0..tp1 {
+            let v = v2.add(tp * d + 64 * db);
+            let w: [__m512bh; 4] = std::array::from_fn(|k| std::mem::transmute(_mm512_set1_epi32(*ps[k].add(tp))));
+            for j in 0..NR {
+                let vj: __m512bh = std::mem::transmute(_mm512_loadu_si512(v.add(16 * j) as *const _));
+                for k in 0..4 {
+                    acc[k][j] = _mm512_dpbf16_ps(acc[k][j], vj, w[k]);
+                }
+            }
+        }
+        for (k, x) in acc.iter().enumerate() {
+            if k < m {
+                let at = accp.add((qi + k) * d + 64 * db);
+                for (j, y) in x.iter().enumerate() {
+                    _mm512_storeu_ps(at.add(16 * j), *y);
+                }
+            }
+        }
+    }
+
+    /// Scores of query vectors (one per `acc` entry, rows `stride` apart from `o`) over 16
+    /// positions, or 32 with `two`, times the scale.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn store_scores(acc: &[[__m512; 2]], o: *mut f32, stride: usize, two: bool, sc: __m512) {
+        for (i, x) in acc.iter().enumerate() {
+            let o = o.add(i * stride);
+            _mm512_storeu_ps(o, _mm512_mul_ps(x[0], sc));
+            if two {
+                _mm512_storeu_ps(o.add(16), _mm512_mul_ps(x[1], sc));
+            }
         }
     }
 
@@ -423,19 +476,31 @@ mod x86 {
         _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n))
     }
 
-    /// `softmax_rows` on 16 lanes.
+    /// One segment (positions p0..p1) of the online softmax of the tile's rows: per (row,
+    /// head) over the row's own span in the segment, the scores (`sp`, a row of `stride` per
+    /// query vector, from p0) become e^(s - max), max the running max of the row's scores so
+    /// far, 0 elsewhere; `fac` the factor that brings the earlier sums to the new max (1 when
+    /// the max stays, 0 before any), `run_sum` the running sum. A row that sees nothing in
+    /// the segment keeps its max and sum (factor 1, probabilities 0).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn softmax_rows512<E>(a: &PrefillArgs<E>, b: usize, j0: usize, r: usize, lo: usize, sp: *mut f32,
-                                 stride: usize, inv: &mut [f32]) {
+    unsafe fn online_softmax512<E>(a: &PrefillArgs<E>, b: usize, j0: usize, r: usize, p0: usize, p1: usize,
+                                   sp: *mut f32, stride: usize, run_max: &mut [f32], run_sum: &mut [f32],
+                                   fac: &mut [f32]) {
         let g = a.hs.nh / a.hs.nkv;
         let (_, q) = a.rows(b);
         let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
         for i in 0..r {
             let (rlo, rhi) = a.span(b, q, j0 + i);
-            let (a0, a1) = (rlo - lo, rhi - lo);
+            let (a0, a1) = (rlo.max(p0) - p0, rhi.min(p1).saturating_sub(p0));
             for h in 0..g {
-                let row = sp.add((i * g + h) * stride);
+                let qi = i * g + h;
+                let row = sp.add(qi * stride);
+                if a0 >= a1 {
+                    std::slice::from_raw_parts_mut(row, stride).fill(0.0);
+                    fac[qi] = 1.0;
+                    continue;
+                }
                 if a.softcap > 0.0 {
                     cap_scores(std::slice::from_raw_parts_mut(row.add(a0), a1 - a0), a.softcap);
                 }
@@ -446,7 +511,11 @@ mod x86 {
                     mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(ninf, tail(c), row.add(c)));
                     c += 16;
                 }
-                let neg = _mm512_set1_ps(-_mm512_reduce_max_ps(mv));
+                let mx = _mm512_reduce_max_ps(mv).max(run_max[qi]);
+                // e^(old max - new max): 0 before any score (old max -inf), 1 when it stays
+                fac[qi] = _mm512_cvtss_f32(softmax_exp16(_mm512_set1_ps(run_max[qi] - mx)));
+                run_max[qi] = mx;
+                let neg = _mm512_set1_ps(-mx);
                 let mut sum = _mm512_setzero_ps();
                 let mut c = a0;
                 while c < a1 {
@@ -458,7 +527,7 @@ mod x86 {
                 }
                 std::slice::from_raw_parts_mut(row, a0).fill(0.0);
                 std::slice::from_raw_parts_mut(row.add(a1), stride - a1).fill(0.0);
-                inv[i * g + h] = 1.0 / _mm512_reduce_add_ps(sum);
+                run_sum[qi] = run_sum[qi] * fac[qi] + _mm512_reduce_add_ps(sum);
             }
         }
     }
@@ -540,13 +609,7 @@ mod x86 {
                         x[1] = _mm512_fmadd_ps(qb, k1, x[1]);
                     }
                 }
-                for (i, x) in acc.iter().enumerate().take(m) {
-                    let o = sp.add((qi + i) * stride + 16 * c);
-                    _mm512_storeu_ps(o, _mm512_mul_ps(x[0], sc));
-                    if two {
-                        _mm512_storeu_ps(o.add(16), _mm512_mul_ps(x[1], sc));
-                    }
-                }
+                store_scores(&acc[..m], sp.add(qi * stride + 16 * c), stride, two, sc);
                 c += 1 + two as usize;
             }
             qi += m;
@@ -849,6 +912,50 @@ mod tests {
     /// A row's bf16 products do not depend on the tile it falls in: one chunk of 45 rows (tiles
     /// from positions 15 and 47) against the same rows in chunks of 3 and 42 (tiles from 18 and
     /// 50), under a window of 9 (odd spans' starts), bit for bit.
+    /// Spans of several bf16 segments (`SEG` positions each, online softmax): within
+    /// BF16_BOUND of the f32 tiles, causal and windowed across segment boundaries, soft-capped;
+    /// a row the same, bit for bit, whichever tile holds it (45 rows whole against 3 + 42).
+    #[test]
+    fn bf16_segments_match_f32_and_any_tile() {
+        if !(crate::isa::has_avx512f() && crate::isa::has_avx512bf16()) {
+            return;
+        }
+        let hs = Heads { nh: 8, nkv: 2, d: 64 };
+        let (bs, n, rows) = (16usize, 3 * SEG + 77, 45usize);
+        let nblocks = n.div_ceil(bs) + 3;
+        let mut seed = 5u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        };
+        let kvw = hs.nkv * hs.d;
+        // scores of a few units: the running max moves from segment to segment
+        let k: Vec<crate::kv::F16> =
+            (0..nblocks * bs * kvw).map(|_| <crate::kv::F16 as crate::kv::KvScalar>::from_f32(4.0 * rnd())).collect();
+        let v: Vec<crate::kv::F16> =
+            (0..nblocks * bs * kvw).map(|_| <crate::kv::F16 as crate::kv::KvScalar>::from_f32(rnd())).collect();
+        let tables: Vec<i32> = (0..nblocks as i32).map(|i| (i * 7 + 3) % nblocks as i32).collect();
+        let w = hs.nh * hs.d;
+        let q: Vec<f32> = (0..rows * w).map(|_| rnd()).collect();
+        for (window, cap) in [(0usize, 0f32), (SEG + 40, 0.0), (0, 3.0), (SEG / 2 + 9, 3.0)] {
+            let mut f32s = vec![0f32; rows * w];
+            prefill(&q, w, &mut f32s, w, &[0, rows as i64], &[n as i32], &tables, &k, &v, bs, hs, 0.3, window, cap, true,
+                    false).unwrap();
+            let mut whole = vec![0f32; rows * w];
+            prefill(&q, w, &mut whole, w, &[0, rows as i64], &[n as i32], &tables, &k, &v, bs, hs, 0.3, window, cap, true,
+                    true).unwrap();
+            let top = f32s.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let err = whole.iter().zip(&f32s).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / top;
+            assert!(err > 0.0 && err < BF16_BOUND, "window {window} cap {cap}: error {err}");
+            let mut split = vec![0f32; rows * w];
+            prefill(&q[..3 * w], w, &mut split[..3 * w], w, &[0, 3], &[(n - rows + 3) as i32], &tables, &k, &v, bs, hs,
+                    0.3, window, cap, true, true).unwrap();
+            prefill(&q[3 * w..], w, &mut split[3 * w..], w, &[0, rows as i64 - 3], &[n as i32], &tables, &k, &v, bs, hs,
+                    0.3, window, cap, true, true).unwrap();
+            assert!(whole.iter().zip(&split).all(|(a, b)| a.to_bits() == b.to_bits()), "window {window} cap {cap}");
+        }
+    }
+
     #[test]
     fn bf16_rows_are_the_same_in_any_tile() {
         if !(crate::isa::has_avx512f() && crate::isa::has_avx512bf16()) {
