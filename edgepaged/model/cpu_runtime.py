@@ -400,7 +400,7 @@ class CpuRunner(RunnerBase):
             self._check_budget(kv_memory_bytes, files.path)
         # the tokenizer (a 128 k-entry vocabulary takes ~0.5 s) is built beside the weights,
         # whose reading and repacking release the GIL
-        tokenizer = _Background(lambda: Tokenizer.load(files.path, reader=files.reader))
+        tokenizer = _Background(lambda f=files: Tokenizer.load(f.path, reader=f.reader))   # (files is deleted below)
         keep = files.has_quantized and quantized is not False
         if quantized and not files.has_quantized:
             from .quant.formats import FORMATS
