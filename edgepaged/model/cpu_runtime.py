@@ -179,6 +179,10 @@ class CpuModel:
             check_linear(self.cfg, "lm_head", [w])
         self.head = Linear([w], None, self.settings.dense_min_tokens, self._math == "int8" and not tied)
 
+    def linears(self) -> list[Linear]:
+        """The LM head and every layer's linears."""
+        return [self.head] + [getattr(la, a) for la in self.layers for a in ("qkv", "o", "gate_up", "down")]
+
     def load(self, weights, math_: str, interleave: bool) -> None:
         sink = SimpleNamespace(rope_freqs=self.rope_freqs, embedding=self.embedding, norm=self.norm,
                                linear=self.linear, final_norm=self.final_norm_weight, head=self.head_weight)
@@ -189,13 +193,11 @@ class CpuModel:
             # when it is the LM head too (tied), so the two stay one array
             tied = self.embed_q is not None and any(s.data is self.embed_q.data for s in self.head.segments)
             quant = [self.embed_q] if tied else []
-            for lin in [self.head] + [getattr(la, a) for la in self.layers for a in ("qkv", "o", "gate_up", "down")]:
+            for lin in self.linears():
                 quant.extend(lin.segments)
             lay_out(quant, math_)
         # what still views the file's pages (a borrowed read not re-laid out): copied
-        own_weights([self.embed_q] + [s for lin in [self.head] + [getattr(la, a) for la in self.layers
-                                                                  for a in ("qkv", "o", "gate_up", "down")]
-                                      for s in lin.segments])
+        own_weights([self.embed_q] + [s for lin in self.linears() for s in lin.segments])
         release_free_memory()     # the file-layout copies just freed: pages back to the system
         self.decoder = self._quant_decoder()
 
@@ -207,7 +209,7 @@ class CpuModel:
     def weight_bytes(self) -> int:
         seen, n = set(), 0
         arrays = [self.embed_q.data if self.embed_q is not None else self.embed_dense, self.final_norm]
-        for lin in [self.head] + [getattr(la, a) for la in self.layers for a in ("qkv", "o", "gate_up", "down")]:
+        for lin in self.linears():
             arrays += [s.data for s in lin.segments] + [lin.weight, lin.bias]
         for la in self.layers:
             arrays += list(la.norms.values())

@@ -909,9 +909,6 @@ mod tests {
         }
     }
 
-    /// A row's bf16 products do not depend on the tile it falls in: one chunk of 45 rows (tiles
-    /// from positions 15 and 47) against the same rows in chunks of 3 and 42 (tiles from 18 and
-    /// 50), under a window of 9 (odd spans' starts), bit for bit.
     /// Spans of several bf16 segments (`SEG` positions each, online softmax): within
     /// BF16_BOUND of the f32 tiles, causal and windowed across segment boundaries, soft-capped;
     /// a row the same, bit for bit, whichever tile holds it (45 rows whole against 3 + 42).
@@ -920,42 +917,48 @@ mod tests {
         if !(crate::isa::has_avx512f() && crate::isa::has_avx512bf16()) {
             return;
         }
-        let hs = Heads { nh: 8, nkv: 2, d: 64 };
-        let (bs, n, rows) = (16usize, 3 * SEG + 77, 45usize);
-        let nblocks = n.div_ceil(bs) + 3;
-        let mut seed = 5u64;
-        let mut rnd = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-        };
-        let kvw = hs.nkv * hs.d;
-        // scores of a few units: the running max moves from segment to segment
-        let k: Vec<crate::kv::F16> =
-            (0..nblocks * bs * kvw).map(|_| <crate::kv::F16 as crate::kv::KvScalar>::from_f32(4.0 * rnd())).collect();
-        let v: Vec<crate::kv::F16> =
-            (0..nblocks * bs * kvw).map(|_| <crate::kv::F16 as crate::kv::KvScalar>::from_f32(rnd())).collect();
-        let tables: Vec<i32> = (0..nblocks as i32).map(|i| (i * 7 + 3) % nblocks as i32).collect();
-        let w = hs.nh * hs.d;
-        let q: Vec<f32> = (0..rows * w).map(|_| rnd()).collect();
-        for (window, cap) in [(0usize, 0f32), (SEG + 40, 0.0), (0, 3.0), (SEG / 2 + 9, 3.0)] {
-            let mut f32s = vec![0f32; rows * w];
-            prefill(&q, w, &mut f32s, w, &[0, rows as i64], &[n as i32], &tables, &k, &v, bs, hs, 0.3, window, cap, true,
-                    false).unwrap();
-            let mut whole = vec![0f32; rows * w];
-            prefill(&q, w, &mut whole, w, &[0, rows as i64], &[n as i32], &tables, &k, &v, bs, hs, 0.3, window, cap, true,
-                    true).unwrap();
-            let top = f32s.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let err = whole.iter().zip(&f32s).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / top;
-            assert!(err > 0.0 && err < BF16_BOUND, "window {window} cap {cap}: error {err}");
-            let mut split = vec![0f32; rows * w];
-            prefill(&q[..3 * w], w, &mut split[..3 * w], w, &[0, 3], &[(n - rows + 3) as i32], &tables, &k, &v, bs, hs,
-                    0.3, window, cap, true, true).unwrap();
-            prefill(&q[3 * w..], w, &mut split[3 * w..], w, &[0, rows as i64 - 3], &[n as i32], &tables, &k, &v, bs, hs,
-                    0.3, window, cap, true, true).unwrap();
-            assert!(whole.iter().zip(&split).all(|(a, b)| a.to_bits() == b.to_bits()), "window {window} cap {cap}");
+        for (d, nh) in [(64usize, 8usize), (32, 6), (128, 4)] {
+            let hs = Heads { nh, nkv: 2, d };
+            let (bs, n, rows) = (16usize, 3 * SEG + 77, 45usize);
+            let nblocks = n.div_ceil(bs) + 3;
+            let mut seed = 5u64;
+            let mut rnd = || {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+            };
+            let f16 = |x: f32| <crate::kv::F16 as crate::kv::KvScalar>::from_f32(x);
+            let kvw = hs.nkv * hs.d;
+            // scores of a few units: the running max moves from segment to segment
+            let k: Vec<crate::kv::F16> = (0..nblocks * bs * kvw).map(|_| f16(4.0 * rnd())).collect();
+            let v: Vec<crate::kv::F16> = (0..nblocks * bs * kvw).map(|_| f16(rnd())).collect();
+            let tables: Vec<i32> = (0..nblocks as i32).map(|i| (i * 7 + 3) % nblocks as i32).collect();
+            let w = hs.nh * hs.d;
+            let q: Vec<f32> = (0..rows * w).map(|_| rnd()).collect();
+            for (window, cap) in [(0usize, 0f32), (SEG + 40, 0.0), (0, 3.0), (SEG / 2 + 9, 3.0)] {
+                // rows `r0..r1` of the chunk as a chunk of their own (over the context they see)
+                let run = |r0: usize, r1: usize, bf16: bool, out: &mut [f32]| {
+                    prefill(&q[r0 * w..r1 * w], w, out, w, &[0, (r1 - r0) as i64], &[(n - rows + r1) as i32], &tables,
+                            &k, &v, bs, hs, 0.3, window, cap, true, bf16)
+                        .unwrap()
+                };
+                let zeros = || vec![0f32; rows * w];
+                let (mut f32s, mut whole, mut split) = (zeros(), zeros(), zeros());
+                run(0, rows, false, &mut f32s);
+                run(0, rows, true, &mut whole);
+                let top = f32s.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let err = whole.iter().zip(&f32s).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / top;
+                assert!(err > 0.0 && err < BF16_BOUND, "d {d} window {window} cap {cap}: error {err}");
+                run(0, 3, true, &mut split[..3 * w]);
+                run(3, rows, true, &mut split[3 * w..]);
+                let same = whole.iter().zip(&split).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "d {d} window {window} cap {cap}");
+            }
         }
     }
 
+    /// A row's bf16 products do not depend on the tile it falls in: one chunk of 45 rows (tiles
+    /// from positions 15 and 47) against the same rows in chunks of 3 and 42 (tiles from 18 and
+    /// 50), under a window of 9 (odd spans' starts), bit for bit.
     #[test]
     fn bf16_rows_are_the_same_in_any_tile() {
         if !(crate::isa::has_avx512f() && crate::isa::has_avx512bf16()) {
