@@ -19,8 +19,13 @@ The files are written once and cached outside the repository (`--cache-dir`, def
                        weight once a token, so 1.0 is the memory's limit (mem_read_gbs, top
                        level: a read-bandwidth probe in this process, both threads, best of
                        the run)
-    weights_rss_mb     resident memory the weights add to a fresh process (MiB; the --runtime's
-                       runner), ready_s: its load on a warm page cache (the cpu runtime)
+    weights_rss_mb     resident memory the weights add to a fresh process after one token (MiB;
+                       the --runtime's runner); the cpu runtime's: ready_s, its load on a warm page
+                       cache, `weights_cache` saying how ("hit": the laid-out weights mapped from
+                       the weights cache under --cache-dir/weights, written by a load before it;
+                       "off": a file under 512 MiB, not cached), ready_uncached_s and
+                       weights_rss_uncached_mb the same with the cache off (the file read and
+                       laid out again)
     file_mb            the file (MiB)
     prefill_int8_frac  prefill_tok_s * 2 * (params - the LM head's) / int8_peak_gops: the
                        prompt's products as a fraction of the CPU's int8 limit (`vpdpbusd` on
@@ -150,6 +155,7 @@ def rss():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
 from edgepaged.model.cpu_runtime import CpuRunner
+from edgepaged.testing.decode import make_allocator, prompt_logits
 CpuRunner(num_blocks=4, progress=lambda *a, **k: None)    # the loader's own code paged in first
 gc.collect()
 before = rss()
@@ -157,17 +163,34 @@ t = time.perf_counter()
 r = CpuRunner(sys.argv[1], num_blocks=4, progress=lambda *a, **k: None)
 ready = time.perf_counter() - t
 gc.collect()
-print(json.dumps({"rss": rss() - before, "ready_s": ready, "weight_bytes": r.weight_bytes()}))
+loaded = rss() - before
+prompt_logits(r, make_allocator(r), [300])    # one token: every weight read once (a mapped cache's pages too)
+print(json.dumps({"rss": rss() - before, "rss_loaded": loaded, "ready_s": ready, "weight_bytes": r.weight_bytes(),
+                  "weights_cache": r.weights_cache}))
 """
 
 
-def weights_rss(path: Path, runtime: str = "torch") -> dict:
-    """What the weights add to a fresh process and (cpu) how long the load takes; the cpu
-    probe runs twice, the second on a warm page cache."""
-    probe = CPU_PROBE if runtime == "cpu" else RSS_PROBE
-    for _ in range(2 if runtime == "cpu" else 1):
-        out = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def weights_rss(path: Path, runtime: str = "torch", cache_dir: Path | None = None) -> dict:
+    """What the weights add to a fresh process after one token and (cpu) how long the load
+    takes on a warm page cache: without the weights cache (twice: the first warms the page
+    cache; `ready_uncached_s`), then with it (`cache_dir`/weights: the first load writes the
+    entry unless an earlier run did; the second, measured, maps it: `ready_s`, `rss`)."""
+    if runtime != "cpu":
+        out = subprocess.run([sys.executable, "-c", RSS_PROBE, str(path)], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def probe(cache: str) -> dict:
+        env = dict(os.environ, EDGEPAGED_WEIGHTS_CACHE=cache)
+        out = subprocess.run([sys.executable, "-c", CPU_PROBE, str(path)], capture_output=True, text=True, check=True,
+                             env=env)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    probe("0")
+    res = probe("0")
+    cache = os.environ.get("EDGEPAGED_WEIGHTS_CACHE") or str((cache_dir or path.parent) / "weights")
+    probe(cache)
+    res.update({k: v for k, v in probe(cache).items() if k in ("rss", "rss_loaded", "ready_s", "weights_cache")},
+               ready_uncached_s=res["ready_s"], rss_uncached=res["rss"])
+    return res
 
 
 def prompts(vocab: int, n: int, length: int, seed: int) -> list[np.ndarray]:
@@ -278,6 +301,9 @@ def main() -> None:
                          "'cpu,torch' measures both in this run, the second's figures prefixed torch_")
     args = ap.parse_args()
     from edgepaged._native import quant
+    # the weights cache beside the bench's files (not the model store's): the probes write
+    # it, the measured runner maps it as a restarted server would
+    os.environ.setdefault("EDGEPAGED_WEIGHTS_CACHE", str(args.cache_dir / "weights"))
     machine = cpu_flags()
     out = {"machine": machine, "threads": quant.info()["threads"], "shape": args.shape}
     gflops = gemm_gflops()
@@ -293,12 +319,15 @@ def main() -> None:
         print(f"{mix}: {path.name}, {path.stat().st_size / 2**20:.0f} MiB", flush=True)
         res = {"file_mb": round(path.stat().st_size / 2**20, 1)}
         runtimes = args.runtime.split(",")
-        w = weights_rss(path, runtimes[0])
+        w = weights_rss(path, runtimes[0], args.cache_dir)
         res["weights_rss_mb"] = round(w["rss"] / 2**20, 1)
         res["weights_rss_frac"] = round(res["weights_rss_mb"] / res["file_mb"], 3)
         if "ready_s" in w:
             res["ready_s"] = round(w["ready_s"], 2)
             res["weights_bytes"] = w["weight_bytes"]
+            res["weights_cache"] = w["weights_cache"]
+            res["ready_uncached_s"] = round(w["ready_uncached_s"], 2)
+            res["weights_rss_uncached_mb"] = round(w["rss_uncached"] / 2**20, 1)
         res.update(ours(path, args.new_tokens, args.reps, runtimes[0]))
         for other in runtimes[1:]:
             theirs = ours(path, args.new_tokens, args.reps, other)
@@ -328,7 +357,9 @@ def main() -> None:
         print(f"  {mix}: b1 {res['tok_s_b1']} tok/s (llama.cpp {res['llama_cpp_tok_s_b1']}), prefill "
               f"{res['prefill_tok_s']} (llama.cpp {res['llama_cpp_prefill_tok_s']}), b32 {res['tok_s_b32']}, "
               f"roofline_frac_b32 {res['roofline_frac_b32']}, b1_roofline_frac {res['b1_roofline_frac']}, weights {res['weights_rss_mb']} MiB / file "
-              f"{res['file_mb']} MiB, {res['isa']}", flush=True)
+              f"{res['file_mb']} MiB, {res['isa']}"
+              + (f", ready {res['ready_s']} s ({res['weights_cache']}; uncached {res['ready_uncached_s']} s)"
+                 if "ready_s" in res else ""), flush=True)
     out["gemm_gflops"] = round(gflops, 1)
     out["mem_read_gbs"] = round(bw, 2)
     out["int8_peak_gops"] = None if peak is None else round(peak, 1)

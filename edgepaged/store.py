@@ -342,6 +342,11 @@ def remove(name: str, root: Path | None = None) -> Entry:
         if e.name:
             Path(e.path).unlink(missing_ok=True)
             (root / f"{_slug(name)}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
+            try:     # its laid-out weights, if a load kept them (model/weights_cache.py)
+                from .model.weights_cache import drop_stale
+                drop_stale()
+            except (OSError, ValueError):
+                pass
             return e
     found = next((e for e in found_entries() if e.name == name), None)
     if found is not None:

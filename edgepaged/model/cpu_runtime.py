@@ -66,6 +66,10 @@ def kv_bytes_per_value(name: str | None) -> float:
     return np.dtype(kv_numpy_dtype(name)).itemsize * kv_row_units(name, 32) / 32
 
 
+class WeightsCacheMismatch(RuntimeError):
+    """A weights cache entry that lacks a weight the model has: the load starts over without it."""
+
+
 class Linear:
     """y = x W^T (+ b): W as GGUF row segments multiplied by the Rust kernels (from
     `dense_min_tokens` rows on, segments on the exact kernels are decoded in tiles into a
@@ -145,6 +149,7 @@ class CpuModel:
         self._math = "exact"
         self.max_positions = 0
         self.decoder = None
+        self._cache = None        # a weights cache entry while loading from it
         self.bf16_tiles = False   # an f16 or q8_0 cache: its tiles may multiply in bf16 (forward)
         self.interrupt = None     # the runner's threading.Event: set, a step stops between layers
         self.build_rotary(max_positions)
@@ -157,7 +162,7 @@ class CpuModel:
 
     def embedding(self, w):
         if isinstance(w, QuantWeight):
-            self.embed_q = w
+            self.embed_q = self._cached("embed")[0] if self._cache is not None else w
         else:
             self.embed_dense = np.ascontiguousarray(w, dtype=np.float32)
 
@@ -170,6 +175,10 @@ class CpuModel:
     def linear(self, i: int, fused: str, parts: list, bias):
         b = None if bias is None else np.concatenate([np.asarray(x, np.float32) for x in bias])
         attr = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}[fused]
+        if self._cache is not None and any(isinstance(p, QuantWeight) for p in parts):
+            if not all(isinstance(p, QuantWeight) for p in parts):     # never written: placeholders here
+                raise WeightsCacheMismatch(f"{self._cache.path.name}: layer {i} {fused} is not wholly quantized")
+            parts = self._cached(f"{i}.{attr}")     # laid out already: merge_segments keeps them
         setattr(self.layers[i], attr, Linear(parts, b, self.settings.dense_min_tokens, self._math == "int8"))
 
     def head_weight(self, w):
@@ -177,18 +186,44 @@ class CpuModel:
         if w is None:
             w = self.embed_q if self.embed_q is not None else self.embed_dense
             check_linear(self.cfg, "lm_head", [w])
-        self.head = Linear([w], None, self.settings.dense_min_tokens, self._math == "int8" and not tied)
+        parts = self._cached("head") if self._cache is not None and isinstance(w, QuantWeight) else [w]
+        self.head = Linear(parts, None, self.settings.dense_min_tokens, self._math == "int8" and not tied)
+
+    def _cached(self, slot: str) -> list[QuantWeight]:
+        if not self._cache.has(slot):
+            raise WeightsCacheMismatch(f"{self._cache.path.name} has no weights for {slot}")
+        return self._cache.weights(slot)
+
+    def cache_slots(self) -> dict[str, list[QuantWeight]]:
+        """Every quantized weight as the kernels read it, by slot (what the weights cache keeps)."""
+        slots = {"embed": [self.embed_q]} if self.embed_q is not None else {}
+        if self.head.weight is None:
+            slots["head"] = self.head.segments
+        for i, la in enumerate(self.layers):
+            for a in ("qkv", "o", "gate_up", "down"):
+                lin = getattr(la, a)
+                if lin.weight is None:
+                    slots[f"{i}.{a}"] = lin.segments
+        return slots
 
     def linears(self) -> list[Linear]:
         """The LM head and every layer's linears."""
         return [self.head] + [getattr(la, a) for la in self.layers for a in ("qkv", "o", "gate_up", "down")]
 
-    def load(self, weights, math_: str, interleave: bool) -> None:
+    def load(self, weights, math_: str, interleave: bool, cache=None) -> None:
+        """cache: a weights cache entry (`weights_cache.Entry`) for these very weights: every
+        quantized one comes from it, laid out already (`weights` then only needs their
+        shapes: `ModelFiles.weights(lazy=True)`)."""
         sink = SimpleNamespace(rope_freqs=self.rope_freqs, embedding=self.embedding, norm=self.norm,
                                linear=self.linear, final_norm=self.final_norm_weight, head=self.head_weight)
         self._math = math_        # int8: the fused linears are repacked as their parts merge
-        place(self.cfg, weights, sink)
-        if math_ != "exact" or interleave:
+        self._cache = cache
+        try:
+            place(self.cfg, weights, sink)
+        finally:
+            self._cache = None
+        keep = {id(s.data) for segs in self.cache_slots().values() for s in segs} if cache is not None else ()
+        if cache is None and (math_ != "exact" or interleave):
             # the embedding table is only gathered from (rows layout does): re-laid out only
             # when it is the LM head too (tied), so the two stay one array
             tied = self.embed_q is not None and any(s.data is self.embed_q.data for s in self.head.segments)
@@ -197,7 +232,7 @@ class CpuModel:
                 quant.extend(lin.segments)
             lay_out(quant, math_)
         # what still views the file's pages (a borrowed read not re-laid out): copied
-        own_weights([self.embed_q] + [s for lin in self.linears() for s in lin.segments])
+        own_weights([self.embed_q] + [s for lin in self.linears() for s in lin.segments], keep)
         release_free_memory()     # the file-layout copies just freed: pages back to the system
         self.decoder = self._quant_decoder()
 
@@ -415,10 +450,8 @@ class CpuRunner(RunnerBase):
         # sets it: Engine._maybe_interrupt
         self.interrupt = self.model.interrupt = threading.Event()
         progress = progress or terminal_progress(f"loading {files.path.name}")
-        # int8 math re-lays every block weight as it arrives: read through the file's pages
-        self.model.load(files.weights(None, progress=progress, keep_quantized=keep,
-                                      borrow=self.quant_math == "int8"),
-                        self.quant_math or "exact", settings.quant_interleave)
+        self._cache_writer = None         # the weights cache's writer thread, while it writes
+        self.weights_cache = self._load_weights(files, progress, keep, settings)
         del files
         self.tokenizer = tokenizer.result()
         if num_blocks is None:
@@ -438,6 +471,41 @@ class CpuRunner(RunnerBase):
         self.forward_name = "cpu (numpy + rust" + (", one-call decoder)" if self.model.decoder else ")")
 
     dense_products = "fp32"
+
+    def _load_weights(self, files, progress, keep: bool, settings: CpuConfig) -> str:
+        """The model's weights, from the weights cache when it has them laid out already (see
+        `weights_cache`); else from the file, and a large model's layout is then written to
+        the cache in a thread. Returns "hit", "writing", or "off" (not cached: turned off, a
+        file under `weights_cache_min_bytes`, a model not wholly quantized)."""
+        from . import weights_cache as wc
+        math_ = self.quant_math or "exact"
+        directory = wc.cache_dir() if keep and files.path.stat().st_size >= settings.weights_cache_min_bytes else None
+        key = entry = None
+        if directory is not None:
+            options = {"math": math_, "interleave": settings.quant_interleave, "rope": "unpermuted"}
+            key = wc.entry_key(files.path, options)
+            entry = wc.open_entry(directory, key)
+        if entry is not None:
+            try:
+                self.model.load(files.weights(None, progress=progress, keep_quantized=True, lazy=True), math_,
+                                settings.quant_interleave, cache=entry)
+                return "hit"
+            except (WeightsCacheMismatch, ValueError, KeyError, TypeError, IndexError) as e:
+                # an entry that matched its key but not the model (a header edited by hand):
+                # never a failed load, the file is read instead
+                wc.log.warning("weights cache: %s; loading from the file", e)
+                entry.path.unlink(missing_ok=True)
+                self.model = CpuModel(self.config, settings, self.config.context_length)
+                self.model.bf16_tiles = self.kv_dtype_name in ("f16", "q8_0")
+                self.model.interrupt = self.interrupt
+        # int8 math re-lays every block weight as it arrives: read through the file's pages
+        self.model.load(files.weights(None, progress=progress, keep_quantized=keep,
+                                      borrow=self.quant_math == "int8"), math_, settings.quant_interleave)
+        if directory is None or not self.model.quantized or self.model.head.weight is not None:
+            return "off"
+        self._cache_writer = wc.write_in_background(directory, key, wc.source_identity(files.path),
+                                                    self.model.cache_slots())
+        return "writing"
 
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()

@@ -203,7 +203,7 @@ class ModelFiles:
         return self.reader is not None and any(int(t.tensor_type) in FORMATS for t in self.reader.tensors)
 
     def weights(self, dtype: "torch.dtype | None", device="cpu", progress: Progress | None = None, *,
-                keep_quantized: bool = False, borrow: bool = False,
+                keep_quantized: bool = False, borrow: bool = False, lazy: bool = False,
                 ) -> Iterator[tuple[str, "torch.Tensor | np.ndarray | QuantWeight"]]:
         """The weights under Hugging Face names; with `keep_quantized`, 2-D GGUF tensors in a
         kernel format come as `QuantWeight`s (the file's blocks), everything else as tensors
@@ -211,10 +211,12 @@ class ModelFiles:
         torch). With `borrow` the blocks are read-only views of the file's pages (no private
         copy: the page cache is read once, by the repack) for a caller that re-lays every
         one into memory of its own as it arrives and copies what it keeps as it is
-        (`CpuModel.load`)."""
+        (`CpuModel.load`). With `lazy` (and `borrow`) the blocks are views of the file in its
+        row order, never to be read: shapes and types only, for a caller that takes the
+        weights themselves from the weights cache."""
         if self.reader:
             source = _gguf_weights(self.path, self.reader, self.config, keep_quantized, dtype is None,
-                                   borrow)
+                                   borrow or lazy, lazy)
             skip = self.config.family.config_tensors
             total = sum(t.name not in skip for t in self.reader.tensors)
         elif dtype is None:
@@ -379,7 +381,7 @@ def _rope_heads(cfg: ModelConfig, gguf_name: str) -> int | None:
 
 
 def _gguf_weights(path: Path, reader, cfg: ModelConfig, keep_quantized: bool, as_numpy: bool = False,
-                  borrow: bool = False):
+                  borrow: bool = False, lazy: bool = False):
     from gguf.quants import dequantize
 
     from .quant.formats import QuantWeight, can_keep
@@ -393,7 +395,7 @@ def _gguf_weights(path: Path, reader, cfg: ModelConfig, keep_quantized: bool, as
         if keep_quantized and name.endswith(".weight") and can_keep(qtype, shape):
             # read the bytes into our own memory rather than through the reader's memmap,
             # whose touched pages would count as resident until the reader is gone
-            if heads:      # the rows gathered in their unpermuted order: one copy, not two
+            if heads and not lazy:   # the rows gathered in their unpermuted order: one copy, not two
                 rows = np.memmap(path, np.uint8, "r", offset=int(t.data_offset), shape=(shape[0], int(t.n_bytes)
                                                                                        // shape[0]))
                 data = rows[unpermute_rope(np.arange(shape[0]), heads)]

@@ -63,6 +63,7 @@ class CpuConfig:
     runtime: str = "auto"              # what runs a model: RUNTIMES (model/runtime.py)
     scheduler: str = ""                # "before": the scheduler's baseline policy
     no_avx512: bool = False            # (Rust reads the variable itself; here for the record)
+    weights_cache_min_bytes: int = 512 << 20   # smaller model files are not kept laid out (weights_cache)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "CpuConfig":

@@ -334,7 +334,10 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
             kv_bytes = int(kv_bytes * share)
     runner = open_runner(model_path, device, kv_bytes, block_size, max_num_batched_tokens=max_batched_tokens,
                          kv_dtype=kv_dtype, settings=settings, runtime=kind)
-    say(f"loaded {runner.model_path.name} in {time.monotonic() - t0:.1f} s ({runner.products} products)")
+    how = {"hit": "; weights laid out already, from the weights cache",
+           "writing": "; writing its laid-out weights to the weights cache in the background, for a faster next load"
+           }.get(getattr(runner, "weights_cache", None), "")
+    say(f"loaded {runner.model_path.name} in {time.monotonic() - t0:.1f} s ({runner.products} products{how})")
     if draft is not None:
         from ..engine.draft import check_pair
         t0 = time.monotonic()

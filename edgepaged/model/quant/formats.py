@@ -131,15 +131,17 @@ def merge_segments(segments: list[QuantWeight], repack: bool = False) -> list[Qu
     return merged
 
 
-def own_weights(weights) -> int:
+def own_weights(weights, keep=()) -> int:
     """Copy into memory of its own every weight still viewing a file's pages (read-only: a
     borrowed read, `ModelFiles.weights(borrow=True)`, that was not re-laid out: formats the
     kernels read as they are, an untied embedding), so no model array depends on the file
-    staying as it is. Weights over one array share the copy. Returns how many were copied."""
+    staying as it is. Weights over one array share the copy; `keep`: ids of arrays to leave
+    as they are (the weights cache's, a file of edgepaged's own that is never rewritten in
+    place). Returns how many were copied."""
     copies: dict[int, np.ndarray] = {}
     n = 0
     for s in weights:
-        if s is None or s.data.flags.writeable:
+        if s is None or s.data.flags.writeable or id(s.data) in keep:
             continue
         key = id(s.data)
         if key not in copies:
