@@ -137,6 +137,14 @@ def test_turned_off_or_no_room_writes_nothing(model, tmp_path, monkeypatch, capl
     assert "no room" in caplog.text
 
 
+def test_a_cache_folder_that_cannot_be_made_loads_the_model_with_one_log_line(model, tmp_path, monkeypatch, caplog):
+    (tmp_path / "file").write_bytes(b"")
+    monkeypatch.setenv("EDGEPAGED_WEIGHTS_CACHE", str(tmp_path / "file" / "wc"))   # under a file: no folder
+    r, got = load(model)
+    assert r.weights_cache == "writing" and got.shape == (len(PROMPT), r.config.vocab_size)
+    assert "is not usable" in caplog.text
+
+
 def test_small_files_are_not_cached_by_default(model, tmp_path):
     r = cpu_runtime.CpuRunner(model, num_blocks=16, progress=lambda *a, **k: None)
     assert r.weights_cache == "off" and not (tmp_path / "wc").exists()

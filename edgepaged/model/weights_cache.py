@@ -223,8 +223,13 @@ def write_entry(directory: Path, key: str, identity: dict, slots: dict[str, list
     header["total"] = at
     raw = json.dumps(header).encode()
     assert 16 + len(raw) <= room
-    directory.mkdir(parents=True, exist_ok=True)
-    if not _sweep(directory, at):
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        room_left = _sweep(directory, at)
+    except OSError as e:             # a read-only or missing store: no cache, the model runs
+        log.warning("weights cache: %s is not usable (%s); not cached", directory, e)
+        return None
+    if not room_left:
         log.warning("weights cache: no room for %.1f GiB in %s (it keeps %d %% of the disk free); not cached",
                     at / 2**30, directory, KEEP_FREE * 100)
         return None
