@@ -12,9 +12,13 @@ os.environ["EDGEPAGED_SERVER_CACHE"] = "0"
 # unless the test serves one of its own (edgepaged.testing.registry)
 os.environ["EDGEPAGED_OLLAMA_REGISTRY"] = "http://127.0.0.1:9"
 # and what a test's server stores (/api/pull, /api/create, /api/copy) goes to a folder of the session's
+# (removed when the session ends: a run leaves nothing in /tmp)
 if "EDGEPAGED_STORE" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
     os.environ["EDGEPAGED_STORE"] = tempfile.mkdtemp(prefix="edgepaged-test-store-")
+    atexit.register(shutil.rmtree, os.environ["EDGEPAGED_STORE"], ignore_errors=True)
 
 
 import pytest  # noqa: E402
