@@ -10,8 +10,8 @@ copy): a warm page cache makes it ready in about a second, the pages are the pag
 pressure, as llama.cpp's mmap'd weights are).
 
 An entry is keyed by the source file's identity (path, size, mtime, ctime, inode), the math and
-layout options, and the kernels' build (a hash of the native extension: any kernel change
-re-lays), so it can only be served to the very file and code that made it; its header
+layout options, and the code's build (a hash of the native extension and of the modules that
+lay the weights out: any change to either re-lays), so it can only be served to the very file and code that made it; its header
 repeats the key and the file's size, and a file that does not match is a miss (then rewritten).
 Entries are written to a temporary name and renamed, so a torn write never has the final
 name. Bounded: at most `MAX_ENTRIES` models, never past `KEEP_FREE` of the disk; entries whose
@@ -60,14 +60,20 @@ def cache_dir(env=None) -> Path | None:
 
 
 def build_id() -> str:
-    """A hash of the native extension's bytes: the layouts its kernels read."""
+    """A hash of the code that decides what an entry holds: the native extension's bytes
+    (the layouts its kernels read) and the Python modules that place, merge and lay out the
+    weights (which slot holds which rows)."""
     global _build_id
     if _build_id is None:
         from .. import _native
+        from . import cpu_runtime, loader, placement
+        from .quant import formats
         h = hashlib.blake2b(digest_size=16)
-        with open(_native.__file__, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+        for path in (_native.__file__, cpu_runtime.__file__, loader.__file__, placement.__file__, formats.__file__,
+                     __file__):
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
         _build_id = h.hexdigest()
     return _build_id
 
