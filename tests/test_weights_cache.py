@@ -67,6 +67,18 @@ def test_a_second_load_maps_the_laid_out_weights_and_gives_the_same_logits(model
     assert again.weight_bytes() == first.weight_bytes()
 
 
+def test_the_same_file_loaded_twice_at_once_is_written_once(model, tmp_path, monkeypatch):
+    import threading
+    gate, real = threading.Event(), wc.write_entry
+    monkeypatch.setattr(wc, "write_entry", lambda *a: (gate.wait(30), real(*a))[1])   # the first write still going
+    a, _ = load(model, wait=False)
+    b, _ = load(model, wait=False)
+    assert a.weights_cache == b.weights_cache == "writing" and a._cache_writer is b._cache_writer
+    gate.set()
+    a._cache_writer.join()
+    assert len(entries(tmp_path)) == 1 and list((tmp_path / "wc").glob("*.tmp")) == []
+
+
 def test_a_changed_file_or_other_math_is_another_entry_and_the_stale_one_goes(model, tmp_path):
     load(model, "int8")
     old = entries(tmp_path)

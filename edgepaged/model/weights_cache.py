@@ -266,10 +266,18 @@ def _write_niced(*args) -> None:
     write_entry(*args)
 
 
+_writing: dict[str, threading.Thread] = {}     # key -> its writer, in this process
+
+
 def write_in_background(directory: Path, key: str, identity: dict, slots: dict) -> threading.Thread:
     """`write_entry` in a thread of the lowest priority (not a daemon: a process that loaded
-    and exits at once, a benchmark's probe, still leaves the entry whole)."""
+    and exits at once, a benchmark's probe, still leaves the entry whole). A key this
+    process is writing already (the same file loaded twice at once) gets that writer."""
+    t = _writing.get(key)
+    if t is not None and t.is_alive():
+        return t
     t = threading.Thread(target=_write_niced, args=(directory, key, identity, slots), name="weights-cache",
                          daemon=False)
+    _writing[key] = t
     t.start()
     return t
