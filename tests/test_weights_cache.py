@@ -104,6 +104,10 @@ def test_a_truncated_or_garbled_entry_is_a_miss_never_wrong_weights(model, tmp_p
     r, got = load(model)
     assert r.weights_cache == "writing" and np.array_equal(got, want)
     assert "does not match" in caplog.text and path.stat().st_size == size    # rewritten whole
+    raw = b"[1, 2]"                                # the magic, then a header that is not an object
+    path.write_bytes(wc.MAGIC + len(raw).to_bytes(8, "little") + raw)
+    r, got = load(model)
+    assert r.weights_cache == "writing" and np.array_equal(got, want)
     path.write_bytes(b"\0" * 64)                  # not an entry at all
     r, got = load(model)
     assert r.weights_cache == "writing" and np.array_equal(got, want)

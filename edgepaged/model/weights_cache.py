@@ -126,7 +126,8 @@ def _read_header(path: Path) -> dict | None:
         raw = f.read(n)
     if len(raw) != n:
         return None
-    return json.loads(raw)
+    header = json.loads(raw)
+    return header if isinstance(header, dict) else None
 
 
 def open_entry(directory: Path, key: str) -> Entry | None:
