@@ -237,6 +237,8 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "edgepaged" / "bench")
     args = ap.parse_args()
     model = str(synthetic("q4_k_m", args.cache_dir)) if args.model == "1b" else args.model
+    from edgepaged.model import weights_cache
+    weights_cache.prepare(model)      # a large file's layout cached first: no writer beside the measurement
     # a store of its own: the disk tier's blocks of an earlier run would make the cold command warm
     import os
     import tempfile

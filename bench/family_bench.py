@@ -99,23 +99,9 @@ def synthetic(mix: str, cache_dir: Path, shape: str = "1b") -> Path:
                           tokenizer_from=default_model_path())
         tmp.rename(path)
     os.environ.setdefault("EDGEPAGED_WEIGHTS_CACHE", str(cache_dir / "weights"))
-    lay_out_once(path)
+    from edgepaged.model import weights_cache
+    weights_cache.prepare(path)
     return path
-
-
-LAY_OUT = r"""
-import sys
-from edgepaged.model.cpu_runtime import CpuRunner
-r = CpuRunner(sys.argv[1], num_blocks=4, progress=lambda *a, **k: None)
-print(r.weights_cache)          # the process ends once the writer (not a daemon) is done
-"""
-
-
-def lay_out_once(path: Path) -> str:
-    """Load `path` in a subprocess so the weights cache holds its layout: "hit" (it did
-    already), "writing" (written now) or "off"."""
-    out = subprocess.run([sys.executable, "-c", LAY_OUT, str(path)], capture_output=True, text=True, check=True)
-    return out.stdout.strip().splitlines()[-1]
 
 
 def mem_read_gbs(mib: int = 1024, reps: int = 3) -> float:

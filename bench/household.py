@@ -82,6 +82,9 @@ class Serve:
     def __init__(self, kv_bytes: int, contiguous: bool, max_batched: int, model: Path | None = None,
                  extra: list[str] | None = None):
         self.port = free_port()
+        if model:     # a large file's layout in the weights cache first: no writer beside the run
+            from edgepaged.model import weights_cache
+            weights_cache.prepare(model)
         cmd = [sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--no-mdns", "--no-http", "--kv-memory", str(kv_bytes), "--max-batched-tokens", str(max_batched),
                "--max-connections", "512", "--grace", "1",

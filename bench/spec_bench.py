@@ -259,6 +259,8 @@ def main() -> None:
     ap.add_argument("--no-lookup", action="store_true", help="skip prompt lookup and the household (null figures)")
     args = ap.parse_args()
     model = str(synthetic("q4_k_m", args.cache_dir)) if args.model == "1b" else args.model or str(default_model_path())
+    from edgepaged.model import weights_cache
+    weights_cache.prepare(model)      # a large file's layout cached first: no writer beside the measurement
     out = {"cpu": cpu_flags(), "model": Path(model).name, "max_tokens": args.max_tokens}
     out.update(lookup_part(model, args) if not args.no_lookup else
                {k: None for k in ("tok_s_b1_plain", "tok_s_b1_lookup", "acceptance_rate_lookup", "household_ratio")})

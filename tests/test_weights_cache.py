@@ -94,6 +94,16 @@ def test_a_changed_file_or_other_math_is_another_entry_and_the_stale_one_goes(mo
     assert load(model, "int8")[0].weights_cache == "hit"
 
 
+def test_entries_of_another_build_are_dropped(model, tmp_path, monkeypatch):
+    load(model, "int8")
+    old = entries(tmp_path)
+    monkeypatch.setattr(wc, "_build_id", "another build")     # an upgrade: the code that lays weights out changed
+    r, _ = load(model, "int8")
+    assert r.weights_cache == "writing"
+    now = entries(tmp_path)
+    assert len(now) == 1 and now[0] not in old
+
+
 def test_a_truncated_or_garbled_entry_is_a_miss_never_wrong_weights(model, tmp_path, caplog):
     _, want = load(model)
     path = entries(tmp_path)[0]
@@ -179,3 +189,12 @@ def test_removing_the_model_from_the_store_drops_its_entry(tmp_path, monkeypatch
     (directory / "x.999999999.tmp").write_bytes(b"torn")               # a dead writer's temporary
     store.remove("tiny")
     assert list(directory.iterdir()) == []
+
+
+def test_prepare_lays_a_file_out_in_a_subprocess_and_says_off_for_what_it_cannot_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGEPAGED_WEIGHTS_CACHE", str(tmp_path / "wc"))
+    path = write_random_gguf(tmp_path / "m.gguf", hidden=256, layers=2, heads=4, kv_heads=2, inter=512, qtypes=QTYPES)
+    assert wc.prepare(path) == "off"              # under the default 512 MiB: nothing written
+    assert not (tmp_path / "wc").exists()
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 20)
+    assert wc.prepare(tmp_path / "broken.gguf") == "off"

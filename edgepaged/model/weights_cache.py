@@ -14,8 +14,9 @@ layout options, and the code's build (a hash of the native extension and of the 
 lay the weights out: any change to either re-lays), so it can only be served to the very file and code that made it; its header
 repeats the key and the file's size, and a file that does not match is a miss (then rewritten).
 Entries are written to a temporary name and renamed, so a torn write never has the final
-name. Bounded: at most `MAX_ENTRIES` models, never past `KEEP_FREE` of the disk; entries whose
-source file changed or is gone are dropped first, then the least recently used.
+name. Bounded: at most `MAX_ENTRIES` models, never past `KEEP_FREE` of the disk; entries that
+can no longer hit (their source file changed or is gone, another build wrote them) are
+dropped first, then the least recently used.
 
 `EDGEPAGED_WEIGHTS_CACHE`: "0" / "off" turns it off, a directory puts it there (default: the
 model store's `weights/`). Model files under `CpuConfig.weights_cache_min_bytes` (512 MiB)
@@ -162,8 +163,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def drop_stale(directory: Path | None = None) -> list[tuple[float, Path]]:
-    """Remove temporaries of dead writers and entries whose source file changed or is gone
-    (a removed model's space comes back at once). Returns the live entries as (mtime, path)."""
+    """Remove temporaries of dead writers and entries that can never hit again: their source
+    file changed or is gone (a removed model's space comes back at once), or another build of
+    the code wrote them (an upgrade's old layouts). Returns the live entries as (mtime, path)."""
     directory = cache_dir() if directory is None else directory
     entries: list[tuple[float, Path]] = []
     if directory is None or not directory.is_dir():
@@ -182,7 +184,7 @@ def drop_stale(directory: Path | None = None) -> list[tuple[float, Path]]:
         try:
             h = _read_header(p)
             src = h and h.get("identity")
-            stale = not src or source_identity(Path(src["source"])) != src
+            stale = not src or h.get("build") != build_id() or source_identity(Path(src["source"])) != src
         except (OSError, ValueError, KeyError, TypeError):
             stale = True
         if stale:
@@ -221,7 +223,8 @@ def write_entry(directory: Path, key: str, identity: dict, slots: dict[str, list
         table[slot] = rows
     # the header's size depends on the offsets, which depend on it: fix its room first
     descr = [{"shape": list(a.shape), "nbytes": int(a.nbytes), "offset": 0} for a in arrays]
-    header = {"key": key, "version": VERSION, "identity": identity, "arrays": descr, "slots": table, "total": 0}
+    header = {"key": key, "version": VERSION, "build": build_id(), "identity": identity, "arrays": descr,
+              "slots": table, "total": 0}
     room = -(-(16 + len(json.dumps(header)) + 64 * len(arrays) + 64) // ALIGN) * ALIGN
     at = room
     for d in descr:
@@ -282,3 +285,24 @@ def write_in_background(directory: Path, key: str, identity: dict, slots: dict) 
     _writing[key] = t
     t.start()
     return t
+
+
+PREPARE = r"""
+import sys
+from edgepaged.model.cpu_runtime import CpuRunner
+r = CpuRunner(sys.argv[1], num_blocks=4, progress=lambda *a, **k: None)
+print(r.weights_cache)          # the process ends once the writer (not a daemon) is done
+"""
+
+
+def prepare(path) -> str:
+    """Load the GGUF file `path` in a subprocess (this environment's settings) so the cache
+    holds its layout once it returns: "hit" (it did already), "writing" (written now) or
+    "off" (also when the CPU runtime cannot load it: a safetensors folder, a broken file,
+    whose user reports that itself). The benchmarks call it before they time a server or
+    runner on a large file."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", PREPARE, str(path)], capture_output=True, text=True)
+    lines = out.stdout.strip().splitlines()
+    return lines[-1] if out.returncode == 0 and lines else "off"
