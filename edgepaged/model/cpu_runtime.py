@@ -444,11 +444,10 @@ class CpuRunner(RunnerBase):
             raise ValueError(f"quantized=True but the file has no tensor in {'/'.join(FORMATS.values())}")
         self.quantized = keep
         self.quant_math = settings.math(cfg.num_params) if keep else None
-        self.model = CpuModel(cfg, settings, cfg.context_length)
-        self.model.bf16_tiles = self.kv_dtype_name in ("f16", "q8_0")
         # a long step (a prefill chunk, layer by layer) stops between layers when the engine
         # sets it: Engine._maybe_interrupt
-        self.interrupt = self.model.interrupt = threading.Event()
+        self.interrupt = threading.Event()
+        self.model = self._new_model(settings)
         progress = progress or terminal_progress(f"loading {files.path.name}")
         self._cache_writer = None         # the weights cache's writer thread, while it writes
         self.weights_cache = self._load_weights(files, progress, keep, settings)
@@ -471,6 +470,13 @@ class CpuRunner(RunnerBase):
         self.forward_name = "cpu (numpy + rust" + (", one-call decoder)" if self.model.decoder else ")")
 
     dense_products = "fp32"
+
+    def _new_model(self, settings: CpuConfig) -> CpuModel:
+        """An empty model for this runner's config, KV type and interrupt event."""
+        m = CpuModel(self.config, settings, self.config.context_length)
+        m.bf16_tiles = self.kv_dtype_name in ("f16", "q8_0")
+        m.interrupt = self.interrupt
+        return m
 
     def _load_weights(self, files, progress, keep: bool, settings: CpuConfig) -> str:
         """The model's weights, from the weights cache when it has them laid out already (see
@@ -495,9 +501,7 @@ class CpuRunner(RunnerBase):
                 # never a failed load, the file is read instead
                 wc.log.warning("weights cache: %s; loading from the file", e)
                 entry.path.unlink(missing_ok=True)
-                self.model = CpuModel(self.config, settings, self.config.context_length)
-                self.model.bf16_tiles = self.kv_dtype_name in ("f16", "q8_0")
-                self.model.interrupt = self.interrupt
+                self.model = self._new_model(settings)
         # int8 math re-lays every block weight as it arrives: read through the file's pages
         self.model.load(files.weights(None, progress=progress, keep_quantized=keep,
                                       borrow=self.quant_math == "int8"), math_, settings.quant_interleave)

@@ -4,15 +4,16 @@ Loading a GGUF file for the integer kernels re-lays every block weight (`QuantWe
 into new memory: for an 8 B model 4.7 GB written, and on a VM most of the load is the kernel
 handing out and zeroing those pages (`perf`: `clear_page_erms` 45 % of the load's samples).
 The first load of a large model writes what it laid out to one file here, in a thread after
-the model is ready; every later load maps that file (`np.memmap`, copy-on-write, never
-written) instead of reading and re-laying the GGUF (read-only: no commit charge, no private
-copy): a warm page cache makes it ready in about a second, the pages are the page cache's (shared, clean, dropped and read back under memory
-pressure, as llama.cpp's mmap'd weights are).
+the model is ready; every later load maps that file read-only (`np.memmap`: no private copy,
+no commit charge) instead of reading and re-laying the GGUF. A warm page cache makes it ready
+in about a second; the pages are the page cache's (shared, clean, dropped and read back under
+memory pressure, as llama.cpp's mmap'd weights are).
 
-An entry is keyed by the source file's identity (path, size, mtime, ctime, inode), the math and
-layout options, and the code's build (a hash of the native extension and of the modules that
-lay the weights out: any change to either re-lays), so it can only be served to the very file and code that made it; its header
-repeats the key and the file's size, and a file that does not match is a miss (then rewritten).
+An entry is keyed by the source file's identity (path, size, mtime, ctime, inode), the math
+and layout options, and the code's build (a hash of the native extension and of the modules
+that lay the weights out: a change to either re-lays), so it is only served to the very file
+and code that made it; its header repeats the key and the file's size, and a file that does
+not match is a miss (then rewritten).
 Entries are written to a temporary name and renamed, so a torn write never has the final
 name. Bounded: at most `MAX_ENTRIES` models, never past `KEEP_FREE` of the disk; entries that
 can no longer hit (their source file changed or is gone, another build wrote them) are
