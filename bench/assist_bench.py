@@ -8,6 +8,10 @@ when installed).
 Figures (the last line with --json):
 - `ttft_cold_s`: the first command ever (the whole prompt prefilled), to its first streamed
   byte of content or of a tool call; `served_prefill_tok_s`: its prompt tokens over that time.
+- `served_prefill_ratio`: the same rate over `family_bench`'s `prefill_tok_s` (a 512-token
+  prompt in one process, best of 2) on the file, as the median of `--cold-runs` pairs measured
+  alternately in this run (each cold command on a fresh server with an empty store);
+  `family_prefill_tok_s` the best of those family_bench rates, `cold_pairs` every pair.
 - `ttft_cold_ollama_s`: the Ollama door's first command (its rendering of the request is a
   prompt of its own: cold too).
 - `ttft_warm_s` {p50, p90}: later commands (the prompt's prefix cached), to the first byte;
@@ -222,6 +226,50 @@ def tool_stream_check(max_tokens: int = 96) -> dict:
             "argument_pieces": r["call_pieces"], "ttft_s": round(r["ttft"], 3), "answer_s": round(r["answer"], 3)}
 
 
+FAMILY_PREFILL = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from family_bench import prefill_only
+print(prefill_only(sys.argv[2]))
+"""
+
+
+def family_prefill(model: str) -> float:
+    """family_bench's `prefill_tok_s` on `model`, in a process of its own (as that benchmark
+    runs it: nothing else loaded beside it)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", FAMILY_PREFILL, str(Path(__file__).parent), model],
+                         capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def cold_pairs(model: str, flags: list[str], runs: int, max_tokens: int) -> dict:
+    """`runs` pairs, alternated: family_bench's 512-token prefill rate on the file, then a
+    fresh server (its own empty store: nothing cached) and the first command's prompt tokens
+    over its TTFT. The machine's speed drifts; a pair's ratio does not."""
+    import os
+    import tempfile
+    served, family, ratios = [], [], []
+    for _ in range(runs):
+        family.append(family_prefill(model))
+        with tempfile.TemporaryDirectory(prefix="assist-bench-") as store:
+            os.environ["EDGEPAGED_STORE"] = store
+            proc, base, _ = start_server(*flags)
+            try:
+                r = timed(base + "/v1/chat/completions", {**openai_body(COMMANDS[0], max_tokens),
+                                                         "stream_options": {"include_usage": True}})
+            finally:
+                proc.terminate()
+                proc.wait(30)
+        served.append(r["prompt_tokens"] / r["ttft"])
+        ratios.append(served[-1] / family[-1])
+    return {"family_prefill_tok_s": round(max(family), 1),
+            "served_prefill_ratio": round(statistics.median(ratios), 3),
+            "cold_pairs": [{"served_prefill_tok_s": round(s, 1), "family_prefill_tok_s": round(f, 1)}
+                           for s, f in zip(served, family)]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
@@ -234,14 +282,21 @@ def main() -> None:
                          "than 2048 on every figure, bench/RESULTS.md)")
     ap.add_argument("--step-time", type=float, default=None,
                     help="the server's --step-time (default: its own)")
+    ap.add_argument("--cold-runs", type=int, default=3,
+                    help="pairs of (family_bench's prefill rate, a fresh server's first command) for "
+                         "served_prefill_ratio (0: skip)")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "edgepaged" / "bench")
     args = ap.parse_args()
     model = str(synthetic("q4_k_m", args.cache_dir)) if args.model == "1b" else args.model
     from edgepaged.model import weights_cache
     weights_cache.prepare(model)      # a large file's layout cached first: no writer beside the measurement
-    # a store of its own: the disk tier's blocks of an earlier run would make the cold command warm
+    # a store of its own: the disk tier's blocks of an earlier run would make the cold command warm;
+    # the weights cache stays where prepare() wrote it (in the new store the server would miss it and
+    # write the layout again in the background, beside the cold command)
     import os
     import tempfile
+    if weights_cache.cache_dir() is not None:
+        os.environ["EDGEPAGED_WEIGHTS_CACHE"] = str(weights_cache.cache_dir())
     store = tempfile.TemporaryDirectory(prefix="assist-bench-")
     os.environ["EDGEPAGED_STORE"] = store.name
     flags = ["--model", model] + (["--max-batched-tokens", str(args.max_batched_tokens)] if args.max_batched_tokens else []) \
@@ -256,6 +311,9 @@ def main() -> None:
         proc.terminate()
         proc.wait(30)
     out["ttft_after_restart_s"] = restart_ttft(flags, args.max_tokens)
+    if args.cold_runs > 0:
+        out.update(cold_pairs(model, flags, args.cold_runs, args.max_tokens))
+        os.environ["EDGEPAGED_STORE"] = store.name
     out["tool_call_stream"] = tool_stream_check()
     exe = args.llama_server or shutil.which("llama-server")
     if exe is None:
@@ -285,7 +343,7 @@ def main() -> None:
         out["answer_warm_p90_ratio"] = round(out["answer_warm_s"]["p90"] / lc["answer_warm_s"]["p90"], 2)
     print(f"cold {out['ttft_cold_s']} s ({out['prompt_tokens']} prompt tokens, {out['served_prefill_tok_s']} tok/s); "
           f"warm first byte {out['ttft_warm_s']}, answer {out['answer_warm_s']}; after restart "
-          f"{out['ttft_after_restart_s']} s; llama.cpp {lc or out.get('llama_cpp_note')}")
+          f"{out['ttft_after_restart_s']} s; served/family_bench prefill {out.get('served_prefill_ratio')}; llama.cpp {lc or out.get('llama_cpp_note')}")
     if args.json:
         print(json.dumps(out))
 

@@ -235,6 +235,18 @@ def ours(path: Path, new_tokens: int, reps: int, runtime: str = "cpu") -> dict:
     return res
 
 
+def prefill_only(path: Path, reps: int = 2) -> float:
+    """`prefill_tok_s` alone, measured as `ours` measures it (its warm-up, then the best of
+    `reps` PREFILL-token prompts): other benchmarks compare with it in their own run."""
+    from edgepaged.model.runtime import open_runner
+    runner = open_runner(path, "cpu", num_blocks=PREFILL // 16 + 64)
+    alloc = make_allocator(runner)
+    vocab = runner.config.vocab_size
+    run_batch(runner, alloc, prompts(vocab, 2, 8, 9), 4, seq_base=1_000_000)   # warm-up
+    return max(PREFILL / run_batch(runner, alloc, prompts(vocab, 1, PREFILL, 50 + r), 1, seq_base=10_000 * (r + 1))[1]
+               for r in range(reps))
+
+
 def llama_bench(exe: str, path: Path, new_tokens: int, reps: int) -> dict:
     """llama.cpp's own llama-bench: a PREFILL-token prompt and new_tokens generated, --reps
     repetitions each (its mean)."""

@@ -171,3 +171,24 @@ def test_a_disk_that_refuses_writes_turns_the_tier_off_with_one_line(tmp_path):
     assert out["writing"] is False and out["written"] == 0
     assert len(out["warnings"]) == 2, out["warnings"]        # one line per engine (each its own tier)
     assert all(len(a) == 4 for a in out["answers"]) and out["answers"][0] == out["answers"][2]
+
+
+def test_the_writer_runs_at_the_lowest_priority(tmp_path):
+    """Hashing and writing a long prompt's blocks must not take CPU from the steps that answer
+    it: the tier's writer thread is nice 19 (the process keeps its own priority)."""
+    import os
+    import threading
+
+    from edgepaged.engine.disk_cache import DiskTier
+    tier = DiskTier(tmp_path / "kv", "m", 64, BS, 1 << 20)
+    seen = {}
+    write = tier._write
+
+    def spy(key, data):
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        write(key, data)
+    tier._write = spy
+    tier.put([(bytes(32), np.zeros(64, np.uint8))])
+    tier.flush()
+    assert seen["nice"] == 19 and tier.stats["written"] == 1
+    assert os.getpriority(os.PRIO_PROCESS, 0) == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

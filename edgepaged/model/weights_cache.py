@@ -263,11 +263,17 @@ def write_entry(directory: Path, key: str, identity: dict, slots: dict[str, list
     return final
 
 
-def _write_niced(*args) -> None:
-    try:            # the lowest CPU priority: the copy runs while the box is otherwise idle
+def lowest_priority() -> None:
+    """Give the calling thread the lowest CPU priority (nice 19; Linux sets it per thread): a
+    cache's writer then runs while the box is otherwise idle, never beside an answer's steps."""
+    try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (OSError, AttributeError):
         pass
+
+
+def _write_niced(*args) -> None:
+    lowest_priority()
     write_entry(*args)
 
 
