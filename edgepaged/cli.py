@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 from functools import partial
+from pathlib import Path
 
 import click
 
@@ -514,7 +515,9 @@ def pull(spec, name, as_json):
     resumed when the connection breaks and checked against its digest; a repository on the
     Hugging Face hub (REPO, or REPO:FILE; the Q4_K_M file when it holds several); or a local
     FILE. A model the runtime cannot serve (a vision projector, an unsupported architecture, a
-    truncated or non-GGUF file) is refused here, before its weights are fetched where it can."""
+    truncated or non-GGUF file) is refused here, before its weights are fetched where it can.
+    A file of 512 MiB or more then has its weights laid out for the CPU runtime (the weights
+    cache, README), so its first serve maps them."""
     from . import store
     shown = {}
 
@@ -537,8 +540,37 @@ def pull(spec, name, as_json):
         fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted; pull again to retry", 130)
+    _lay_out(Path(entry.path))
     if as_json:
         click.echo(json.dumps(entry.to_dict()))
+
+
+def _lay_out(path: Path) -> None:
+    """A large model's weights laid out for the CPU runtime now, once (model/weights_cache.py),
+    so its first `serve` maps them instead of repacking the file: ready in about a second."""
+    import time
+
+    from .model import weights_cache
+    from .model.settings import CpuConfig
+    try:
+        cfg = CpuConfig.from_env()
+        if (weights_cache.cache_dir() is None or cfg.runtime == "torch"
+                or path.stat().st_size < cfg.weights_cache_min_bytes):
+            return
+    except (OSError, ValueError):
+        return
+    click.echo(f"laying out {path.name}'s weights for fast loads (once; EDGEPAGED_WEIGHTS_CACHE=0 skips it)...",
+               err=True)
+    t = time.perf_counter()
+    try:
+        state = weights_cache.prepare(path)
+    except KeyboardInterrupt:
+        fail("interrupted: the model is pulled; its first serve lays its weights out instead", 130)
+    if state == "off":
+        click.echo("  not laid out: the CPU runtime does not load this file (serve says why)", err=True)
+    else:
+        click.echo(f"  {'laid out already' if state == 'hit' else 'laid out'} in {time.perf_counter() - t:.1f} s: "
+                   "serve maps them", err=True)
 
 
 def _size(n: int) -> str:

@@ -198,3 +198,30 @@ def test_prepare_lays_a_file_out_in_a_subprocess_and_says_off_for_what_it_cannot
     assert not (tmp_path / "wc").exists()
     (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 20)
     assert wc.prepare(tmp_path / "broken.gguf") == "off"
+
+
+def test_pull_lays_a_large_model_out_so_its_first_serve_maps_it(model, tmp_path, monkeypatch):
+    """`edgepaged pull FILE` of a file over the threshold leaves its layout in the cache (one
+    line says so): the first load after it is a hit. Under the threshold, or with the cache
+    off, pull lays nothing out and says nothing of it."""
+    import os
+
+    from test_store import cli
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEPAGED_")}
+    env.update(HOME=str(tmp_path / "home"), EDGEPAGED_STORE=str(tmp_path / "store"),
+               EDGEPAGED_WEIGHTS_CACHE=str(tmp_path / "pulled"))
+    small = cli(env, "pull", str(model), "--name", "small", "--json")
+    assert small.returncode == 0, small.stderr
+    assert "laying out" not in small.stderr and not (tmp_path / "pulled").exists()
+    off = cli({**env, "EDGEPAGED_WEIGHTS_CACHE_MIN": "0", "EDGEPAGED_WEIGHTS_CACHE": "0"}, "pull", str(model),
+              "--name", "off")
+    assert off.returncode == 0 and "laying out" not in off.stderr, off.stderr
+    r = cli({**env, "EDGEPAGED_WEIGHTS_CACHE_MIN": "0"}, "pull", str(model), "--name", "big", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "laying out" in r.stderr and "laid out in" in r.stderr, r.stderr
+    assert len(list((tmp_path / "pulled").glob("*.epw"))) == 1
+    path = json.loads(r.stdout.strip().splitlines()[-1])["path"]
+    monkeypatch.setenv("EDGEPAGED_WEIGHTS_CACHE", str(tmp_path / "pulled"))
+    runner = cpu_runtime.CpuRunner(path, num_blocks=16, progress=lambda *a, **k: None,
+                                   settings=CpuConfig.from_env({"EDGEPAGED_WEIGHTS_CACHE_MIN": "0"}))
+    assert runner.weights_cache == "hit"

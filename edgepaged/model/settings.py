@@ -85,6 +85,7 @@ class CpuConfig:
             runtime=(env.get("EDGEPAGED_RUNTIME") or "auto").strip().lower(),
             scheduler=(env.get("EDGEPAGED_SCHEDULER") or "").strip().lower(),
             no_avx512=_flag(env, "EDGEPAGED_NO_AVX512", False),
+            weights_cache_min_bytes=_int(env, "EDGEPAGED_WEIGHTS_CACHE_MIN", 512 << 20),
         )
 
     def math(self, num_params: int) -> str:
