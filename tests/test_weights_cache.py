@@ -65,6 +65,9 @@ def test_a_second_load_maps_the_laid_out_weights_and_gives_the_same_logits(model
         assert files == {entry}, s
     assert m.head.segments[0].data is m.embed_q.data        # the tied head is the embedding's array
     assert again.weight_bytes() == first.weight_bytes()
+    from edgepaged.server.app import memory_line        # the banner says why the process looks small
+    assert "mapped from the weights cache" in memory_line(again.memory())
+    assert "mapped" not in memory_line(first.memory())
 
 
 def test_the_same_file_loaded_twice_at_once_is_written_once(model, tmp_path, monkeypatch):

@@ -162,6 +162,8 @@ class RunnerBase:
             weights = None
         out = {"weights_bytes": weights, "kv_reserved_bytes": self.num_blocks * self.block_bytes,
                "block_bytes": self.block_bytes, "rss_bytes": rss_bytes()}
+        if getattr(self, "weights_cache", None) == "hit":   # mapped: resident as they are first read
+            out["weights_mapped"] = True
         if self.draft is not None:     # its weights, and its cache beside each block of the pool
             d = self.draft.memory()
             out["draft_weights_bytes"] = d["weights_bytes"]

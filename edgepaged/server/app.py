@@ -90,7 +90,8 @@ def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig,
 
 def memory_line(m: dict) -> str:
     mib = lambda n: f"{(n or 0) / 2**20:.0f} MiB"  # noqa: E731
-    return (f"memory: weights {mib(m.get('weights_bytes'))}, KV {mib(m.get('kv_reserved_bytes'))} reserved "
+    mapped = " (mapped from the weights cache: resident as they are read)" if m.get("weights_mapped") else ""
+    return (f"memory: weights {mib(m.get('weights_bytes'))}{mapped}, KV {mib(m.get('kv_reserved_bytes'))} reserved "
             f"(committed as it fills), process {mib(m.get('rss_bytes'))}")
 
 
