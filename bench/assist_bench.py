@@ -251,6 +251,7 @@ def cold_pairs(model: str, flags: list[str], runs: int, max_tokens: int) -> dict
     import os
     import tempfile
     served, family, ratios = [], [], []
+    before = os.environ.get("EDGEPAGED_STORE")
     for _ in range(runs):
         family.append(family_prefill(model))
         with tempfile.TemporaryDirectory(prefix="assist-bench-") as store:
@@ -262,6 +263,10 @@ def cold_pairs(model: str, flags: list[str], runs: int, max_tokens: int) -> dict
             finally:
                 proc.terminate()
                 proc.wait(30)
+                if before is None:       # the caller's store again (this one is gone)
+                    os.environ.pop("EDGEPAGED_STORE", None)
+                else:
+                    os.environ["EDGEPAGED_STORE"] = before
         served.append(r["prompt_tokens"] / r["ttft"])
         ratios.append(served[-1] / family[-1])
     return {"family_prefill_tok_s": round(max(family), 1),
@@ -313,7 +318,6 @@ def main() -> None:
     out["ttft_after_restart_s"] = restart_ttft(flags, args.max_tokens)
     if args.cold_runs > 0:
         out.update(cold_pairs(model, flags, args.cold_runs, args.max_tokens))
-        os.environ["EDGEPAGED_STORE"] = store.name
     out["tool_call_stream"] = tool_stream_check()
     exe = args.llama_server or shutil.which("llama-server")
     if exe is None:

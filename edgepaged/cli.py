@@ -557,7 +557,10 @@ def _lay_out(path: Path) -> None:
         if (weights_cache.cache_dir() is None or cfg.runtime == "torch"
                 or path.stat().st_size < cfg.weights_cache_min_bytes):
             return
-    except (OSError, ValueError):
+    except ValueError as e:      # a knob with a wrong value: serve would refuse it too
+        click.echo(f"its weights were not laid out: {e}", err=True)
+        return
+    except OSError:
         return
     click.echo(f"laying out {path.name}'s weights for fast loads (once; EDGEPAGED_WEIGHTS_CACHE=0 skips it)...",
                err=True)
