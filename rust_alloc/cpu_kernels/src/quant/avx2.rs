@@ -739,66 +739,80 @@ unsafe fn x16_codes<F: Fmt>(gc: *const u8, gbytes: usize, k: usize) -> __m512i {
     if F::Q == QType::Q4_0 { _mm512_sub_epi32(q, _mm512_set1_epi32(8)) } else { q }
 }
 
-/// Integer codes of weights `j` and `j + 16` (0..16) of two neighbouring groups' 16 rows:
-/// `x8_pair` on 16 lanes (one load of each group's 8 bytes for Q4_0/Q4_1).
+/// Weights `j` and `j + 16` (0..16) of two neighbouring groups' 16 rows as fp32 codes
+/// (`x8_pair` on 16 lanes, converted). A 4-bit code becomes its float by a table lookup
+/// (`vpermps` reads the low 4 bits of each lane: no mask, no conversion; one load of each
+/// group's 8 bytes for both weights): the same values `vcvtdq2ps` gives, in fewer
+/// instructions.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn x16_pair<F: Fmt>(gc: *const u8, gbytes: usize, j: usize) -> (__m512i, __m512i) {
+unsafe fn x16_pair_f32<F: Fmt>(gc: *const u8, gbytes: usize, j: usize) -> (__m512, __m512) {
     if F::Q == QType::Q8_0 {
-        return (x16_codes::<F>(gc, gbytes, j), x16_codes::<F>(gc, gbytes, j + 16));
+        return (_mm512_cvtepi32_ps(x16_codes::<F>(gc, gbytes, j)), _mm512_cvtepi32_ps(x16_codes::<F>(gc, gbytes, j + 16)));
     }
+    let first = if F::Q == QType::Q4_0 { -8.0 } else { 0.0 };
+    let table = _mm512_add_ps(_mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.),
+                              _mm512_set1_ps(first));
     let n = _mm512_cvtepu8_epi32(x16_bytes(gc, gbytes, 8 * j));
-    let (lo, hi) = (_mm512_and_si512(n, _mm512_set1_epi32(15)), _mm512_srli_epi32::<4>(n));
-    if F::Q == QType::Q4_0 {
-        let e8 = _mm512_set1_epi32(8);
-        (_mm512_sub_epi32(lo, e8), _mm512_sub_epi32(hi, e8))
-    } else {
-        (lo, hi)
+    (_mm512_permutexvar_ps(n, table), _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(n), table))
+}
+
+/// The two partial sums (weights 0..16 and 16..32) of `NB` consecutive blocks from block `b`
+/// of two neighbouring groups' 16 rows (`gb`: the first group): `gemv_x8_tile`'s FMA chains
+/// on 16 lanes, the blocks' chains independent of each other (more of them in flight).
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn x16_sums<F: Fmt, const NB: usize>(gb: *const u8, gbytes: usize, b: usize, x: *const f32) -> [[__m512; 2]; NB] {
+    let bb8 = 8 * F::Q.block_bytes();
+    let mut s = [[_mm512_setzero_ps(); 2]; NB];
+    for j in 0..16 {
+        for (n, s) in s.iter_mut().enumerate() {
+            let xb = x.add(32 * (b + n));
+            let (xl, xh) = (_mm512_set1_ps(*xb.add(j)), _mm512_set1_ps(*xb.add(j + 16)));
+            let (lo, hi) = x16_pair_f32::<F>(gb.add((b + n) * bb8 + F::Q.x8_codes()), gbytes, j);
+            s[0] = _mm512_fmadd_ps(lo, xl, s[0]);
+            s[1] = _mm512_fmadd_ps(hi, xh, s[1]);
+        }
     }
+    s
 }
 
 /// `gemv_x8_tile` with 16 lanes: two interleaved groups side by side in each vector (lanes
-/// 0..8 the first group's rows, 8..16 the next one's), `NT` such pairs (16 * `NT` rows from
-/// group `g`). Every lane runs the 8-lane kernel's operations in its order (the same FMA
-/// chains, the scales folded in per block), so the bits are the same; half the instructions
-/// per weight. `gemv_x8` takes one pair at a time: two (`NT` = 2) made one stream of the
-/// embedded model ~20 % slower on a Zen 5.
+/// 0..8 group `g`'s rows, 8..16 group `g + 1`'s). Every lane runs the 8-lane kernel's
+/// operations in its order (the same FMA chains, the scales folded in per block, block by
+/// block), so the bits are the same; half the instructions per weight, and two blocks' chains
+/// at once (one pair's chains alone waited on the FMA's latency).
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn gemv_x16_tile<F: Fmt, const NT: usize>(w: &QMatrix, g: usize, x: *const f32, xsum: &[f32], out: *mut f32) {
+unsafe fn gemv_x16_tile<F: Fmt>(w: &QMatrix, g: usize, x: *const f32, xsum: &[f32], out: *mut f32) {
     let gbytes = 8 * w.row_bytes();
     let bb8 = 8 * F::Q.block_bytes();
     let base = w.data.as_ptr().add(g * gbytes);
-    let codes = F::Q.x8_codes();
-    let mut acc = [_mm512_setzero_ps(); NT];
-    let mut accm = [_mm512_setzero_ps(); NT];
+    let (mut acc, mut accm) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     let ahead = far_ahead(4 * bb8);
-    for (b, &xs) in xsum.iter().enumerate() {
-        let xb = x.add(32 * b);
-        let mut s = [[_mm512_setzero_ps(); 2]; NT];
-        for j in 0..16 {
-            let (xl, xh) = (_mm512_set1_ps(*xb.add(j)), _mm512_set1_ps(*xb.add(j + 16)));
-            for (i, s) in s.iter_mut().enumerate() {
-                let gb = base.add(2 * i * gbytes + b * bb8 + codes);
-                let (lo, hi) = x16_pair::<F>(gb, gbytes, j);
-                s[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), xl, s[0]);
-                s[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), xh, s[1]);
-            }
+    let mut fold = |b: usize, s: [__m512; 2]| {
+        let gb = base.add(b * bb8);
+        prefetch_group::<F>(gb.wrapping_add(ahead));
+        prefetch_group::<F>(gb.wrapping_add(gbytes + ahead));
+        acc = _mm512_fmadd_ps(x16_halves(gb, gbytes, 0), _mm512_add_ps(s[0], s[1]), acc);
+        if F::Q == QType::Q4_1 {
+            accm = _mm512_fmadd_ps(x16_halves(gb, gbytes, 16), _mm512_set1_ps(xsum[b]), accm);
         }
-        for i in 0..NT {
-            let gb = base.add(2 * i * gbytes + b * bb8);
-            prefetch_group::<F>(gb.wrapping_add(ahead));
-            prefetch_group::<F>(gb.wrapping_add(gbytes + ahead));
-            let d = x16_halves(gb, gbytes, 0);
-            acc[i] = _mm512_fmadd_ps(d, _mm512_add_ps(s[i][0], s[i][1]), acc[i]);
-            if F::Q == QType::Q4_1 {
-                accm[i] = _mm512_fmadd_ps(x16_halves(gb, gbytes, 16), _mm512_set1_ps(xs), accm[i]);
-            }
-        }
+    };
+    let mut b = 0;
+    // (Q8_0's codes take two loads a pair: one block at a time ran faster on a Zen 5)
+    while F::Q != QType::Q8_0 && b + 2 <= xsum.len() {
+        let [s0, s1] = x16_sums::<F, 2>(base, gbytes, b, x);
+        fold(b, s0);
+        fold(b + 1, s1);
+        b += 2;
     }
-    for i in 0..NT {
-        _mm512_storeu_ps(out.add(16 * i), _mm512_add_ps(acc[i], accm[i]));
+    while b < xsum.len() {
+        let [s0] = x16_sums::<F, 1>(base, gbytes, b, x);
+        fold(b, s0);
+        b += 1;
     }
+    _mm512_storeu_ps(out, _mm512_add_ps(acc, accm));
 }
 
 /// Rows `r0..r1` (`r0` a multiple of 8) of an interleaved matrix against one token.
@@ -808,7 +822,7 @@ unsafe fn gemv_x8<F: Fmt>(w: &QMatrix, x: *const f32, out: *mut f32, r0: usize, 
     let mut r = r0;
     if crate::isa::has_avx512f() {
         while r + 16 <= r1 {
-            gemv_x16_tile::<F, 1>(w, r / 8, x, &xsum, out.add(r));
+            gemv_x16_tile::<F>(w, r / 8, x, &xsum, out.add(r));
             r += 16;
         }
     }
