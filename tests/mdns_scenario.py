@@ -33,10 +33,11 @@ def ls() -> list[dict]:
     return json.loads(cli("ls", "--json", "--timeout", "1.5"))
 
 
-def start_server():
-    proc = subprocess.Popen([*CLI, "serve", "--port", "0", "--http-port", "0", "--mdns-interface", IFACE,
+def start_server(*where, env=ENV):
+    where = where or ("--mdns-interface", IFACE)
+    proc = subprocess.Popen([*CLI, "serve", "--port", "0", "--http-port", "0", *where,
                              "--kv-memory", "64M", "--mdns-refresh", "0.3"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     deadline = time.monotonic() + 180
@@ -122,6 +123,21 @@ async def scenario():
     step("".join(lines[-2:]).strip())
     assert any("withdrawing the mDNS record" in x for x in lines)
     assert ls() == []
+
+    # a server bound to loopback, no interface named: announced on loopback only (clients on
+    # the box find it), never on every interface of the box
+    env = {k: v for k, v in ENV.items() if k != "EDGEPAGED_MDNS_INTERFACE"}
+    proc, lines, banner = start_server("--host", "127.0.0.1", env=env)
+    step(banner.strip())
+    try:
+        assert "(announced on 127.0.0.1 only)" in banner and "open to anyone on this box" in banner, banner
+        port = int(re.search(r"ready on [\d.]+:(\d+)", banner).group(1))
+        found = ls() or json.loads(cli("ls", "--json", "--timeout", "5"))
+        step(f"ls, a loopback server: {found}")
+        assert [r["address"] for r in found] == [f"127.0.0.1:{port}"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
     step("ok")
 
 

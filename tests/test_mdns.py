@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from edgepaged.server.mdns import ServerRecord, txt_properties
+from edgepaged.server.mdns import ServerRecord, advertising_interface, txt_properties
 
 HERE = Path(__file__).resolve().parent
 
@@ -43,3 +43,11 @@ def test_least_loaded_first():
 def test_txt_never_carries_the_token():
     props = txt_properties(version=1, model="m", context_length=8, auth=True)
     assert props["auth"] == "1" and set(props) == {"proto", "model", "ctx", "auth", "running", "waiting", "kv"}
+
+
+def test_a_server_bound_to_one_address_is_announced_there_only():
+    assert advertising_interface("127.0.0.1", None) == "127.0.0.1"    # loopback: never the local network
+    assert advertising_interface("localhost", None) == "127.0.0.1"
+    assert advertising_interface("0.0.0.0", None) is None              # every interface
+    assert advertising_interface("", None) is None
+    assert advertising_interface("127.0.0.1", "10.0.0.5") == "10.0.0.5"  # a named interface wins

@@ -12,6 +12,7 @@ model, `model_set` for several models); the CLI parses flags and calls them.
 from __future__ import annotations
 
 import gc
+import ipaddress
 import logging
 import os
 import re
@@ -70,7 +71,7 @@ def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig,
                  f"loaded on first use, unloaded after {models.slots[models.default].keep_alive_s:g} s idle)",
                  f"model memory {models.budget_bytes >> 20} MiB (weights + KV)",
                  f"HTTP (OpenAI API, chat page) {http_url(http)}" if http else "HTTP off",
-                 f"mDNS {adv.name!r}" if adv else "mDNS off"]
+                 mdns_part(adv)]
     else:
         capacity = e.kv_capacity_blocks * e.block_size
         parts = [f"edgepaged ready on {where}", f"model {front.model}",
@@ -81,11 +82,25 @@ def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig,
                  f"{e.runner.kv_dtype_name})",
                  memory_line(e.memory()),
                  f"HTTP (OpenAI API, chat page) {http_url(http)}" if http else "HTTP off",
-                 f"mDNS {adv.name!r}" if adv else "mDNS off"]
+                 mdns_part(adv)]
     fc = front.config
     access = (f"per-user tokens ({len(fc.users)} users)" if fc.users else "token required" if fc.token is not None
+              else "no --token: open to anyone on this box" if _loopback(host)
               else "no --token: open to anyone on the local network")
     return ", ".join(parts) + f"; {access}"
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def mdns_part(adv: mdns.Advertiser | None) -> str:
+    if adv is None:
+        return "mDNS off"
+    return f"mDNS {adv.name!r}" + (f" (announced on {adv.interface} only)" if adv.interface else "")
 
 
 def memory_line(m: dict) -> str:
@@ -160,11 +175,11 @@ async def run(runner, cfg: AppConfig, *, say: Callable[[str], None] = print,
                         if front.modelset is not None:   # every model of the box
                             props["models"] = ",".join(front.modelset.slots)[:200]
                         try:
-                            addresses = await trio.to_thread.run_sync(
-                                mdns.advertised_addresses, cfg.server.host, cfg.mdns_interface)
+                            one = await trio.to_thread.run_sync(
+                                mdns.advertising_interface, cfg.server.host, cfg.mdns_interface)
+                            addresses = [one] if one else await trio.to_thread.run_sync(mdns.local_addresses)
                             adv = await stack.enter_async_context(mdns.Advertiser(
-                                port=server.port, properties=props, addresses=addresses,
-                                interface=cfg.mdns_interface))
+                                port=server.port, properties=props, addresses=addresses, interface=one))
                         except Exception as e:  # no mDNS is no reason not to serve
                             say(f"warning: mDNS is off, advertising failed: {type(e).__name__}: {e}")
                         else:

@@ -43,12 +43,16 @@ def local_addresses() -> list[str]:
     return found or ["127.0.0.1"]
 
 
-def advertised_addresses(bind_host: str, interface: str | None) -> list[str]:
+def advertising_interface(bind_host: str, interface: str | None) -> str | None:
+    """The one interface address a server announces itself on: `interface` when given; for a
+    server bound to one address, that address (a server on 127.0.0.1 is announced on loopback,
+    to clients on the box, never to a local network that could not reach it); None (every
+    interface) for a server bound to all of them."""
     if interface:
-        return [interface]
-    if bind_host not in ("", "0.0.0.0", "::"):
-        return [socket.gethostbyname(bind_host)]
-    return local_addresses()
+        return interface
+    if bind_host in ("", "0.0.0.0", "::"):
+        return None
+    return socket.gethostbyname(bind_host)
 
 
 def _label(text: str, limit: int = 63) -> str:
