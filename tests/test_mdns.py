@@ -50,4 +50,4 @@ def test_a_server_bound_to_one_address_is_announced_there_only():
     assert advertising_interface("localhost", None) == "127.0.0.1"
     assert advertising_interface("0.0.0.0", None) is None              # every interface
     assert advertising_interface("", None) is None
-    assert advertising_interface("127.0.0.1", "10.0.0.5") == "10.0.0.5"  # a named interface wins
+    assert advertising_interface("127.0.0.1", "192.0.2.10") == "192.0.2.10"  # a named interface wins

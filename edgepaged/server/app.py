@@ -12,7 +12,6 @@ model, `model_set` for several models); the CLI parses flags and calls them.
 from __future__ import annotations
 
 import gc
-import ipaddress
 import logging
 import os
 import re
@@ -31,6 +30,7 @@ from ..frontend import FrontEnd, FrontEndConfig
 from ..protocol import PROTOCOL_VERSION
 from . import mdns, systemd
 from .httpd import HttpConfig, HttpServer
+from .manage import loopback
 from .tcp import Server, ServerConfig
 
 log = logging.getLogger("edgepaged.server")
@@ -85,16 +85,9 @@ def banner(server: Server, adv: mdns.Advertiser | None, cfg: AppConfig,
                  mdns_part(adv)]
     fc = front.config
     access = (f"per-user tokens ({len(fc.users)} users)" if fc.users else "token required" if fc.token is not None
-              else "no --token: open to anyone on this box" if _loopback(host)
+              else "no --token: open to anyone on this box" if loopback(host)
               else "no --token: open to anyone on the local network")
     return ", ".join(parts) + f"; {access}"
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def mdns_part(adv: mdns.Advertiser | None) -> str:

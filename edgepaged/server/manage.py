@@ -45,11 +45,12 @@ def parse_networks(cidrs) -> tuple:
     return tuple(out)
 
 
-def _loopback(host: str) -> bool:
+def loopback(host: str) -> bool:
+    """Whether `host` (an address, IPv4-mapped too, or "localhost") is this box's loopback."""
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        return False
+        return host == "localhost"
     if getattr(ip, "ipv4_mapped", None):
         ip = ip.ipv4_mapped
     return ip.is_loopback
@@ -80,7 +81,7 @@ class ModelAdmin:
             ip = ipaddress.ip_address(peer)
         except ValueError:
             ip = None
-        if _loopback(peer) or (ip is not None and any(ip in n for n in self.networks)):
+        if loopback(peer) or (ip is not None and any(ip in n for n in self.networks)):
             return
         raise OllamaError(403, f"managing models is allowed from this box only; {peer} may when the server runs "
                           "with --admin-from CIDR (e.g. --admin-from 192.168.1.0/24) or with tokens", "forbidden")
