@@ -221,7 +221,7 @@ def ours(path: Path, new_tokens: int, reps: int, runtime: str = "cpu") -> dict:
            "_config": runner.config,
            "runtime": runtime,
            "forward": getattr(runner, "forward_name", None) or runner.forward.name, "kv_dtype": runner.kv_dtype_name, "math": runner.quant_math,
-           "isa": runner.products.split("(")[-1].rstrip(")"), "attention_products": attention_products(runner)}
+           "isa": runner.products.split("(")[-1].rstrip(")").split(",")[0], "attention_products": attention_products(runner)}
     for r in range(reps):
         base = 10_000 * (r + 1)
         _, _, td = run_batch(runner, alloc, prompts(vocab, 1, 32, r), new_tokens, seq_base=base)

@@ -532,3 +532,20 @@ def test_the_decode_prefetch_changes_no_product():
                 assert all(np.array_equal(o, outs[0]) for o in outs)
     finally:
         kernels.decode_prefetch(was)
+
+
+def test_the_exact_products_say_how_many_lanes_they_take():
+    """On a CPU with AVX-512 F the interleaved exact products take 16 rows a vector and the
+    banner's products say so; EDGEPAGED_NO_AVX512=1 keeps them at 8 (AVX2)."""
+    import os
+    import subprocess
+    import sys
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    info = kernels.info()
+    if info["isa"] == "scalar":
+        assert info["exact_lanes"] == 1
+        return
+    assert info["exact_lanes"] == (16 if "avx512f" in flags and os.environ.get("EDGEPAGED_NO_AVX512", "0") in ("", "0") else 8)
+    off = subprocess.run([sys.executable, "-c", "from edgepaged._native import quant; print(quant.info()['exact_lanes'])"],
+                         env={**os.environ, "EDGEPAGED_NO_AVX512": "1"}, capture_output=True, text=True, check=True)
+    assert off.stdout.strip() == "8"

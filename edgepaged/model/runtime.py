@@ -129,13 +129,16 @@ class RunnerBase:
 
     @property
     def products(self) -> str:
-        """How the weights multiply, for banners: "int8 (avx512-vnni)", "exact (avx2)" (GGUF
-        blocks kept quantized), "fp32" (dense)."""
+        """How the weights multiply, for banners: "int8 (avx512-vnni)", "exact (avx2)" or
+        "exact (avx2, 16 lanes)" (GGUF blocks kept quantized; 16 lanes: AVX-512 F for the
+        interleaved formats' decode), "fp32" (dense)."""
         if not self.quantized:
             return self.dense_products
         from .._native import quant
         info = quant.info()
-        return f"{self.quant_math} ({info['int8_isa'] if self.quant_math == 'int8' else info['isa']})"
+        if self.quant_math == "int8":
+            return f"int8 ({info['int8_isa']})"
+        return f"{self.quant_math} ({info['isa']}{', 16 lanes' if info.get('exact_lanes') == 16 else ''})"
 
     def rotary_positions(self, positions) -> None:
         """The window policy writes positions past the context (the kernels see only the kept

@@ -282,6 +282,13 @@ fn info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("isa", quant::best().name())?;
     d.set_item("int8_isa", q8::best().name())?;
+    // the exact products' interleaved paths for 1..5 tokens take 16 rows a vector with AVX-512 F
+    let lanes = match quant::best() {
+        Isa::Scalar => 1,
+        _ if cpu_kernels::isa::has_avx512f() => 16,
+        _ => 8,
+    };
+    d.set_item("exact_lanes", lanes)?;
     d.set_item("threads", cpu_kernels::threads::num_threads())?;
     let f = PyDict::new(py);
     for q in QType::ALL {
