@@ -16,6 +16,12 @@ process of one thread, `products_gbs_1t`. With --json the last line is one objec
 on a CPU without AVX-512 F). Decode attention and sampling are the same code either way;
 EDGEPAGED_NO_AVX512 also turns off prefill attention's 16-lane paths, which a 64-token
 decode after a 32-token prompt hardly uses.
+
+The tiles for 2 to 5 tokens (three streams, a step that checks drafts) run several groups of
+rows at once, so that more FMA chains are in flight (`quant.tile_groups`); each child also
+alternates them with one group at a time, pass by pass in the same process:
+`products_gbs_t2` / `products_gbs_t3` (the layers' products for 2 / 3 tokens) and `tok_s_b3`,
+each with a `_one_group` twin, and "ratio_groups": {lanes: {figure: at once / one at a time}}.
 """
 from __future__ import annotations
 
@@ -39,29 +45,43 @@ def child(model: str, decode: bool) -> dict:
     from edgepaged.testing.decode import make_allocator, run_batch
     runner = open_runner(model, "cpu", num_blocks=64)
     res = {}
+    # the few-token tiles' groups at once (the default) and one at a time, alternated
+    variants = (("", True), ("_one_group", False))
     if decode:
         alloc = make_allocator(runner)
         vocab = runner.config.vocab_size
         rng = np.random.default_rng(0)
         run_batch(runner, alloc, [rng.integers(300, vocab - 300, 8)], 4, seq_base=1_000_000)
         for n in (1, 3):
-            best = 0.0
+            best = {v: 0.0 for v, _ in variants}
             for r in range(3):
-                _, _, td = run_batch(runner, alloc, [rng.integers(300, vocab - 300, 32) for _ in range(n)], 64,
-                                     seq_base=1000 * (r + 1) + 100 * n)
-                best = max(best, n * 63 / td)
-            res[f"tok_s_b{n}"] = round(best, 1)
+                for v, many in variants if n > 1 else variants[:1]:
+                    kernels.tile_groups(many)
+                    _, _, td = run_batch(runner, alloc, [rng.integers(300, vocab - 300, 32) for _ in range(n)], 64,
+                                         seq_base=1000 * (r + 1) + 100 * n + (10 if many else 0))
+                    best[v] = max(best[v], n * 63 / td)
+            for v, b in best.items():
+                if b:
+                    res[f"tok_s_b{n}{v}"] = round(b, 1)
+        kernels.tile_groups(True)
     parts = [(s, lin.in_features, lin.out_features, a) for layer in runner.model.layers
              for lin in (layer.qkv, layer.o, layer.gate_up, layer.down) for s, a in zip(lin.segments, lin.offsets)]
-    outs = {n: np.empty((1, n), np.float32) for _, _, n, _ in parts}
-    xs = {k: np.ones((1, k), np.float32) for _, k, _, _ in parts}
-    best = float("inf")
-    for _ in range(20):
-        t = time.perf_counter()
-        for s, k, n, a in parts:
-            kernels.matmul(s.data, s.kind, xs[k], outs[n], col=a, rows=s.rows)
-        best = min(best, time.perf_counter() - t)
-    res["products_gbs"] = round(sum(s.data.nbytes for s, *_ in parts) / best / 1e9, 2)
+    nbytes = sum(s.data.nbytes for s, *_ in parts)
+    for t in (1, 2, 3) if decode else (1,):
+        outs = {n: np.empty((t, n), np.float32) for _, _, n, _ in parts}
+        xs = {k: np.ones((t, k), np.float32) for _, k, _, _ in parts}
+        best = {v: float("inf") for v, _ in variants}
+        for _ in range(20):
+            for v, many in variants if t > 1 else variants[:1]:
+                kernels.tile_groups(many)
+                start = time.perf_counter()
+                for s, k, n, a in parts:
+                    kernels.matmul(s.data, s.kind, xs[k], outs[n], col=a, rows=s.rows)
+                best[v] = min(best[v], time.perf_counter() - start)
+        kernels.tile_groups(True)
+        for v, b in best.items():
+            if b < float("inf"):
+                res["products_gbs" + ("" if t == 1 else f"_t{t}") + v] = round(nbytes / b / 1e9, 2)
     return res
 
 
@@ -110,6 +130,11 @@ def main() -> None:
         print(f"{w} lanes (median of {a.reps}): " + ", ".join(f"{k} {v}" for k, v in m.items()))
     if out["ratio_16_8"]:
         print("16 / 8 lanes: " + ", ".join(f"{k} {v}" for k, v in out["ratio_16_8"].items()))
+    # the few-token tiles: several groups of rows at once against one at a time, same process
+    out["ratio_groups"] = {w: {k: round(m[k] / m[k + "_one_group"], 3) for k in m if k + "_one_group" in m}
+                           for w, m in med.items()}
+    for w, r in out["ratio_groups"].items():
+        print(f"{w} lanes, groups at once / one at a time: " + ", ".join(f"{k} {v}" for k, v in r.items()))
     if a.json:
         print(json.dumps(out))
 

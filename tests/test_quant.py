@@ -549,3 +549,54 @@ def test_the_exact_products_say_how_many_lanes_they_take():
     off = subprocess.run([sys.executable, "-c", "from edgepaged._native import quant; print(quant.info()['exact_lanes'])"],
                          env={**os.environ, "EDGEPAGED_NO_AVX512": "1"}, capture_output=True, text=True, check=True)
     assert off.stdout.strip() == "8"
+
+
+def test_the_few_token_tiles_give_the_same_bits_with_groups_at_once():
+    """2 to 5 tokens against interleaved Q4_0/Q4_1/Q8_0 weights take tiles that run several
+    groups of rows at once (more FMA chains in flight, `quant.tile_groups`, the default): the
+    same bits as one group at a time and as the same tokens inside a 40-token batch (the
+    broadcast path), right against f64, on 16 lanes and on 8 (EDGEPAGED_NO_AVX512=1, a
+    process of its own), row counts that leave partial groups and pairs included."""
+    import os
+    import subprocess
+    import sys
+    code = r'''
+import numpy as np
+from edgepaged._native import quant as kernels
+from edgepaged.model.quant import QuantWeight
+from edgepaged.testing.gguf_models import random_blocks
+from gguf.quants import dequantize
+rng = np.random.default_rng(17)
+assert kernels.tile_groups() is True
+try:
+    for qtype in (2, 3, 8):
+        for n, cols in ((8, 64), (37, 96), (72, 576), (200, 256)):
+            data = random_blocks(qtype, n, cols, rng)
+            ref_w = dequantize(data, qtype).astype(np.float64).reshape(n, cols)
+            w = QuantWeight(qtype, data.copy(), n, cols)
+            assert w.interleave()
+            x = rng.standard_normal((40, cols)).astype(np.float32)
+            full = np.empty((40, n), np.float32)
+            kernels.matmul(w.data, w.kind, x, full, rows=n)
+            for t in (2, 3, 4, 5):
+                outs = []
+                for many in (True, False):
+                    assert kernels.tile_groups(many) is many
+                    out = np.full((t, n), np.nan, np.float32)
+                    kernels.matmul(w.data, w.kind, x[:t], out, rows=n)
+                    outs.append(out)
+                assert np.array_equal(outs[0], outs[1]), (qtype, n, t)
+                assert np.array_equal(outs[0], full[:t]), (qtype, n, t)
+                ref = x[:t].astype(np.float64) @ ref_w.T
+                assert np.abs(outs[0] - ref).max() <= 1e-4 * np.abs(ref).max(), (qtype, n, t)
+finally:
+    kernels.tile_groups(True)
+print("ok", kernels.info()["exact_lanes"])
+'''
+    lanes = set()
+    for no512 in ("0", "1"):
+        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "EDGEPAGED_NO_AVX512": no512},
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        lanes.add(r.stdout.split()[-1])
+    assert "8" in lanes or "1" in lanes

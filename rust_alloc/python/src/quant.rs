@@ -274,6 +274,18 @@ fn decode_prefetch(bytes: Option<usize>) -> usize {
     q8::decode_prefetch()
 }
 
+/// Whether the exact products' tiles for 2 to 5 tokens run several groups of rows at once (the
+/// default: more FMA chains in flight) or one at a time; `many` sets it for the process first
+/// (benchmarks alternate). The same results either way.
+#[pyfunction]
+#[pyo3(signature = (many=None))]
+fn tile_groups(many: Option<bool>) -> bool {
+    if let Some(m) = many {
+        quant::set_tile_groups(m);
+    }
+    quant::tile_groups()
+}
+
 /// {"isa": "avx2" | "scalar", "int8_isa": "avx512-vnni" | "avx2" | "scalar", "threads": n,
 /// "formats": {name: (ggml_type, block_weights, block_bytes)}, "x8_flag": 0x100,
 /// "interleavable": [ggml_type, ...], "r16_flag": 0x200, "repackable": [ggml_type, ...]}
@@ -313,5 +325,6 @@ pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     m.add_function(wrap_pyfunction!(info, &m)?)?;
     m.add_function(wrap_pyfunction!(int8_peak_gops, &m)?)?;
     m.add_function(wrap_pyfunction!(decode_prefetch, &m)?)?;
+    m.add_function(wrap_pyfunction!(tile_groups, &m)?)?;
     Ok(m)
 }

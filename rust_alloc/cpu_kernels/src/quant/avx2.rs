@@ -739,6 +739,14 @@ unsafe fn x16_codes<F: Fmt>(gc: *const u8, gbytes: usize, k: usize) -> __m512i {
     if F::Q == QType::Q4_0 { _mm512_sub_epi32(q, _mm512_set1_epi32(8)) } else { q }
 }
 
+/// The float of each 4-bit code (0..16) of format F, a `vpermps` table: c, or c - 8 for Q4_0.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn code_table<F: Fmt>() -> __m512 {
+    let first = if F::Q == QType::Q4_0 { -8.0 } else { 0.0 };
+    _mm512_add_ps(_mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.), _mm512_set1_ps(first))
+}
+
 /// Weights `j` and `j + 16` (0..16) of two neighbouring groups' 16 rows as fp32 codes
 /// (`x8_pair` on 16 lanes, converted). A 4-bit code becomes its float by a table lookup
 /// (`vpermps` reads the low 4 bits of each lane: no mask, no conversion; one load of each
@@ -750,9 +758,7 @@ unsafe fn x16_pair_f32<F: Fmt>(gc: *const u8, gbytes: usize, j: usize) -> (__m51
     if F::Q == QType::Q8_0 {
         return (_mm512_cvtepi32_ps(x16_codes::<F>(gc, gbytes, j)), _mm512_cvtepi32_ps(x16_codes::<F>(gc, gbytes, j + 16)));
     }
-    let first = if F::Q == QType::Q4_0 { -8.0 } else { 0.0 };
-    let table = _mm512_add_ps(_mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.),
-                              _mm512_set1_ps(first));
+    let table = code_table::<F>();
     let n = _mm512_cvtepu8_epi32(x16_bytes(gc, gbytes, 8 * j));
     (_mm512_permutexvar_ps(n, table), _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(n), table))
 }
@@ -841,60 +847,91 @@ unsafe fn gemv_x8<F: Fmt>(w: &QMatrix, x: *const f32, out: *mut f32, r0: usize, 
 
 /// One interleaved group (8 rows) against `NT` token rows (`x`, stride `xs`): each output
 /// one FMA chain in K order over the exact weights, as in `bmicro` (same bits as the
-/// broadcast path). Written to `o[t * os ..][..n]`.
+/// broadcast path). Written to `o[t * os ..][..n]`; `R` groups at once (group `g + r` written
+/// at `o + 8r`, all 8 rows of all but the last): `R x NT` chains in flight (see `tile_x16`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_x8<F: Fmt, const NT: usize>(w: &QMatrix, g: usize, x: *const f32, xs: usize, o: *mut f32, os: usize, n: usize) {
-    let base = w.data.as_ptr().add(g * 8 * w.row_bytes());
+unsafe fn tile_x8<F: Fmt, const NT: usize, const R: usize>(w: &QMatrix, g: usize, x: *const f32, xs: usize, o: *mut f32,
+                                                           os: usize, n: usize) {
+    let gbytes = 8 * w.row_bytes();
+    let base = w.data.as_ptr().add(g * gbytes);
     let bb8 = 8 * F::Q.block_bytes();
-    let mut acc = [_mm256_setzero_ps(); NT];
+    let mut acc = [[_mm256_setzero_ps(); NT]; R];
     let ahead = far_ahead(2 * bb8);
     for b in 0..w.cols / 32 {
-        let gb = base.add(b * bb8);
-        prefetch_group::<F>(gb.wrapping_add(ahead));
-        let (d, m) = x8_scales::<F>(gb);
+        let gbs: [*const u8; R] = std::array::from_fn(|r| base.add(r * gbytes + b * bb8));
+        for gb in gbs {
+            prefetch_group::<F>(gb.wrapping_add(ahead));
+        }
+        let dm: [(__m256, __m256); R] = std::array::from_fn(|r| x8_scales::<F>(gbs[r]));
         for k in 0..32 {
-            let wv = x8_vec::<F>(gb, d, m, k);
-            for (t, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(&*x.add(t * xs + 32 * b + k)), *a);
+            for r in 0..R {
+                let wv = x8_vec::<F>(gbs[r], dm[r].0, dm[r].1, k);
+                for (t, a) in acc[r].iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(&*x.add(t * xs + 32 * b + k)), *a);
+                }
             }
         }
     }
-    for (t, a) in acc.iter().enumerate() {
-        store_lanes(o.add(t * os), *a, n);
+    for (r, acc) in acc.iter().enumerate() {
+        for (t, a) in acc.iter().enumerate() {
+            store_lanes(o.add(t * os + 8 * r), *a, if r + 1 == R { n } else { 8 });
+        }
     }
 }
 
 /// `tile_x8` with 16 lanes: two interleaved groups side by side in each vector (lanes 0..8
-/// group `g`'s rows, 8..16 group `g + 1`'s), all 16 rows written. Each lane decodes its
-/// weights and runs its FMA chain as `tile_x8` does, in K order: the same bits.
+/// group `g`'s rows, 8..16 group `g + 1`'s), all 16 rows written; `R` such pairs at once
+/// (rows `8g .. 8g + 16R`, pair `r` written at `o + 16r`). Each lane decodes its weights and
+/// runs its FMA chain as `tile_x8` does, in K order: the same bits. An output's chain is
+/// serial (one FMA per weight, each waiting on the last), so a few tokens' chains alone waited
+/// on the FMA's latency: 2 to 5 tokens took as long as 8. `R` pairs give `R x NT` chains in
+/// flight.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn tile_x16<F: Fmt, const NT: usize>(w: &QMatrix, g: usize, x: *const f32, xs: usize, o: *mut f32, os: usize) {
+unsafe fn tile_x16<F: Fmt, const NT: usize, const R: usize>(w: &QMatrix, g: usize, x: *const f32, xs: usize, o: *mut f32,
+                                                            os: usize) {
     let gbytes = 8 * w.row_bytes();
     let base = w.data.as_ptr().add(g * gbytes);
     let bb8 = 8 * F::Q.block_bytes();
     let codes = F::Q.x8_codes();
-    let mut acc = [_mm512_setzero_ps(); NT];
+    let mut acc = [[_mm512_setzero_ps(); NT]; R];
     let ahead = far_ahead(2 * bb8);
+    let table = code_table::<F>();
     for b in 0..w.cols / 32 {
-        let gb = base.add(b * bb8);
-        prefetch_group::<F>(gb.wrapping_add(ahead));
-        prefetch_group::<F>(gb.wrapping_add(gbytes + ahead));
-        let d = x16_halves(gb, gbytes, 0);
-        let m = if F::Q == QType::Q4_1 { x16_halves(gb, gbytes, 16) } else { _mm512_setzero_ps() };
+        let gbs: [*const u8; R] = std::array::from_fn(|r| base.add(2 * r * gbytes + b * bb8));
+        for gb in gbs {
+            prefetch_group::<F>(gb.wrapping_add(ahead));
+            prefetch_group::<F>(gb.wrapping_add(gbytes + ahead));
+        }
+        let d: [__m512; R] = std::array::from_fn(|r| x16_halves(gbs[r], gbytes, 0));
+        let m: [__m512; R] = std::array::from_fn(|r| {
+            if F::Q == QType::Q4_1 { x16_halves(gbs[r], gbytes, 16) } else { _mm512_setzero_ps() }
+        });
         for k in 0..32 {
-            let q = x16_codes::<F>(gb.add(codes), gbytes, k);
-            let q = _mm512_cvtepi32_ps(q);
-            // the same operations as `x8_vec`
-            let wv = if F::Q == QType::Q4_1 { _mm512_fmadd_ps(d, q, m) } else { _mm512_mul_ps(q, d) };
-            for (t, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(wv, _mm512_set1_ps(*x.add(t * xs + 32 * b + k)), *a);
+            for r in 0..R {
+                let gc = gbs[r].add(codes);
+                // the weights' floats: Q8_0's codes converted; a 4-bit code by `vpermps` on a
+                // table (it reads the low 4 bits of each lane), as `x16_pair_f32`: the values
+                // `vcvtdq2ps` gives, in fewer instructions
+                let q = if F::Q != QType::Q8_0 {
+                    let n = _mm512_cvtepu8_epi32(x16_bytes(gc, gbytes, 8 * (k % 16)));
+                    _mm512_permutexvar_ps(if k < 16 { n } else { _mm512_srli_epi32::<4>(n) }, table)
+                } else {
+                    _mm512_cvtepi32_ps(x16_codes::<F>(gc, gbytes, k))
+                };
+                // the same operations as `x8_vec`
+                let wv = if F::Q == QType::Q4_1 { _mm512_fmadd_ps(d[r], q, m[r]) } else { _mm512_mul_ps(q, d[r]) };
+                for (t, a) in acc[r].iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(wv, _mm512_set1_ps(*x.add(t * xs + 32 * b + k)), *a);
+                }
             }
         }
     }
-    for (t, a) in acc.iter().enumerate() {
-        _mm512_storeu_ps(o.add(t * os), *a);
+    for (r, acc) in acc.iter().enumerate() {
+        for (t, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(o.add(t * os + 16 * r), *a);
+        }
     }
 }
 
@@ -911,33 +948,43 @@ unsafe fn rows_x8<F: Fmt>(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize) {
         let mt = (x.rows - t0).div_ceil(ntiles - i);
         let xp = x.ptr.add(t0 * x.stride);
         let mut r = r0;
+        // groups at once: about 8 FMA chains in flight (two FMA units, 4 cycles each)
+        let many = super::tile_groups();
         if crate::isa::has_avx512f() {
             while r + 16 <= r1 {
                 let o = out.ptr.add(t0 * out.stride + r);
+                let want = if !many { 1 } else { match mt { 1 | 2 => 4, 3 => 3, 4..=7 => 2, _ => 1 } };
+                let pairs = if r + 16 * want <= r1 { want } else { 1 };
                 macro_rules! go16 {
-                    ($($n:literal),*) => {
-                        match mt {
-                            $($n => tile_x16::<F, $n>(w, r / 8, xp, x.stride, o, out.stride),)*
+                    ($($n:literal => $r:literal),*) => {
+                        match (mt, pairs) {
+                            $(($n, $r) => tile_x16::<F, $n, $r>(w, r / 8, xp, x.stride, o, out.stride),
+                              ($n, _) => tile_x16::<F, $n, 1>(w, r / 8, xp, x.stride, o, out.stride),)*
                             _ => unreachable!(),
                         }
                     };
                 }
-                go16!(1, 2, 3, 4, 5, 6, 7, 8);
-                r += 16;
+                go16!(1 => 4, 2 => 4, 3 => 3, 4 => 2, 5 => 2, 6 => 2, 7 => 2, 8 => 1);
+                r += 16 * pairs;
             }
         }
         while r < r1 {
-            let (n, o) = ((r1 - r).min(8), out.ptr.add(t0 * out.stride + r));
+            let o = out.ptr.add(t0 * out.stride + r);
+            // (16 registers: fewer groups than on 16 lanes)
+            let want = if !many { 1 } else { match mt { 1 | 2 => 3, 3 | 4 => 2, _ => 1 } };
+            let groups = if r + 8 * want < r1 { want } else { 1 };
+            let n = (r1 - r - 8 * (groups - 1)).min(8);
             macro_rules! go {
-                ($($n:literal),*) => {
-                    match mt {
-                        $($n => tile_x8::<F, $n>(w, r / 8, xp, x.stride, o, out.stride, n),)*
+                ($($n:literal => $r:literal),*) => {
+                    match (mt, groups) {
+                        $(($n, $r) => tile_x8::<F, $n, $r>(w, r / 8, xp, x.stride, o, out.stride, n),
+                          ($n, _) => tile_x8::<F, $n, 1>(w, r / 8, xp, x.stride, o, out.stride, n),)*
                         _ => unreachable!(),
                     }
                 };
             }
-            go!(1, 2, 3, 4, 5, 6, 7, 8);
-            r += 8;
+            go!(1 => 3, 2 => 3, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1);
+            r += 8 * groups;
         }
         t0 += mt;
     }

@@ -280,6 +280,21 @@ pub(crate) const BCAST_ROWS: usize = 16;
 /// from 6 tokens on it was faster, below slower (bench/RESULTS.md, "Eighth session").
 pub(crate) const X8_BCAST_MIN_TOKENS: usize = 6;
 
+/// Whether the exact products' tiles for 2 to `X8_BCAST_MIN_TOKENS - 1` tokens run several
+/// groups of rows at once (about 8 FMA chains in flight: the default) or one at a time (as
+/// before; a benchmark alternates them). The same bits either way.
+static TILE_GROUPS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// `TILE_GROUPS`: several groups at once (true) or one.
+pub fn tile_groups() -> bool {
+    TILE_GROUPS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Set `tile_groups` for the process.
+pub fn set_tile_groups(many: bool) {
+    TILE_GROUPS.store(many, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// `out[t, r] = sum_k x[t, k] * W[r, k]` for `t < tokens`, `r < w.rows`.
 ///
 /// `x` holds `tokens` rows of `w.cols` values, row `t` at `x[t * x_stride..]`; `out` holds
