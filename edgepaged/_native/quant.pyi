@@ -68,6 +68,12 @@ def int8_peak_gops(reps: int = 3) -> float | None:
     """The int8 products' limit on this CPU: GOPS of `vpdpbusd` (AVX-512 VNNI) on every thread
     of the kernels' pool at once, the best of `reps` passes; None without AVX-512 VNNI."""
 
+def tile_groups(many: bool | None = None) -> bool:
+    """Whether the exact products' tiles for 2 to 5 tokens run several groups of rows at once
+    (the default: more FMA chains in flight) or one at a time; `many` sets it for the process
+    first (benchmarks alternate). The same results either way."""
+
+
 def decode_prefetch(bytes: int | None = None) -> int:
     """How far ahead (bytes) the integer kernels prefetch a decode step's weights: 8192 unless
     EDGEPAGED_DECODE_PREFETCH says otherwise (0: the hardware's prefetch alone); `bytes` sets
