@@ -552,11 +552,12 @@ def test_the_exact_products_say_how_many_lanes_they_take():
 
 
 def test_the_few_token_tiles_give_the_same_bits_with_groups_at_once():
-    """2 to 5 tokens against interleaved Q4_0/Q4_1/Q8_0 weights take tiles that run several
-    groups of rows at once (more FMA chains in flight, `quant.tile_groups`, the default): the
-    same bits as one group at a time and as the same tokens inside a 40-token batch (the
-    broadcast path), right against f64, on 16 lanes and on 8 (EDGEPAGED_NO_AVX512=1, a
-    process of its own), row counts that leave partial groups and pairs included."""
+    """A few tokens against interleaved Q4_0/Q4_1/Q8_0 weights take tiles that run several
+    groups of rows at once (more FMA chains in flight, `quant.tile_groups`, the default; up
+    to 8 tokens on 16 lanes, 5 on 8), more tokens the broadcast path (12-token tiles on 16
+    lanes): the same bits as one group at a time and as the same tokens inside a 40-token
+    batch, right against f64, on 16 lanes and on 8 (EDGEPAGED_NO_AVX512=1, a process of its
+    own), row counts that leave partial groups and pairs included."""
     import os
     import subprocess
     import sys
@@ -578,7 +579,7 @@ try:
             x = rng.standard_normal((40, cols)).astype(np.float32)
             full = np.empty((40, n), np.float32)
             kernels.matmul(w.data, w.kind, x, full, rows=n)
-            for t in (2, 3, 4, 5):
+            for t in (2, 3, 4, 5, 6, 8, 9, 13, 16):
                 outs = []
                 for many in (True, False):
                     assert kernels.tile_groups(many) is many
@@ -600,3 +601,32 @@ print("ok", kernels.info()["exact_lanes"])
         assert r.returncode == 0, r.stderr[-2000:]
         lanes.add(r.stdout.split()[-1])
     assert "8" in lanes or "1" in lanes
+
+
+def test_interleaved_weights_stay_on_the_kernels_where_they_take_16_lanes():
+    """Where the exact kernels take 16 lanes (AVX-512 F) a long prefill's products with
+    interleaved weights stay on the kernels (their broadcast path: faster there than decoding
+    to fp32 + GEMM), giving the kernels' own bits; with 8 lanes they decode to GEMM from
+    `dense_min_tokens` rows as before. Row-layout K-quant weights decode to GEMM either way."""
+    from edgepaged.model.cpu_runtime import Linear
+    from edgepaged.model.quant.formats import kernel_layouts
+    lanes = kernels.info()["exact_lanes"]
+    assert kernel_layouts() == (("r16", "x8") if lanes == 16 else ("r16",))
+    rng = np.random.default_rng(23)
+    n, cols, t = 40, 256, 30
+    for qtype, lay in ((3, "x8"), (12, "rows")):
+        w = QuantWeight(qtype, random_blocks(qtype, n, cols, rng), n, cols)
+        if lay == "x8":
+            assert w.interleave()
+        x = rng.standard_normal((t, cols)).astype(np.float32)
+        direct = np.empty((t, n), np.float32)
+        kernels.matmul(w.data, w.kind, x, direct, rows=n)
+        got = Linear([w], None, dense_min_tokens=24)(x)
+        short = Linear([w], None, dense_min_tokens=10_000)(x)       # the kernels, whatever the CPU
+        assert np.array_equal(short, direct)
+        if lay == "x8" and lanes == 16:
+            assert np.array_equal(got, direct), qtype          # stayed on the kernels
+        else:
+            dense = x @ np.asarray(w.dequantize(), np.float32).reshape(n, cols).T
+            assert np.allclose(got, dense, rtol=1e-5, atol=1e-4), qtype
+            assert not np.array_equal(got, direct), qtype      # decoded to GEMM: other sums

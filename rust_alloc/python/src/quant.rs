@@ -274,7 +274,7 @@ fn decode_prefetch(bytes: Option<usize>) -> usize {
     q8::decode_prefetch()
 }
 
-/// Whether the exact products' tiles for 2 to 5 tokens run several groups of rows at once (the
+/// Whether the exact products' tiles for a few tokens (2 to 8 on 16 lanes, to 5 on 8) run several groups of rows at once (the
 /// default: more FMA chains in flight) or one at a time; `many` sets it for the process first
 /// (benchmarks alternate). The same results either way.
 #[pyfunction]

@@ -6,9 +6,10 @@
 //! multiply it by outer products with 6-token tiles (`rows_bcast`). Interleaved weights (x8)
 //! need no transposes for that panel (`x8_panel`); with one token they are multiplied 8 rows
 //! per vector, the scales folded in per block (`gemv_x8`), with a few tokens by register
-//! tiles of 8 rows (`rows_x8`), from `X8_BCAST_MIN_TOKENS` on by the broadcast path. With
-//! AVX-512 F those two take 16 rows (two groups) per vector, each lane's operations and
-//! their order unchanged (`gemv_x16_tile`, `tile_x16`: the same bits).
+//! tiles of 8 rows (`rows_x8`, several groups at once), from `x8_bcast_min_tokens()` on by
+//! the broadcast path. With AVX-512 F those take 16 rows (two groups) per vector, each lane's
+//! operations and their order unchanged (`gemv_x16_tile`, `tile_x16`, `bmicro16`: the same
+//! bits), the tiles up to 8 tokens and the broadcast path's up to 12.
 
 use std::arch::x86_64::*;
 
@@ -938,7 +939,7 @@ unsafe fn tile_x16<F: Fmt, const NT: usize, const R: usize>(w: &QMatrix, g: usiz
 const X8_TILE: usize = 8;
 
 /// Rows `r0..r1` (`r0` a multiple of 8) of an interleaved matrix against 2 to
-/// `X8_BCAST_MIN_TOKENS - 1` tokens: token tiles of at most 8 outside (their activations stay
+/// `x8_bcast_min_tokens() - 1` tokens: token tiles of at most 8 outside (their activations stay
 /// in L1), groups inside.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_x8<F: Fmt>(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize) {
@@ -1217,6 +1218,34 @@ unsafe fn bmicro<const MT: usize, const FIRST: bool>(wp: *const f32, nk: usize, 
     }
 }
 
+/// `bmicro` on 16 lanes (AVX-512 F): the panel's 16 rows of weight `k` are one vector, so a
+/// token takes one FMA per `k` instead of two, and a tile takes up to `BT16` tokens (more
+/// chains in flight, the panel read fewer times). Each lane runs the same FMA chain in K order
+/// as in `bmicro`: the same bits.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn bmicro16<const MT: usize, const FIRST: bool>(wp: *const f32, nk: usize, x: *const f32, xs: usize, o: *mut f32,
+                                                       os: usize) {
+    let mut a = [_mm512_setzero_ps(); MT];
+    if !FIRST {
+        for (t, a) in a.iter_mut().enumerate() {
+            *a = _mm512_loadu_ps(o.add(t * os));
+        }
+    }
+    for k in 0..nk {
+        let w = _mm512_load_ps(wp.add(k * BR));
+        for (t, a) in a.iter_mut().enumerate() {
+            *a = _mm512_fmadd_ps(w, _mm512_set1_ps(*x.add(t * xs + k)), *a);
+        }
+    }
+    for (t, a) in a.iter().enumerate() {
+        _mm512_storeu_ps(o.add(t * os), *a);
+    }
+}
+
+/// Tokens per tile of the broadcast path on 16 lanes (on 8: 6).
+const BT16: usize = 12;
+
 #[repr(align(64))]
 struct BPanel([f32; BR * BKC]);
 
@@ -1229,7 +1258,9 @@ struct BPanel([f32; BR * BKC]);
 /// partial sums between chunks, written as whole 16-float runs. The next chunk's weight
 /// bytes are prefetched into L2 while a chunk is multiplied.
 /// Faster than the earlier dot-product panel and register tiles at 16+ tokens (bench/RESULTS.md, "Sixth
-/// session").
+/// session"). With AVX-512 F the tiles take up to 12 tokens, one 16-lane FMA per token and
+/// `k` (`bmicro16`: the same bits; 1.4-1.9x on the embedded model's products from 6 tokens
+/// on, bench/RESULTS.md, 2026-12-03, eighth session).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_bcast<F: Fmt>(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize) {
     let (bw, bb) = (F::Q.block_weights(), F::Q.block_bytes());
@@ -1240,10 +1271,11 @@ unsafe fn rows_bcast<F: Fmt>(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize
     let mut panel = BPanel([0f32; BR * BKC]);
     let wp = panel.0.as_mut_ptr();
     // a partial group's outputs pass through here, one token tile at a time: [token][16]
-    let mut part = [0f32; 6 * BR];
+    let mut part = [0f32; BT16 * BR];
     let pp = part.as_mut_ptr();
-    // token tiles of equal size (32 tokens: 6 6 5 5 5 5), at most 6
-    let ntiles = x.rows.div_ceil(6);
+    // token tiles of equal size (32 tokens: 6 6 5 5 5 5), at most 6; on 16 lanes at most 12
+    let wide = crate::isa::has_avx512f();
+    let ntiles = x.rows.div_ceil(if wide { BT16 } else { 6 });
     let mut g0 = r0;
     while g0 < r1 {
         let nr = BR.min(r1 - g0);
@@ -1284,15 +1316,19 @@ unsafe fn rows_bcast<F: Fmt>(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize
                     }
                 }
                 macro_rules! go {
-                    ($($n:literal),*) => {
+                    ($k:ident; $($n:literal),*) => {
                         match (mt, first) {
-                            $(($n, true) => bmicro::<$n, true>(wp, nk, xp, x.stride, op, os),
-                              ($n, false) => bmicro::<$n, false>(wp, nk, xp, x.stride, op, os),)*
+                            $(($n, true) => $k::<$n, true>(wp, nk, xp, x.stride, op, os),
+                              ($n, false) => $k::<$n, false>(wp, nk, xp, x.stride, op, os),)*
                             _ => unreachable!(),
                         }
                     };
                 }
-                go!(1, 2, 3, 4, 5, 6);
+                if wide {
+                    go!(bmicro16; 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12);
+                } else {
+                    go!(bmicro; 1, 2, 3, 4, 5, 6);
+                }
                 if !full {
                     for t in 0..mt {
                         std::ptr::copy_nonoverlapping(pp.add(t * BR), out.row(t0 + t).add(g0), nr);
@@ -1309,7 +1345,7 @@ unsafe fn rows_bcast<F: Fmt>(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize
 /// # Safety
 /// Views checked by the caller; the CPU has AVX2, FMA and F16C.
 pub(crate) unsafe fn matmul_rows(w: &QMatrix, x: Mat, out: Mat, r0: usize, r1: usize) {
-    if w.x8 && x.rows < super::X8_BCAST_MIN_TOKENS {
+    if w.x8 && x.rows < super::x8_bcast_min_tokens() {
         return match (w.qtype, x.rows) {
             (QType::Q8_0, 1) => gemv_x8::<Q80>(w, x.ptr, out.ptr, r0, r1),
             (QType::Q4_0, 1) => gemv_x8::<Q40>(w, x.ptr, out.ptr, r0, r1),

@@ -279,8 +279,16 @@ pub(crate) const BCAST_ROWS: usize = 16;
 /// below (same bits either way). Decoding them is cheap enough that the panel pays off early:
 /// from 6 tokens on it was faster, below slower (bench/RESULTS.md, "Eighth session").
 pub(crate) const X8_BCAST_MIN_TOKENS: usize = 6;
+/// The same on 16 lanes (AVX-512 F), where the tiles run several row groups at once: they
+/// beat the broadcast path up to 8 tokens (bench/RESULTS.md, 2026-12-03, eighth session).
+pub(crate) const X8_BCAST_MIN_TOKENS_16: usize = 9;
 
-/// Whether the exact products' tiles for 2 to `X8_BCAST_MIN_TOKENS - 1` tokens run several
+/// `X8_BCAST_MIN_TOKENS` for this CPU's exact paths.
+pub(crate) fn x8_bcast_min_tokens() -> usize {
+    if crate::isa::has_avx512f() { X8_BCAST_MIN_TOKENS_16 } else { X8_BCAST_MIN_TOKENS }
+}
+
+/// Whether the exact products' tiles for 2 to `x8_bcast_min_tokens() - 1` tokens run several
 /// groups of rows at once (about 8 FMA chains in flight: the default) or one at a time (as
 /// before; a benchmark alternates them). The same bits either way.
 static TILE_GROUPS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
@@ -332,7 +340,7 @@ pub fn matmul_stacked(
     let threads = if work < 1 << 16 { 1 } else { pool::num_threads() };
     // (interleaved matrices: whole groups of 8 rows per chunk)
     let x8 = ws.iter().any(|w| w.x8);
-    let group = if tokens >= BCAST_MIN_TOKENS || (x8 && tokens >= X8_BCAST_MIN_TOKENS) {
+    let group = if tokens >= BCAST_MIN_TOKENS || (x8 && tokens >= x8_bcast_min_tokens()) {
         BCAST_ROWS
     } else if x8 {
         8
