@@ -71,7 +71,8 @@ async def scenario():
     assert f"http://127.0.0.1:{http_port}/" in cli("ls", "--timeout", "1.5")   # and the table shows its URL
 
     step("a long request: the TXT load follows")
-    long = subprocess.Popen([*CLI, "ask", "--max-tokens", "300", "Write a very long story about a dragon."],
+    # (long enough to outlast the next ls calls on a fast box: it is killed below)
+    long = subprocess.Popen([*CLI, "ask", "--max-tokens", "3000", "Write a very long story about a dragon."],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     assert long.stdout.read(1), long.stderr.read()      # found by discovery, streaming
     deadline = time.monotonic() + 15
