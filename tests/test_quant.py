@@ -125,8 +125,9 @@ def test_quant_linear_mixed_segments_bias_and_dense_path():
 
 def test_interleaved_weights_give_the_same_products_lookups_and_dense_path():
     """Q4_0/Q4_1/Q8_0 weights interleaved in groups of 8 rows (as the loader leaves them):
-    products for 1, 2..15 and 16+ tokens, the decode-to-scratch path and embedding lookups
-    agree with the GGUF row order; a ragged row count is padded and never written past."""
+    products for 1, 2..15 and 16+ tokens (on the kernels at any count) and embedding lookups
+    agree with the GGUF row order (its products decoding to scratch + GEMM from 24 tokens);
+    a ragged row count is padded and never written past."""
     rng = np.random.default_rng(11)
     cols = 96
     for q, n in [(2, 13), (3, 40), (8, 21)]:
@@ -137,7 +138,7 @@ def test_interleaved_weights_give_the_same_products_lookups_and_dense_path():
         assert wx.interleave() and wx.x8 and wx.data.shape == (-(-n // 8), 8 * w.data.shape[1])
         assert wx.kind == q | kernels.info()["x8_flag"]
         lin = QuantLinear([wx], dense_min_tokens=24)
-        for t in (1, 2, 7, 15, 16, 23, 24, 40):   # GEMV, tiles, broadcast path, decode-to-scratch + GEMM
+        for t in (1, 2, 7, 15, 16, 23, 24, 40):   # GEMV, tiles, broadcast path (rows: + decode + GEMM)
             x = torch.randn(t, cols)
             got = lin(x)
             assert got.shape == (t, n)
@@ -603,15 +604,13 @@ print("ok", kernels.info()["exact_lanes"])
     assert "8" in lanes or "1" in lanes
 
 
-def test_interleaved_weights_stay_on_the_kernels_where_they_take_16_lanes():
-    """Where the exact kernels take 16 lanes (AVX-512 F) a long prefill's products with
-    interleaved weights stay on the kernels (their broadcast path: faster there than decoding
-    to fp32 + GEMM), giving the kernels' own bits; with 8 lanes they decode to GEMM from
-    `dense_min_tokens` rows as before. Row-layout K-quant weights decode to GEMM either way."""
+def test_interleaved_weights_stay_on_the_kernels_at_any_token_count():
+    """A long prefill's products with interleaved weights stay on the kernels (their broadcast
+    path: faster than decoding to fp32 + GEMM, on 16 lanes and on 8), giving the kernels'
+    own bits; row-layout K-quant weights decode to GEMM from `dense_min_tokens` rows."""
     from edgepaged.model.cpu_runtime import Linear
-    from edgepaged.model.quant.formats import kernel_layouts
-    lanes = kernels.info()["exact_lanes"]
-    assert kernel_layouts() == (("r16", "x8") if lanes == 16 else ("r16",))
+    from edgepaged.model.quant.formats import KERNEL_LAYOUTS
+    assert KERNEL_LAYOUTS == ("r16", "x8")
     rng = np.random.default_rng(23)
     n, cols, t = 40, 256, 30
     for qtype, lay in ((3, "x8"), (12, "rows")):
@@ -622,9 +621,9 @@ def test_interleaved_weights_stay_on_the_kernels_where_they_take_16_lanes():
         direct = np.empty((t, n), np.float32)
         kernels.matmul(w.data, w.kind, x, direct, rows=n)
         got = Linear([w], None, dense_min_tokens=24)(x)
-        short = Linear([w], None, dense_min_tokens=10_000)(x)       # the kernels, whatever the CPU
+        short = Linear([w], None, dense_min_tokens=10_000)(x)       # the kernels
         assert np.array_equal(short, direct)
-        if lay == "x8" and lanes == 16:
+        if lay == "x8":
             assert np.array_equal(got, direct), qtype          # stayed on the kernels
         else:
             dense = x @ np.asarray(w.dequantize(), np.float32).reshape(n, cols).T

@@ -10,7 +10,7 @@ every EDGEPAGED_ variable that changes how the model runs is in this table (the 
 | `EDGEPAGED_FUSED`                 | 1       | torch runtime: 0 for the plain torch forward on CPU          |
 | `EDGEPAGED_QUANT_MATH`            | auto    | `int8`: activations quantized per block of 32 (per 256 for K-quants) and 8-bit dot products (llama.cpp's way); `exact`: fp32 activations, the weights decoded exactly; `auto`: int8 for models of 0.7 B parameters and more on a CPU with AVX2 or AVX-512 VNNI, exact otherwise (`serve --quant-math`) |
 | `EDGEPAGED_QUANT_INTERLEAVE`      | 1       | exact math: 0 keeps GGUF's row order for Q4_0/Q4_1/Q8_0      |
-| `EDGEPAGED_QUANT_DENSE_MIN_TOKENS`| 768     | token rows from which quantized products decode to fp32 + GEMM (not the integer kernels' weights, nor interleaved ones on 16 lanes) |
+| `EDGEPAGED_QUANT_DENSE_MIN_TOKENS`| 768     | token rows from which quantized products decode to fp32 + GEMM (not the integer kernels' weights, nor interleaved Q4_0/Q4_1/Q8_0 ones) |
 | `EDGEPAGED_QUANT_TORCH_THREADS`   | 1       | 0: let torch keep all its threads beside the kernels' pool   |
 | `EDGEPAGED_RUST_ATTENTION_MAX`    | 131072  | a prefill chunk of q rows over n positions attends in Rust while q * n is at most this |
 | `EDGEPAGED_FUSED_MAX_TOKENS`      | 256     | steps with fewer rows run all layers in one Rust call        |

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..._native import quant as kernels
-from .formats import FORMATS, QuantWeight, kernel_layouts, lay_out, merge_segments
+from .formats import FORMATS, QuantWeight, KERNEL_LAYOUTS, lay_out, merge_segments
 from .threads import gemm, scratch
 
 SCRATCH_BYTES = 16 << 20
@@ -56,9 +56,8 @@ class QuantLinear(nn.Module):
             return self.forward(_f32_rows(x, self.in_features)).view(*lead, self.out_features)
         t = x.shape[0]
         # long prefills: exact segments decode to fp32 + GEMM; repacked ones stay on the
-        # integer kernels, faster than any decode + GEMM (and interleaved ones on 16 lanes)
-        stay = kernel_layouts()
-        dense = [t >= self.dense_min_tokens and s.layout not in stay for s in self.segments]
+        # integer kernels, faster than any decode + GEMM (and so do interleaved ones)
+        dense = [t >= self.dense_min_tokens and s.layout not in KERNEL_LAYOUTS for s in self.segments]
         if dense == [True]:
             out = self._dense(x, self.segments[0])
         else:
