@@ -69,9 +69,10 @@ def int8_peak_gops(reps: int = 3) -> float | None:
     of the kernels' pool at once, the best of `reps` passes; None without AVX-512 VNNI."""
 
 def tile_groups(many: bool | None = None) -> bool:
-    """Whether the exact products' tiles for a few tokens (2 to 8 on 16 lanes, to 5 on 8) run several groups of rows at once
-    (the default: more FMA chains in flight) or one at a time; `many` sets it for the process
-    first (benchmarks alternate). The same results either way."""
+    """Whether the exact products' tiles for a few tokens (2 to 8 on 16 lanes, to 5 on 8) run
+    several groups of rows at once (the default: more FMA chains in flight) or one at a time;
+    `many` sets it for the process first (benchmarks alternate). The same results either
+    way."""
 
 
 def decode_prefetch(bytes: int | None = None) -> int:

@@ -29,7 +29,7 @@ from .families import base as steps
 from .families.base import llama_blocks
 from .loader import ModelFiles, terminal_progress
 from .placement import check_linear, place
-from .quant.formats import QuantWeight, KERNEL_LAYOUTS, lay_out, merge_segments, own_weights
+from .quant.formats import QuantWeight, kernel_layouts, lay_out, merge_segments, own_weights
 from .rope import rotary_tables
 from .runtime import KvBudgetError, RunnerBase, StepInterrupted, _Background, cpu_kv_default_bytes
 from .settings import CpuConfig
@@ -73,7 +73,7 @@ class WeightsCacheMismatch(RuntimeError):
 class Linear:
     """y = x W^T (+ b): W as GGUF row segments multiplied by the Rust kernels (from
     `dense_min_tokens` rows on, segments on the exact kernels (but interleaved ones:
-    `formats.KERNEL_LAYOUTS`) are decoded in tiles into a
+    `formats.kernel_layouts`) are decoded in tiles into a
     scratch and multiplied by numpy's GEMM, as `QuantLinear` does with oneDNN), or a float32
     matrix for numpy's GEMM."""
 
@@ -108,7 +108,7 @@ class Linear:
                 out = np.empty((t, self.out_features), np.float32)
             if t:
                 for s, a in zip(self.segments, self.offsets):
-                    if t >= self.dense_min_tokens and s.layout not in KERNEL_LAYOUTS:
+                    if t >= self.dense_min_tokens and s.layout not in kernel_layouts():
                         self._dense(x, s, out[:, a: a + s.rows])
                     else:
                         kernels.matmul(s.data, s.kind, x, out, col=a, rows=s.rows)

@@ -29,12 +29,20 @@ REPACKABLE = (2, 3, 6, 7, 8, 12, 13, 14)   # every block format (not F16 / BF16)
 LAYOUTS = ("rows", "x8", "r16")
 
 
-# Layouts whose products stay on the Rust kernels however many tokens a step has (the others
-# decode to fp32 + GEMM from `dense_min_tokens` rows on): the integer kernels' (r16) and the
-# interleaved exact weights (x8), whose broadcast path beat decoding to fp32 + numpy's GEMM at
-# 2,048 tokens on the embedded model: 1.7x on 16 lanes, 1.2-1.3x on 8 (bench/RESULTS.md,
-# 2026-12-03, eighth session).
-KERNEL_LAYOUTS = ("r16", "x8")
+_KERNEL_LAYOUTS: tuple[str, ...] | None = None
+
+
+def kernel_layouts() -> tuple[str, ...]:
+    """Layouts whose products stay on the Rust kernels however many tokens a step has (the
+    others decode to fp32 + GEMM from `dense_min_tokens` rows on): the integer kernels' (r16),
+    and the interleaved exact weights (x8) where the exact kernels are vectorised (8 or 16
+    lanes): their broadcast path beat decoding to fp32 + numpy's GEMM at 2,048 tokens on the
+    embedded model, 1.7x on 16 lanes and 1.2-1.3x on 8 (bench/RESULTS.md, 2026-12-03, eighth
+    session). The portable kernels (no AVX2, an ARM box) leave long prefills to the GEMM."""
+    global _KERNEL_LAYOUTS
+    if _KERNEL_LAYOUTS is None:
+        _KERNEL_LAYOUTS = ("r16", "x8") if kernels.info()["exact_lanes"] > 1 else ("r16",)
+    return _KERNEL_LAYOUTS
 
 
 def can_keep(qtype: int, shape) -> bool:

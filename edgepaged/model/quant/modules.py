@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..._native import quant as kernels
-from .formats import FORMATS, QuantWeight, KERNEL_LAYOUTS, lay_out, merge_segments
+from .formats import FORMATS, QuantWeight, kernel_layouts, lay_out, merge_segments
 from .threads import gemm, scratch
 
 SCRATCH_BYTES = 16 << 20
@@ -57,7 +57,7 @@ class QuantLinear(nn.Module):
         t = x.shape[0]
         # long prefills: exact segments decode to fp32 + GEMM; repacked ones stay on the
         # integer kernels, faster than any decode + GEMM (and so do interleaved ones)
-        dense = [t >= self.dense_min_tokens and s.layout not in KERNEL_LAYOUTS for s in self.segments]
+        dense = [t >= self.dense_min_tokens and s.layout not in kernel_layouts() for s in self.segments]
         if dense == [True]:
             out = self._dense(x, self.segments[0])
         else:

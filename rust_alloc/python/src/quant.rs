@@ -274,9 +274,9 @@ fn decode_prefetch(bytes: Option<usize>) -> usize {
     q8::decode_prefetch()
 }
 
-/// Whether the exact products' tiles for a few tokens (2 to 8 on 16 lanes, to 5 on 8) run several groups of rows at once (the
-/// default: more FMA chains in flight) or one at a time; `many` sets it for the process first
-/// (benchmarks alternate). The same results either way.
+/// Whether the exact products' tiles for a few tokens (2 to 8 on 16 lanes, to 5 on 8) run
+/// several groups of rows at once (the default: more FMA chains in flight) or one at a time;
+/// `many` sets it for the process first (benchmarks alternate). The same results either way.
 #[pyfunction]
 #[pyo3(signature = (many=None))]
 fn tile_groups(many: Option<bool>) -> bool {
@@ -294,7 +294,7 @@ fn info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("isa", quant::best().name())?;
     d.set_item("int8_isa", q8::best().name())?;
-    // the exact products' interleaved paths for 1..5 tokens take 16 rows a vector with AVX-512 F
+    // the exact products' interleaved paths take 16 rows a vector with AVX-512 F
     let lanes = match quant::best() {
         Isa::Scalar => 1,
         _ if cpu_kernels::isa::has_avx512f() => 16,
