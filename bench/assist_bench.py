@@ -12,6 +12,9 @@ Figures (the last line with --json):
   prompt in one process, best of 2) on the file, as the median of `--cold-runs` pairs measured
   alternately in this run (each cold command on a fresh server with an empty store);
   `family_prefill_tok_s` the best of those family_bench rates, `cold_pairs` every pair.
+  `same_length_vs_family` and `served_vs_same_length` split that ratio: the in-process rate
+  of a prompt as long as the command's (in the server's 512-token steps) over family_bench's,
+  and the served rate over it (medians of the pairs).
 - `ttft_cold_ollama_s`: the Ollama door's first command (its rendering of the request is a
   prompt of its own: cold too).
 - `ttft_warm_s` {p50, p90}: later commands (the prompt's prefix cached), to the first byte;
@@ -229,28 +232,32 @@ def tool_stream_check(max_tokens: int = 96) -> dict:
 FAMILY_PREFILL = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from family_bench import prefill_only
-print(prefill_only(sys.argv[2]))
+from family_bench import prefill_chunked, prefill_only
+print(prefill_only(sys.argv[2]) if len(sys.argv) == 3 else prefill_chunked(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
 """
 
 
-def family_prefill(model: str) -> float:
+def family_prefill(model: str, tokens: int | None = None, chunk: int = 512) -> float:
     """family_bench's `prefill_tok_s` on `model`, in a process of its own (as that benchmark
-    runs it: nothing else loaded beside it)."""
+    runs it: nothing else loaded beside it); with `tokens`, the rate of a prompt that long in
+    `chunk`-token steps (`family_bench.prefill_chunked`)."""
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-c", FAMILY_PREFILL, str(Path(__file__).parent), model],
+    more = [] if tokens is None else [str(tokens), str(chunk)]
+    out = subprocess.run([sys.executable, "-c", FAMILY_PREFILL, str(Path(__file__).parent), model, *more],
                          capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def cold_pairs(model: str, flags: list[str], runs: int, max_tokens: int) -> dict:
+def cold_pairs(model: str, flags: list[str], runs: int, max_tokens: int, chunk: int = 512) -> dict:
     """`runs` pairs, alternated: family_bench's 512-token prefill rate on the file, then a
     fresh server (its own empty store: nothing cached) and the first command's prompt tokens
-    over its TTFT. The machine's speed drifts; a pair's ratio does not."""
+    over its TTFT, then (the split of the gap) the in-process rate of a prompt as long as the
+    command's, in the server's `chunk`-token steps. The machine's speed drifts; a pair's ratio
+    does not."""
     import os
     import tempfile
-    served, family, ratios = [], [], []
+    served, family, ratios, same = [], [], [], []
     before = os.environ.get("EDGEPAGED_STORE")
     for _ in range(runs):
         family.append(family_prefill(model))
@@ -269,10 +276,16 @@ def cold_pairs(model: str, flags: list[str], runs: int, max_tokens: int) -> dict
                     os.environ["EDGEPAGED_STORE"] = before
         served.append(r["prompt_tokens"] / r["ttft"])
         ratios.append(served[-1] / family[-1])
+        same.append(family_prefill(model, r["prompt_tokens"], chunk))
     return {"family_prefill_tok_s": round(max(family), 1),
             "served_prefill_ratio": round(statistics.median(ratios), 3),
-            "cold_pairs": [{"served_prefill_tok_s": round(s, 1), "family_prefill_tok_s": round(f, 1)}
-                           for s, f in zip(served, family)]}
+            # the gap's two parts: the long prompt itself (its attention over ~2 k positions,
+            # which a 512-token prompt does not pay) and serving it
+            "same_length_vs_family": round(statistics.median(m / f for m, f in zip(same, family)), 3),
+            "served_vs_same_length": round(statistics.median(s / m for s, m in zip(served, same)), 3),
+            "cold_pairs": [{"served_prefill_tok_s": round(s, 1), "family_prefill_tok_s": round(f, 1),
+                            "same_length_prefill_tok_s": round(m, 1)}
+                           for s, f, m in zip(served, family, same)]}
 
 
 def main() -> None:
@@ -317,7 +330,7 @@ def main() -> None:
         proc.wait(30)
     out["ttft_after_restart_s"] = restart_ttft(flags, args.max_tokens)
     if args.cold_runs > 0:
-        out.update(cold_pairs(model, flags, args.cold_runs, args.max_tokens))
+        out.update(cold_pairs(model, flags, args.cold_runs, args.max_tokens, args.max_batched_tokens or 512))
     out["tool_call_stream"] = tool_stream_check()
     exe = args.llama_server or shutil.which("llama-server")
     if exe is None:

@@ -247,6 +247,29 @@ def prefill_only(path: Path, reps: int = 2) -> float:
                for r in range(reps))
 
 
+def prefill_chunked(path: Path, tokens: int, chunk: int = 512, reps: int = 1) -> float:
+    """The prefill rate of one `tokens`-token prompt computed in `chunk`-token steps, as the
+    server's scheduler cuts a long prompt alone (`--max-batched-tokens`): each chunk attends
+    over everything before it. The same warm-up as `prefill_only`; the best of `reps`."""
+    from edgepaged.model.runtime import open_runner
+    from edgepaged.testing.decode import step
+    runner = open_runner(path, "cpu", num_blocks=tokens // 16 + 64)
+    alloc = make_allocator(runner)
+    vocab = runner.config.vocab_size
+    run_batch(runner, alloc, prompts(vocab, 2, 8, 9), 4, seq_base=1_000_000)   # warm-up
+    best = 0.0
+    for r in range(reps):
+        sid, p = 10_000 * (r + 1), prompts(vocab, 1, tokens, 70 + r)[0]
+        alloc.add_sequence(sid, p)
+        t = time.perf_counter()
+        for at in range(0, tokens, chunk):
+            n = min(chunk, tokens - at)
+            step(runner, alloc, [sid], [n], p[at:at + n], np.arange(at, at + n))
+        best = max(best, tokens / (time.perf_counter() - t))
+        alloc.free_sequence(sid, cache=False)
+    return best
+
+
 def llama_bench(exe: str, path: Path, new_tokens: int, reps: int) -> dict:
     """llama.cpp's own llama-bench: a PREFILL-token prompt and new_tokens generated, --reps
     repetitions each (its mean)."""

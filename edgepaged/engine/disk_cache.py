@@ -6,8 +6,8 @@ same bytes of K/V read back from a disk cost a fraction of a second.
     tier = DiskTier(directory, identity, block_bytes, limit_bytes)
     found = tier.fetch(tokens, salt)    # worker thread, at a request's arrival: the payloads of
                                         # its prompt's leading full blocks on disk, checked
-    tier.offer(tokens, salt, blocks)    # worker thread, after the step that completed a prompt:
-                                        # its full blocks not on disk yet, copied out of the
+    want = tier.wanted(tokens, salt)    # worker thread, after the step that completed a prompt:
+    tier.put([(key, data), ...])        # its full blocks not on disk yet, copied out of the
                                         # cache, written by the tier's writer thread
 
 A block is keyed by the chain of its prompt's tokens up to it (each block's key hashes the
@@ -18,6 +18,15 @@ size, BLAKE2b of the payload) and the payload; a torn, truncated or corrupt file
 (and is removed), never wrong K/V. Files are written to a temporary name and renamed. The tier
 holds at most `limit_bytes`: the least recently used files go first. A write that fails
 (a full disk, a read-only folder) turns the tier's writes off with one log line; reads go on.
+
+The writer waits for the engine to be quiet (`quiet`: set while no step runs) before it
+writes, at most until `BUSY_WAIT_S` after the blocks were handed over: a long prompt's
+blocks (~70 MB for 2 k tokens of a 1 B model) hashed and written beside the steps that
+answer it took a core from them and the interpreter's lock from the step thread (the writer
+runs at the lowest priority, so it held that lock while descheduled). What waits is bounded
+by `PENDING_BYTES`; past it a prompt's blocks are dropped (a cache). Blocks handed over and
+not written yet are not wanted again (a warm command does not copy the whole shared prefix
+again while it waits).
 """
 from __future__ import annotations
 
@@ -38,6 +47,8 @@ log = logging.getLogger("edgepaged.engine")
 MAGIC = b"EPKV0001"
 HEADER = len(MAGIC) + 32 + 8 + 32     # magic, key, payload bytes, BLAKE2b-256 of the payload
 DEFAULT_SHARE = 0.05                  # of the free space, when --prefix-cache-disk is not given
+BUSY_WAIT_S = 10.0                    # the writer writes after this long even if the engine is busy
+PENDING_BYTES = 512 << 20             # copied blocks waiting for the writer, at most
 DEFAULT_MOST = 8 << 30
 
 
@@ -73,8 +84,14 @@ class DiskTier:
         self.index: dict[bytes, float] = {}      # key -> last use (monotonic order kept by dict order)
         self.lock = threading.Lock()
         self.stats = {"hits": 0, "misses": 0, "written": 0, "corrupt": 0, "evicted": 0, "blocks": 0}
-        self._queue: queue.Queue = queue.Queue(maxsize=64)
+        self._queue: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
+        self._pending = 0               # bytes handed to the writer and not written yet
+        self._queued: set[bytes] = set()   # their keys (not wanted again meanwhile)
+        # set while the engine runs no step (the engine clears it around its steps); the
+        # writer writes when it is set, or after BUSY_WAIT_S of waiting
+        self.quiet = threading.Event()
+        self.quiet.set()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             files = sorted(self.dir.glob("*/*.kv"), key=lambda p: p.stat().st_mtime)
@@ -150,7 +167,7 @@ class DiskTier:
             return []
         keys = chain_keys(tokens, salt, self.identity, self.block_size, len(tokens) // self.block_size)
         with self.lock:
-            return [(i, k) for i, k in enumerate(keys) if k not in self.index]
+            return [(i, k) for i, k in enumerate(keys) if k not in self.index and k not in self._queued]
 
     def put(self, items: list[tuple[bytes, np.ndarray]]) -> None:
         """Hand copied blocks to the writer thread (dropped when it is behind: a cache)."""
@@ -159,24 +176,36 @@ class DiskTier:
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="edgepaged-kv-disk", daemon=True)
             self._writer.start()
-        try:
-            self._queue.put_nowait(items)
-        except queue.Full:
-            pass
+        size = sum(d.nbytes for _, d in items)
+        with self.lock:
+            if self._pending + size > PENDING_BYTES:
+                return
+            self._pending += size
+            self._queued.update(k for k, _ in items)
+        self._queue.put_nowait((items, size, time.monotonic() + BUSY_WAIT_S))
 
     def _write_loop(self) -> None:
         # hashing and writing a long prompt's blocks (~0.15 s of CPU for 2 k tokens of a 1 B
         # model) must not slow the steps that answer it
         lowest_priority()
         while True:
-            items = self._queue.get()
-            if items is None:
+            job = self._queue.get()
+            if job is None:
                 return
-            for key, data in items:
-                if not self.writable:
-                    break
-                self._write(key, data)
-            self._queue.task_done()
+            items, size, due = job
+            try:
+                for key, data in items:
+                    if self.writable:
+                        # while steps run, wait; past `due` (BUSY_WAIT_S after the put) a
+                        # box that never rests gets its cache written all the same
+                        self.quiet.wait(max(0.0, due - time.monotonic()))
+                        self._write(key, data)
+                    with self.lock:
+                        self._queued.discard(key)
+            finally:
+                with self.lock:
+                    self._pending -= size
+                self._queue.task_done()
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for the writer to finish what it was given (tests, shutdown)."""
@@ -230,6 +259,7 @@ class DiskTier:
 
     def close(self) -> None:
         if self._writer is not None:
+            self.quiet.set()            # shutting down: what waits is written now
             self.flush()
             self._queue.put(None)
 

@@ -36,6 +36,11 @@ from .settings import CpuConfig
 from .tokenizer import Tokenizer
 
 SCRATCH_BYTES = 16 << 20
+# the pool's first blocks (those the allocator hands out first: its free list starts at block
+# 0) are faulted in off the critical path once the model is loaded: a first prompt of this
+# many tokens finds its K/V pages ready (faulting them in its steps cost 0.3-0.5 s of Home
+# Assistant's first command on a 1 B model; a fresh page is expensive in a virtual machine)
+KV_PREFAULT_TOKENS = 2048
 # q8_0: int8 head rows of D values and D / 32 half-precision scales (rust_alloc/cpu_kernels/src/kv.rs)
 KV_DTYPES = {"f16": np.float16, "f32": np.float32, "q8_0": np.int8}
 KV_NAMES = {np.dtype(v): k for k, v in KV_DTYPES.items()}
@@ -468,9 +473,25 @@ class CpuRunner(RunnerBase):
         self.max_model_len = min(cfg.context_length, num_blocks * block_size)
         if self.max_model_len != self.model.max_positions:
             self.model.build_rotary(self.max_model_len)
+        self.kv_prefault = threading.Thread(target=self._prefault_kv, name="edgepaged-kv-prefault", daemon=True)
+        self.kv_prefault.start()
         self.forward_name = "cpu (numpy + rust" + (", one-call decoder)" if self.model.decoder else ")")
 
     dense_products = "fp32"
+
+    def _prefault_kv(self) -> None:
+        """In a thread of the lowest priority: the first KV_PREFAULT_TOKENS tokens' blocks of
+        every layer's K and V faulted in, their contents untouched (so a step may already be
+        writing there)."""
+        from ..memory import populate
+        from .weights_cache import lowest_priority
+        lowest_priority()
+        kv = self.kv_cache
+        n = min(self.num_blocks, -(-KV_PREFAULT_TOKENS // self.block_size))
+        for layer in range(kv.shape[0]):
+            for half in range(2):
+                if not populate(kv[layer, half].ctypes.data, n * kv.strides[2]):
+                    return
 
     def _new_model(self, settings: CpuConfig) -> CpuModel:
         """An empty model for this runner's config, KV type and interrupt event."""
@@ -530,6 +551,12 @@ class CpuRunner(RunnerBase):
 
     def read_block(self, block: int) -> np.ndarray:
         return np.ascontiguousarray(self.kv_cache[:, :, block]).view(np.uint8).reshape(-1)
+
+    def read_blocks(self, blocks) -> list[np.ndarray]:
+        """Several blocks' K/V copied out in one gather: per block a [layers, 2, ...] view of
+        the copy (its bytes are `read_block`'s once made contiguous)."""
+        got = np.take(self.kv_cache, np.asarray(blocks, dtype=np.intp), axis=2)
+        return [got[:, :, i] for i in range(len(blocks))]
 
     def write_block(self, block: int, data: np.ndarray) -> None:
         self.kv_cache[:, :, block] = np.asarray(data, np.uint8).view(self.kv_np_dtype).reshape(

@@ -114,7 +114,7 @@ class RunnerBase:
     model_path, file_info, block_size, block_bytes, num_blocks, max_model_len, quantized,
     quant_math, kv_dtype_name, and implements `execute`, `copy_blocks`, and
     `read_block(block) -> uint8 bytes` / `write_block(block, bytes)` for the prefix cache's
-    disk tier."""
+    disk tier (`read_blocks` may copy several at once)."""
 
     mask_ms: collections.deque
     draft = None          # a draft model's runner (speculation by a draft: engine/draft.py), or None
@@ -139,6 +139,10 @@ class RunnerBase:
         if self.quant_math == "int8":
             return f"int8 ({info['int8_isa']})"
         return f"{self.quant_math} ({info['isa']}{', 16 lanes' if info.get('exact_lanes') == 16 else ''})"
+
+    def read_blocks(self, blocks) -> list:
+        """Several blocks' K/V for the disk tier (a runner may copy them in one gather)."""
+        return [self.read_block(int(b)) for b in blocks]
 
     def rotary_positions(self, positions) -> None:
         """The window policy writes positions past the context (the kernels see only the kept
