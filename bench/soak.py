@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import socket
@@ -302,7 +303,16 @@ def main() -> None:
            "--http-port", str(http_port), "--kv-memory", "256MiB", "--max-connections", str(args.clients + 64),
            "--max-unauthenticated", str(2 * args.clients), "--max-unauthenticated-per-address", str(args.clients),
            "--grace", "5"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # a store of its own: the prefix cache's disk tier outlives the server, and the seeded
+    # clients send the same prompts every run (a borrow's own blocks from the last run were
+    # counted as another identity's); the weights cache stays where it was
+    import tempfile
+    from edgepaged.model.weights_cache import cache_dir
+    store = tempfile.TemporaryDirectory(prefix="soak-store-")
+    weights = cache_dir()
+    env = {**os.environ, "EDGEPAGED_STORE": store.name,
+           "EDGEPAGED_WEIGHTS_CACHE": str(weights) if weights is not None else "off"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         for line in proc.stdout:
             if "ready on" in line:
@@ -334,6 +344,8 @@ def main() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(30)
+        store.cleanup()
     out = {
         "requests": t.requests, "completed": t.completed, "failed": len(t.failed),
         "leaked_blocks": end["kv_blocks_used"],
