@@ -40,6 +40,7 @@ async def answer(engine, ids, salt=0):
                 out += ev.token_ids
             elif isinstance(ev, DoneEvent):
                 done = ev
+    await engine.settle()           # the prompt's blocks reach the tier once the engine rests
     return out, done.usage["cached_tokens"]
 
 
@@ -156,6 +157,8 @@ async def main():
                         if isinstance(ev, TokenEvent):
                             ids += ev.token_ids
                 out.append(ids)
+            await e.settle()
+            e.disk.flush()
             info = e.stats()["prefix_cache_disk"]
     print(json.dumps({"answers": out, "writing": info["writing"], "written": info["written"],
                       "warnings": [l for l in lines if "disk tier" in l]}))
@@ -195,8 +198,8 @@ def test_the_writer_runs_at_the_lowest_priority(tmp_path):
 
 
 async def test_the_writer_waits_while_steps_run(cpu_runner, tmp_path):
-    """A prompt's blocks are handed to the writer by the step that completes it; they reach the
-    disk once no step runs (written beside the steps that answer it, they took a core and the
+    """A prompt's blocks are copied out and handed to the writer once the engine rests; they reach
+    the disk once no step runs (written beside the steps that answer it, they took a core and the
     interpreter's lock from them: 0.35 s of Home Assistant's first command on a 1 B model).
     Copied in one gather, the bytes are `read_block`'s."""
     written = []
@@ -211,6 +214,7 @@ async def test_the_writer_waits_while_steps_run(cpu_runner, tmp_path):
         e.step_hook = None
         assert len(written) > 8 and set(written) == {0}, written
         import trio
+        await e.settle()
         await trio.to_thread.run_sync(e.disk.flush)
         assert e.disk.quiet.is_set() and e.disk.stats["written"] == len(ids) // BS
         stored = [e.disk._path(k).read_bytes()[-e.disk.block_bytes:] for k in
@@ -249,7 +253,7 @@ def test_the_pool_s_first_blocks_are_faulted_in_off_the_critical_path():
     fault its K/V pages in (0.3-0.5 s of Home Assistant's first command on a 1 B model in a
     virtual machine); the rest of the pool stays committed as it fills."""
     import ctypes
-    from edgepaged.model.cpu_runtime import KV_PREFAULT_TOKENS, CpuRunner
+    from edgepaged.model.cpu_runtime import KV_PREFAULT_BYTES, KV_PREFAULT_TOKENS, CpuRunner
     r = CpuRunner(num_blocks=1200)          # ~430 MB: a mapping of its own, never touched before
     r.kv_prefault.join(60)
     libc = ctypes.CDLL(None, use_errno=True)
@@ -263,7 +267,7 @@ def test_the_pool_s_first_blocks_are_faulted_in_off_the_critical_path():
         vec = ctypes.create_string_buffer((hi - lo) // 4096)
         assert libc.mincore(lo, hi - lo, vec) == 0, ctypes.get_errno()
         return sum(b & 1 for b in vec.raw) / len(vec.raw)
-    n = KV_PREFAULT_TOKENS // BS
+    n = min(KV_PREFAULT_TOKENS // BS, KV_PREFAULT_BYTES // (r.kv_cache.shape[0] * 2 * r.kv_cache.strides[2]))
     for layer in (0, r.kv_cache.shape[0] - 1):
         for half in (0, 1):
             assert resident(layer, half, 0, n) == 1.0
@@ -286,3 +290,73 @@ def test_blocks_waiting_for_the_writer_are_not_wanted_again(tmp_path):
     tier.quiet.set()
     tier.flush()
     assert tier.stats["written"] == 3 and [i for i, _ in tier.wanted(ids, 0)] == [3, 4] and not tier._queued
+
+
+async def test_a_prompt_s_blocks_are_copied_after_its_first_token_not_in_its_step(cpu_runner, tmp_path, monkeypatch):
+    """The step that completes a prompt pins its full blocks (a sequence of their own shares
+    them) instead of copying them: the copy (~70 MB for Home Assistant's 2 k-token prompt on a
+    1 B model, 0.05-0.17 s of its first token) is made once the engine rests, outside any step,
+    and the pin goes back; the blocks written are the computed ones."""
+    calls = []
+    real = cpu_runner.read_blocks
+
+    async def run(e, ids, first_token):
+        req = Request(prompt_ids=ids, params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        async with e.stream(req) as events:
+            async for ev in events:
+                if isinstance(ev, TokenEvent) and not first_token:
+                    first_token.append(len(calls))
+
+    async with engine_for(cpu_runner, tmp_path) as e:
+        monkeypatch.setattr(cpu_runner, "read_blocks", lambda blocks: calls.append(
+            (e.step_started, len(blocks))) or real(blocks))
+        ids, first = prompt(31), []
+        await run(e, ids, first)
+        assert first == [0]                                   # nothing copied before its first token
+        await e.settle()
+        assert calls and all(started is None for started, _ in calls), calls   # never inside a step
+        assert sum(n for _, n in calls) == len(ids) // BS
+        assert e.allocator.num_sequences == 0 and e.stats()["kv_blocks_used"] == 0   # the pin went back
+        e.allocator.check_invariants()
+        e.disk.flush()
+        from edgepaged.engine.disk_cache import chain_keys
+        keys = chain_keys(ids, 0, e.disk.identity, BS, len(ids) // BS)
+        assert [e.disk._path(k).read_bytes()[-e.disk.block_bytes:] for k in keys] == cached_blocks(e, ids)
+
+
+async def test_a_busy_engine_copies_pinned_blocks_between_steps(cpu_runner, tmp_path, monkeypatch):
+    """A box that never rests still gets its prompts to the disk: past DISK_COPY_WAIT_S the pinned
+    blocks are copied whole between two steps while another request keeps the engine busy (and
+    the writer writes them when it rests, or BUSY_WAIT_S after)."""
+    import trio
+    from edgepaged.engine import engine as engine_mod
+    monkeypatch.setattr(engine_mod, "DISK_COPY_WAIT_S", 0.0)
+    async with engine_for(cpu_runner, tmp_path) as e:
+        long = Request(prompt_ids=prompt(40, 20), params=SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        done = trio.Event()
+
+        async def busy():
+            async with e.stream(long) as events:
+                async for _ in events:
+                    pass
+            done.set()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(busy)
+            while not long.output_ids:
+                await trio.sleep(0.01)
+            ids = prompt(41, 100)
+            req = Request(prompt_ids=ids, params=SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+            async with e.stream(req) as events:
+                async for _ in events:
+                    pass
+            while e._disk_pins and not done.is_set():
+                await trio.sleep(0.01)
+            assert not done.is_set() and not e._disk_pins     # copied while the long one still ran
+            assert e.disk._queued and e.allocator.num_sequences == 1   # handed to the writer, the pin gone
+            long_left = not long.finished
+            n.cancel_scope.cancel()
+        assert long_left
+        await e.settle()
+        assert e.allocator.num_sequences == 0
+        e.allocator.check_invariants()

@@ -15,6 +15,7 @@ uses them, right after that step, cached only if the step succeeded.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -40,6 +41,23 @@ from ..model.runtime import StepInterrupted
 log = logging.getLogger("edgepaged.engine")
 # what a client is told when the server failed on its behalf: never an exception's text (the
 # log has one line, and the traceback at debug level)
+# A completed prompt's blocks the disk tier lacks stay pinned (a sequence of their own shares
+# them) until the engine has no step to run, and are copied out of the pool then, a piece at a
+# time (a request that arrives waits one piece at most): copying ~70 MB of a 2 k-token prompt
+# inside the step that completed it held that prompt's first token back 0.05-0.17 s. A box
+# that never rests copies them whole between two steps this long after the pin.
+DISK_COPY_WAIT_S = 1.0
+DISK_COPY_PIECE = 32            # blocks a piece
+_pin_ids = itertools.count(1 << 62)   # the pins' sequence ids (requests count from 1)
+
+
+@dataclass
+class _DiskPin:
+    seq: int                           # the allocator sequence holding the blocks
+    items: list[tuple[bytes, int]]     # (disk key, block) still to copy
+    since: float
+
+
 INTERNAL = {"code": "internal_error", "message": "the server failed while answering this request (see its log)"}
 
 
@@ -150,6 +168,8 @@ class Engine:
         self._idle = trio.Event()
         self._idle.set()
         self._steps_since_trim = 0
+        self._disk_pins: list[_DiskPin] = []     # completed prompts' blocks waiting to be copied to the disk tier
+        self._disk_pinned: set[bytes] = set()    # their keys (not pinned twice)
         self.step_started: float | None = None   # trio time the running model step began (None: no step)
         self._costs: dict[Request, tuple[str, int]] = {}   # unfinished requests: (owner, max_tokens)
         self._pending: dict[Request, float] = {}   # built for this engine, not streamed yet (expect)
@@ -212,8 +232,15 @@ class Engine:
         for req in list(self.requests.values()):
             self._end(req, "cancelled", error={"code": "shutdown", "message": "the server is shutting down"})
         await self._stack.__aexit__(*exc)
+        if self._disk_pins:
+            with trio.CancelScope(shield=True):
+                await self._flush_disk(whole=True)
         if self.disk is not None:     # what the tier was given reaches the disk
             await trio.to_thread.run_sync(self.disk.close)
+
+    async def settle(self) -> None:
+        """Wait until the engine rests: no request to run and the disk tier's copies made."""
+        await self._idle.wait()
 
     async def drain(self, grace_s: float) -> int:
         """Stop taking requests, let running ones finish within `grace_s`, then cancel the
@@ -356,6 +383,9 @@ class Engine:
                 continue
             if batch is None:
                 if not self.scheduler.has_work():
+                    if self._disk_pins:       # a piece at a time; a request that arrives goes first
+                        await self._flush_disk(whole=False)
+                        continue
                     self._idle.set()
                     if self.disk is not None:
                         self.disk.quiet.set()
@@ -372,6 +402,9 @@ class Engine:
             if self.disk is not None:
                 self.disk.quiet.clear()       # its writer waits while steps run
             await self._run_step(batch)
+            if self._disk_pins and (time.monotonic() - self._disk_pins[0].since > DISK_COPY_WAIT_S
+                                    or self.allocator.num_free_blocks < sum(len(p.items) for p in self._disk_pins)):
+                await self._flush_disk(whole=True)    # a busy box, or its pool runs short
             if self.drafter is not None:
                 await self._draft_round()
             self._steps_since_trim += 1
@@ -475,6 +508,8 @@ class Engine:
                 tokens = self._pooled(batch, pool, tokens)
             if spec:
                 self._settle_drafts(batch, tokens)
+            if self.disk is not None:
+                self._pin_for_disk(batch)
             self.scheduler.observe_step(batch.num_tokens, time.monotonic() - t0)
             log.debug("a step of %d tokens (%d requests) in %.3f s", batch.num_tokens, len(batch.requests),
                       time.monotonic() - t0)
@@ -560,7 +595,7 @@ class Engine:
         for req in batch.requests:
             if req.finished and req.status is Status.RUNNING:
                 self.scheduler.free(req, cache=cache)
-        if not self.scheduler.has_work():
+        if not self.scheduler.has_work() and not self._disk_pins:
             self._idle.set()
 
     def _settle_drafts(self, batch: Batch, tokens: list) -> None:
@@ -599,28 +634,51 @@ class Engine:
         if spec:
             extra["spec"] = spec
         tokens = self.runner.step(batch, params, prev, **extra)
-        if self.disk is not None:
-            self._to_disk(batch)
         return tokens, self._advance_grammars(rows, tokens)
 
-    def _to_disk(self, batch: Batch) -> None:
-        """In the worker thread, after a step: the prompts it completed offer their full blocks
-        the disk tier lacks, copied out of the cache here (the step's requests hold them), to be
-        written by the tier's own thread."""
+    def _pin_for_disk(self, batch: Batch) -> None:
+        """After a step: the prompts it completed pin their full blocks the disk tier lacks (a
+        sequence of their own shares them), to be copied out when the engine rests."""
         bs = self.block_size
-        for i, r in enumerate(batch.requests):
+        for r in batch.requests:
             if (r.disk_saved or r.embed or r.context_window is not None or r.num_slots < len(r.prompt_ids)
-                    or len(r.prompt_ids) < bs or r.finished):
+                    or len(r.prompt_ids) < bs or r.finished or not self.allocator.has_sequence(r.id)):
                 continue
             r.disk_saved = True
             try:
-                table = batch.block_tables[i]
-                want = [(j, key) for j, key in self.disk.wanted(r.prompt_ids, r.salt) if j < len(table)]
-                if want:   # one copy of them all (a block at a time was ~0.2 s for 2 k tokens)
-                    data = self.runner.read_blocks([int(table[j]) for j, _ in want])
-                    self.disk.put([(key, d) for (_, key), d in zip(want, data)])
+                want = [(j, key) for j, key in self.disk.wanted(r.prompt_ids, r.salt) if key not in self._disk_pinned]
+                if not want:
+                    continue
+                pin = next(_pin_ids)
+                self.allocator.fork(r.id, pin)
+                self.allocator.truncate(pin, (want[-1][0] + 1) * bs)
+                table = self.allocator.block_table(pin)
+                items = [(key, int(table[j])) for j, key in want if j < len(table)]
+                self._disk_pins.append(_DiskPin(pin, items, time.monotonic()))
+                self._disk_pinned.update(key for key, _ in items)
             except Exception as e:   # noqa: BLE001 - a cache: nothing else hurt
                 log.warning("the prefix cache's disk tier could not take a prompt: %s", _short(e))
+
+    async def _flush_disk(self, whole: bool) -> None:
+        """The pinned blocks copied out of the pool (one gather a piece, in the worker thread)
+        and handed to the disk tier's writer; a pin done is released. At rest (`whole` False)
+        a piece at a time, returning when a request is waiting."""
+        while self._disk_pins:
+            pin = self._disk_pins[0]
+            n = len(pin.items) if whole else DISK_COPY_PIECE
+            piece, pin.items = pin.items[:n], pin.items[n:]
+            try:
+                data = await trio.to_thread.run_sync(self.runner.read_blocks, [b for _, b in piece])
+                self.disk.put([(key, d) for (key, _), d in zip(piece, data)])
+            except Exception as e:   # noqa: BLE001 - a cache: nothing else hurt
+                log.warning("the prefix cache's disk tier could not take a prompt: %s", _short(e))
+            finally:
+                self._disk_pinned.difference_update(key for key, _ in piece)
+                if not pin.items:
+                    self._disk_pins.pop(0)
+                    self.allocator.free_sequence(pin.seq, cache=True)
+            if not whole and self.scheduler.has_work():
+                return
 
     def _advance_grammars(self, rows, tokens) -> dict:
         out = {}
@@ -823,7 +881,7 @@ class Engine:
         self._send_quiet(req, DoneEvent(reason, req.usage(), timings, req.stop_reason, error))
         if req.send is not None:
             req.send.close()
-        if not self.scheduler.has_work():
+        if not self.scheduler.has_work() and not self._disk_pins:
             self._idle.set()
 
     @staticmethod

@@ -39,8 +39,10 @@ SCRATCH_BYTES = 16 << 20
 # the pool's first blocks (those the allocator hands out first: its free list starts at block
 # 0) are faulted in off the critical path once the model is loaded: a first prompt of this
 # many tokens finds its K/V pages ready (faulting them in its steps cost 0.3-0.5 s of Home
-# Assistant's first command on a 1 B model; a fresh page is expensive in a virtual machine)
-KV_PREFAULT_TOKENS = 2048
+# Assistant's first command on a 1 B model; a fresh page is expensive in a virtual machine),
+# at most KV_PREFAULT_BYTES of the pool (Home Assistant's prompt with 60 entities is ~2,200)
+KV_PREFAULT_TOKENS = 4096
+KV_PREFAULT_BYTES = 256 << 20
 # q8_0: int8 head rows of D values and D / 32 half-precision scales (rust_alloc/cpu_kernels/src/kv.rs)
 KV_DTYPES = {"f16": np.float16, "f32": np.float32, "q8_0": np.int8}
 KV_NAMES = {np.dtype(v): k for k, v in KV_DTYPES.items()}
@@ -481,13 +483,14 @@ class CpuRunner(RunnerBase):
 
     def _prefault_kv(self) -> None:
         """In a thread of the lowest priority: the first KV_PREFAULT_TOKENS tokens' blocks of
-        every layer's K and V faulted in, their contents untouched (so a step may already be
-        writing there)."""
+        every layer's K and V (at most KV_PREFAULT_BYTES) faulted in, their contents untouched
+        (so a step may already be writing there)."""
         from ..memory import populate
         from .weights_cache import lowest_priority
         lowest_priority()
         kv = self.kv_cache
-        n = min(self.num_blocks, -(-KV_PREFAULT_TOKENS // self.block_size))
+        n = min(self.num_blocks, -(-KV_PREFAULT_TOKENS // self.block_size),
+                max(1, KV_PREFAULT_BYTES // (kv.shape[0] * 2 * kv.strides[2])))
         for layer in range(kv.shape[0]):
             for half in range(2):
                 if not populate(kv[layer, half].ctypes.data, n * kv.strides[2]):
