@@ -355,14 +355,9 @@ mod x86 {
                 }
                 qi += m;
             }
-            online_softmax512(a, b, j0, r, p0, p1, sp, stride, &mut run_max, &mut run_sum, &mut fac);
             // the probabilities as bf16 pairs of positions (0 outside each row's span)
             let sh = stride / 2;
-            for qi in 0..nq {
-                for t in (0..stride).step_by(16) {
-                    bf16x16(sp.add(qi * stride + t), p2.add(qi * sh + t / 2));
-                }
-            }
+            online_softmax512(a, b, j0, r, p0, p1, sp, stride, p2 as *mut u16, &mut run_max, &mut run_sum, &mut fac);
             // acc = acc * fac + Σ p V: 4 query vectors x 64 dimensions per block of 16
             // registers, over the pairs of positions any of the 4 sees in the segment
             let nz = d / 16;
@@ -478,15 +473,18 @@ mod x86 {
 
     /// One segment (positions p0..p1) of the online softmax of the tile's rows: per (row,
     /// head) over the row's own span in the segment, the scores (`sp`, a row of `stride` per
-    /// query vector, from p0) become e^(s - max), max the running max of the row's scores so
-    /// far, 0 elsewhere; `fac` the factor that brings the earlier sums to the new max (1 when
-    /// the max stays, 0 before any), `run_sum` the running sum. A row that sees nothing in
-    /// the segment keeps its max and sum (factor 1, probabilities 0).
+    /// query vector, from p0) become e^(s - max) rounded to bf16 in `p2` (a row of `stride`
+    /// values per query vector: the pairs of positions `pv_block` multiplies), max the running
+    /// max of the row's scores so far, 0 elsewhere; `fac` the factor that brings the earlier
+    /// sums to the new max (1 when the max stays, 0 before any), `run_sum` the running sum of
+    /// the f32 values. A row that sees nothing in the segment keeps its max and sum (factor 1,
+    /// probabilities 0). The values go straight from the exponential to bf16 (the same bits as
+    /// an f32 row stored and converted in a second pass, one pass fewer).
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
     unsafe fn online_softmax512<E>(a: &PrefillArgs<E>, b: usize, j0: usize, r: usize, p0: usize, p1: usize,
-                                   sp: *mut f32, stride: usize, run_max: &mut [f32], run_sum: &mut [f32],
-                                   fac: &mut [f32]) {
+                                   sp: *mut f32, stride: usize, p2: *mut u16, run_max: &mut [f32],
+                                   run_sum: &mut [f32], fac: &mut [f32]) {
         let g = a.hs.nh / a.hs.nkv;
         let (_, q) = a.rows(b);
         let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
@@ -496,8 +494,9 @@ mod x86 {
             for h in 0..g {
                 let qi = i * g + h;
                 let row = sp.add(qi * stride);
+                let prow = p2.add(qi * stride);
                 if a0 >= a1 {
-                    std::slice::from_raw_parts_mut(row, stride).fill(0.0);
+                    std::slice::from_raw_parts_mut(prow, stride).fill(0);
                     fac[qi] = 1.0;
                     continue;
                 }
@@ -517,16 +516,20 @@ mod x86 {
                 run_max[qi] = mx;
                 let neg = _mm512_set1_ps(-mx);
                 let mut sum = _mm512_setzero_ps();
-                let mut c = a0;
+                // chunks of 16 from a multiple of 16 (the bf16 pairs start at even positions)
+                let c0 = a0 & !15;
+                let mut c = c0;
                 while c < a1 {
-                    let m = tail(c);
+                    let head = if a0 > c { !((1u32 << (a0 - c)) - 1) as u16 } else { 0xffff };
+                    let m = head & tail(c);
                     let e = _mm512_maskz_mov_ps(m, softmax_exp16(_mm512_add_ps(_mm512_mask_loadu_ps(ninf, m, row.add(c)), neg)));
-                    _mm512_mask_storeu_ps(row.add(c), m, e);
+                    let pb: __m256i = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(e));
+                    _mm256_storeu_si256(prow.add(c) as *mut __m256i, pb);
                     sum = _mm512_add_ps(sum, e);
                     c += 16;
                 }
-                std::slice::from_raw_parts_mut(row, a0).fill(0.0);
-                std::slice::from_raw_parts_mut(row.add(a1), stride - a1).fill(0.0);
+                std::slice::from_raw_parts_mut(prow, c0).fill(0);
+                std::slice::from_raw_parts_mut(prow.add(c), stride - c).fill(0);
                 run_sum[qi] = run_sum[qi] * fac[qi] + _mm512_reduce_add_ps(sum);
             }
         }
