@@ -39,8 +39,6 @@ from ..model.grammar import matcher_error
 from ..model.runtime import StepInterrupted
 
 log = logging.getLogger("edgepaged.engine")
-# what a client is told when the server failed on its behalf: never an exception's text (the
-# log has one line, and the traceback at debug level)
 # A completed prompt's blocks the disk tier lacks stay pinned (a sequence of their own shares
 # them) until the engine has no step to run, and are copied out of the pool then, a piece at a
 # time (a request that arrives waits one piece at most): copying ~70 MB of a 2 k-token prompt
@@ -58,6 +56,8 @@ class _DiskPin:
     since: float
 
 
+# what a client is told when the server failed on its behalf: never an exception's text (the
+# log has one line, and the traceback at debug level)
 INTERNAL = {"code": "internal_error", "message": "the server failed while answering this request (see its log)"}
 
 
@@ -651,8 +651,12 @@ class Engine:
                     continue
                 pin = next(_pin_ids)
                 self.allocator.fork(r.id, pin)
-                self.allocator.truncate(pin, (want[-1][0] + 1) * bs)
-                table = self.allocator.block_table(pin)
+                try:
+                    self.allocator.truncate(pin, (want[-1][0] + 1) * bs)
+                    table = self.allocator.block_table(pin)
+                except Exception:
+                    self.allocator.free_sequence(pin, cache=False)
+                    raise
                 items = [(key, int(table[j])) for j, key in want if j < len(table)]
                 self._disk_pins.append(_DiskPin(pin, items, time.monotonic()))
                 self._disk_pinned.update(key for key, _ in items)
@@ -676,7 +680,10 @@ class Engine:
                 self._disk_pinned.difference_update(key for key, _ in piece)
                 if not pin.items:
                     self._disk_pins.pop(0)
-                    self.allocator.free_sequence(pin.seq, cache=True)
+                    try:
+                        self.allocator.free_sequence(pin.seq, cache=True)
+                    except Exception as e:   # noqa: BLE001 - cannot happen; the engine goes on
+                        log.error("a disk tier pin could not be released: %s", _short(e))
             if not whole and self.scheduler.has_work():
                 return
 
