@@ -111,6 +111,9 @@ pub(crate) mod x86 {
     use crate::quant::avx2::hsum;
     use std::arch::x86_64::*;
 
+    /// Positions ahead whose K and V rows are asked for (two blocks of 16).
+    const PF_ROWS: usize = 32;
+
     /// One sequence `b` with head_dim = 8 * NV: every query head against every visible K row
     /// (a position's K rows of all KV heads are one contiguous run), softmax on 8 lanes,
     /// then the V rows summed into NV registers per head. Scores come 8 positions at a time
@@ -148,7 +151,26 @@ pub(crate) mod x86 {
         let sc8 = _mm256_set1_ps(a.scale);
         let heads = kvh.start * g..kvh.end * g;
         let h0 = heads.start;
+        // the rows PF_ROWS positions ahead asked for now: the blocks of a table are anywhere in
+        // the pool, and a block's rows are too short a run for the hardware to see coming (a
+        // long context's decode attention waited on memory at ~9 GB/s: bench/RESULTS.md,
+        // "Tenth session"); a short one is in cache
+        let (kv0, kvlen) = (kvh.start * du, (kvh.end - kvh.start) * du * std::mem::size_of::<E>());
+        let far = len >= 256;
+        let fetch = |base: *const E, t: usize| {
+            if far && t < len {
+                let p = base.add(slots[t] + kv0) as *const i8;
+                let mut o = 0;
+                while o < kvlen {
+                    _mm_prefetch::<_MM_HINT_T0>(p.add(o));
+                    o += 64;
+                }
+            }
+        };
         for t0 in (0..nfull).step_by(8) {
+            for u in 0..8 {
+                fetch(kp, t0 + PF_ROWS + u);
+            }
             for kh in kvh.clone() {
                 let ks: [*const E; 8] = std::array::from_fn(|u| kp.add(slots[t0 + u] + kh * du));
                 for h in kh * g..(kh + 1) * g {
@@ -215,7 +237,11 @@ pub(crate) mod x86 {
             let s = sp.add((h - h0) * stride);
             let vo = h / g * du;
             let mut acc = [_mm256_setzero_ps(); NV];
+            let first = h % g == 0 || h == h0;     // the group's other heads find the rows in cache
             for (t, &off) in slots.iter().enumerate() {
+                if first {
+                    fetch(vp, t + PF_ROWS);
+                }
                 E::mad::<NV>(&mut acc, *s.add(t), vp.add(off + vo));
             }
             let o = a.out.0.add(a.rows[b] as usize * a.out_stride + h * d);
