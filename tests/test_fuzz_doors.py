@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgepaged.protocol import CODES
+from edgepaged.server.httpd import DROP_BYTES
 from edgepaged.testing.serving import serving
 
 BUDGET_S = 60.0
@@ -190,6 +191,12 @@ def http(base: str, path: str, body) -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+    except urllib.error.URLError as e:
+        # a body past what the server reads and drops of a refused one (httpd.DROP_BYTES): the
+        # 413 goes out and the connection closes while the client is still sending
+        if isinstance(e.reason, (BrokenPipeError, ConnectionResetError)) and len(data) > DROP_BYTES:
+            return 413, b""
+        raise
 
 
 def frame(msg) -> bytes | None:

@@ -52,6 +52,13 @@ from .openai_api import (ApiError, Generation, Logprobs, Shaper, done_error, err
 log = logging.getLogger("edgepaged.http")
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 DEFAULT_HTTP_PORT = 7879
+# A body over the limit is refused (413) without being kept; what the client goes on sending
+# of it is read and dropped, at most DROP_BYTES and while it keeps coming (DROP_IDLE_S without
+# a byte, DROP_S in all), so a client still sending hears the 413 instead of a broken pipe
+# (the server closing a connection whose body it did not read).
+DROP_BYTES = 16 << 20
+DROP_IDLE_S = 0.5
+DROP_S = 5.0
 # The chat page loads nothing from outside the box: the browser enforces it.
 PAGE_CSP = ("default-src 'none'; script-src 'self' 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
             "img-src 'self' data:; manifest-src 'self'; base-uri 'none'; form-action 'none'; "
@@ -241,16 +248,36 @@ class HttpServer:
         except AuthFailed:
             raise ApiError(401, "a wrong or missing token: send Authorization: Bearer <token>", "auth_failed") from None
 
+    @staticmethod
+    async def _drop_body(chunks) -> None:
+        """Read and drop the rest of a body over the limit while the client keeps sending it
+        (see DROP_BYTES)."""
+        seen = 0
+        with trio.move_on_after(DROP_S):
+            while seen <= DROP_BYTES:
+                with trio.move_on_after(DROP_IDLE_S) as idle:
+                    try:
+                        seen += len(await chunks.__anext__())
+                    except (StopAsyncIteration, ClientDisconnect):
+                        return
+                if idle.cancelled_caught:
+                    return
+
     async def _json_body(self, request: HttpRequest) -> dict:
         limit = self.config.max_body_bytes
         length = request.headers.get("content-length")
+        too_large = ApiError(413, f"the request body is over {limit} bytes", "frame_too_large")
         if length is not None and length.isdigit() and int(length) > limit:
-            raise ApiError(413, f"the request body is over {limit} bytes", "frame_too_large")
+            if int(length) <= DROP_BYTES:
+                await self._drop_body(request.stream())
+            raise too_large
         body = bytearray()
-        async for chunk in request.stream():
+        chunks = request.stream()
+        async for chunk in chunks:
             body += chunk
             if len(body) > limit:
-                raise ApiError(413, f"the request body is over {limit} bytes", "frame_too_large")
+                await self._drop_body(chunks)
+                raise too_large
         try:
             data = json.loads(body)
         except ValueError as e:
