@@ -228,7 +228,8 @@ def test_pull_lays_a_large_model_out_so_its_first_serve_maps_it(model, tmp_path,
 
     from test_store import cli
     if not disk_keeps_its_free_share(tmp_path):     # the CLI runs in a process of its own
-        pytest.skip("this disk has under 10 % free: the weights cache refuses to write there by design")
+        pytest.skip("this disk has under 10 % (or 2 GiB) free: the weights cache refuses to write there by "
+                    "design; the test runs wherever the disk keeps that share free")
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEPAGED_")}
     env.update(HOME=str(tmp_path / "home"), EDGEPAGED_STORE=str(tmp_path / "store"),
                EDGEPAGED_WEIGHTS_CACHE=str(tmp_path / "pulled"))

@@ -155,13 +155,14 @@ pub(crate) mod x86 {
         // the pool, and a block's rows are too short a run for the hardware to see coming (a
         // long context's decode attention waited on memory at ~9 GB/s: bench/RESULTS.md,
         // "Tenth session"); a short one is in cache
-        let (kv0, kvlen) = (kvh.start * du, (kvh.end - kvh.start) * du * std::mem::size_of::<E>());
+        let row_bytes = du * std::mem::size_of::<E>();
         let far = len >= 256;
-        let fetch = |base: *const E, t: usize| {
+        // position t's rows of KV heads `kvs` (from `base`, the K or the V cache)
+        let fetch = |base: *const E, t: usize, kvs: std::ops::Range<usize>| {
             if far && t < len {
-                let p = base.add(slots[t] + kv0) as *const i8;
+                let p = base.add(slots[t] + kvs.start * du) as *const i8;
                 let mut o = 0;
-                while o < kvlen {
+                while o < kvs.len() * row_bytes {
                     _mm_prefetch::<_MM_HINT_T0>(p.add(o));
                     o += 64;
                 }
@@ -169,7 +170,7 @@ pub(crate) mod x86 {
         };
         for t0 in (0..nfull).step_by(8) {
             for u in 0..8 {
-                fetch(kp, t0 + PF_ROWS + u);
+                fetch(kp, t0 + PF_ROWS + u, kvh.clone());
             }
             for kh in kvh.clone() {
                 let ks: [*const E; 8] = std::array::from_fn(|u| kp.add(slots[t0 + u] + kh * du));
@@ -237,10 +238,10 @@ pub(crate) mod x86 {
             let s = sp.add((h - h0) * stride);
             let vo = h / g * du;
             let mut acc = [_mm256_setzero_ps(); NV];
-            let first = h % g == 0 || h == h0;     // the group's other heads find the rows in cache
+            let first = h % g == 0;     // the group's other heads find its V rows in cache
             for (t, &off) in slots.iter().enumerate() {
                 if first {
-                    fetch(vp, t + PF_ROWS);
+                    fetch(vp, t + PF_ROWS, h / g..h / g + 1);
                 }
                 E::mad::<NV>(&mut acc, *s.add(t), vp.add(off + vo));
             }
