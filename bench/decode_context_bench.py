@@ -11,9 +11,12 @@ of --reps), and `attention_gbs`: the model's own head shape (query/KV heads, hea
 one process, `ops.paged_decode` over that many positions of random f16 K/V through a
 shuffled block table, once per layer as a step does; bytes of K and V read / time (median
 of 7). `mem_read_gbs` is family_bench's read-bandwidth probe in the same run, the limit
-both are judged against. With --json the last line is one object: {"cpu", "model",
-"kv_dtype", "mem_read_gbs", "results": [{"context", "tok_s", "attention_ms", "attention_gbs"},
-...]}.
+both are judged against. Beside them, alternated rep by rep in the same process, the same
+figures with a long context's attention left uncut (`ops.decode_seg(0)`: split by KV heads
+only, as before the eleventh session): `tok_s_uncut`, `attention_ms_uncut`. With --json the
+last line is one object: {"cpu", "model", "kv_dtype", "mem_read_gbs", "decode_seg",
+"results": [{"context", "tok_s", "attention_ms", "attention_gbs", "tok_s_uncut",
+"attention_ms_uncut"}, ...]}.
 """
 from __future__ import annotations
 
@@ -29,8 +32,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def attention(cfg, n: int, rng) -> tuple[float, float]:
-    """(ms, GB/s) of a step's decode attention: every layer over n positions."""
+def attention(cfg, n: int, rng, segs: list[int]) -> dict[int, float]:
+    """Per segment length in `segs` (`ops.decode_seg`), the ms of a step's decode attention:
+    every layer over n positions (median of 7, the variants alternated)."""
     from edgepaged._native import ops
     nh, nkv, d, bs, layers = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16, cfg.num_layers
     nb = -(-n // bs)
@@ -40,14 +44,16 @@ def attention(cfg, n: int, rng) -> tuple[float, float]:
     out = np.zeros((1, nh * d), np.float32)
     tables = rng.permutation(nb).astype(np.int32)[None]
     rows, lens = np.array([0], np.int64), np.array([n], np.int32)
-    times = []
+    times: dict[int, list[float]] = {s: [] for s in segs}
     for _ in range(7):
-        t = time.perf_counter()
-        for k, v in zip(ks, vs):
-            ops.paged_decode(q, out, rows, lens, tables, k, v, nh, nkv, d ** -0.5)
-        times.append(time.perf_counter() - t)
-    s = statistics.median(times)
-    return s * 1e3, layers * 2 * n * nkv * d * 2 / s / 1e9
+        for seg in segs:
+            ops.decode_seg(seg)
+            t = time.perf_counter()
+            for k, v in zip(ks, vs):
+                ops.paged_decode(q, out, rows, lens, tables, k, v, nh, nkv, d ** -0.5)
+            times[seg].append(time.perf_counter() - t)
+    ops.decode_seg(segs[0])
+    return {seg: statistics.median(ts) * 1e3 for seg, ts in times.items()}
 
 
 def main() -> None:
@@ -73,20 +79,31 @@ def main() -> None:
     rng = np.random.default_rng(0)
     vocab = runner.config.vocab_size
     run_batch(runner, alloc, [rng.integers(3, vocab, 8)], 4, seq_base=1)     # warm-up
+    from edgepaged._native import ops
+    seg = ops.decode_seg()
+    segs = [seg, 0] if seg else [0]
     bw = mem_read_gbs()
     out = {"cpu": cpu_flags(), "model": path.name, "kv_dtype": args.kv_dtype, "mem_read_gbs": round(bw, 2),
-           "results": []}
-    print(f"{path.name}, KV {args.kv_dtype}, read bandwidth {bw:.1f} GB/s", flush=True)
+           "decode_seg": seg, "results": []}
+    print(f"{path.name}, KV {args.kv_dtype}, read bandwidth {bw:.1f} GB/s, decode attention cut every {seg} "
+          "positions (uncut beside it)", flush=True)
+    cfg = runner.config
     for n in contexts:
-        best = 0.0
+        best = {s: 0.0 for s in segs}
         for r in range(args.reps):
-            _, _, td = run_batch(runner, alloc, [rng.integers(3, vocab, n)], args.tokens, seq_base=1000 * n + 10 * r)
-            best = max(best, (args.tokens - 1) / td)
-        ms, gbs = attention(runner.config, n, rng)
-        out["results"].append({"context": n, "tok_s": round(best, 1), "attention_ms": round(ms, 2),
-                               "attention_gbs": round(gbs, 1)})
-        print(f"context {n}: {best:.1f} tok/s; decode attention {ms:.2f} ms a step ({gbs:.1f} GB/s of K/V, "
-              f"{gbs / bw:.2f} of the read bandwidth)", flush=True)
+            for s in segs:
+                ops.decode_seg(s)
+                _, _, td = run_batch(runner, alloc, [rng.integers(3, vocab, n)], args.tokens,
+                                     seq_base=1000 * n + 10 * r + s)
+                best[s] = max(best[s], (args.tokens - 1) / td)
+        ops.decode_seg(seg)
+        ms = attention(cfg, n, rng, segs)
+        gbs = cfg.num_layers * 2 * n * cfg.num_kv_heads * cfg.head_dim * 2 / (ms[seg] / 1e3) / 1e9
+        out["results"].append({"context": n, "tok_s": round(best[seg], 1), "attention_ms": round(ms[seg], 2),
+                               "attention_gbs": round(gbs, 1), "tok_s_uncut": round(best[0], 1),
+                               "attention_ms_uncut": round(ms[0], 2)})
+        print(f"context {n}: {best[seg]:.1f} tok/s (uncut {best[0]:.1f}); decode attention {ms[seg]:.2f} ms a step "
+              f"(uncut {ms[0]:.2f}; {gbs:.1f} GB/s of K/V, {gbs / bw:.2f} of the read bandwidth)", flush=True)
     if args.json:
         print(json.dumps(out))
 

@@ -122,14 +122,22 @@ pub(crate) mod x86 {
     /// division per position (both measured: bench/RESULTS.md, "Seventh session").
     /// Only KV heads `kvh` (and their query heads): a sequence may be split by heads
     /// between threads.
+    ///
+    /// Only the visible positions `seg` (counted from the first visible one): with `part`
+    /// given, each head's unnormalised sum Σ e^(s - m) v, its max m and its Σ e^(s - m) go
+    /// there (`part[h * (d + 2) ..]`: m, the sum, then the d values) for `merge` to join with
+    /// the other segments'; else the normalised result goes to `out`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn item<E: KvElem, const NV: usize>(
-        a: &DecodeArgs<E>, b: usize, kvh: std::ops::Range<usize>, scores: &mut Vec<f32>, slots: &mut Vec<usize>,
+        a: &DecodeArgs<E>, b: usize, kvh: std::ops::Range<usize>, seg: std::ops::Range<usize>, part: *mut f32,
+        scores: &mut Vec<f32>, slots: &mut Vec<usize>,
     ) {
         let Heads { nh, nkv, d } = a.hs;
         let g = nh / nkv;
-        let n = a.lens[b] as usize;
-        let lo = if a.window > 0 { n.saturating_sub(a.window) } else { 0 };
+        let n_all = a.lens[b] as usize;
+        let lo_all = if a.window > 0 { n_all.saturating_sub(a.window) } else { 0 };
+        let far = n_all - lo_all >= 256;
+        let (lo, n) = (lo_all + seg.start, lo_all + seg.end);
         let len = n - lo;
         let table = &a.tables[b * a.max_blocks..(b + 1) * a.max_blocks];
         let du = E::units(d);
@@ -156,7 +164,6 @@ pub(crate) mod x86 {
         // long context's decode attention waited on memory at ~9 GB/s: bench/RESULTS.md,
         // "Tenth session"); a short one is in cache
         let row_bytes = du * std::mem::size_of::<E>();
-        let far = len >= 256;
         // position t's rows of KV heads `kvs` (from `base`, the K or the V cache)
         let fetch = |base: *const E, t: usize, kvs: std::ops::Range<usize>| {
             if far && t < len {
@@ -216,14 +223,15 @@ pub(crate) mod x86 {
                 cap_scores(std::slice::from_raw_parts_mut(sp.add((h - h0) * stride), len), a.softcap);
             }
         }
-        let mut inv = [0f32; 64];
-        for (h, inv) in inv.iter_mut().enumerate().take(heads.end).skip(heads.start) {
+        let (mut inv, mut maxes, mut sums) = ([0f32; 64], [0f32; 64], [0f32; 64]);
+        for h in heads.clone() {
             let s = sp.add((h - h0) * stride);
             let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
             for c in (0..stride).step_by(8) {
                 m = _mm256_max_ps(m, _mm256_loadu_ps(s.add(c)));
             }
-            let m = _mm256_set1_ps(-hmax(m));
+            maxes[h] = hmax(m);
+            let m = _mm256_set1_ps(-maxes[h]);
             let mut sum = _mm256_setzero_ps();
             for c in (0..stride).step_by(8) {
                 let e = softmax_exp8(_mm256_add_ps(_mm256_loadu_ps(s.add(c)), m));
@@ -232,7 +240,8 @@ pub(crate) mod x86 {
                 _mm256_storeu_ps(s.add(c), e);
                 sum = _mm256_add_ps(sum, e);
             }
-            *inv = 1.0 / hsum(sum);
+            sums[h] = hsum(sum);
+            inv[h] = 1.0 / sums[h];
         }
         for h in heads {
             let s = sp.add((h - h0) * stride);
@@ -244,6 +253,14 @@ pub(crate) mod x86 {
                     fetch(vp, t + PF_ROWS, h / g..h / g + 1);
                 }
                 E::mad::<NV>(&mut acc, *s.add(t), vp.add(off + vo));
+            }
+            if !part.is_null() {
+                let o = part.add(h * (d + 2));
+                (*o, *o.add(1)) = (maxes[h], sums[h]);
+                for (j, r) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(o.add(2 + 8 * j), *r);
+                }
+                continue;
             }
             let o = a.out.0.add(a.rows[b] as usize * a.out_stride + h * d);
             let iv = _mm256_set1_ps(inv[h]);
@@ -282,19 +299,28 @@ pub(crate) mod x86 {
     /// Whether `items` runs these heads (else the portable loop does).
     pub(super) fn supports(hs: Heads) -> bool { hs.d % 8 == 0 && hs.nh <= 64 && matches!(hs.d / 8, 4 | 8 | 16) }
 
-    /// Items `i0..i1`: item `i` is part `i % parts` of sequence `i / parts`, a run of its KV
-    /// heads (`parts` 1: all of them).
+    /// Items `i0..i1` of `list`: (sequence b, its part of `parts` runs of KV heads, its segment
+    /// of positions out of `segs[b].0`). A sequence cut in segments has all its heads in each
+    /// (part 0 of 1), and writes its partial sums to `partial` from block `segs[b].1` (segment
+    /// s, then head h: `d + 2` values each).
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn items<E: KvElem>(a: &DecodeArgs<E>, i0: usize, i1: usize, parts: usize) {
+    pub(super) unsafe fn items<E: KvElem>(a: &DecodeArgs<E>, list: &[(u32, u32, u32)], i0: usize, i1: usize,
+                                          parts: usize, segs: &[(usize, usize)], partial: &super::P) {
         let (mut scores, mut slots) = (Vec::new(), Vec::new());
         let (nv, nkv) = (a.hs.d / 8, a.hs.nkv);
-        for i in i0..i1 {
-            let (b, p) = (i / parts, i % parts);
+        for &(b, p, sg) in &list[i0..i1] {
+            let (b, p, sg) = (b as usize, p as usize, sg as usize);
+            let (nseg, at) = segs[b];
+            let parts = if nseg > 1 { 1 } else { parts };
             let kvh = p * nkv / parts..(p + 1) * nkv / parts;
+            let len = super::visible(a, b);
+            let seg = sg * len / nseg..(sg + 1) * len / nseg;
+            let part = if nseg > 1 { partial.0.add((at + sg) * a.hs.nh * (a.hs.d + 2)) } else { std::ptr::null_mut() };
             match nv {
-                4 => item::<E, 4>(a, b, kvh, &mut scores, &mut slots),
-                8 => item::<E, 8>(a, b, kvh, &mut scores, &mut slots),
-                16 => item::<E, 16>(a, b, kvh, &mut scores, &mut slots),
+                4 => item::<E, 4>(a, b, kvh, seg, part, &mut scores, &mut slots),
+                8 => item::<E, 8>(a, b, kvh, seg, part, &mut scores, &mut slots),
+                16 => item::<E, 16>(a, b, kvh, seg, part, &mut scores, &mut slots),
                 _ => unreachable!(),
             }
         }
@@ -394,13 +420,43 @@ pub(crate) fn decode<E: KvElem>(
     // so that every thread has work (one sequence over 2,193 positions ran on one thread)
     let nt = num_threads();
     let parts = if whole && work >= 1 << 16 && b < 2 * nt { (2 * nt).div_ceil(b.max(1)).min(nkv) } else { 1 };
-    let items = if whole { b * parts } else { b * nkv };
+    // A long context is cut into segments of about `decode_seg()` positions, each an item with
+    // all the KV heads (a position's rows of every head are one contiguous run), whose partial
+    // sums are joined after (`merge`): split by heads alone, a single stream's 3 KV heads left a
+    // thread idle and each read a third of every run (bench/RESULTS.md, "Eleventh session").
+    // The cut depends on the sequence's own length only, never on the batch: a sequence's
+    // result is the same alone or beside others. A shorter one is split by heads (same bits).
+    let seg = decode_seg();
+    let mut segs = Vec::with_capacity(b);
+    let mut nparts = 0;
+    for i in 0..b {
+        let n = if whole && seg > 0 { visible(&args, i).div_ceil(seg) } else { 1 };
+        segs.push((n, nparts));
+        if n > 1 {
+            nparts += n;
+        }
+    }
+    let mut partial = vec![0f32; nparts * nh * (d + 2)];
+    // (sequence, part of its KV heads out of `parts` or 1, segment)
+    let list: Vec<(u32, u32, u32)> = if whole {
+        (0..b as u32).flat_map(|i| {
+            let (n, p) = (segs[i as usize].0 as u32, if segs[i as usize].0 > 1 { 1 } else { parts as u32 });
+            (0..n).flat_map(move |sg| (0..p).map(move |k| (i, k, sg)))
+        })
+        .collect()
+    } else {
+        Vec::new()
+    };
+    let items = if whole { list.len() } else { b * nkv };
+    let pp = &P(partial.as_mut_ptr());
+    let (list, segs_ref) = (&list, &segs);
     // SAFETY: every row, length and block id was checked against q, out and the caches
-    // above; items write disjoint rows of `out`; the AVX2 paths run only when the CPU has it.
+    // above; items write disjoint rows of `out` or disjoint blocks of `partial`; the AVX2
+    // paths run only when the CPU has it.
     let run = |i0: usize, i1: usize| unsafe {
         #[cfg(target_arch = "x86_64")]
         if whole {
-            return x86::items(&args, i0, i1, parts);
+            return x86::items(&args, list, i0, i1, parts, segs_ref, pp);
         }
         #[cfg(target_arch = "x86_64")]
         if avx {
@@ -415,8 +471,67 @@ pub(crate) fn decode<E: KvElem>(
         let per = items.div_ceil(num_threads() * 4).max(1);
         parallel_for(items.div_ceil(per), &|c| run(c * per, ((c + 1) * per).min(items)));
     }
+    if nparts > 0 {
+        merge(&args, &segs, &partial);
+    }
     Ok(())
 }
+
+/// Positions sequence `b` sees (its window's, or all).
+fn visible<E>(a: &DecodeArgs<E>, b: usize) -> usize {
+    let n = a.lens[b] as usize;
+    n - if a.window > 0 { n.saturating_sub(a.window) } else { 0 }
+}
+
+/// Join the segments' partial sums of each sequence cut in several: per head, the largest
+/// max M, then Σ e^(m - M) · sum and Σ e^(m - M) · acc, in segment order.
+fn merge<E>(a: &DecodeArgs<E>, segs: &[(usize, usize)], partial: &[f32]) {
+    let Heads { nh, d, .. } = a.hs;
+    for (b, &(n, at)) in segs.iter().enumerate() {
+        if n < 2 {
+            continue;
+        }
+        for h in 0..nh {
+            let part = |s: usize| &partial[((at + s) * nh + h) * (d + 2)..][..d + 2];
+            let m = (0..n).map(|s| part(s)[0]).fold(f32::NEG_INFINITY, f32::max);
+            let mut acc = [0f32; 512];
+            let mut sum = 0f32;
+            for s in 0..n {
+                let p = part(s);
+                let f = exp(p[0] - m);
+                sum += f * p[1];
+                for (x, y) in acc[..d].iter_mut().zip(&p[2..]) {
+                    *x += f * y;
+                }
+            }
+            let inv = 1.0 / sum;
+            // SAFETY: row b's output was checked against `out` by `decode`.
+            let o = unsafe { std::slice::from_raw_parts_mut(a.out.0.add(a.rows[b] as usize * a.out_stride + h * d), d) };
+            for (o, x) in o.iter_mut().zip(&acc[..d]) {
+                *o = x * inv;
+            }
+        }
+    }
+}
+
+/// Positions per segment of a long context's decode attention (`EDGEPAGED_DECODE_SEG`;
+/// 0: no cut).
+pub fn decode_seg() -> usize {
+    use std::sync::atomic::Ordering::Relaxed;
+    let v = DECODE_SEG.load(Relaxed);
+    if v != usize::MAX {
+        return v;
+    }
+    let v = std::env::var("EDGEPAGED_DECODE_SEG").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(DEFAULT_DECODE_SEG);
+    DECODE_SEG.store(v, Relaxed);
+    v
+}
+
+const DEFAULT_DECODE_SEG: usize = 512;
+static DECODE_SEG: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// Set `decode_seg` for the process (benchmarks alternate).
+pub fn set_decode_seg(n: usize) { DECODE_SEG.store(n, std::sync::atomic::Ordering::Relaxed) }
 
 #[cfg(test)]
 pub(crate) mod tests {
@@ -494,7 +609,54 @@ pub(crate) mod tests {
         }
     }
 
+    /// Long contexts cut in segments (`decode_seg`): the joined result is the attention over
+    /// the whole context, with windows over several segments; a sequence's result is the same
+    /// bits alone and beside others (the cut depends on its own length only); a q8_0 cache
+    /// cut in segments attends as the f32 cache of its values.
+    #[test]
+    fn decode_segments_match_naive_and_any_batch() {
+        let bs = 16usize;
+        let hs = Heads { nh: 9, nkv: 3, d: 64 };
+        for lens in [&[2193i32][..], &[1500, 1, 600], &[513, 1024, 1025]] {
+            let mb = 2193usize.div_ceil(bs);
+            let total = lens.len() * mb;
+            let tables: Vec<i32> = (0..total).map(|i| ((i * 37) % total) as i32).collect();
+            decode_case_with(hs, lens, bs, &tables, total, &[(0, 0.0), (1100, 0.0), (600, 0.05)]);
+        }
+        // alone and in a batch: the same bits
+        let mut seed = 11u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        };
+        let (w, kvw, nblocks) = (hs.nh * hs.d, hs.nkv * hs.d, 3 * 100);
+        let k: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd()).collect();
+        let v: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd()).collect();
+        let q: Vec<f32> = (0..3 * w).map(|_| rnd()).collect();
+        let tables: Vec<i32> = (0..nblocks as i32).rev().collect();
+        let lens = [1500, 40, 1200];
+        let mut batch = vec![0f32; 3 * w];
+        paged_decode(&q, w, &mut batch, w, &[0, 1, 2], &lens, &tables, &k, &v, bs, hs, 0.125, 0, 0.0).unwrap();
+        for b in 0..3 {
+            let mut alone = vec![0f32; 3 * w];
+            paged_decode(&q, w, &mut alone, w, &[b as i64], &lens[b..b + 1], &tables[b * 100..(b + 1) * 100], &k, &v, bs, hs,
+                         0.125, 0, 0.0).unwrap();
+            assert_eq!(alone[b * w..(b + 1) * w], batch[b * w..(b + 1) * w], "sequence {b}");
+        }
+        // a q8_0 cache, cut in segments
+        let ((k8, kd), (v8, vd)) = (q8_cache(&k, hs.d), q8_cache(&v, hs.d));
+        let (mut got, mut want) = (vec![0f32; 3 * w], vec![0f32; 3 * w]);
+        paged_decode(&q, w, &mut got, w, &[0, 1, 2], &lens, &tables, &k8, &v8, bs, hs, 0.125, 0, 0.0).unwrap();
+        paged_decode(&q, w, &mut want, w, &[0, 1, 2], &lens, &tables, &kd, &vd, bs, hs, 0.125, 0, 0.0).unwrap();
+        let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(err < 1e-5, "q8_0 in segments: {err}");
+    }
+
     fn decode_case(hs: Heads, lens: &[i32], bs: usize, tables: &[i32], nblocks: usize) {
+        decode_case_with(hs, lens, bs, tables, nblocks, &[(0, 0.0), (5, 0.0), (0, 0.05), (5, 0.05)]);
+    }
+
+    fn decode_case_with(hs: Heads, lens: &[i32], bs: usize, tables: &[i32], nblocks: usize, cases: &[(usize, f32)]) {
         let kvw = hs.nkv * hs.d;
         let (nb, mb) = (lens.len(), tables.len() / lens.len());
         let mut seed = 7u64;
@@ -506,7 +668,7 @@ pub(crate) mod tests {
         let v: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd()).collect();
         let q: Vec<f32> = (0..nb * hs.nh * hs.d).map(|_| rnd()).collect();
         let rows: Vec<i64> = (0..nb as i64).collect();
-        for (window, cap) in [(0usize, 0f32), (5, 0.0), (0, 0.05), (5, 0.05)] {
+        for &(window, cap) in cases {
             let mut out = vec![0f32; nb * hs.nh * hs.d];
             paged_decode(&q, hs.nh * hs.d, &mut out, hs.nh * hs.d, &rows, lens, tables, &k, &v, bs, hs, 0.25, window, cap)
                 .unwrap();

@@ -414,8 +414,20 @@ fn bf16_attention(on: Option<bool>) -> bool {
     cpu_kernels::isa::bf16_attention()
 }
 
+/// Positions per segment of a long context's decode attention (512 unless
+/// EDGEPAGED_DECODE_SEG says otherwise; 0: none); `positions` sets it for the process first.
+#[pyfunction]
+#[pyo3(signature = (positions=None))]
+fn decode_seg(positions: Option<usize>) -> usize {
+    if let Some(n) = positions {
+        cpu_kernels::attention::set_decode_seg(n);
+    }
+    cpu_kernels::attention::decode_seg()
+}
+
 pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     let m = PyModule::new(py, "ops")?;
+    m.add_function(wrap_pyfunction!(decode_seg, &m)?)?;
     m.add_function(wrap_pyfunction!(bf16_attention, &m)?)?;
     m.add_function(wrap_pyfunction!(add_rms_norm, &m)?)?;
     m.add_function(wrap_pyfunction!(silu_mul, &m)?)?;
