@@ -44,6 +44,10 @@ def bf16_attention(on: bool | None = None) -> bool:
     on a CPU with AVX-512 BF16 unless EDGEPAGED_ATTENTION_BF16=0; `on` turns it on or off
     for the process first."""
 
+def decode_seg(positions: int | None = None) -> int:
+    """Positions per segment of a long context's decode attention (512 unless
+    EDGEPAGED_DECODE_SEG says otherwise; 0: none); `positions` sets it for the process first."""
+
 # one linear: (segments, bias or None); a segment: (uint8 blocks, ggml type (+ x8 flag), rows, cols)
 _Linear = tuple[Sequence[tuple[npt.NDArray[np.uint8], int, int, int]], F32 | None]
 

@@ -18,6 +18,7 @@ every EDGEPAGED_ variable that changes how the model runs is in this table (the 
 | `EDGEPAGED_SCHEDULER`             | (empty) | `before`: the scheduler as it was before short prompts went first and steps were timed (the benchmarks' baseline; read by the engine) |
 | `EDGEPAGED_NO_AVX512`             | 0       | 1: the kernels use AVX2 even on a CPU with AVX-512 (read by Rust, at the first kernel call) |
 | `EDGEPAGED_DECODE_PREFETCH`       | 8192    | bytes ahead of its reads the integer kernels prefetch a decode step's weights (0: the hardware's prefetch alone; read by Rust; `quant.decode_prefetch`) |
+| `EDGEPAGED_DECODE_SEG`            | 512     | positions per segment of a long context's decode attention, each segment one item on the kernel threads, joined after (0: split by KV heads only; read by Rust; `ops.decode_seg`) |
 | `EDGEPAGED_ATTENTION_BF16`        | on      | prefill attention's tiles over an f16 or q8_0 cache multiply in bf16 (f32 sums) on a CPU with AVX-512 BF16, every prompt row in the tiles; 0: f32 products (read by Rust, at the first prefill; `ops.bf16_attention`) |
 | `EDGEPAGED_WEIGHTS_CACHE_MIN`     | 512 MiB | the smallest model file (bytes) whose laid-out weights the weights cache keeps (`weights_cache`; `edgepaged pull` lays such a file out at once) |
 
