@@ -44,6 +44,11 @@ def bf16_attention(on: bool | None = None) -> bool:
     on a CPU with AVX-512 BF16 unless EDGEPAGED_ATTENTION_BF16=0; `on` turns it on or off
     for the process first."""
 
+def prefill_shared_rows(on: bool | None = None) -> bool:
+    """Whether paged_prefill's bf16 tiles of a chunk of 4 tiles (97 rows) or more, without a
+    window, read K and V rows converted once for all of them rather than each converting its
+    own (the same bits either way); `on` turns it on or off for the process first."""
+
 def decode_seg(positions: int | None = None) -> int:
     """Positions per segment of a long context's decode attention (512 unless
     EDGEPAGED_DECODE_SEG says otherwise; 0: none); `positions` sets it for the process first."""

@@ -88,9 +88,10 @@ mod x86 {
         }
     }
 
-    /// The span tile `tile` of sequence b sees (lo, hi), and each K/V row's offset in the
-    /// caches into `s.slots` (KV head kh).
-    fn tile_slots<E: KvElem>(a: &PrefillArgs<E>, b: usize, tile: usize, kh: usize, s: &mut Scratch) -> (usize, usize) {
+    /// The span tile `tile` of sequence b sees (lo, hi), and with `rows` each K/V row's offset
+    /// in the caches into `s.slots` (KV head kh).
+    fn tile_slots<E: KvElem>(a: &PrefillArgs<E>, b: usize, tile: usize, kh: usize, s: &mut Scratch, rows: bool)
+        -> (usize, usize) {
         let (_, q) = a.rows(b);
         let j0 = tile * TILE;
         let r = TILE.min(q - j0);
@@ -99,6 +100,9 @@ mod x86 {
         let (lo, _) = a.span(b, q, j0);
         let lo = lo & !1;
         let (_, hi) = a.span(b, q, j0 + r - 1);
+        if !rows {
+            return (lo, hi);
+        }
         let table = &a.tables[b * a.max_blocks..(b + 1) * a.max_blocks];
         let du = E::units(a.hs.d);
         let kvw = a.hs.nkv * du;
@@ -127,7 +131,7 @@ mod x86 {
         let (row0, q) = a.rows(b);
         let j0 = tile * TILE;
         let r = TILE.min(q - j0);
-        let (lo, hi) = tile_slots(a, b, tile, kh, s);
+        let (lo, hi) = tile_slots(a, b, tile, kh, s, true);
         let span = hi - lo;
         let stride = span.next_multiple_of(16);
         let nq = r * g; // query vectors of the tile, (row, head) in order
@@ -259,13 +263,14 @@ mod x86 {
     /// segments, pairs from even positions, zeros outside the span add nothing): the same in
     /// any tile.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
-    pub(super) unsafe fn tile_bf16<E: KvElem>(a: &PrefillArgs<E>, b: usize, tile: usize, kh: usize, s: &mut Scratch) {
+    pub(super) unsafe fn tile_bf16<E: KvElem>(a: &PrefillArgs<E>, b: usize, tile: usize, kh: usize, s: &mut Scratch,
+                                             shared: Option<(*const u32, *const u32)>) {
         let Heads { nh, nkv, d } = a.hs;
         let (g, dp) = (nh / nkv, d / 2);
         let (row0, q) = a.rows(b);
         let j0 = tile * TILE;
         let r = TILE.min(q - j0);
-        let (lo, hi) = tile_slots(a, b, tile, kh, s);
+        let (lo, hi) = tile_slots(a, b, tile, kh, s, shared.is_none());
         let nq = r * g;
         grow(&mut s.k2, SEG * dp);
         grow(&mut s.v2, SEG / 2 * d);
@@ -273,7 +278,6 @@ mod x86 {
         grow(&mut s.p2, nq * SEG / 2);
         grow(&mut s.scores, nq * SEG);
         grow(&mut s.acc, nq * d);
-        let (kp, vp) = (a.k.as_ptr(), a.v.as_ptr());
         let (k2, v2, q2, p2, sp, accp) = (s.k2.as_mut_ptr(), s.v2.as_mut_ptr(), s.q2.as_mut_ptr(), s.p2.as_mut_ptr(),
                                           s.scores.as_mut_ptr(), s.acc.as_mut_ptr());
         std::slice::from_raw_parts_mut(accp, nq * d).fill(0.0);
@@ -295,41 +299,15 @@ mod x86 {
             let p1 = ((p0 / SEG + 1) * SEG).min(hi);
             let span = p1 - p0;
             let stride = span.next_multiple_of(16);
-            // 16 values of a cache row (from `i`) as 8 bf16 pairs; past the segment, zeros
-            let pairs16 = |base: *const E, at: usize, i: usize| -> __m256i {
-                if at < span {
-                    let o = s.slots[p0 - lo + at];
-                    let lo8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(base.add(o), i, d)));
-                    let hi8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(base.add(o), i + 8, d)));
-                    _mm256_set_m128i(hi8, lo8)
-                } else {
-                    _mm256_setzero_si256()
+            let (k2, v2) = match shared {
+                // converted once for every tile of the KV head (`convert_bf16` from position 0)
+                Some((ks, vs)) => (ks.add(p0 / 16 * 16 * dp) as *mut u32, vs.add(p0 / 2 * d) as *mut u32),
+                None => {
+                    let base = p0 - lo;
+                    convert_bf16(a, |at| if at < span { Some(s.slots[base + at]) } else { None }, k2, v2, 0, stride);
+                    (k2, v2)
                 }
             };
-            // K: per 8 positions and 16 dimensions, 8 x 8 pairs transposed to k2[c][jp][u]
-            for c0 in (0..stride).step_by(8) {
-                for jb in 0..d / 16 {
-                    let mut cols = [_mm256_setzero_ps(); 8];
-                    for (u, c) in cols.iter_mut().enumerate() {
-                        *c = _mm256_castsi256_ps(pairs16(kp, c0 + u, 16 * jb));
-                    }
-                    transpose8(&mut cols);
-                    let (chunk, half) = (c0 / 16, (c0 % 16) / 8);
-                    for (jj, col) in cols.iter().enumerate() {
-                        _mm256_storeu_ps(k2.add((chunk * dp + 8 * jb + jj) * 16 + 8 * half) as *mut f32, *col);
-                    }
-                }
-            }
-            // V: per pair of positions (t, t + 1), v2[tp][j] = (v[t][j], v[t + 1][j])
-            for tp in 0..stride / 2 {
-                for jb in 0..d / 16 {
-                    let (x, y) = (pairs16(vp, 2 * tp, 16 * jb), pairs16(vp, 2 * tp + 1, 16 * jb));
-                    let (l, h) = (_mm256_unpacklo_epi16(x, y), _mm256_unpackhi_epi16(x, y));
-                    let o = v2.add(tp * d + 16 * jb) as *mut __m256i;
-                    _mm256_storeu_si256(o, _mm256_permute2x128_si256::<0x20>(l, h));
-                    _mm256_storeu_si256(o.add(1), _mm256_permute2x128_si256::<0x31>(l, h));
-                }
-            }
             // scores: 8 query vectors x 32 positions per block of 16 registers
             let nc = stride / 16;
             let mut qi = 0;
@@ -385,6 +363,54 @@ mod x86 {
             let iv = _mm512_set1_ps(1.0 / sum);
             for j in (0..d).step_by(16) {
                 _mm512_storeu_ps(o.add(j), _mm512_mul_ps(_mm512_loadu_ps(accp.add(qk * d + j)), iv));
+            }
+        }
+    }
+
+    /// K and V rows of positions from..to (multiples of 16) as the bf16 tile multiplies them:
+    /// K as bf16 pairs of dimensions per chunk of 16 positions (`k2[c][jp][u]`, chunk c of
+    /// positions 16c..), V as bf16 pairs of positions per dimension (`v2[tp][j]`); `off(t)` the
+    /// offset of position t's head row in the caches, None for a position past the rows (zeros).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+    pub(super) unsafe fn convert_bf16<E: KvElem, F: Fn(usize) -> Option<usize>>(
+        a: &PrefillArgs<E>, off: F, k2: *mut u32, v2: *mut u32, from: usize, to: usize,
+    ) {
+        let (d, dp) = (a.hs.d, a.hs.d / 2);
+        let (kp, vp) = (a.k.as_ptr(), a.v.as_ptr());
+        // 16 values of a cache row (from `i`) as 8 bf16 pairs; past the rows, zeros
+        let pairs16 = |base: *const E, at: usize, i: usize| -> __m256i {
+            match off(at) {
+                Some(o) => {
+                    let lo8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(base.add(o), i, d)));
+                    let hi8: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(E::load8(base.add(o), i + 8, d)));
+                    _mm256_set_m128i(hi8, lo8)
+                }
+                None => _mm256_setzero_si256(),
+            }
+        };
+        // K: per 8 positions and 16 dimensions, 8 x 8 pairs transposed to k2[c][jp][u]
+        for c0 in (from..to).step_by(8) {
+            for jb in 0..d / 16 {
+                let mut cols = [_mm256_setzero_ps(); 8];
+                for (u, c) in cols.iter_mut().enumerate() {
+                    *c = _mm256_castsi256_ps(pairs16(kp, c0 + u, 16 * jb));
+                }
+                transpose8(&mut cols);
+                let (chunk, half) = (c0 / 16, (c0 % 16) / 8);
+                for (jj, col) in cols.iter().enumerate() {
+                    _mm256_storeu_ps(k2.add((chunk * dp + 8 * jb + jj) * 16 + 8 * half) as *mut f32, *col);
+                }
+            }
+        }
+        // V: per pair of positions (t, t + 1), v2[tp][j] = (v[t][j], v[t + 1][j])
+        for tp in from / 2..to / 2 {
+            for jb in 0..d / 16 {
+                let (x, y) = (pairs16(vp, 2 * tp, 16 * jb), pairs16(vp, 2 * tp + 1, 16 * jb));
+                let (l, h) = (_mm256_unpacklo_epi16(x, y), _mm256_unpackhi_epi16(x, y));
+                let o = v2.add(tp * d + 16 * jb) as *mut __m256i;
+                _mm256_storeu_si256(o, _mm256_permute2x128_si256::<0x20>(l, h));
+                _mm256_storeu_si256(o.add(1), _mm256_permute2x128_si256::<0x31>(l, h));
             }
         }
     }
@@ -654,11 +680,12 @@ mod x86 {
 
     /// Work items i0..i1 (`items` lists (sequence, tile, KV head)).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn run<E: KvElem>(a: &PrefillArgs<E>, items: &[(usize, usize, usize)], w512: bool, bf16: bool) {
+    pub(super) unsafe fn run<E: KvElem>(a: &PrefillArgs<E>, items: &[(usize, usize, usize)], w512: bool, bf16: bool,
+                                        shared: Option<&super::Shared>) {
         let mut s = Scratch::default();
         for &(b, t, kh) in items {
             if bf16 {
-                tile_bf16(a, b, t, kh, &mut s);
+                tile_bf16(a, b, t, kh, &mut s, shared.map(|x| x.of(b, kh)));
                 continue;
             }
             match a.hs.d / 8 {
@@ -787,6 +814,23 @@ fn prefill_rows<E: KvElem>(
         q: P(q.as_ptr() as *mut f32), q_stride, out: P(out.as_mut_ptr()), out_stride, starts, lens, tables, max_blocks,
         k: k_cache, v: v_cache, bs, hs, scale, window, softcap,
     };
+    #[cfg(target_arch = "x86_64")]
+    if bf16 && window == 0 && SHARE_KV.load(std::sync::atomic::Ordering::Relaxed) {
+        let offs: Vec<usize> = (0..=nseq).scan(0usize, |at, b| {
+            let here = *at;
+            if b < nseq {
+                *at += (lens[b] as usize).next_multiple_of(16) * (d / 2);
+            }
+            Some(here)
+        }).collect();
+        // a sequence of one tile a head converts its rows once either way; of 2 or 3, the
+        // second pass over the rows costs about what it saves (bench/RESULTS.md)
+        let tiles = (0..nseq).map(|b| args.rows(b).1.div_ceil(TILE)).max().unwrap_or(0);
+        if tiles >= SHARED_MIN_TILES && offs[nseq] * nkv * 8 <= SHARED_MAX_BYTES {
+            shared_heads(&args, &offs, w512);
+            return Ok(());
+        }
+    }
     let mut items = Vec::new();
     for b in 0..nseq {
         let (_, q) = args.rows(b);
@@ -796,20 +840,28 @@ fn prefill_rows<E: KvElem>(
             }
         }
     }
-    // later tiles see more positions: hand them out first, in small chunks taken in turn
+    run_items(&args, items, w512, bf16, None);
+    Ok(())
+}
+
+/// The tiles `items` on the kernel threads: later tiles (they see more positions) handed out
+/// first, in small chunks taken in turn.
+fn run_items<E: KvElem>(args: &PrefillArgs<E>, mut items: Vec<(usize, usize, usize)>, w512: bool, bf16: bool,
+                        shared: Option<&Shared>) {
     items.reverse();
     let per = items.len().div_ceil(num_threads() * 4).max(1);
     let run = |c: usize| {
         let chunk = &items[c * per..((c + 1) * per).min(items.len())];
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: rows, lengths and block ids were checked against q, out and the caches above;
-        // items write disjoint (row, head) slices of `out`; the CPU has AVX2, FMA and F16C (and
-        // AVX-512 BF16 when `bf16`).
+        // SAFETY: rows, lengths and block ids were checked against q, out and the caches by
+        // `prefill_rows`; items write disjoint (row, head) slices of `out`; the CPU has AVX2, FMA
+        // and F16C (and AVX-512 BF16 when `bf16`); `shared` holds every sequence's converted
+        // rows of the items' KV head.
         unsafe {
-            x86::run(&args, chunk, w512, bf16)
+            x86::run(args, chunk, w512, bf16, shared)
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (chunk, bf16);
+        let _ = (chunk, bf16, w512, shared);
     };
     let chunks = items.len().div_ceil(per);
     if chunks < 2 {
@@ -817,8 +869,106 @@ fn prefill_rows<E: KvElem>(
     } else {
         parallel_for(chunks, &run);
     }
-    Ok(())
 }
+
+/// Bytes of converted K and V rows the bf16 tiles may share (`shared_heads`); past it, each
+/// tile converts its own.
+const SHARED_MAX_BYTES: usize = 64 << 20;
+
+/// Tiles a sequence's chunk needs (its longest) before its tiles share converted rows.
+const SHARED_MIN_TILES: usize = 4;
+
+/// Whether the bf16 tiles share converted rows (`set_shared_rows`).
+static SHARE_KV: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether the bf16 tiles of a chunk of 4 tiles or more (without a window) read K and V rows
+/// converted once for all of them (on unless turned off; the same bits either way).
+pub fn shared_rows() -> bool { SHARE_KV.load(std::sync::atomic::Ordering::Relaxed) }
+
+/// Turns the shared rows on or off for the process (the benchmarks compare both); returns
+/// the previous setting.
+pub fn set_shared_rows(on: bool) -> bool { SHARE_KV.swap(on, std::sync::atomic::Ordering::Relaxed) }
+
+/// Every sequence's K and V rows of every KV head as the bf16 tiles multiply them (from
+/// position 0, `x86::convert_bf16`): sequence b's of head kh at `kh * total + offs[b]` u32s
+/// into `k` and into `v`.
+struct Shared {
+    k: *const u32,
+    v: *const u32,
+    offs: Vec<usize>,
+}
+
+// SAFETY: the pointers are only read, by pool threads, while `shared_heads` keeps the buffer.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    fn of(&self, b: usize, kh: usize) -> (*const u32, *const u32) {
+        let at = kh * self.offs[self.offs.len() - 1] + self.offs[b];
+        // SAFETY: within the buffer (`shared_heads` sized it from offs and the KV heads)
+        unsafe { (self.k.add(at), self.v.add(at)) }
+    }
+}
+
+/// The converted rows `shared_heads` fills, kept between calls (no fresh pages each layer);
+/// a call that finds it taken (another model's step) fills one of its own.
+static SHARED_BUF: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+/// The bf16 tiles without a window: first every sequence's K and V rows of every KV head
+/// converted once (in pieces of `SEG` positions on the kernel threads), then every tile reads
+/// them, rather than each converting its own (a 512-row chunk has 16 tiles a head). The same
+/// bits as tiles converting their own rows: the same values at the same places, and
+/// positions past a tile's span multiplied by probabilities of 0.
+#[cfg(target_arch = "x86_64")]
+fn shared_heads<E: KvElem>(args: &PrefillArgs<E>, offs: &[usize], w512: bool) {
+    let nseq = args.lens.len();
+    let Heads { nkv, d, .. } = args.hs;
+    let total = offs[nseq];
+    let mut own = Vec::new();
+    let mut kept = SHARED_BUF.try_lock().ok();
+    let buf = kept.as_deref_mut().unwrap_or(&mut own);
+    {
+        if buf.len() < 2 * nkv * total {
+            buf.resize(2 * nkv * total, 0);
+        }
+        let (k, v) = buf.split_at_mut(nkv * total);
+        let shared = Shared { k: k.as_ptr(), v: v.as_ptr(), offs: offs.to_vec() };
+        let (kw, vw) = (P(k.as_mut_ptr() as *mut f32), P(v.as_mut_ptr() as *mut f32));
+        let (kw, vw) = (&kw, &vw);
+        let mut pieces = Vec::new();
+        for kh in 0..nkv {
+            for b in 0..nseq {
+                let n = (args.lens[b] as usize).next_multiple_of(16);
+                pieces.extend((0..n).step_by(SEG).map(|p| (b, kh, p, (p + SEG).min(n))));
+            }
+        }
+        let (bs, kvw, du) = (args.bs, nkv * E::units(d), E::units(d));
+        let convert = |i: usize| {
+            let (b, kh, from, to) = pieces[i];
+            let n = args.lens[b] as usize;
+            let table = &args.tables[b * args.max_blocks..(b + 1) * args.max_blocks];
+            // each position's head row, found once (not once per 16 values)
+            let mut rows = [usize::MAX; SEG];
+            for (p, r) in (from..to.min(n)).zip(rows.iter_mut()) {
+                *r = (table[p / bs] as usize * bs + p % bs) * kvw + kh * du;
+            }
+            let slot = |p: usize| if p < n { Some(rows[p - from]) } else { None };
+            let at = kh * total + offs[b];
+            // SAFETY: the block ids were checked by `prefill_rows`; pieces write disjoint
+            // positions of one (sequence, head)'s rows, within the buffer; the CPU has AVX-512 BF16.
+            unsafe { x86::convert_bf16(args, slot, (kw.0 as *mut u32).add(at), (vw.0 as *mut u32).add(at), from, to) }
+        };
+        parallel_for(pieces.len(), &convert);
+        let mut items = Vec::new();
+        for b in 0..nseq {
+            let (_, q) = args.rows(b);
+            for t in 0..q.div_ceil(TILE) {
+                items.extend((0..nkv).map(|kh| (b, t, kh)));
+            }
+        }
+        run_items(args, items, w512, true, Some(&shared));
+    }
+}
+
 
 #[cfg(test)]
 mod tests {
@@ -990,6 +1140,57 @@ mod tests {
             prefill(&q[3 * w..], w, &mut split[3 * w..], w, &[0, 42], &[n as i32], &tables, &k, &v, bs, hs, 0.3, window,
                     0.0, true, true).unwrap();
             assert!(whole.iter().zip(&split).all(|(a, b)| a.to_bits() == b.to_bits()), "window {window}");
+        }
+    }
+    /// The bf16 tiles reading their KV head's rows converted once (`shared_heads`) against tiles
+    /// converting their own: the same bits, for three sequences in one call (a chunk over a
+    /// cached prefix across segments, a short one, a chunk of several tiles from position 0),
+    /// f16 and q8_0 caches, soft-capped or not, every head size the tiles take.
+    #[test]
+    fn bf16_shared_rows_match_rows_of_each_tile() {
+        if !(crate::isa::has_avx512f() && crate::isa::has_avx512bf16()) {
+            return;
+        }
+        for (d, nh) in [(64usize, 8usize), (32, 6), (128, 4)] {
+            let hs = Heads { nh, nkv: 2, d };
+            let bs = 16usize;
+            let lens = [(2 * SEG + 37) as i32, 5, 70];
+            let starts = [0i64, 100, 103, 173];
+            let mb = (lens[0] as usize).div_ceil(bs);
+            let nblocks = 3 * mb;
+            let mut seed = 9u64;
+            let mut rnd = || {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+            };
+            let kvw = hs.nkv * hs.d;
+            let kf: Vec<f32> = (0..nblocks * bs * kvw).map(|_| 4.0 * rnd()).collect();
+            let vf: Vec<f32> = (0..nblocks * bs * kvw).map(|_| rnd()).collect();
+            let f16 = |x: &f32| <crate::kv::F16 as crate::kv::KvScalar>::from_f32(*x);
+            let (k16, v16): (Vec<crate::kv::F16>, Vec<crate::kv::F16>) = (kf.iter().map(f16).collect(), vf.iter().map(f16).collect());
+            let ((k8, _), (v8, _)) = (crate::attention::tests::q8_cache(&kf, d), crate::attention::tests::q8_cache(&vf, d));
+            let tables: Vec<i32> = (0..3).flat_map(|b| (0..mb).map(move |i| ((b * mb + i * 5) % nblocks) as i32)).collect();
+            let w = hs.nh * hs.d;
+            let rows = starts[3] as usize;
+            let q: Vec<f32> = (0..rows * w).map(|_| rnd()).collect();
+            for cap in [0f32, 3.0] {
+                let run = |share: bool, q8: bool| {
+                    let mut out = vec![0f32; rows * w];
+                    let was = set_shared_rows(share);
+                    if q8 {
+                        prefill(&q, w, &mut out, w, &starts, &lens, &tables, &k8, &v8, bs, hs, 0.3, 0, cap, true, true)
+                    } else {
+                        prefill(&q, w, &mut out, w, &starts, &lens, &tables, &k16, &v16, bs, hs, 0.3, 0, cap, true, true)
+                    }.unwrap();
+                    set_shared_rows(was);
+                    out
+                };
+                for q8 in [false, true] {
+                    let (shared, own) = (run(true, q8), run(false, q8));
+                    assert!(shared.iter().any(|x| *x != 0.0));
+                    assert!(shared.iter().zip(&own).all(|(a, b)| a.to_bits() == b.to_bits()), "d {d} cap {cap} q8 {q8}");
+                }
+            }
         }
     }
 }

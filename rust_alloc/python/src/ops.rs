@@ -414,6 +414,18 @@ fn bf16_attention(on: Option<bool>) -> bool {
     cpu_kernels::isa::bf16_attention()
 }
 
+/// Whether the bf16 prefill tiles of a chunk of 4 tiles (97 rows) or more, without a window,
+/// read K and V rows converted once for all of them rather than each converting its own (the
+/// same bits either way); `on` turns it on or off for the process first.
+#[pyfunction]
+#[pyo3(signature = (on=None))]
+fn prefill_shared_rows(on: Option<bool>) -> bool {
+    if let Some(on) = on {
+        cpu_kernels::prefill::set_shared_rows(on);
+    }
+    cpu_kernels::prefill::shared_rows()
+}
+
 /// Positions per segment of a long context's decode attention (512 unless
 /// EDGEPAGED_DECODE_SEG says otherwise; 0: none); `positions` sets it for the process first.
 #[pyfunction]
@@ -428,6 +440,7 @@ fn decode_seg(positions: Option<usize>) -> usize {
 pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     let m = PyModule::new(py, "ops")?;
     m.add_function(wrap_pyfunction!(decode_seg, &m)?)?;
+    m.add_function(wrap_pyfunction!(prefill_shared_rows, &m)?)?;
     m.add_function(wrap_pyfunction!(bf16_attention, &m)?)?;
     m.add_function(wrap_pyfunction!(add_rms_norm, &m)?)?;
     m.add_function(wrap_pyfunction!(silu_mul, &m)?)?;
