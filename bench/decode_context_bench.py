@@ -8,7 +8,7 @@ embedded SmolLM2-135M reads 96 MB of weights a token, and 94 MB of f16 K/V at 4 
 
 Per context: `tok_s` (a prompt of that many tokens, then --tokens generated greedily; the best
 of --reps), and `attention_gbs`: the model's own head shape (query/KV heads, head size) in
-one process, `ops.paged_decode` over that many positions of random f16 K/V through a
+one process, `ops.paged_decode` over that many positions of random K/V (of --kv-dtype) through a
 shuffled block table, once per layer as a step does; bytes of K and V read / time (median
 of 7). `mem_read_gbs` is family_bench's read-bandwidth probe in the same run, the limit
 both are judged against. Beside them, alternated rep by rep in the same process, the same
@@ -32,14 +32,29 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def attention(cfg, n: int, rng, segs: list[int]) -> dict[int, float]:
+def kv_layer(nb: int, bs: int, nkv: int, d: int, kv_dtype: str, rng) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's K and V caches of `nb` blocks in the runtime's layout for `kv_dtype`,
+    random values written through `ops.rope_write_kv` (the model's own writer: q8_0's scales
+    too), the rotary an identity."""
+    from edgepaged._native import ops
+    from edgepaged.model.cpu_runtime import kv_numpy_dtype, kv_row_units
+    shape = (nb, bs, nkv, kv_row_units(kv_dtype, d))
+    k, v = np.zeros(shape, kv_numpy_dtype(kv_dtype)), np.zeros(shape, kv_numpy_dtype(kv_dtype))
+    t = nb * bs
+    qkv = rng.standard_normal((t, 2 * nkv * d)).astype(np.float32)   # no query heads: K, then V
+    cos, sin = np.ones((t, d), np.float32), np.zeros((t, d), np.float32)
+    pos = np.arange(t, dtype=np.int64)
+    ops.rope_write_kv(qkv, pos, cos, sin, pos, k, v, 0, nkv)
+    return k, v
+
+
+def attention(cfg, n: int, rng, segs: list[int], kv_dtype: str = "f16") -> dict[int, float]:
     """Per segment length in `segs` (`ops.decode_seg`), the ms of a step's decode attention:
-    every layer over n positions (median of 7, the variants alternated)."""
+    every layer over n positions of a `kv_dtype` cache (median of 7, the variants alternated)."""
     from edgepaged._native import ops
     nh, nkv, d, bs, layers = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16, cfg.num_layers
     nb = -(-n // bs)
-    ks = [rng.standard_normal((nb, bs, nkv, d)).astype(np.float16) for _ in range(layers)]
-    vs = [rng.standard_normal((nb, bs, nkv, d)).astype(np.float16) for _ in range(layers)]
+    ks, vs = zip(*(kv_layer(nb, bs, nkv, d, kv_dtype, rng) for _ in range(layers)))
     q = rng.standard_normal((1, nh * d)).astype(np.float32)
     out = np.zeros((1, nh * d), np.float32)
     tables = rng.permutation(nb).astype(np.int32)[None]
@@ -97,8 +112,10 @@ def main() -> None:
                                      seq_base=1000 * n + 10 * r + s)
                 best[s] = max(best[s], (args.tokens - 1) / td)
         ops.decode_seg(seg)
-        ms = attention(cfg, n, rng, segs)
-        gbs = cfg.num_layers * 2 * n * cfg.num_kv_heads * cfg.head_dim * 2 / (ms[seg] / 1e3) / 1e9
+        ms = attention(cfg, n, rng, segs, args.kv_dtype)
+        from edgepaged.model.cpu_runtime import kv_bytes_per_value
+        gbs = (cfg.num_layers * 2 * n * cfg.num_kv_heads * cfg.head_dim * kv_bytes_per_value(args.kv_dtype)
+               / (ms[seg] / 1e3) / 1e9)
         out["results"].append({"context": n, "tok_s": round(best[seg], 1), "attention_ms": round(ms[seg], 2),
                                "attention_gbs": round(gbs, 1), "tok_s_uncut": round(best[0], 1),
                                "attention_ms_uncut": round(ms[0], 2)})
