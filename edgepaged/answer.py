@@ -82,6 +82,8 @@ class Answer:
             out = [Piece(k, text, thinking, ev.token_ids, ev.logprobs)]
             if self.stream_calls and calls is not None:
                 out += [Call(k, i, part) for i, part in calls.deltas()]
+                if ev.ahead:       # a call's name the format already forces to its end: now
+                    out += [Call(k, i, part) for i, part in calls.name_ahead(ev.ahead)]
             return out
         found, rest, thinking = [], "", ""
         if calls is not None:

@@ -514,12 +514,7 @@ class ToolStream:
         call's arguments), and (index, {"done": True}) when they close. After `push`; the text
         is what the grammar let the model write (a call is constrained from its marker on)."""
         text = self._raw.rstrip("\ufffd")
-        if self.syntax.name == "generic":
-            if not text.lstrip().startswith(GENERIC_CALLS):
-                return []
-            start = len(text) - len(text.lstrip())
-        else:
-            start = self.call_at
+        start = self._calls_start(text, self.call_at)
         if start is None:
             return []
         out: list[tuple[int, dict]] = []
@@ -536,17 +531,43 @@ class ToolStream:
                     return out
                 c["end"] = end
                 out.append((k, {"done": True}))
-            m = CALL_HEAD.search(text, self.streamed[-1]["end"] if self.streamed else start)
-            if m is None:
+            head = self._open_call(text, start)
+            if head is None:
                 return out
-            try:
-                name = json.loads('"' + m.group(1) + '"')
-            except ValueError:
-                return out
-            call = {"id": "call_" + uuid.uuid4().hex[:24], "name": name, "sent": m.end(), "end": None}
-            self.streamed.append(call)
-            self._scan = _JsonValueEnd()
-            out.append((len(self.streamed) - 1, {"id": call["id"], "name": name}))
+            out.append(head)
+
+    def _calls_start(self, text: str, call_at: int | None) -> int | None:
+        """Where the answer's calls start in `text` (None: not a call list)."""
+        if self.syntax.name == "generic":
+            return len(text) - len(text.lstrip()) if text.lstrip().startswith(GENERIC_CALLS) else None
+        return call_at
+
+    def _open_call(self, text: str, start: int) -> tuple[int, dict] | None:
+        """The next call's head in `text` (after the last call given out, else from `start`):
+        given out as (call index, {"id", "name"}), its arguments to stream from its end."""
+        m = CALL_HEAD.search(text, self.streamed[-1]["end"] if self.streamed else start)
+        if m is None:
+            return None
+        try:
+            name = json.loads('"' + m.group(1) + '"')
+        except ValueError:
+            return None
+        call = {"id": "call_" + uuid.uuid4().hex[:24], "name": name, "sent": m.end(), "end": None}
+        self.streamed.append(call)
+        self._scan = _JsonValueEnd()
+        return len(self.streamed) - 1, {"id": call["id"], "name": name}
+
+    def name_ahead(self, ahead: list[int]) -> list[tuple[int, dict]]:
+        """After `deltas`: the next call's (call index, {"id", "name"}) when the tokens its
+        format forces next (`ahead`: certain to follow, not generated yet) complete its name,
+        one step before `deltas` would see it; its arguments stream from `deltas` as they come.
+        Nothing while a call's arguments are open."""
+        if self.streamed and self.streamed[-1]["end"] is None:
+            return []
+        text = self.tokenizer.decode(self.ids + list(ahead), skip_special_tokens=False).rstrip("\ufffd")
+        start = self._calls_start(text, self.call_at if self.call_at is not None else self.syntax.find(text))
+        head = None if start is None else self._open_call(text, start)
+        return [] if head is None else [head]
 
     def finish(self) -> tuple[str, list[dict]]:
         """(content still to give out, calls). Calls given out already by `deltas` keep their ids."""

@@ -306,6 +306,61 @@ async def test_tool_calls_stream_as_they_are_written(embedded_runner):
         jsonschema.validate(c["function"]["arguments"], SCHEMAS[c["function"]["name"]])
 
 
+async def test_tokens_a_format_forces_come_with_the_token_before_them(embedded_runner):
+    """A token after which the format forces the next ones (a schema's property names, a
+    call's `", "arguments": `) comes with them as `ahead`: certain, so the tokens that follow
+    in the answer begin with them every time; a call's name they complete is given out with
+    that token (`Answer`), a step before the forced tokens themselves are generated."""
+    from edgepaged.answer import Answer, Call
+    from edgepaged.engine.request import TokenEvent
+    from edgepaged.frontend import Caller
+    from edgepaged.tools import ToolStream, syntax_for
+    async with Engine(embedded_runner, EngineConfig(max_num_seqs=4)) as engine:
+        front = FrontEnd(engine)
+        events = []
+        item = GenerateRequest("j", "chat", messages=ASK, max_tokens=120, sampling={"temperature": 0},
+                               format={"type": "json_schema", "schema": PERSON})
+        async with engine.stream((await front.build(item, Caller("c", "c"))).req) as stream:
+            async for ev in stream:
+                if isinstance(ev, TokenEvent):
+                    events.append(ev)
+        assert engine.stats()["kv_blocks_used"] == 0
+    ids = [t for ev in events for t in ev.token_ids]
+    at, told = 0, 0
+    for ev in events:
+        at += len(ev.token_ids)
+        if ev.ahead:
+            told += 1
+            assert ids[at:at + len(ev.ahead)] == ev.ahead or at + len(ev.ahead) > len(ids), (ids[at:], ev.ahead)
+    assert told >= 3, events
+    json.loads(embedded_runner.tokenizer.decode(ids))
+    # a call's name: given out with the token that decides it, when what follows is forced
+    tok = embedded_runner.tokenizer
+    call = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome"}}]}'
+    cut = call.index('_weather') + len('_weather')
+    head = tok.encode(call[:cut], add_special_tokens=False)
+    forced = tok.encode(call[:call.index("{\"city")], add_special_tokens=False)[len(head):]
+    assert tok.decode(head + forced) == call[:call.index("{\"city")]
+
+    class Ticket:
+        calls = [ToolStream(syntax_for(tok.chat_template, tok), tok)]
+    answer = Answer(Ticket(), thinking=False, stream_calls=True)
+    names = []
+    for i, t in enumerate(head):
+        out = answer.feed(0, TokenEvent([t], "", None, forced if i == len(head) - 1 else None))
+        names += [(i, c.part["name"]) for c in out if isinstance(c, Call) and "name" in c.part]
+    assert names == [(len(head) - 1, "get_weather")], names           # with the name's last token
+    args = ""
+    for t in tok.encode(call, add_special_tokens=False)[len(head):]:
+        for c in answer.feed(0, TokenEvent([t], "")):
+            if isinstance(c, Call):
+                assert "name" not in c.part                            # once
+                args += c.part.get("arguments", "")
+    assert json.loads(args) == {"city": "Rome"}
+    content, calls = Ticket.calls[0].finish()
+    assert content == "" and calls[0]["name"] == "get_weather" and calls[0]["id"]
+
+
 async def test_parallel_samples_with_tools(embedded_runner):
     """n = 3 with tool_choice required: every choice carries its own calls, each valid for
     its tool's schema, streamed (deltas by choice index) and not; over the msgpack protocol

@@ -788,6 +788,21 @@ class Engine:
             blocks_total=self.allocator.num_blocks, generated=generated, preemptions=len(batch.preempted),
             reserved_slots=blocks_used * self.block_size, unused_slots=self._unused_slots())
 
+    def _ahead(self, req: Request) -> list[int] | None:
+        """The tokens `req`'s format forces right after its last one (`req.forced`, from the
+        worker's `_forced_tokens`), within its max_tokens and before any stop token; None
+        with stop strings (the text might end sooner) or nothing forced."""
+        f, p = req.forced, req.params
+        if f is None or f[0] != req.num_tokens or p.stop:
+            return None
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.stop_token_ids))
+        ahead = []
+        for t in f[1][:max(0, p.max_tokens - len(req.output_ids))]:
+            if t in stops:
+                break
+            ahead.append(t)
+        return ahead or None
+
     def _take(self, req: Request, tok, now: float, took=None) -> int:
         """One sampled token (or the row's failure) of `req`; how many tokens it generated.
         `took`: what its grammar made of the token, in the worker (_advance_grammars)."""
@@ -821,7 +836,7 @@ class Engine:
             req.stop_reason = tok
             self._end(req, "stop")
             return 1
-        self._send(req, TokenEvent([tok], req.detok.add(tok), None if info is None else [info]))
+        self._send(req, TokenEvent([tok], req.detok.add(tok), None if info is None else [info], self._ahead(req)))
         if req.finished:
             return 1
         if took is not None and took[0] == "failed":

@@ -34,10 +34,14 @@ class Status(enum.Enum):
 
 @dataclass
 class TokenEvent:
-    """New output: the token ids sampled and the text that is now safe to show."""
+    """New output: the token ids sampled and the text that is now safe to show. `ahead`: the
+    tokens the request's format forces right after these (its grammar allows nothing else
+    there), not generated yet but certain to come unless the request ends first; a door may
+    show what they complete early (a tool call's name: `Answer`)."""
     token_ids: list[int]
     text: str
     logprobs: list | None = None   # per token, when asked: {"logprob", "top": [(id, logprob)]}
+    ahead: list[int] | None = None
 
 
 @dataclass
