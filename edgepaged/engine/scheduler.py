@@ -475,7 +475,10 @@ class Scheduler:
                 n = 1 if decoding else min(req.num_known - req.num_slots, self._first_chunk(step, prio))
                 if n <= 0:
                     continue
-                req.drafts = self._drafts(step, req) if decoding else []
+                # drafts ride behind the last sampled token as it enters the sequence; a recomputed
+                # request's last token is in it already (its prefill put every token there): no
+                # drafts, one row (`_build` would otherwise plan rows the sequence has no tokens for)
+                req.drafts = self._drafts(step, req) if decoding and req.num_known == req.num_tokens - 1 else []
                 if req.drafts:
                     k = self.blocks_needed(req, 1 + len(req.drafts))
                     if k <= self._free(step) - self.watermark:
