@@ -166,7 +166,7 @@ class RefAllocator:
             want = -(-max(reserve_tokens or 0, len(tokens)) // self.block_size)
             if want > len(self.free):
                 raise NoFreeBlocksError(f"not enough free KV blocks: need {want}, {len(self.free)} free")
-            blocks = [self._pop_free() for _ in range(want)]
+            blocks = sorted(self._pop_free() for _ in range(want))
         cached = self._match(tokens, salt)
         for b in cached:
             self._acquire(b)
@@ -269,6 +269,7 @@ class RefAllocator:
         for sid, n in zip(ids, ns):
             s = self.seqs[sid]
             if n:
+                fresh = len(s.blocks)
                 for j in range(s.num_slots // bs, (s.num_slots + n - 1) // bs + 1):
                     if j == len(s.blocks):
                         s.blocks.append(self._pop_free())
@@ -278,6 +279,7 @@ class RefAllocator:
                             copies.append((s.blocks[j], dst))
                         self._release(s.blocks[j])
                         s.blocks[j] = dst
+                s.blocks[fresh:] = sorted(s.blocks[fresh:])    # a step's new blocks ascending
                 for pos in range(s.num_slots, s.num_slots + n):
                     slots.append(s.blocks[pos // bs] * bs + pos % bs)
                 s.num_slots += n

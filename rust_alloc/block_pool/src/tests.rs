@@ -392,3 +392,21 @@ fn undo_step_gives_back_what_the_step_reserved() {
     assert_eq!(p.num_free_blocks(), 8);
     ok(&p);
 }
+
+#[test]
+fn a_chunk_takes_its_new_blocks_in_ascending_order() {
+    // sequence 1 fills blocks 0..8 and goes back tail first (the free list: the unused 8 and
+    // 9, then 7, 6, ... 0); sequence 2's chunks take the least recently freed, each ascending
+    let mut p = pool(10, 4);
+    p.add_sequence(1, (0..32).collect(), 0, None).unwrap();
+    assert_eq!(p.prepare_step(&[1], &[32], None).unwrap().block_tables, (0..8).collect::<Vec<i32>>());
+    p.free_sequence(1, true).unwrap();
+    assert_eq!(p.free_list(), vec![8, 9, 7, 6, 5, 4, 3, 2, 1, 0]);
+    p.add_sequence(2, (100..132).collect(), 0, None).unwrap();
+    let plan = p.prepare_step(&[2], &[20], None).unwrap();
+    assert_eq!(plan.block_tables, vec![5, 6, 7, 8, 9], "the free list's first five (8, 9, 7, 6, 5), ascending");
+    assert_eq!(plan.slot_mapping[..5], [20, 21, 22, 23, 24]);
+    let plan = p.prepare_step(&[2], &[12], None).unwrap();
+    assert_eq!(plan.block_tables, vec![5, 6, 7, 8, 9, 2, 3, 4]);
+    ok(&p);
+}
