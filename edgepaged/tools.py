@@ -565,7 +565,10 @@ class ToolStream:
         if self.streamed and self.streamed[-1]["end"] is None:
             return []
         text = self.tokenizer.decode(self.ids + list(ahead), skip_special_tokens=False).rstrip("\ufffd")
-        start = self._calls_start(text, self.call_at if self.call_at is not None else self.syntax.find(text))
+        at = self.call_at
+        if at is None and self.syntax.name != "generic":
+            at = self.syntax.find(text)
+        start = self._calls_start(text, at)
         head = None if start is None else self._open_call(text, start)
         return [] if head is None else [head]
 

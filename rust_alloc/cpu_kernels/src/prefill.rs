@@ -856,7 +856,7 @@ fn run_items<E: KvElem>(args: &PrefillArgs<E>, mut items: Vec<(usize, usize, usi
         // SAFETY: rows, lengths and block ids were checked against q, out and the caches by
         // `prefill_rows`; items write disjoint (row, head) slices of `out`; the CPU has AVX2, FMA
         // and F16C (and AVX-512 BF16 when `bf16`); `shared` holds every sequence's converted
-        // rows of the items' KV head.
+        // rows of every KV head.
         unsafe {
             x86::run(args, chunk, w512, bf16, shared)
         }
@@ -926,49 +926,46 @@ fn shared_heads<E: KvElem>(args: &PrefillArgs<E>, offs: &[usize], w512: bool) {
     let mut own = Vec::new();
     let mut kept = SHARED_BUF.try_lock().ok();
     let buf = kept.as_deref_mut().unwrap_or(&mut own);
-    {
-        if buf.len() < 2 * nkv * total {
-            buf.resize(2 * nkv * total, 0);
-        }
-        let (k, v) = buf.split_at_mut(nkv * total);
-        let shared = Shared { k: k.as_ptr(), v: v.as_ptr(), offs: offs.to_vec() };
-        let (kw, vw) = (P(k.as_mut_ptr() as *mut f32), P(v.as_mut_ptr() as *mut f32));
-        let (kw, vw) = (&kw, &vw);
-        let mut pieces = Vec::new();
-        for kh in 0..nkv {
-            for b in 0..nseq {
-                let n = (args.lens[b] as usize).next_multiple_of(16);
-                pieces.extend((0..n).step_by(SEG).map(|p| (b, kh, p, (p + SEG).min(n))));
-            }
-        }
-        let (bs, kvw, du) = (args.bs, nkv * E::units(d), E::units(d));
-        let convert = |i: usize| {
-            let (b, kh, from, to) = pieces[i];
-            let n = args.lens[b] as usize;
-            let table = &args.tables[b * args.max_blocks..(b + 1) * args.max_blocks];
-            // each position's head row, found once (not once per 16 values)
-            let mut rows = [usize::MAX; SEG];
-            for (p, r) in (from..to.min(n)).zip(rows.iter_mut()) {
-                *r = (table[p / bs] as usize * bs + p % bs) * kvw + kh * du;
-            }
-            let slot = |p: usize| if p < n { Some(rows[p - from]) } else { None };
-            let at = kh * total + offs[b];
-            // SAFETY: the block ids were checked by `prefill_rows`; pieces write disjoint
-            // positions of one (sequence, head)'s rows, within the buffer; the CPU has AVX-512 BF16.
-            unsafe { x86::convert_bf16(args, slot, (kw.0 as *mut u32).add(at), (vw.0 as *mut u32).add(at), from, to) }
-        };
-        parallel_for(pieces.len(), &convert);
-        let mut items = Vec::new();
-        for b in 0..nseq {
-            let (_, q) = args.rows(b);
-            for t in 0..q.div_ceil(TILE) {
-                items.extend((0..nkv).map(|kh| (b, t, kh)));
-            }
-        }
-        run_items(args, items, w512, true, Some(&shared));
+    if buf.len() < 2 * nkv * total {
+        buf.resize(2 * nkv * total, 0);
     }
+    let (k, v) = buf.split_at_mut(nkv * total);
+    let shared = Shared { k: k.as_ptr(), v: v.as_ptr(), offs: offs.to_vec() };
+    let (kw, vw) = (P(k.as_mut_ptr() as *mut f32), P(v.as_mut_ptr() as *mut f32));
+    let (kw, vw) = (&kw, &vw);
+    let mut pieces = Vec::new();
+    for kh in 0..nkv {
+        for b in 0..nseq {
+            let n = (args.lens[b] as usize).next_multiple_of(16);
+            pieces.extend((0..n).step_by(SEG).map(|p| (b, kh, p, (p + SEG).min(n))));
+        }
+    }
+    let (bs, kvw, du) = (args.bs, nkv * E::units(d), E::units(d));
+    let convert = |i: usize| {
+        let (b, kh, from, to) = pieces[i];
+        let n = args.lens[b] as usize;
+        let table = &args.tables[b * args.max_blocks..(b + 1) * args.max_blocks];
+        // each position's head row, found once (not once per 16 values)
+        let mut rows = [usize::MAX; SEG];
+        for (p, r) in (from..to.min(n)).zip(rows.iter_mut()) {
+            *r = (table[p / bs] as usize * bs + p % bs) * kvw + kh * du;
+        }
+        let slot = |p: usize| if p < n { Some(rows[p - from]) } else { None };
+        let at = kh * total + offs[b];
+        // SAFETY: the block ids were checked by `prefill_rows`; pieces write disjoint
+        // positions of one (sequence, head)'s rows, within the buffer; the CPU has AVX-512 BF16.
+        unsafe { x86::convert_bf16(args, slot, (kw.0 as *mut u32).add(at), (vw.0 as *mut u32).add(at), from, to) }
+    };
+    parallel_for(pieces.len(), &convert);
+    let mut items = Vec::new();
+    for b in 0..nseq {
+        let (_, q) = args.rows(b);
+        for t in 0..q.div_ceil(TILE) {
+            items.extend((0..nkv).map(|kh| (b, t, kh)));
+        }
+    }
+    run_items(args, items, w512, true, Some(&shared));
 }
-
 
 #[cfg(test)]
 mod tests {
