@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Check the Triton kernels on a CUDA GPU in one go (about 5 minutes on an H200):
+# Check the GPU path on a CUDA GPU in one go (about 3 minutes on an H200, most of it loading):
 #   1. tests/test_kernels.py compiled on the GPU (EDGEPAGED_GPU_TESTS=1; needs only torch, triton, pytest)
-#   2. bench/kernel_bench.py --json --sweep: decode bandwidth, SDPA baseline, a few launch configs
+#   2. bench/kernel_bench.py --json --sweep --prefill: decode bandwidth against the device copy and SDPA,
+#      a few decode launch configs, prefill against SDPA's causal (flash) attention
+#   3. bench/gpu_model_check.py --json --speed: the engine on the GPU gives the CPU's greedy tokens
+#      (tiny llama, float32; alone, together, under preemption; every block back), and a 1 B
+#      llama-shaped model's decode tok/s beside transformers' generate. It needs the runtime's
+#      Python dependencies (trio, pydantic, ...): where they are missing and a folder .whl holds
+#      wheels of them, they are installed from there into a scratch folder; else step 3 is skipped.
 # Outputs go to $OUT (or bench/out). Uses the python found on PATH, not a venv.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 PY=$(command -v python3 || command -v python)
-export EDGEPAGED_GPU_TESTS=1
+export EDGEPAGED_GPU_TESTS=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -18,9 +24,21 @@ unset TRITON_INTERPRET
 timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
-timeout 240 "$PY" bench/kernel_bench.py --json --sweep 2>&1 | tee "$OUT/bench.txt"
+timeout 240 "$PY" bench/kernel_bench.py --json --sweep --prefill 2>&1 | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 tail -n 1 "$OUT/bench.txt" > "$OUT/bench.json"
 
-echo "tests rc=$tests_rc bench rc=$bench_rc" | tee "$OUT/summary.txt"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+if ! "$PY" -c 'import trio, pydantic' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/edgepaged-site .whl/*.whl \
+    && export PYTHONPATH="/tmp/edgepaged-site:$PYTHONPATH"
+fi
+if "$PY" -c 'import trio, pydantic' 2>/dev/null; then
+  timeout 300 "$PY" bench/gpu_model_check.py --json --speed 2>&1 | tee "$OUT/model.txt"
+  model_rc=${PIPESTATUS[0]}
+else
+  echo "step 3 skipped: the runtime's dependencies (trio, pydantic) are missing here" | tee "$OUT/model.txt"
+  model_rc=0
+fi
+
+echo "tests rc=$tests_rc bench rc=$bench_rc model rc=$model_rc" | tee "$OUT/summary.txt"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$model_rc" -eq 0 ]

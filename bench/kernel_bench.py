@@ -8,15 +8,19 @@ runs the same attention on contiguous K/V (each KV head's query group as a 4-row
 Times are medians of triton.testing.do_bench (L2 flushed before each call, Python launch
 overhead included); graph_us replays the call as a CUDA graph.
 
-    python bench/kernel_bench.py [--json] [--sweep] [--batches 1,32,128] [--contexts 512,4096,32768]
+    python bench/kernel_bench.py [--json] [--sweep] [--prefill] [--batches 1,32,128] [--contexts 512,4096,32768]
 
 --json prints one JSON object as the last line; --sweep also times a few decode launch configs at
-batch 32 x context 4096. Without a CUDA GPU it runs a tiny interpreted smoke check and exits 0.
+batch 32 x context 4096; --prefill times paged_prefill on fresh prompts against SDPA's causal attention. Without a CUDA GPU it runs a tiny interpreted smoke check and exits 0.
 """
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
@@ -94,6 +98,35 @@ def bench_shape(batch, ctx, do_bench, copy_gbps, sdpa=True):
     return row
 
 
+def bench_prefill(batch, length, do_bench):
+    """Fresh prompts: B chunks of `length` rows over their own K/V (already written), causal;
+    SDPA's causal attention (flash) on the same contiguous K/V beside it. TFLOP/s counts the
+    causal half: 2 * 2 * L^2 / 2 * H * D per chunk."""
+    from edgepaged.kernels import paged_prefill
+    q1, k_cache, v_cache, tables, lens = make_inputs(batch, length, DEVICE)
+    q = torch.randn(batch * length, H, D, device=DEVICE, dtype=DTYPE)
+    qsl = torch.arange(0, batch * length + 1, length, device=DEVICE, dtype=torch.int32)
+    scale = D ** -0.5
+    ms = do_bench(lambda: paged_prefill(q, k_cache, v_cache, tables, qsl, lens, scale))
+    flops = 2 * batch * length * length * H * D
+    row = dict(batch=batch, length=length, prefill_us=ms * 1e3, tflops=flops / ms / 1e9)
+    idx = tables.long()
+    k = k_cache[idx].view(batch, length, HKV, D).transpose(1, 2).contiguous()
+    v = v_cache[idx].view(batch, length, HKV, D).transpose(1, 2).contiguous()
+    qb = q.view(batch, length, H, D).transpose(1, 2).contiguous()
+    f = torch.nn.functional.scaled_dot_product_attention
+    ref = f(qb, k, v, scale=scale, is_causal=True, enable_gqa=True)
+    got = paged_prefill(q, k_cache, v_cache, tables, qsl, lens, scale).view(batch, length, H, D).transpose(1, 2)
+    row["max_diff"] = (got.float() - ref.float()).abs().max().item()
+    sdpa_ms = do_bench(lambda: f(qb, k, v, scale=scale, is_causal=True, enable_gqa=True))
+    row["sdpa_us"] = sdpa_ms * 1e3
+    row["paged_over_sdpa"] = ms / sdpa_ms
+    del q1, q, k_cache, v_cache, k, v, qb
+    if GPU:
+        torch.cuda.empty_cache()
+    return row
+
+
 def sweep(do_bench, copy_gbps):
     """Time a few decode launch configs at batch 32 x context 4096 (the bandwidth target)."""
     from edgepaged.kernels import attention
@@ -119,6 +152,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--sweep", action="store_true", help="also time a few decode launch configs")
+    ap.add_argument("--prefill", action="store_true", help="also time paged_prefill on fresh prompts against SDPA")
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--contexts", default="512,4096,32768")
     args = ap.parse_args()
@@ -149,6 +183,14 @@ def main():
             result["rows"].append(r)
             print(f"{batch:>5} {ctx:>6} {r['splits']:>6} {r['paged_us']:>9.1f} {r['gbps']:>7.0f} {r['frac_copy']:>6.1%} "
                   f"{r['graph_us']:>9.1f} {r['sdpa_us']:>9.1f} {r['paged_over_sdpa']:>10.2f} {r['max_diff']:>8.1e}")
+    if args.prefill:
+        result["prefill"] = []
+        print(f"prefill {'batch':>5} {'len':>6} {'paged_us':>9} {'TFLOP/s':>8} {'sdpa_us':>9} {'paged/sdpa':>10} {'max_diff':>8}")
+        for batch, length in ((1, 2048), (8, 512), (4, 4096), (1, 16384)):
+            r = bench_prefill(batch, length, do_bench)
+            result["prefill"].append(r)
+            print(f"        {batch:>5} {length:>6} {r['prefill_us']:>9.1f} {r['tflops']:>8.1f} {r['sdpa_us']:>9.1f} "
+                  f"{r['paged_over_sdpa']:>10.2f} {r['max_diff']:>8.1e}")
     if args.sweep:
         result["sweep"] = sweep(do_bench, copy_gbps)
     if args.json:

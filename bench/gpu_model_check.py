@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""The whole GPU path on a CUDA GPU: the torch runner with the Triton kernels, driven by the Trio engine.
+
+1. correctness: a tiny random llama (a transformers config, written as safetensors + tokenizer.json)
+   served by the engine on the GPU in float32 gives the greedy tokens of the same engine on the
+   CPU, alone and 12 requests together, also when a 24-block pool forces preemption; every block
+   comes back. In bfloat16 on the GPU it reports how many tokens agree (bf16 drifts on a random model).
+2. speed (--speed): a random 1 B llama-shaped model (hidden 2048, 16 layers, 32/8 heads, vocab 300:
+   the head is left out) in bf16: one stream's decode tok/s and 32 streams' total tok/s through
+   the engine, and transformers' own generate (eager, batch 1) on the same weights beside it.
+
+    python bench/gpu_model_check.py [--json] [--speed]
+
+--json prints one JSON object as the last line. Exits 1 when a check fails, 0 with no GPU (says so).
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+GPU = torch.cuda.is_available()
+
+
+def prompts(n, seed=0, vocab=300):
+    import random
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(40)]
+    out = []
+    for i in range(n):
+        own = [rng.randrange(3, vocab) for _ in range(rng.randrange(5, 120))]
+        out.append(shared + own if i % 3 == 0 else own)
+    return out
+
+
+async def generate(engine, ps, max_tokens, together=True):
+    import trio
+
+    from edgepaged.engine import Request, TokenEvent
+    from edgepaged.model import SamplingParams
+    results = [None] * len(ps)
+
+    async def one(i):
+        req = Request(prompt_ids=list(ps[i]), params=SamplingParams(temperature=0, ignore_eos=True,
+                                                                      max_tokens=max_tokens))
+        ids = []
+        async with engine.stream(req) as events:
+            async for ev in events:
+                if isinstance(ev, TokenEvent):
+                    ids += ev.token_ids
+        results[i] = ids
+
+    if together:
+        async with trio.open_nursery() as n:
+            for i in range(len(ps)):
+                n.start_soon(one, i)
+    else:
+        for i in range(len(ps)):
+            await one(i)
+    return results
+
+
+def run_engine(model_dir, device, dtype, ps, max_tokens, together=True, num_blocks=256, **cfg):
+    import trio
+
+    from edgepaged.engine import Engine, EngineConfig
+    from edgepaged.model import ModelRunner
+    kv = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+    runner = ModelRunner(model_dir, device=device, dtype=dtype, kv_dtype=kv, num_blocks=num_blocks, block_size=16)
+    out = {}
+
+    async def main():
+        async with Engine(runner, EngineConfig(**cfg)) as eng:
+            t0 = time.perf_counter()
+            out["ids"] = await generate(eng, ps, max_tokens, together)
+            out["s"] = time.perf_counter() - t0
+            out["used_blocks"] = eng.allocator.num_used_blocks
+            out["preemptions"] = eng.stats().get("num_preemptions", 0)
+    trio.run(main)
+    return out
+
+
+def correctness(tmp):
+    from edgepaged.testing.tiny_models import make_tiny_model
+    model_dir = make_tiny_model(Path(tmp) / "tiny")
+    ps = prompts(12)
+    res = {}
+    cpu_alone = run_engine(model_dir, "cpu", torch.float32, ps, 24, together=False)["ids"]
+    checks = {}
+    gpu_alone = run_engine(model_dir, "cuda", torch.float32, ps, 24, together=False)
+    checks["f32_gpu_alone_equals_cpu"] = gpu_alone["ids"] == cpu_alone
+    gpu_tog = run_engine(model_dir, "cuda", torch.float32, ps, 24)
+    checks["f32_gpu_together_equals_alone"] = gpu_tog["ids"] == cpu_alone
+    checks["blocks_returned"] = gpu_alone["used_blocks"] == 0 and gpu_tog["used_blocks"] == 0
+    pre = run_engine(model_dir, "cuda", torch.float32, ps, 24, num_blocks=24)
+    checks["f32_gpu_preempted_equals_alone"] = pre["ids"] == cpu_alone
+    checks["preempted_blocks_returned"] = pre["used_blocks"] == 0
+    res["preemptions"] = pre["preemptions"]
+    bf = run_engine(model_dir, "cuda", torch.bfloat16, ps, 24)
+    agree = total = 0
+    for a, b in zip(bf["ids"], cpu_alone):
+        for x, y in zip(a, b):
+            total += 1
+            if x != y:
+                break
+            agree += 1
+    res["bf16_leading_tokens_agree_frac"] = agree / total
+    checks["bf16_blocks_returned"] = bf["used_blocks"] == 0
+    for name, ok in checks.items():
+        print(f"  {'ok  ' if ok else 'FAIL'} {name}")
+    print(f"  preemptions in the 24-block pool: {res['preemptions']}; bf16 leading tokens agreeing with f32 CPU: "
+          f"{res['bf16_leading_tokens_agree_frac']:.1%}")
+    res["checks"] = checks
+    return res
+
+
+def make_1b(folder):
+    import transformers
+
+    from edgepaged.testing.tiny_models import tiny_tokenizer
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+                                   tie_word_embeddings=True)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.02 * torch.randn(p.shape, generator=g, device="cuda"))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g, device="cuda"))
+    model.save_pretrained(folder)
+    tiny_tokenizer(folder, 300)
+    return folder, model
+
+
+def speed(tmp):
+    folder, hf = make_1b(Path(tmp) / "llama1b")
+    res = {}
+    ps1 = prompts(1, seed=1)
+    run_engine(folder, "cuda", torch.bfloat16, ps1, 8)                         # compile the kernels
+    r = run_engine(folder, "cuda", torch.bfloat16, ps1, 128, speculation="off")
+    res["engine_b1_tok_s"] = 128 / r["s"]
+    ps32 = prompts(32, seed=2)
+    r = run_engine(folder, "cuda", torch.bfloat16, ps32, 128, speculation="off")
+    res["engine_b32_tok_s"] = 32 * 128 / r["s"]
+    ids = torch.tensor([ps1[0]], device="cuda")
+    with torch.no_grad():
+        hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=128, do_sample=False, min_new_tokens=128)
+        torch.cuda.synchronize()
+    res["hf_generate_b1_tok_s"] = 128 / (time.perf_counter() - t0)
+    params = sum(p.numel() for p in hf.parameters())
+    res["params"] = params
+    print(f"  1 B llama-shaped bf16 ({params / 1e9:.2f} B params): engine 1 stream {res['engine_b1_tok_s']:.0f} tok/s, "
+          f"32 streams {res['engine_b32_tok_s']:.0f} tok/s; transformers generate 1 stream "
+          f"{res['hf_generate_b1_tok_s']:.0f} tok/s")
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--speed", action="store_true", help="also time a 1 B llama-shaped model")
+    args = ap.parse_args()
+    if not GPU:
+        print("no CUDA GPU: nothing to check here (the CPU runs these paths in tests/test_model.py).")
+        if args.json:
+            print(json.dumps({"gpu": False}))
+        return 0
+    result = {"gpu": True, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        print("correctness (tiny llama, engine on the GPU against the engine on the CPU):")
+        result.update(correctness(tmp))
+        if args.speed:
+            print("speed:")
+            result["speed"] = speed(tmp)
+    if args.json:
+        print(json.dumps(result))
+    return 0 if all(result["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
