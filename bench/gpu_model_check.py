@@ -9,7 +9,7 @@
    the head is left out) in bf16: one stream's decode tok/s and 32 streams' total tok/s through
    the engine, and transformers' own generate (eager, batch 1) on the same weights beside it.
 
-    python bench/gpu_model_check.py [--json] [--speed]
+    python bench/gpu_model_check.py [--json] [--speed [--profile]]
 
 --json prints one JSON object as the last line. Exits 1 when a check fails, 0 with no GPU (says so).
 """
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 GPU = torch.cuda.is_available()
+PROFILE = False
 
 
 def prompts(n, seed=0, vocab=300):
@@ -142,6 +143,37 @@ def make_1b(folder):
     return folder, model
 
 
+def runner_alone(folder, device, dtype, prompt_ids):
+    """Where one stream's step goes: the runner alone (no engine), then under cProfile and torch's profiler."""
+    from edgepaged.model import ModelRunner
+    from edgepaged.testing.decode import make_allocator, run_batch
+    import numpy as np
+    kv = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+    runner = ModelRunner(folder, device=device, dtype=dtype, kv_dtype=kv, num_blocks=512, block_size=16)
+    alloc = make_allocator(runner)
+    prompt = [np.asarray(prompt_ids, np.int64)]
+    run_batch(runner, alloc, prompt, 8, seq_base=1)
+    _, _, td = run_batch(runner, alloc, prompt, 128, seq_base=2)
+    res = {"runner_b1_tok_s": 127 / td}
+    if PROFILE:
+        import cProfile
+        import io
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        run_batch(runner, alloc, prompt, 64, seq_base=3)
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+        print("  cProfile of 64 tokens through the runner alone (tottime):")
+        print("\n".join("    " + line for line in buf.getvalue().splitlines()[-34:]))
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            run_batch(runner, alloc, prompt, 16, seq_base=4)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    return res
+
+
 def speed(tmp):
     folder, hf = make_1b(Path(tmp) / "llama1b")
     res = {}
@@ -160,11 +192,12 @@ def speed(tmp):
         hf.generate(ids, max_new_tokens=128, do_sample=False, min_new_tokens=128)
         torch.cuda.synchronize()
     res["hf_generate_b1_tok_s"] = 128 / (time.perf_counter() - t0)
+    res.update(runner_alone(folder, "cuda", torch.bfloat16, ps1[0]))
     params = sum(p.numel() for p in hf.parameters())
     res["params"] = params
     print(f"  1 B llama-shaped bf16 ({params / 1e9:.2f} B params): engine 1 stream {res['engine_b1_tok_s']:.0f} tok/s, "
           f"32 streams {res['engine_b32_tok_s']:.0f} tok/s; transformers generate 1 stream "
-          f"{res['hf_generate_b1_tok_s']:.0f} tok/s")
+          f"{res['hf_generate_b1_tok_s']:.0f} tok/s; the runner alone (no engine) 1 stream {res['runner_b1_tok_s']:.0f} tok/s")
     return res
 
 
@@ -172,7 +205,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--speed", action="store_true", help="also time a 1 B llama-shaped model")
+    ap.add_argument("--profile", action="store_true", help="with --speed: profile one stream's steps (cProfile, torch)")
+    ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks")
     args = ap.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     if not GPU:
         print("no CUDA GPU: nothing to check here (the CPU runs these paths in tests/test_model.py).")
         if args.json:
@@ -180,8 +217,10 @@ def main():
         return 0
     result = {"gpu": True, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
-        print("correctness (tiny llama, engine on the GPU against the engine on the CPU):")
-        result.update(correctness(tmp))
+        result["checks"] = {}
+        if not args.no_checks:
+            print("correctness (tiny llama, engine on the GPU against the engine on the CPU):")
+            result.update(correctness(tmp))
         if args.speed:
             print("speed:")
             result["speed"] = speed(tmp)
