@@ -28,13 +28,17 @@ def _result(fn, *args, **kw):
 
 
 class AllocatorMachine(RuleBasedStateMachine):
+    PICK_WINDOW = None      # the default: 3 in a pool of 24 blocks (at most an 8th of the free ones)
+    NUM_BLOCKS = NUM_BLOCKS
+
     def __init__(self):
         super().__init__()
-        self.rust = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
-        self.ref = RefAllocator(NUM_BLOCKS, BLOCK_SIZE)
+        self.rust = BlockAllocator(self.NUM_BLOCKS, BLOCK_SIZE, pick_window=self.PICK_WINDOW)
+        self.ref = RefAllocator(self.NUM_BLOCKS, BLOCK_SIZE, pick_window=self.PICK_WINDOW)
+        assert self.rust.pick_window == self.ref.pick_window
         self.next_id = 0
         # simulated KV cache: which token sits in each slot
-        self.content = np.full(NUM_BLOCKS * BLOCK_SIZE, -1, dtype=np.int64)
+        self.content = np.full(self.NUM_BLOCKS * BLOCK_SIZE, -1, dtype=np.int64)
 
     # -- helpers ---------------------------------------------------------------------------
     def _state(self, a):
@@ -172,13 +176,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self._state(self.rust) == self._state(self.ref)
         self.rust.check_invariants()
         st_ = self.rust.stats()
-        assert st_["free_blocks"] + st_["used_blocks"] == NUM_BLOCKS
-        holders = [0] * NUM_BLOCKS
+        assert st_["free_blocks"] + st_["used_blocks"] == self.NUM_BLOCKS
+        holders = [0] * self.NUM_BLOCKS
         for sid in self.rust.seq_ids():
             for b in self.rust.block_table(sid):
                 holders[b] += 1
         free = set(self.rust.free_list())
-        for b in range(NUM_BLOCKS):
+        for b in range(self.NUM_BLOCKS):
             assert self.rust.refcount(b) == holders[b]
             assert not (b in free and holders[b] > 0)
 
@@ -195,6 +199,17 @@ AllocatorMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+class AllocatorMachineWindow(AllocatorMachine):
+    """The same in a pool of 64, a sequence's next block chosen among up to 6 of the least
+    recently freed (`pop_near`; fewer when under 48 are free)."""
+    PICK_WINDOW = 6
+    NUM_BLOCKS = 64
+
+
+AllocatorMachineWindow.TestCase.settings = AllocatorMachine.TestCase.settings
+TestAllocatorMachineWindow = AllocatorMachineWindow.TestCase
 
 
 def test_errors_are_specific_and_change_nothing():

@@ -30,7 +30,15 @@ class BlockAllocator:
         block_size: int,
         enable_prefix_caching: bool = True,
         contiguous: bool = False,
-    ) -> None: ...
+        pick_window: int | None = None,
+    ) -> None:
+        """pick_window: a sequence's next block is chosen among that many of the least
+        recently freed (1 to 16; None: 16, or an 8th of a pool under 128 blocks; never more
+        than an 8th of the free blocks): the one
+        after its last block when there, else the start of the longest run of consecutive
+        free ids that no other sequence's next blocks claim."""
+    @property
+    def pick_window(self) -> int: ...
     @property
     def num_blocks(self) -> int: ...
     @property

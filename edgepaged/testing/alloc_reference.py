@@ -8,12 +8,15 @@ verification step; everything else — free-list order, eviction, copy-on-write,
 """
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from edgepaged._native.blocks import NoFreeBlocksError, SequenceError
+
+CLAIM = 8     # the block ids after a sequence's last block that others' picks leave alone
 
 
 @dataclass
@@ -32,6 +35,7 @@ class RefAllocator:
     block_size: int
     enable_prefix_caching: bool = True
     contiguous: bool = False
+    pick_window: int | None = None
     refcounts: list[int] = field(init=False)
     generation: list[int] = field(init=False)
     key: list[tuple | None] = field(init=False)
@@ -48,6 +52,8 @@ class RefAllocator:
         self.cache = {}
         self.seqs = {}
         self.enable_prefix_caching = self.enable_prefix_caching and not self.contiguous
+        w = min(16, max(1, n // 8)) if self.pick_window is None else self.pick_window
+        self.pick_window = min(16, max(1, w))
         self.prefix_cache_queries = self.prefix_cache_hits = self.evictions = 0
 
     # -- gauges ----------------------------------------------------------------------------
@@ -87,6 +93,43 @@ class RefAllocator:
         self._uncache(b)
         self.refcounts[b] = 1
         return b
+
+    def _take(self, b: int) -> int:
+        del self.free[b]
+        self._uncache(b)
+        self.refcounts[b] = 1
+        return b
+
+    def _pop_near(self, prev: int | None, lasts: list[int]) -> int:
+        """Rust's `pop_near`: among the pick_window least recently freed (at most an 8th of the
+        free blocks), prev + 1, else the
+        start of the longest run of consecutive ids not claimed (the CLAIM ids after another
+        sequence's last block; `lasts` sorted)."""
+        w = min(self.pick_window, len(self.free) // 8)
+        if w <= 1:
+            return self._pop_free()
+        win = []
+        for b in self.free:
+            if len(win) == w:
+                break
+            win.append(b)
+        if prev is not None and prev + 1 in win:
+            return self._take(prev + 1)
+
+        def claimed(x: int) -> bool:
+            i = bisect.bisect_left(lasts, x)
+            return i > 0 and x - lasts[i - 1] <= CLAIM
+
+        best_run, best = 0, win[0]
+        for x in win:
+            if claimed(x):
+                continue
+            run = 1
+            while x + run in win and not claimed(x + run):
+                run += 1
+            if run > best_run:
+                best_run, best = run, x
+        return self._take(best)
 
     def _uncache(self, b: int) -> None:
         k = self.key[b]
@@ -266,15 +309,19 @@ class RefAllocator:
         slots: list[int] = []
         copies: list[tuple[int, int]] = []
         seq_lens: list[int] = []
+        lasts = sorted(q.blocks[-1] for q in self.seqs.values() if q.blocks) if self.pick_window > 1 else []
         for sid, n in zip(ids, ns):
             s = self.seqs[sid]
+            if s.blocks and lasts:
+                lasts.remove(s.blocks[-1])       # its own claim left out
             if n:
                 fresh = len(s.blocks)
                 for j in range(s.num_slots // bs, (s.num_slots + n - 1) // bs + 1):
+                    prev = s.blocks[j - 1] if j > 0 else None
                     if j == len(s.blocks):
-                        s.blocks.append(self._pop_free())
+                        s.blocks.append(self._pop_near(prev, lasts))
                     elif self.refcounts[s.blocks[j]] > 1:
-                        dst = self._pop_free()
+                        dst = self._pop_near(prev, lasts)
                         if j * bs < s.num_slots:
                             copies.append((s.blocks[j], dst))
                         self._release(s.blocks[j])
@@ -283,6 +330,8 @@ class RefAllocator:
                 for pos in range(s.num_slots, s.num_slots + n):
                     slots.append(s.blocks[pos // bs] * bs + pos % bs)
                 s.num_slots += n
+            if s.blocks and self.pick_window > 1:
+                bisect.insort(lasts, s.blocks[-1])
             seq_lens.append(s.num_slots)
         width = max([1] + [len(self.seqs[sid].blocks) for sid in ids])
         tables = np.zeros((len(ids), width), dtype=np.int32)

@@ -108,7 +108,19 @@ struct Store {
     cache: HashMap<u64, u32, FxBuild>,
     prefix_caching: bool,
     counters: Counters,
+    /// How many of the least recently freed blocks a sequence's next block is chosen among
+    /// (`pop_near`); 1: always the least recently freed.
+    pick_window: usize,
 }
+
+/// A sequence's next blocks that `pop_near` keeps other sequences away from: the `CLAIM`
+/// block ids after its last block.
+const CLAIM: u32 = 8;
+
+/// The default `pick_window` of a pool of `num_blocks`: 16, or an 8th of a pool under 128
+/// blocks, so that a choice made away from the least recently freed block never reaches far
+/// into the prefix cache's order.
+pub fn default_pick_window(num_blocks: usize) -> usize { (num_blocks / 8).clamp(1, 16) }
 
 pub struct BlockPool {
     store: Store,
@@ -156,10 +168,67 @@ impl Store {
     fn pop_free(&mut self) -> u32 {
         let id = self.free_head;
         debug_assert!(id != NIL, "pop_free on an empty free list (callers check first)");
+        self.take(id)
+    }
+
+    /// Take free block `id` (anywhere in the free list), evicting its cached content.
+    fn take(&mut self, id: u32) -> u32 {
         self.unlink(id);
         self.uncache(id);
         self.blocks[id as usize].refcount = 1;
         id
+    }
+
+    /// The next block of a sequence whose block before it is `prev`, chosen among the
+    /// `pick_window` least recently freed (at most an 8th of the free blocks): `prev + 1`
+    /// when it is among them, so a context's
+    /// blocks run on in memory as it grows a block at a time (decode attention reads a
+    /// table of scattered single blocks 1.6x slower than consecutive ones, runs of 8 1.15x:
+    /// bench/RESULTS.md); else the first block of the longest run of consecutive ids there,
+    /// leaving out the `CLAIM` ids after another sequence's last block (`claims`: those
+    /// last blocks, sorted), so sequences growing side by side do not take turns in one run.
+    fn pop_near(&mut self, prev: Option<u32>, claims: &[u32]) -> u32 {
+        // never more than the oldest 8th of the free blocks: in a pool that is nearly full the
+        // few free ones include those just freed, a prefix another request is about to ask for
+        // again (a window of 16 there evicted a short chat's prompt between its turns, and a
+        // long prompt beside it was preempted again and again)
+        let w = self.pick_window.min(self.num_free / 8).min(16);
+        if w <= 1 {
+            return self.pop_free();
+        }
+        let mut win = [NIL; 16];
+        let mut len = 0;
+        let mut id = self.free_head;
+        while id != NIL && len < w {
+            win[len] = id;
+            len += 1;
+            id = self.blocks[id as usize].next;
+        }
+        debug_assert!(len > 0, "pop_near on an empty free list (callers check first)");
+        let win = &win[..len];
+        if let Some(p) = prev {
+            if win.contains(&(p + 1)) {
+                return self.take(p + 1);
+            }
+        }
+        let claimed = |x: u32| {
+            let i = claims.partition_point(|&l| l < x);
+            i > 0 && x - claims[i - 1] <= CLAIM
+        };
+        let mut best = (0u32, win[0]);
+        for &x in win {
+            if claimed(x) {
+                continue;
+            }
+            let mut run = 1;
+            while win.contains(&(x + run)) && !claimed(x + run) {
+                run += 1;
+            }
+            if run > best.0 {
+                best = (run, x);
+            }
+        }
+        self.take(best.1)
     }
 
     fn uncache(&mut self, id: u32) {
@@ -304,21 +373,24 @@ impl Store {
 
     /// Reserve slots for `n` more positions of `seq`, appending their slots to `slots` and
     /// any copy-on-write pair to `copies`. The caller checked there are enough blocks.
-    fn reserve(&mut self, seq: &mut Sequence, n: usize, slots: &mut Vec<i64>, copies: &mut Vec<(u32, u32)>) {
+    /// `claims`: the other sequences' last blocks, sorted (`pop_near`).
+    fn reserve(&mut self, seq: &mut Sequence, n: usize, slots: &mut Vec<i64>, copies: &mut Vec<(u32, u32)>,
+               claims: &[u32]) {
         if n == 0 {
             return;
         }
         let bs = self.block_size;
         let (first, last) = (seq.num_slots / bs, (seq.num_slots + n - 1) / bs);
         let fresh = seq.blocks.len();
+        let before = |blocks: &[u32], j: usize| if j > 0 && blocks[j - 1] != NIL { Some(blocks[j - 1]) } else { None };
         for j in first..=last {
             if j == seq.blocks.len() {
-                let id = self.pop_free();
+                let id = self.pop_near(before(&seq.blocks, j), claims);
                 seq.blocks.push(id);
             } else {
                 let id = seq.blocks[j];
                 if self.refcount(id) > 1 {
-                    let dst = self.pop_free();
+                    let dst = self.pop_near(before(&seq.blocks, j), claims);
                     if j * bs < seq.num_slots {
                         copies.push((id, dst));
                     }
@@ -380,6 +452,7 @@ impl BlockPool {
                 // has no prefix cache.
                 prefix_caching: prefix_caching && !contiguous,
                 counters: Counters::default(),
+                pick_window: default_pick_window(num_blocks),
             },
             seqs: HashMap::with_hasher(FxBuild),
             contiguous,
@@ -388,6 +461,11 @@ impl BlockPool {
     }
 
     // ---- gauges -------------------------------------------------------------------------
+
+    /// Choose a sequence's next block among the `w` least recently freed (1: always the least
+    /// recently freed; at most 16). The default: `default_pick_window`.
+    pub fn set_pick_window(&mut self, w: usize) { self.store.pick_window = w.clamp(1, 16) }
+    pub fn pick_window(&self) -> usize { self.store.pick_window }
 
     pub fn num_blocks(&self) -> usize { self.store.blocks.len() }
     pub fn block_size(&self) -> usize { self.store.block_size }
@@ -739,9 +817,23 @@ impl BlockPool {
             seq.num_computed = seq.num_slots;
             self.store.hash_computed_blocks(seq, true);
         }
+        // every sequence's last block, sorted: the ids after them are claimed (`pop_near`)
+        let last_of = |seq: &Sequence| seq.blocks.last().copied().filter(|&b| b != NIL);
+        let picks = need > 0 && self.store.pick_window > 1;
+        let mut lasts: Vec<u32> = if picks { self.seqs.values().filter_map(last_of).collect() } else { Vec::new() };
+        lasts.sort_unstable();
         for (row, (&sid, &n)) in seq_ids.iter().zip(num_new).enumerate() {
             let seq = self.seqs.get_mut(&sid).unwrap();
-            self.store.reserve(seq, n as usize, &mut plan.slot_mapping, &mut plan.copies);
+            // only a sequence that takes blocks moves its claim (its own left out while it picks)
+            let moves = picks && self.store.blocks_needed_for(seq, n as usize) > 0;
+            if let Some(b) = last_of(seq).filter(|_| moves) {
+                lasts.remove(lasts.binary_search(&b).unwrap());
+            }
+            self.store.reserve(seq, n as usize, &mut plan.slot_mapping, &mut plan.copies, &lasts);
+            if let Some(b) = last_of(seq).filter(|_| moves) {
+                let at = lasts.partition_point(|&l| l < b);
+                lasts.insert(at, b);
+            }
             // released blocks are left out: the kernels see the kept positions as one shorter
             // sequence (the sinks, then the window), rotated at their true positions
             plan.seq_lens.push((seq.num_slots - seq.released * self.store.block_size) as i32);

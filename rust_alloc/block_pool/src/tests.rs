@@ -410,3 +410,80 @@ fn a_chunk_takes_its_new_blocks_in_ascending_order() {
     assert_eq!(plan.block_tables, vec![5, 6, 7, 8, 9, 2, 3, 4]);
     ok(&p);
 }
+
+/// A pool of 256 blocks of 4 whose every block was used by one sequence and freed (tail first:
+/// the free list 255, 254, ... 0), choosing among `w` of the least recently freed.
+fn cycled(w: usize) -> BlockPool {
+    let mut p = pool(256, 4);
+    p.set_pick_window(w);
+    p.add_sequence(1, (0..1024).collect(), 0, None).unwrap();
+    p.prepare_step(&[1], &[1024], None).unwrap();
+    p.free_sequence(1, false).unwrap();
+    assert_eq!(p.free_list(), (0..256).rev().collect::<Vec<u32>>());
+    p
+}
+
+/// Grow `seqs` side by side a token a step for `blocks` blocks each; every new block must be
+/// one of the `w` least recently freed. Returns each one's block table.
+fn grow(p: &mut BlockPool, seqs: &[i64], blocks: usize, w: usize) -> Vec<Vec<u32>> {
+    for &s in seqs {
+        p.add_sequence(s, vec![s as u32], 0, None).unwrap();
+    }
+    let mut tokens: Vec<i64> = vec![];
+    for step in 0..blocks * 4 {
+        // the k-th pick of a step is among the w least recently freed left after the k - 1 before
+        let window: Vec<u32> = p.free_list().into_iter().take(w + seqs.len() - 1).collect();
+        let before: Vec<usize> = seqs.iter().map(|&s| p.sequence(s).unwrap().blocks.len()).collect();
+        let new = if step == 0 { None } else { Some(&tokens[..]) };
+        p.prepare_step(seqs, &vec![1; seqs.len()], new).unwrap();
+        let mut taken = vec![];
+        for (k, &s) in seqs.iter().enumerate() {
+            taken.extend_from_slice(&p.sequence(s).unwrap().blocks[before[k]..]);
+        }
+        assert!(taken.iter().all(|b| window.contains(b)), "step {step}: {taken:?} outside {window:?}");
+        tokens = seqs.iter().map(|&s| s * 1000 + step as i64).collect();   // no two blocks alike
+        ok(p);
+    }
+    seqs.iter().map(|&s| p.sequence(s).unwrap().blocks.clone()).collect()
+}
+
+fn consecutive(t: &[u32]) -> usize { t.windows(2).filter(|w| w[1] == w[0] + 1).count() }
+
+#[test]
+fn a_sequence_growing_a_block_at_a_time_takes_the_block_after_its_last() {
+    // before: the least recently freed each time, a context in descending blocks
+    let mut p = cycled(1);
+    assert_eq!(grow(&mut p, &[2], 32, 1)[0], (224..256).rev().collect::<Vec<u32>>());
+    // among 16: the start of the run in the window (240), then each next id; then the next 16
+    let mut p = cycled(16);
+    let t = grow(&mut p, &[2], 32, 16).remove(0);
+    assert_eq!(t, (240..256).chain(224..240).collect::<Vec<u32>>());
+}
+
+#[test]
+fn a_nearly_full_pool_takes_the_least_recently_freed() {
+    // 12 blocks free: a window of at most 12 / 8 = 1, strict LRU (the few free blocks hold
+    // what was just freed: a prompt about to be asked for again)
+    let mut p = cycled(16);
+    p.add_sequence(9, (5000..5976).collect(), 0, None).unwrap();
+    p.prepare_step(&[9], &[976], None).unwrap();
+    assert_eq!(p.num_free_blocks(), 12);
+    let head = p.free_list()[0];
+    p.add_sequence(2, vec![7], 0, None).unwrap();
+    p.prepare_step(&[2], &[1], None).unwrap();
+    assert_eq!(p.sequence(2).unwrap().blocks, vec![head]);
+    ok(&p);
+}
+
+#[test]
+fn sequences_growing_side_by_side_keep_to_runs_of_their_own() {
+    // before: taking turns in one run of ids, neither has two consecutive blocks
+    let mut p = cycled(1);
+    let t = grow(&mut p, &[2, 3], 16, 1);
+    assert_eq!(consecutive(&t[0]) + consecutive(&t[1]), 0, "{t:?}");
+    let mut p = cycled(16);
+    let t = grow(&mut p, &[2, 3], 16, 16);
+    for table in &t {
+        assert!(consecutive(table) >= 12, "{t:?}");   // of 15 neighbours
+    }
+}

@@ -59,10 +59,19 @@ pub struct BlockAllocator {
 #[pymethods]
 impl BlockAllocator {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, enable_prefix_caching = true, contiguous = false))]
-    fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool, contiguous: bool) -> PyResult<Self> {
-        Ok(BlockAllocator { pool: BlockPool::new(num_blocks, block_size, enable_prefix_caching, contiguous).map_err(err)? })
+    #[pyo3(signature = (num_blocks, block_size, enable_prefix_caching = true, contiguous = false, pick_window = None))]
+    fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool, contiguous: bool,
+           pick_window: Option<usize>) -> PyResult<Self> {
+        let mut pool = BlockPool::new(num_blocks, block_size, enable_prefix_caching, contiguous).map_err(err)?;
+        if let Some(w) = pick_window {
+            pool.set_pick_window(w);
+        }
+        Ok(BlockAllocator { pool })
     }
+
+    /// How many of the least recently freed blocks a sequence's next block is chosen among.
+    #[getter]
+    fn pick_window(&self) -> usize { self.pool.pick_window() }
 
     #[getter]
     fn num_blocks(&self) -> usize { self.pool.num_blocks() }
