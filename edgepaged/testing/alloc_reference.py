@@ -102,7 +102,7 @@ class RefAllocator:
 
     def _pop_near(self, prev: int | None, lasts: list[int]) -> int:
         """Rust's `pop_near`: among the pick_window least recently freed (at most an 8th of the
-        free blocks), prev + 1, else the
+        free blocks) that are uncached or the head, prev + 1, else the
         start of the longest run of consecutive ids not claimed (the CLAIM ids after another
         sequence's last block; `lasts` sorted)."""
         w = min(self.pick_window, len(self.free) // 8)
@@ -113,19 +113,24 @@ class RefAllocator:
             if len(win) == w:
                 break
             win.append(b)
-        if prev is not None and prev + 1 in win:
+        head = win[0]
+
+        def free_to_take(x: int) -> bool:     # a cached block only in its LRU turn
+            return x == head or self.key[x] is None
+
+        if prev is not None and prev + 1 in win and free_to_take(prev + 1):
             return self._take(prev + 1)
 
         def claimed(x: int) -> bool:
             i = bisect.bisect_left(lasts, x)
             return i > 0 and x - lasts[i - 1] <= CLAIM
 
-        best_run, best = 0, win[0]
+        best_run, best = 0, head
         for x in win:
-            if claimed(x):
+            if claimed(x) or not free_to_take(x):
                 continue
             run = 1
-            while x + run in win and not claimed(x + run):
+            while x + run in win and free_to_take(x + run) and not claimed(x + run):
                 run += 1
             if run > best_run:
                 best_run, best = run, x

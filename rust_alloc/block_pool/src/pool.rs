@@ -180,8 +180,8 @@ impl Store {
     }
 
     /// The next block of a sequence whose block before it is `prev`, chosen among the
-    /// `pick_window` least recently freed (at most an 8th of the free blocks): `prev + 1`
-    /// when it is among them, so a context's
+    /// `pick_window` least recently freed (at most an 8th of the free blocks) that hold no
+    /// cached prefix, or the least recently freed itself: `prev + 1` when it is among them, so a context's
     /// blocks run on in memory as it grows a block at a time (decode attention reads a
     /// table of scattered single blocks 1.6x slower than consecutive ones, runs of 8 1.15x:
     /// bench/RESULTS.md); else the first block of the longest run of consecutive ids there,
@@ -206,8 +206,13 @@ impl Store {
         }
         debug_assert!(len > 0, "pop_near on an empty free list (callers check first)");
         let win = &win[..len];
+        // a cached block only in its LRU turn (the head): the prefix cache evicts exactly as
+        // without a window (a chain's tail first; taking a cached block deeper in broke a
+        // preempted prompt's chain, and beside a short chat it was preempted again and again)
+        let head = win[0];
+        let free_to_take = |x: u32| x == head || self.blocks[x as usize].hash.is_none();
         if let Some(p) = prev {
-            if win.contains(&(p + 1)) {
+            if win.contains(&(p + 1)) && free_to_take(p + 1) {
                 return self.take(p + 1);
             }
         }
@@ -215,13 +220,13 @@ impl Store {
             let i = claims.partition_point(|&l| l < x);
             i > 0 && x - claims[i - 1] <= CLAIM
         };
-        let mut best = (0u32, win[0]);
+        let mut best = (0u32, head);
         for &x in win {
-            if claimed(x) {
+            if claimed(x) || !free_to_take(x) {
                 continue;
             }
             let mut run = 1;
-            while win.contains(&(x + run)) && !claimed(x + run) {
+            while win.contains(&(x + run)) && free_to_take(x + run) && !claimed(x + run) {
                 run += 1;
             }
             if run > best.0 {

@@ -461,6 +461,21 @@ fn a_sequence_growing_a_block_at_a_time_takes_the_block_after_its_last() {
 }
 
 #[test]
+fn cached_blocks_are_evicted_in_lru_order_whatever_the_window() {
+    // the same pool, its blocks freed into the prefix cache: a growing sequence takes the
+    // least recently freed each time (the chain's tail first), as with no window
+    let mut p = pool(256, 4);
+    p.set_pick_window(16);
+    p.add_sequence(1, (0..1024).collect(), 0, None).unwrap();
+    p.prepare_step(&[1], &[1024], None).unwrap();
+    p.append_tokens(1, &[5]).unwrap();
+    p.prepare_step(&[1], &[0], None).unwrap();       // the last block's tokens count as computed
+    p.free_sequence(1, true).unwrap();
+    assert_eq!(p.num_cached_blocks(), 256);
+    assert_eq!(grow(&mut p, &[2], 32, 16)[0], (224..256).rev().collect::<Vec<u32>>());
+}
+
+#[test]
 fn a_nearly_full_pool_takes_the_least_recently_freed() {
     // 12 blocks free: a window of at most 12 / 8 = 1, strict LRU (the few free blocks hold
     // what was just freed: a prompt about to be asked for again)
