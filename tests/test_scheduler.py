@@ -479,3 +479,24 @@ def test_a_recomputed_request_does_not_draft_behind_a_token_it_holds():
             s._preempt(r)
     assert r.num_preemptions == 1 and kept_after > 10
     assert r.output_ids[:40] == [pat[(40 + i) % 5] for i in range(40)]
+
+
+def test_a_long_prompt_beside_a_returning_chat_finishes():
+    """A prompt that needs nearly the whole pool, chunked, while a short chat comes back turn
+    after turn (its prompt cached between turns): the prompt finishes, preempted at most a few
+    times. A block choice that took cached blocks out of LRU order (the pool's pick window, a
+    first version) broke the preempted prompt's chain deeper than its tail on every preemption,
+    and it was preempted again and again (test_fuzz_doors' embeddings request timed out)."""
+    s = make(num_blocks=256, max_model_len=4096, max_num_batched_tokens=64)
+    long = Request(prompt_ids=[1000 + i for i in range(4050)], params=SamplingParams(temperature=0, max_tokens=1))
+    s.add(long)
+    chat = None
+    steps = 0
+    while long.status is not Status.FREED:
+        if chat is None or chat.status is Status.FREED:
+            chat = req(60, max_tokens=24, base=5)      # the same question again: its prompt is cached
+            s.add(chat)
+        assert step(s) is not None
+        steps += 1
+        assert steps < 400, f"the long prompt did not finish ({s.num_preemptions} preemptions)"
+    assert s.num_preemptions <= 3
