@@ -7,7 +7,9 @@
 #      (tiny llama, float32; alone, together, under preemption; every block back), and a 1 B
 #      llama-shaped model's decode tok/s beside transformers' generate. It needs the runtime's
 #      Python dependencies (trio, pydantic, ...): where they are missing and a folder .whl holds
-#      wheels of them, they are installed from there into a scratch folder; else step 3 is skipped.
+#      wheels of them (`bash bench/gpu_wheels.sh` fetches them), they are installed from there
+#      into a scratch folder; else step 3 is skipped. It also needs the Rust extension
+#      (edgepaged/_native.abi3.so, built by ./run.sh; ignored by git: carry it along).
 # Outputs go to $OUT (or bench/out). Uses the python found on PATH, not a venv.
 set -u
 cd "$(dirname "$0")/.."
