@@ -19,9 +19,8 @@ LOG2E = 1.4426950408889634
 # bench/kernel_bench.py --sweep overrides these to search for better ones on a GPU.
 DECODE_CONFIG = dict(TILE_BYTES=16384, num_warps=4, num_stages=2)
 # Prefill: SPLIT_DIAG runs the K/V tiles every query of a program sees without the causal mask,
-# masking only the tiles on the diagonal; LONGEST_FIRST launches the query tiles with the
-# longest contexts first (a sequence's last tiles), so the short ones fill the tail.
-PREFILL_CONFIG = dict(TILE_BYTES=16384, BLOCK_M=64, num_warps=4, num_stages=3, SPLIT_DIAG=True, LONGEST_FIRST=False)
+# masking only the tiles on the diagonal (1.1-1.3x on an H200, with 3 stages: bench/RESULTS.md).
+PREFILL_CONFIG = dict(TILE_BYTES=16384, BLOCK_M=64, num_warps=4, num_stages=3, SPLIT_DIAG=True)
 MIN_SPLIT_TOKENS = 256  # a decode split reads at least this many positions
 MAX_SPLITS = 64
 
@@ -126,13 +125,11 @@ def _prefill_kernel(
     s_qt, s_qh, s_ot, s_oh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-    SOFTCAP: tl.constexpr, SPLIT_DIAG: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    SOFTCAP: tl.constexpr, SPLIT_DIAG: tl.constexpr,
 ):
     # grid (T // BLOCK_Q + B, Hkv). Sequence b owns the query tiles numbered from
     # qsl[b] // BLOCK_Q + b, at least cdiv(q_len, BLOCK_Q) of them; a tile past its q_len idles.
     pid = tl.program_id(0)
-    if LONGEST_FIRST:
-        pid = tl.num_programs(0) - 1 - pid
     kvh = tl.program_id(1)
     seqs = tl.arange(0, B_PAD)
     first_tile = tl.load(qsl_ptr + seqs, mask=seqs < num_seqs, other=0) // BLOCK_Q + seqs
@@ -290,7 +287,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables.stride(0),
         G=G, G_PAD=g_pad, D=D, BS=BS, BLOCK_Q=block_q, BLOCK_N=_block_n(cfg, k_cache.dtype, D),
         B_PAD=triton.next_power_of_2(B), USE_WINDOW=bool(sliding_window), UPCAST=interpreting(), SOFTCAP=bool(softcap),
-        SPLIT_DIAG=bool(cfg.get("SPLIT_DIAG")), LONGEST_FIRST=bool(cfg.get("LONGEST_FIRST")),
+        SPLIT_DIAG=bool(cfg.get("SPLIT_DIAG")),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -831,8 +831,8 @@ impl BlockPool {
             let seq = self.seqs.get_mut(&sid).unwrap();
             // only a sequence that takes blocks moves its claim (its own left out while it picks)
             let moves = picks && self.store.blocks_needed_for(seq, n as usize) > 0;
-            if let Some(b) = last_of(seq).filter(|_| moves) {
-                lasts.remove(lasts.binary_search(&b).unwrap());
+            if let Some(i) = last_of(seq).filter(|_| moves).and_then(|b| lasts.binary_search(&b).ok()) {
+                lasts.remove(i);     // (always there: collected above, and only this row moves it)
             }
             self.store.reserve(seq, n as usize, &mut plan.slot_mapping, &mut plan.copies, &lasts);
             if let Some(b) = last_of(seq).filter(|_| moves) {
