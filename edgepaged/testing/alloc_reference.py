@@ -89,10 +89,7 @@ class RefAllocator:
         return self.seqs[seq_id]
 
     def _pop_free(self) -> int:
-        b, _ = self.free.popitem(last=False)
-        self._uncache(b)
-        self.refcounts[b] = 1
-        return b
+        return self._take(next(iter(self.free)))
 
     def _take(self, b: int) -> int:
         del self.free[b]
@@ -102,9 +99,9 @@ class RefAllocator:
 
     def _pop_near(self, prev: int | None, lasts: list[int]) -> int:
         """Rust's `pop_near`: among the pick_window least recently freed (at most an 8th of the
-        free blocks) that are uncached or the head, prev + 1, else the
-        start of the longest run of consecutive ids not claimed (the CLAIM ids after another
-        sequence's last block; `lasts` sorted)."""
+        free blocks) that are uncached or the head, prev + 1, else the start of the longest run
+        of consecutive such ids not claimed (the CLAIM ids after another sequence's last block;
+        `lasts` sorted)."""
         w = min(self.pick_window, len(self.free) // 8)
         if w <= 1:
             return self._pop_free()
