@@ -395,8 +395,12 @@ for line in p.stdout:
     if "ready on" in line:
         break
 try:
-    r = subprocess.run(cmd + ["ls", "--json", "--timeout", "1.5", "--mdns-interface", "127.0.0.1"],
-                       capture_output=True, text=True)
+    deadline = time.monotonic() + 20   # a busy machine may answer a browse late: ask again
+    while True:
+        r = subprocess.run(cmd + ["ls", "--json", "--timeout", "1.5", "--mdns-interface", "127.0.0.1"],
+                           capture_output=True, text=True)
+        if json.loads(r.stdout or "[]") or time.monotonic() > deadline:
+            break
     t = subprocess.run(cmd + ["ls", "--timeout", "1.5", "--mdns-interface", "127.0.0.1"], capture_output=True,
                        text=True)
     print(json.dumps({{"ls": json.loads(r.stdout), "table": t.stdout}}))

@@ -310,16 +310,20 @@ class CpuModel:
         t = len(ids)
         q_lens = np.diff(query_start_loc)
         h = self.embed(ids)
-        # short chunks (q * n at most tile_attention_min each) attend row by row too: a tile's
-        # set-up outweighs their little work; a longer chunk (a new turn's tail over a long
-        # history) reads the context once per tile of rows, not once per row, and its step
-        # goes layer by layer (bench/RESULTS.md: 10-31 % less time at 16-64 rows over 1-2 k).
-        # With bf16 products in the tiles (ops.bf16_attention) every prompt row goes to the
-        # tiles, however few: row by row is f32, and a prompt's tail after a prefix-cache hit
-        # must attend as the whole prompt did the first time (the same answer either way)
+        # Every prompt row goes to the tiles (paged_prefill), however few: a prompt's tail after a
+        # prefix-cache hit must attend as the whole prompt did the first time (the same answer
+        # either way), and the row kernel rounds differently from the tiles (its sums per 8
+        # dimensions, a q8_0 cache's scales per block: a near tie of the embedded model turned
+        # on a q8_0 cache's hit, on AVX2); with bf16 products (ops.bf16_attention) all the more.
+        # A row's result is the same in any tile (prefill.rs tests). Measured on the embedded
+        # model (Zen 3, AVX2): a 30- or 90-token prompt 2-15 % slower than row by row in the
+        # one-call decoder, 200 tokens the same (bench/RESULTS.md). Other chunks of several
+        # rows (a draft's rows to check) attend row by row when short (q * n at most
+        # tile_attention_min: a tile's set-up outweighs their little work), else in tiles: a
+        # long chunk reads the context once per tile of rows, not once per row.
         limit = min(settings.rust_attention_max, settings.tile_attention_min)
         prompts = (q_lens > 1) if prompt is None else np.asarray(prompt, dtype=bool)
-        tiles = self.bf16_tiles and bool(prompts.any()) and ops.bf16_attention()
+        tiles = bool(prompts.any())
         row_by_row = not tiles and (len(q_lens) == t or int((q_lens * seq_lens).max()) <= limit)
         one_call = self.decoder is not None and t < settings.fused_max_tokens and row_by_row
         if row_by_row or one_call:

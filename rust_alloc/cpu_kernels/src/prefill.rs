@@ -1106,6 +1106,46 @@ mod tests {
         }
     }
 
+    /// A row's result does not depend on the tile that holds it: 45 rows whole against 3 + 42
+    /// (as a prompt's tail after a prefix-cache hit), windowed or not, the same bits.
+    #[allow(clippy::too_many_arguments)]
+    fn rows_in_any_tile<E: KvElem>(q: &[f32], k: &[E], v: &[E], tables: &[i32], hs: Heads, bs: usize, n: usize,
+                                   w512s: &[bool], bf16: bool, what: &str) {
+        let w = hs.nh * hs.d;
+        for &w512 in w512s {
+            for window in [9usize, 0] {
+                let mut whole = vec![0f32; 45 * w];
+                prefill(q, w, &mut whole, w, &[0, 45], &[n as i32], tables, k, v, bs, hs, 0.3, window, 0.0, w512, bf16)
+                    .unwrap();
+                let mut split = vec![0f32; 45 * w];
+                prefill(&q[..3 * w], w, &mut split[..3 * w], w, &[0, 3], &[(n - 42) as i32], tables, k, v, bs, hs, 0.3,
+                        window, 0.0, w512, bf16).unwrap();
+                prefill(&q[3 * w..], w, &mut split[3 * w..], w, &[0, 42], &[n as i32], tables, k, v, bs, hs, 0.3, window,
+                        0.0, w512, bf16).unwrap();
+                assert!(whole.iter().zip(&split).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what} window {window} avx512 {w512} bf16 {bf16}");
+            }
+        }
+    }
+
+    /// Random f32 K and V of `n` positions over 8 blocks of 16, 45 query rows, a shuffled table.
+    fn any_tile_case(hs: Heads, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<i32>) {
+        let mut seed = seed;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        };
+        let kvw = hs.nkv * hs.d;
+        let k: Vec<f32> = (0..8 * 16 * kvw).map(|_| rnd()).collect();
+        let v: Vec<f32> = (0..8 * 16 * kvw).map(|_| rnd()).collect();
+        let q: Vec<f32> = (0..45 * hs.nh * hs.d).map(|_| rnd()).collect();
+        (q, k, v, vec![3, 0, 6, 1])
+    }
+
+    fn f16s(x: &[f32]) -> Vec<crate::kv::F16> {
+        x.iter().map(|&v| <crate::kv::F16 as crate::kv::KvScalar>::from_f32(v)).collect()
+    }
+
     /// A row's bf16 products do not depend on the tile it falls in: one chunk of 45 rows (tiles
     /// from positions 15 and 47) against the same rows in chunks of 3 and 42 (tiles from 18 and
     /// 50), under a window of 9 (odd spans' starts), bit for bit.
@@ -1115,30 +1155,26 @@ mod tests {
             return;
         }
         let hs = Heads { nh: 4, nkv: 2, d: 64 };
-        let (bs, nblocks, n) = (16usize, 8usize, 60usize);
-        let mut seed = 7u64;
-        let mut rnd = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-        };
-        let kvw = hs.nkv * hs.d;
-        let k: Vec<crate::kv::F16> = (0..nblocks * bs * kvw).map(|_| <crate::kv::F16 as crate::kv::KvScalar>::from_f32(rnd())).collect();
-        let v: Vec<crate::kv::F16> = (0..nblocks * bs * kvw).map(|_| <crate::kv::F16 as crate::kv::KvScalar>::from_f32(rnd())).collect();
-        let tables: Vec<i32> = vec![3, 0, 6, 1];
-        let w = hs.nh * hs.d;
-        let q: Vec<f32> = (0..45 * w).map(|_| rnd()).collect();
-        for window in [9usize, 0] {
-            let mut whole = vec![0f32; 45 * w];
-            prefill(&q, w, &mut whole, w, &[0, 45], &[n as i32], &tables, &k, &v, bs, hs, 0.3, window, 0.0, true, true)
-                .unwrap();
-            let mut split = vec![0f32; 45 * w];
-            prefill(&q[..3 * w], w, &mut split[..3 * w], w, &[0, 3], &[(n - 42) as i32], &tables, &k, &v, bs, hs, 0.3,
-                    window, 0.0, true, true).unwrap();
-            prefill(&q[3 * w..], w, &mut split[3 * w..], w, &[0, 42], &[n as i32], &tables, &k, &v, bs, hs, 0.3, window,
-                    0.0, true, true).unwrap();
-            assert!(whole.iter().zip(&split).all(|(a, b)| a.to_bits() == b.to_bits()), "window {window}");
-        }
+        let (q, k, v, tables) = any_tile_case(hs, 7);
+        rows_in_any_tile(&q, &f16s(&k), &f16s(&v), &tables, hs, 16, 60, &[true], true, "f16");
     }
+
+    /// The f32 tiles too (f32, f16 and q8_0 caches, the AVX2 and AVX-512 paths): the engine
+    /// sends every prompt row to the tiles for it (cpu_runtime.py `forward`).
+    #[test]
+    fn f32_rows_are_the_same_in_any_tile() {
+        if !cfg!(target_arch = "x86_64") || !has_avx2() {
+            return;
+        }
+        let hs = Heads { nh: 4, nkv: 2, d: 64 };
+        let (q, k, v, tables) = any_tile_case(hs, 5);
+        let ((k8, _), (v8, _)) = (crate::attention::tests::q8_cache(&k, hs.d), crate::attention::tests::q8_cache(&v, hs.d));
+        let both = [true, false];
+        rows_in_any_tile(&q, &k, &v, &tables, hs, 16, 60, &both, false, "f32");
+        rows_in_any_tile(&q, &f16s(&k), &f16s(&v), &tables, hs, 16, 60, &both, false, "f16");
+        rows_in_any_tile(&q, &k8, &v8, &tables, hs, 16, 60, &both, false, "q8_0");
+    }
+
     /// The bf16 tiles reading their KV head's rows converted once (`shared_heads`) against tiles
     /// converting their own: the same bits, for three sequences in one call (a chunk over a
     /// cached prefix across segments, a short one, a chunk of several tiles from position 0),

@@ -123,11 +123,18 @@ pub(crate) unsafe fn codes32(x: *const f32, q: *mut i8, inv: f32) -> (i32, i32) 
     (hsum(_mm256_add_epi32(r[0], r[1])), hsum(_mm256_add_epi32(r[2], r[3])))
 }
 
-/// `N` tokens of rows `8h .. 8h + 8` of one row group. K-quants sum a superblock's groups
-/// in `sum`, then add it times the token's scale (`super`'s doc).
+/// `N` tokens of rows `8h .. 8h + 8` of one row group, for the `H` halves from `h0` (one
+/// token takes both halves in one pass: each broadcast of its activations serves 16 rows).
+/// K-quants sum a superblock's groups in `sum`, then add it times the token's scale
+/// (`super`'s doc).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const N: usize>(l: &Layout, rg: *const u8, a: &QAct, t0: usize, h: usize, acc: &mut [__m256; N]) {
+unsafe fn tile<const N: usize, const Q: u8, const H: usize>(
+    l: &Layout, rg: *const u8, a: &QAct, t0: usize, h0: usize, acc: &mut [[__m256; N]; H],
+) {
+    // the format a constant: its code kind, scales and superblock offsets fold away (the
+    // same integers; a format read at run time left this loop branchy and spilling)
+    let l = &Layout { qtype: super::qt(Q), rows: l.rows, cols: l.cols };
     let nb = l.groups();
     let kind = l.codes();
     let q6 = l.qtype == QType::Q6_K;
@@ -135,9 +142,9 @@ unsafe fn tile<const N: usize>(l: &Layout, rg: *const u8, a: &QAct, t0: usize, h
     let ones = _mm256_set1_epi16(1);
     let b0 = a.at(t0, 0);   // t0 .. t0 + N lie in one tile: token t0 + t of group g is block b0 + TILE g + t
     // the first tile's first half-pass asks for the bytes ahead (avx512.rs `tile`)
-    let pf = if t0 == 0 && h == 0 { super::decode_prefetch() } else { 0 };
+    let pf = if t0 == 0 && h0 == 0 { super::decode_prefetch() } else { 0 };
     let step = l.rg_bytes().div_ceil(nb);
-    let mut sum = [_mm256_setzero_ps(); N];   // K-quants: the superblock's so far
+    let mut sum = [[_mm256_setzero_ps(); N]; H];   // K-quants: the superblock's so far
     for g in 0..nb {
         let (at, head) = l.group_at(g);
         if pf > 0 {
@@ -148,58 +155,84 @@ unsafe fn tile<const N: usize>(l: &Layout, rg: *const u8, a: &QAct, t0: usize, h
         let qx = a.q.as_ptr().add(32 * bg) as *const u8;
         let x4 = |t: usize, k: usize| _mm256_set1_epi32(std::ptr::read_unaligned(qx.add(32 * t + k) as *const i32));
         let dot = |c: __m256i, x: __m256i| _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones);
-        let mut i0 = [_mm256_setzero_si256(); N];   // Q6_K: first half; else the whole group
-        let mut i1 = [_mm256_setzero_si256(); N];   // Q6_K: second half
+        let mut i0 = [[_mm256_setzero_si256(); N]; H];   // Q6_K: first half; else the whole group
+        let mut i1 = [[_mm256_setzero_si256(); N]; H];   // Q6_K: second half
         if kind == Codes::Eight {
             for c in 0..8 {
-                let w = _mm256_xor_si256(_mm256_loadu_si256(cb.add(64 * c + 32 * h) as *const __m256i),
-                                         _mm256_set1_epi8(-128));
-                let aw = _mm256_abs_epi8(w);
-                for t in 0..N {
-                    i0[t] = _mm256_add_epi32(i0[t], dot(aw, _mm256_sign_epi8(x4(t, 4 * c), w)));
+                let xs: [__m256i; N] = std::array::from_fn(|t| x4(t, 4 * c));
+                for (hh, i) in i0.iter_mut().enumerate() {
+                    let w = _mm256_xor_si256(_mm256_loadu_si256(cb.add(64 * c + 32 * (h0 + hh)) as *const __m256i),
+                                             _mm256_set1_epi8(-128));
+                    let aw = _mm256_abs_epi8(w);
+                    for (it, x) in i.iter_mut().zip(&xs) {
+                        *it = _mm256_add_epi32(*it, dot(aw, _mm256_sign_epi8(*x, w)));
+                    }
                 }
             }
             for t in 0..N {   // Σ (w + 128)·qx, as the other paths sum it
-                let s = *a.s.as_ptr().add(bg + t);
-                i0[t] = _mm256_add_epi32(i0[t], _mm256_set1_epi32(128 * s));
+                let s = _mm256_set1_epi32(128 * *a.s.as_ptr().add(bg + t));
+                for i in i0.iter_mut() {
+                    i[t] = _mm256_add_epi32(i[t], s);
+                }
             }
         } else {
+            // the pairs' i16 sums added up in i16 as far as they cannot overflow (|x| <= 127:
+            // a pair of 4-bit codes sums to 3,810 at most, of 5-bit 7,874, of 6-bit 16,002),
+            // then widened to i32 once (`vpmaddwd` by ones): the same integers, fewer multiplies
+            let every = match kind { Codes::Four => 4, _ => 2 };
+            let mut s0 = [[_mm256_setzero_si256(); N]; H];
+            let mut s1 = [[_mm256_setzero_si256(); N]; H];
+            let widen = |v: __m256i| _mm256_madd_epi16(v, ones);
             for j in 0..4 {
-                let (lo, hi) = pair(kind, cb, h, j);
-                for t in 0..N {
-                    let (p, q) = (dot(lo, x4(t, 4 * j)), dot(hi, x4(t, 4 * j + 16)));
-                    if q6 {
-                        i0[t] = _mm256_add_epi32(i0[t], p);
-                        i1[t] = _mm256_add_epi32(i1[t], q);
-                    } else {
-                        i0[t] = _mm256_add_epi32(i0[t], _mm256_add_epi32(p, q));
+                let xs: [(__m256i, __m256i); N] = std::array::from_fn(|t| (x4(t, 4 * j), x4(t, 4 * j + 16)));
+                for hh in 0..H {
+                    let (lo, hi) = pair(kind, cb, h0 + hh, j);
+                    for t in 0..N {
+                        let (p, q) = (_mm256_maddubs_epi16(lo, xs[t].0), _mm256_maddubs_epi16(hi, xs[t].1));
+                        if q6 {
+                            s0[hh][t] = _mm256_add_epi16(s0[hh][t], p);
+                            s1[hh][t] = _mm256_add_epi16(s1[hh][t], q);
+                        } else {
+                            s0[hh][t] = _mm256_add_epi16(s0[hh][t], _mm256_add_epi16(p, q));
+                        }
+                        if j % every == every - 1 {
+                            i0[hh][t] = _mm256_add_epi32(i0[hh][t], widen(s0[hh][t]));
+                            s0[hh][t] = _mm256_setzero_si256();
+                            if q6 {
+                                i1[hh][t] = _mm256_add_epi32(i1[hh][t], widen(s1[hh][t]));
+                                s1[hh][t] = _mm256_setzero_si256();
+                            }
+                        }
                     }
                 }
             }
         }
-        let ab = scales(l, rg, at, head, h);
-        for t in 0..N {
-            if q6 {
-                for (half, i) in [(0, i0[t]), (1, i1[t])] {
-                    let i = _mm256_sub_epi32(i, _mm256_set1_epi32(*a.k16.as_ptr().add(2 * (bg + t) + half)));
-                    sum[t] = _mm256_fmadd_ps(ab[half].0, _mm256_cvtepi32_ps(i), sum[t]);
-                }
-            } else if sbg > 1 {
-                sum[t] = _mm256_fmadd_ps(ab[0].0, _mm256_cvtepi32_ps(i0[t]), sum[t]);
-                sum[t] = _mm256_fmadd_ps(ab[0].1, _mm256_set1_ps(*a.sf.as_ptr().add(bg + t)), sum[t]);
-            } else {
-                let dx = _mm256_set1_ps(*a.d.as_ptr().add(bg + t));
-                let v = _mm256_mul_ps(ab[0].0, _mm256_cvtepi32_ps(i0[t]));
-                acc[t] = _mm256_fmadd_ps(v, dx, acc[t]);
-                let ds = _mm256_set1_ps(*a.ds.as_ptr().add(bg + t));
-                acc[t] = _mm256_fmadd_ps(ab[0].1, ds, acc[t]);
-            }
-        }
-        if sbg > 1 && g % sbg == sbg - 1 {   // (one loop over the groups: avx512.rs `tile`)
-            let bs = b0 + TILE * (g + 1 - sbg);
+        for hh in 0..H {
+            let ab = scales(l, rg, at, head, h0 + hh);
+            let (acc, sum) = (&mut acc[hh], &mut sum[hh]);
             for t in 0..N {
-                acc[t] = _mm256_fmadd_ps(sum[t], _mm256_set1_ps(*a.d.as_ptr().add(bs + t)), acc[t]);
-                sum[t] = _mm256_setzero_ps();
+                if q6 {
+                    for (half, i) in [(0, i0[hh][t]), (1, i1[hh][t])] {
+                        let i = _mm256_sub_epi32(i, _mm256_set1_epi32(*a.k16.as_ptr().add(2 * (bg + t) + half)));
+                        sum[t] = _mm256_fmadd_ps(ab[half].0, _mm256_cvtepi32_ps(i), sum[t]);
+                    }
+                } else if sbg > 1 {
+                    sum[t] = _mm256_fmadd_ps(ab[0].0, _mm256_cvtepi32_ps(i0[hh][t]), sum[t]);
+                    sum[t] = _mm256_fmadd_ps(ab[0].1, _mm256_set1_ps(*a.sf.as_ptr().add(bg + t)), sum[t]);
+                } else {
+                    let dx = _mm256_set1_ps(*a.d.as_ptr().add(bg + t));
+                    let v = _mm256_mul_ps(ab[0].0, _mm256_cvtepi32_ps(i0[hh][t]));
+                    acc[t] = _mm256_fmadd_ps(v, dx, acc[t]);
+                    let ds = _mm256_set1_ps(*a.ds.as_ptr().add(bg + t));
+                    acc[t] = _mm256_fmadd_ps(ab[0].1, ds, acc[t]);
+                }
+            }
+            if sbg > 1 && g % sbg == sbg - 1 {   // (one loop over the groups: avx512.rs `tile`)
+                let bs = b0 + TILE * (g + 1 - sbg);
+                for t in 0..N {
+                    acc[t] = _mm256_fmadd_ps(sum[t], _mm256_set1_ps(*a.d.as_ptr().add(bs + t)), acc[t]);
+                    sum[t] = _mm256_setzero_ps();
+                }
             }
         }
     }
@@ -215,15 +248,26 @@ unsafe fn store(o: Out, t: usize, col: usize, n: usize, v: __m256) {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tiles<const N: usize>(l: &Layout, rg: *const u8, a: &QAct, t0: usize, o: Out, col: usize, nr: usize) {
+unsafe fn tiles<const N: usize, const Q: u8>(
+    l: &Layout, rg: *const u8, a: &QAct, t0: usize, o: Out, col: usize, nr: usize,
+) {
+    if N == 1 && nr > 8 {
+        // one token: both halves in one pass
+        let mut acc = [[_mm256_setzero_ps(); N]; 2];
+        tile::<N, Q, 2>(l, rg, a, t0, 0, &mut acc);
+        for (h, v) in acc.iter().enumerate() {
+            store(o, t0, col + 8 * h, (nr - 8 * h).min(8), v[0]);
+        }
+        return;
+    }
     for h in 0..2 {
         let n = nr.saturating_sub(8 * h).min(8);
         if n == 0 {
             break;
         }
-        let mut acc = [_mm256_setzero_ps(); N];
-        tile::<N>(l, rg, a, t0, h, &mut acc);
-        for (t, v) in acc.iter().enumerate() {
+        let mut acc = [[_mm256_setzero_ps(); N]; 1];
+        tile::<N, Q, 1>(l, rg, a, t0, h, &mut acc);
+        for (t, v) in acc[0].iter().enumerate() {
             store(o, t0 + t, col + 8 * h, n, *v);
         }
     }
@@ -236,6 +280,22 @@ unsafe fn tiles<const N: usize>(l: &Layout, rg: *const u8, a: &QAct, t0: usize, 
 /// must have AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn rows(w: &RMatrix, a: &QAct, o: Out, g0: usize, g1: usize) {
+    match w.layout.qtype {
+        QType::Q4_0 => rows_of::<{ QType::Q4_0 as u8 }>(w, a, o, g0, g1),
+        QType::Q4_1 => rows_of::<{ QType::Q4_1 as u8 }>(w, a, o, g0, g1),
+        QType::Q5_0 => rows_of::<{ QType::Q5_0 as u8 }>(w, a, o, g0, g1),
+        QType::Q5_1 => rows_of::<{ QType::Q5_1 as u8 }>(w, a, o, g0, g1),
+        QType::Q8_0 => rows_of::<{ QType::Q8_0 as u8 }>(w, a, o, g0, g1),
+        QType::Q4_K => rows_of::<{ QType::Q4_K as u8 }>(w, a, o, g0, g1),
+        QType::Q5_K => rows_of::<{ QType::Q5_K as u8 }>(w, a, o, g0, g1),
+        QType::Q6_K => rows_of::<{ QType::Q6_K as u8 }>(w, a, o, g0, g1),
+        QType::F16 | QType::BF16 => unreachable!("no integer kernels for {}", w.layout.qtype.name()),
+    }
+}
+
+/// `rows` for the format `Q` (its GGML id).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_of<const Q: u8>(w: &RMatrix, a: &QAct, o: Out, g0: usize, g1: usize) {
     let l = &w.layout;
     let nt = if l.qtype == QType::Q6_K { 2 } else { 4 };
     for rgi in g0..g1 {
@@ -245,10 +305,10 @@ pub(crate) unsafe fn rows(w: &RMatrix, a: &QAct, o: Out, g0: usize, g1: usize) {
         while t0 < a.tokens {
             let n = (a.tokens - t0).min(nt);
             match n {
-                1 => tiles::<1>(l, rg, a, t0, o, rgi * ROWS, nr),
-                2 => tiles::<2>(l, rg, a, t0, o, rgi * ROWS, nr),
-                3 => tiles::<3>(l, rg, a, t0, o, rgi * ROWS, nr),
-                _ => tiles::<4>(l, rg, a, t0, o, rgi * ROWS, nr),
+                1 => tiles::<1, Q>(l, rg, a, t0, o, rgi * ROWS, nr),
+                2 => tiles::<2, Q>(l, rg, a, t0, o, rgi * ROWS, nr),
+                3 => tiles::<3, Q>(l, rg, a, t0, o, rgi * ROWS, nr),
+                _ => tiles::<4, Q>(l, rg, a, t0, o, rgi * ROWS, nr),
             }
             t0 += n;
         }

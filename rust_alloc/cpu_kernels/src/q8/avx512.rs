@@ -131,21 +131,6 @@ pub(crate) unsafe fn codes32(x: *const f32, q: *mut i8, inv: f32) -> (i32, i32) 
     (_mm512_reduce_add_epi32(r0), _mm512_reduce_add_epi32(r1))
 }
 
-/// The format a kernel was built for (its GGUF type id, `Q`).
-#[inline(always)]
-fn qt(q: u8) -> QType {
-    match q {
-        2 => QType::Q4_0,
-        3 => QType::Q4_1,
-        6 => QType::Q5_0,
-        7 => QType::Q5_1,
-        8 => QType::Q8_0,
-        12 => QType::Q4_K,
-        13 => QType::Q5_K,
-        _ => QType::Q6_K,
-    }
-}
-
 /// `N` tokens (`t0..t0 + N`, inside one tile of the activations) of one row group.
 /// Built once per format (`Q`, its GGUF id), so the decode and the scales are straight code.
 /// K-quants sum a superblock's groups in `sum` and add it times the token's scale into `acc`
@@ -155,7 +140,7 @@ fn qt(q: u8) -> QType {
 unsafe fn tile<const N: usize, const Q: u8>(
     l: &Layout, rg: *const u8, a: &QAct, t0: usize, o: Out, col: usize, nr: usize,
 ) {
-    let qtype = qt(Q);
+    let qtype = super::qt(Q);
     let kind = match qtype {
         QType::Q4_0 | QType::Q4_1 | QType::Q4_K => Codes::Four,
         QType::Q5_0 | QType::Q5_1 | QType::Q5_K => Codes::Five,

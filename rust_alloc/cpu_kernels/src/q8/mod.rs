@@ -126,6 +126,7 @@ impl Layout {
         Ok(Layout { qtype, rows, cols })
     }
 
+    #[inline]
     pub(crate) fn codes(&self) -> Codes {
         match self.qtype {
             QType::Q4_0 | QType::Q4_1 | QType::Q4_K => Codes::Four,
@@ -136,6 +137,7 @@ impl Layout {
     }
 
     /// Bytes of the codes of one group of 32 (16 rows).
+    #[inline]
     pub(crate) fn code_bytes(&self) -> usize {
         match self.codes() {
             Codes::Four => 256,
@@ -146,6 +148,7 @@ impl Layout {
     }
 
     /// Bytes of one group's scales (16 rows), after its codes.
+    #[inline]
     pub(crate) fn scale_bytes(&self) -> usize {
         match self.qtype {
             QType::Q4_1 | QType::Q5_1 => 64,   // d, m: f16 each
@@ -154,13 +157,17 @@ impl Layout {
     }
 
     /// Groups of 32 per superblock (K-quants: 8, with a header of the rows' d (and dmin)).
+    #[inline]
     pub(crate) fn sb_groups(&self) -> usize { if self.kquant() { 8 } else { 1 } }
 
     /// Groups of 32 whose activations share one scale: `ACT_GROUPS` for K-quants, else 1.
+    #[inline]
     pub(crate) fn act_groups(&self) -> usize { if self.kquant() { ACT_GROUPS } else { 1 } }
 
+    #[inline]
     pub(crate) fn kquant(&self) -> bool { matches!(self.qtype, QType::Q4_K | QType::Q5_K | QType::Q6_K) }
 
+    #[inline]
     pub(crate) fn header_bytes(&self) -> usize {
         match self.qtype {
             QType::Q4_K | QType::Q5_K => 64,   // d[16], dmin[16] f16
@@ -169,15 +176,20 @@ impl Layout {
         }
     }
 
+    #[inline]
     pub(crate) fn group_bytes(&self) -> usize { self.code_bytes() + self.scale_bytes() }
 
+    #[inline]
     pub(crate) fn sb_bytes(&self) -> usize { self.header_bytes() + self.sb_groups() * self.group_bytes() }
 
+    #[inline]
     pub fn groups(&self) -> usize { self.cols / 32 }
 
+    #[inline]
     pub fn row_groups(&self) -> usize { self.rows.div_ceil(ROWS) }
 
     /// Bytes of one group of 16 rows over the whole row.
+    #[inline]
     pub fn rg_bytes(&self) -> usize { self.groups() / self.sb_groups() * self.sb_bytes() }
 
     pub fn bytes(&self) -> usize { self.row_groups() * self.rg_bytes() }
@@ -188,6 +200,21 @@ impl Layout {
         let (sb, j) = (g / self.sb_groups(), g % self.sb_groups());
         let h = sb * self.sb_bytes();
         (h + self.header_bytes() + j * self.group_bytes(), h)
+    }
+}
+
+/// The format a kernel was built for (its GGUF type id, `Q`).
+#[inline(always)]
+pub(crate) const fn qt(q: u8) -> QType {
+    match q {
+        2 => QType::Q4_0,
+        3 => QType::Q4_1,
+        6 => QType::Q5_0,
+        7 => QType::Q5_1,
+        8 => QType::Q8_0,
+        12 => QType::Q4_K,
+        13 => QType::Q5_K,
+        _ => QType::Q6_K,
     }
 }
 
