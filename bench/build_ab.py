@@ -14,14 +14,17 @@ Per build, alternated run by run: one stream's decode rate (`tok_s_b1`: a 32-tok
 --new-tokens greedy tokens) and a --prefill-token prompt's rate (`prefill_tok_s`); the
 greedy tokens must be the same under both builds (printed). With --kernels, the integer
 products per format (random blocks: G weights a second, 1 and 64 tokens, one thread
-unless EDGEPAGED_NUM_THREADS says otherwise, outputs checked bit for bit).
+unless EDGEPAGED_NUM_THREADS says otherwise, outputs checked bit for bit); with --attention
+CONTEXTS, prefill attention (f32 products, a 512-row chunk over each context, bit for bit,
+GFLOP/s); --no-model skips the model runs.
 
     python bench/build_ab.py --old OLD.so [--new NEW.so] [--model 1b|embedded|FILE] [--reps 4]
-                             [--kernels] [--json]
+                             [--kernels] [--attention 512,2048] [--no-model] [--json]
 
 With --json the last line is one object: {"cpu", "model", "runs": {build: {"tok_s_b1": [..],
 "prefill_tok_s": [..]}}, "median": {build: {...}}, "speedup": {"tok_s_b1", "prefill_tok_s"},
-"same_tokens", "kernels": {format: {tokens: {build: G weights/s}}} }.
+"same_tokens", "kernels": {format: {tokens: {build: G weights/s}}}, "attention": {context:
+{build: GFLOP/s}} }.
 """
 from __future__ import annotations
 
@@ -139,6 +142,37 @@ def kernels(builds: Builds, reps: int) -> dict:
     return out
 
 
+def attention(builds: Builds, reps: int, contexts: list[int], rows: int = 512) -> dict:
+    """Prefill attention (`ops.paged_prefill`, f32 products) of a chunk of `rows` rows over
+    each context under each build, alternated, bit for bit: the Llama-3.2-1B shape's heads
+    (32 / 8 of 64), an f16 cache in blocks of 16, a shuffled table. GFLOP/s (4 x head_dim per
+    row, query head and visible position)."""
+    from prefill_attention_bench import NH as nh, NKV as nkv, D as d, case
+    rng = np.random.default_rng(1)
+    out: dict = {}
+    for n in contexts:
+        q, k, v, tables, starts, lens = case(rows, n, rng)
+        times: dict = {b: [] for b in builds.mods}
+        results = {}
+        for _ in range(reps):
+            for b, m in builds.mods.items():
+                was = m.ops.bf16_attention(False)
+                o = np.zeros((rows, nh * d), np.float32)
+                t0 = time.perf_counter()
+                m.ops.paged_prefill(q, o, starts, lens, tables, k, v, nh, nkv, d ** -0.5, 0, 0.0)
+                times[b].append(time.perf_counter() - t0)
+                m.ops.bf16_attention(was)
+                results[b] = o
+        first = next(iter(results.values()))
+        if not all(np.array_equal(first.view(np.uint32), r.view(np.uint32)) for r in results.values()):
+            sys.exit(f"context {n}: the builds' attention differs")
+        flop = 4 * d * nh * rows * (n - (rows - 1) / 2)
+        out[n] = {b: round(flop / statistics.median(ts) / 1e9, 1) for b, ts in times.items()}
+        print(f"  attention, {rows} rows over {n}: " + ", ".join(f"{b} {g} GFLOP/s" for b, g in out[n].items()),
+              flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--old", required=True, help="the old build's _native.abi3.so (a copy)")
@@ -148,6 +182,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=33)
     ap.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill runs")
     ap.add_argument("--kernels", action="store_true", help="also the integer products per format")
+    ap.add_argument("--attention", default=None, metavar="CONTEXTS",
+                    help="also prefill attention over these contexts (e.g. 512,2048,4096), f32 products")
+    ap.add_argument("--no-model", action="store_true", help="the kernels (and attention) only")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "edgepaged" / "bench")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -158,6 +195,12 @@ def main() -> None:
     res: dict = {"cpu": cpu_flags()}
     if args.kernels:
         res["kernels"] = kernels(builds, args.reps)
+    if args.attention:
+        res["attention"] = attention(builds, args.reps, [int(c) for c in args.attention.split(",")])
+    if args.no_model:
+        if args.json:
+            print(json.dumps(res))
+        return
     path = (synthetic("q4_k_m", args.cache_dir) if args.model == "1b"
             else Path(default_model_path()) if args.model == "embedded" else Path(args.model))
     res["model"] = path.name

@@ -30,13 +30,19 @@ from edgepaged._native import ops
 NH, NKV, D, BS = 32, 8, 64, 16
 
 
-def one(rows: int, n: int, reps: int, rng) -> dict:
+def case(rows: int, n: int, rng) -> tuple:
+    """A chunk of `rows` rows over `n` positions: (q, k, v, tables, starts, lens), an f16
+    cache in blocks of BS under a shuffled table (`build_ab.py --attention` takes it too)."""
     nb = n // BS + 1
     k = rng.standard_normal((nb, BS, NKV, D)).astype(np.float16)
     v = rng.standard_normal((nb, BS, NKV, D)).astype(np.float16)
     q = rng.standard_normal((rows, NH * D)).astype(np.float32)
     tables = rng.permutation(nb).astype(np.int32)[None]
-    starts, lens = np.array([0, rows], np.int64), np.array([n], np.int32)
+    return q, k, v, tables, np.array([0, rows], np.int64), np.array([n], np.int32)
+
+
+def one(rows: int, n: int, reps: int, rng) -> dict:
+    q, k, v, tables, starts, lens = case(rows, n, rng)
     was, shared_was = ops.bf16_attention(), ops.prefill_shared_rows()
     have = ops.bf16_attention(True)
     # (bf16, shared rows): f32; bf16 tiles on shared rows; bf16 tiles converting their own
