@@ -297,6 +297,9 @@ pub(crate) unsafe fn rows(w: &RMatrix, a: &QAct, o: Out, g0: usize, g1: usize) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_of<const Q: u8>(w: &RMatrix, a: &QAct, o: Out, g0: usize, g1: usize) {
     let l = &w.layout;
+    // tokens per pass: a pass's tokens lie in one tile of the activations (`tile`'s `b0`), so
+    // its count divides TILE (a 3-token pass read the wrong blocks)
+    const { assert!(TILE % 4 == 0 && TILE % 2 == 0) };
     let nt = if l.qtype == QType::Q6_K { 2 } else { 4 };
     for rgi in g0..g1 {
         let rg = w.rg(rgi).as_ptr();
