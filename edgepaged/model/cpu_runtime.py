@@ -158,7 +158,6 @@ class CpuModel:
         self.max_positions = 0
         self.decoder = None
         self._cache = None        # a weights cache entry while loading from it
-        self.bf16_tiles = False   # an f16 or q8_0 cache: its tiles may multiply in bf16 (forward)
         self.interrupt = None     # the runner's threading.Event: set, a step stops between layers
         self.build_rotary(max_positions)
 
@@ -501,9 +500,9 @@ class CpuRunner(RunnerBase):
                     return
 
     def _new_model(self, settings: CpuConfig) -> CpuModel:
-        """An empty model for this runner's config, KV type and interrupt event."""
+        """An empty model for this runner's config and interrupt event (its cache's type decides
+        bf16 products in the prefill tiles: `ops.paged_prefill`)."""
         m = CpuModel(self.config, settings, self.config.context_length)
-        m.bf16_tiles = self.kv_dtype_name in ("f16", "q8_0")
         m.interrupt = self.interrupt
         return m
 
