@@ -123,14 +123,56 @@ pub(crate) unsafe fn codes32(x: *const f32, q: *mut i8, inv: f32) -> (i32, i32) 
     (hsum(_mm256_add_epi32(r[0], r[1])), hsum(_mm256_add_epi32(r[2], r[3])))
 }
 
+/// A group's integer sums `i` of rows `8h .. 8h + 8` (block `bt` of a token) into its running
+/// sums, as every path adds them: a K-quant's into its superblock's `sum` (`a·i + b·Σ`), the
+/// other formats' into `acc` (`(a·i)·d + b·ds`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn add_group(kq: bool, (a, b): (__m256, __m256), i: __m256i, x: &QAct, bt: usize, sum: &mut __m256,
+                    acc: &mut __m256) {
+    if kq {
+        *sum = _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(i), *sum);
+        *sum = _mm256_fmadd_ps(b, _mm256_set1_ps(*x.sf.as_ptr().add(bt)), *sum);
+    } else {
+        let v = _mm256_mul_ps(a, _mm256_cvtepi32_ps(i));
+        *acc = _mm256_fmadd_ps(v, _mm256_set1_ps(*x.d.as_ptr().add(bt)), *acc);
+        *acc = _mm256_fmadd_ps(b, _mm256_set1_ps(*x.ds.as_ptr().add(bt)), *acc);
+    }
+}
+
+/// Q6_K's group: each half's integer sum less 32·Σx of its activations, times its scale.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn add_group6(a: [__m256; 2], i: [__m256i; 2], x: &QAct, bt: usize, sum: &mut __m256) {
+    for half in 0..2 {
+        let k = _mm256_sub_epi32(i[half], _mm256_set1_epi32(*x.k16.as_ptr().add(2 * bt + half)));
+        *sum = _mm256_fmadd_ps(a[half], _mm256_cvtepi32_ps(k), *sum);
+    }
+}
+
+/// After a superblock's last group (K-quants, `g`): its sums times each token's scale into
+/// `acc`, from zero again.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn end_superblock<const N: usize>(sbg: usize, g: usize, b0: usize, x: &QAct, sum: &mut [__m256; N],
+                                         acc: &mut [__m256; N]) {
+    if sbg > 1 && g % sbg == sbg - 1 {
+        let bs = b0 + TILE * (g + 1 - sbg);
+        for t in 0..N {
+            acc[t] = _mm256_fmadd_ps(sum[t], _mm256_set1_ps(*x.d.as_ptr().add(bs + t)), acc[t]);
+            sum[t] = _mm256_setzero_ps();
+        }
+    }
+}
+
 /// `N` tokens of rows `8h .. 8h + 8` of one row group, for the `H` halves from `h0` (one
 /// token takes both halves in one pass: each broadcast of its activations serves 16 rows).
 /// K-quants sum a superblock's groups in `sum`, then add it times the token's scale
 /// (`super`'s doc).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const N: usize, const Q: u8, const H: usize>(
-    l: &Layout, rg: *const u8, a: &QAct, t0: usize, h0: usize, acc: &mut [[__m256; N]; H],
+unsafe fn tile<const N: usize, const Q: u8, const H: usize, const P: bool>(
+    l: &Layout, rg: *const u8, pre: *const __m256i, a: &QAct, t0: usize, h0: usize, acc: &mut [[__m256; N]; H],
 ) {
     // the format a constant: its code kind, scales and superblock offsets fold away (the
     // same integers; a format read at run time left this loop branchy and spilling)
@@ -142,7 +184,7 @@ unsafe fn tile<const N: usize, const Q: u8, const H: usize>(
     let ones = _mm256_set1_epi16(1);
     let b0 = a.at(t0, 0);   // t0 .. t0 + N lie in one tile: token t0 + t of group g is block b0 + TILE g + t
     // the first tile's first half-pass asks for the bytes ahead (avx512.rs `tile`)
-    let pf = if t0 == 0 && h0 == 0 { super::decode_prefetch() } else { 0 };
+    let pf = if t0 == 0 && h0 == 0 && !P { super::decode_prefetch() } else { 0 };
     let step = l.rg_bytes().div_ceil(nb);
     let mut sum = [[_mm256_setzero_ps(); N]; H];   // K-quants: the superblock's so far
     for g in 0..nb {
@@ -186,7 +228,12 @@ unsafe fn tile<const N: usize, const Q: u8, const H: usize>(
             for j in 0..4 {
                 let xs: [(__m256i, __m256i); N] = std::array::from_fn(|t| (x4(t, 4 * j), x4(t, 4 * j + 16)));
                 for hh in 0..H {
-                    let (lo, hi) = pair(kind, cb, h0 + hh, j);
+                    let (lo, hi) = if P {
+                        let v = pre.add(PRE_VECS * (2 * g + h0 + hh) + 2 * j);
+                        (_mm256_load_si256(v), _mm256_load_si256(v.add(1)))
+                    } else {
+                        pair(kind, cb, h0 + hh, j)
+                    };
                     for t in 0..N {
                         let (p, q) = (_mm256_maddubs_epi16(lo, xs[t].0), _mm256_maddubs_epi16(hi, xs[t].1));
                         if q6 {
@@ -208,31 +255,130 @@ unsafe fn tile<const N: usize, const Q: u8, const H: usize>(
             }
         }
         for hh in 0..H {
-            let ab = scales(l, rg, at, head, h0 + hh);
+            let ab = if P {
+                let v = pre.add(PRE_VECS * (2 * g + h0 + hh) + 8) as *const __m256;
+                [(_mm256_load_ps(v as *const f32), _mm256_load_ps(v.add(1) as *const f32)),
+                 (_mm256_load_ps(v.add(2) as *const f32), _mm256_load_ps(v.add(3) as *const f32))]
+            } else {
+                scales(l, rg, at, head, h0 + hh)
+            };
             let (acc, sum) = (&mut acc[hh], &mut sum[hh]);
             for t in 0..N {
                 if q6 {
-                    for (half, i) in [(0, i0[hh][t]), (1, i1[hh][t])] {
-                        let i = _mm256_sub_epi32(i, _mm256_set1_epi32(*a.k16.as_ptr().add(2 * (bg + t) + half)));
-                        sum[t] = _mm256_fmadd_ps(ab[half].0, _mm256_cvtepi32_ps(i), sum[t]);
-                    }
-                } else if sbg > 1 {
-                    sum[t] = _mm256_fmadd_ps(ab[0].0, _mm256_cvtepi32_ps(i0[hh][t]), sum[t]);
-                    sum[t] = _mm256_fmadd_ps(ab[0].1, _mm256_set1_ps(*a.sf.as_ptr().add(bg + t)), sum[t]);
+                    add_group6([ab[0].0, ab[1].0], [i0[hh][t], i1[hh][t]], a, bg + t, &mut sum[t]);
                 } else {
-                    let dx = _mm256_set1_ps(*a.d.as_ptr().add(bg + t));
-                    let v = _mm256_mul_ps(ab[0].0, _mm256_cvtepi32_ps(i0[hh][t]));
-                    acc[t] = _mm256_fmadd_ps(v, dx, acc[t]);
-                    let ds = _mm256_set1_ps(*a.ds.as_ptr().add(bg + t));
-                    acc[t] = _mm256_fmadd_ps(ab[0].1, ds, acc[t]);
+                    add_group(sbg > 1, ab[0], i0[hh][t], a, bg + t, &mut sum[t], &mut acc[t]);
                 }
             }
-            if sbg > 1 && g % sbg == sbg - 1 {   // (one loop over the groups: avx512.rs `tile`)
-                let bs = b0 + TILE * (g + 1 - sbg);
-                for t in 0..N {
-                    acc[t] = _mm256_fmadd_ps(sum[t], _mm256_set1_ps(*a.d.as_ptr().add(bs + t)), acc[t]);
-                    sum[t] = _mm256_setzero_ps();
+            end_superblock(sbg, g, b0, a, sum, acc);   // (one loop over the groups: avx512.rs `tile`)
+        }
+    }
+}
+
+/// `tile` over codes unpacked at `pre` (`unpack`; 4-bit codes and Q6_K's; 5-bit codes take
+/// `tile`'s, whose i16 sums hold 4 products): each code vector
+/// loaded once for the `N` tokens, each broadcast of a token's activations serving the `H`
+/// halves, every product added straight into an i16 sum, then `tile`'s float operations in
+/// its order (the same bits). A 4-bit pair sums to 3,810 at most: one i16 sum takes a group's
+/// 8 products, widened once. A 6-bit pair to 16,002: an i16 sum takes two chunks' products of
+/// one half of the group (its own scale), widened into that half's i32 sum.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_pre<const N: usize, const Q: u8, const H: usize>(
+    l: &Layout, pre: *const __m256i, a: &QAct, t0: usize, h0: usize, acc: &mut [[__m256; N]; H],
+) {
+    let l = &Layout { qtype: super::qt(Q), rows: l.rows, cols: l.cols };
+    let q6 = l.qtype == QType::Q6_K;
+    let (nb, sbg) = (l.groups(), l.act_groups());
+    let ones = _mm256_set1_epi16(1);
+    let b0 = a.at(t0, 0);
+    let mut sum = [[_mm256_setzero_ps(); N]; H];
+    for g in 0..nb {
+        let bg = b0 + TILE * g;
+        let qx = a.q.as_ptr().add(32 * bg) as *const u8;
+        let v = pre.add(PRE_VECS * (2 * g + h0));
+        let scale = |hh: usize, k: usize| _mm256_load_ps(v.add(PRE_VECS * hh + 8 + k) as *const f32);
+        if q6 {
+            let mut i = [[[_mm256_setzero_si256(); 2]; N]; H];
+            for jp in 0..2 {
+                for half in 0..2 {
+                    let mut s = [[_mm256_setzero_si256(); N]; H];
+                    for j in 2 * jp..2 * jp + 2 {
+                        let c: [__m256i; H] = std::array::from_fn(|hh| _mm256_load_si256(v.add(PRE_VECS * hh + 2 * j + half)));
+                        for t in 0..N {
+                            let x = _mm256_set1_epi32(std::ptr::read_unaligned(qx.add(32 * t + 4 * j + 16 * half) as *const i32));
+                            for hh in 0..H {
+                                s[hh][t] = _mm256_add_epi16(s[hh][t], _mm256_maddubs_epi16(c[hh], x));
+                            }
+                        }
+                    }
+                    for hh in 0..H {
+                        for t in 0..N {
+                            i[hh][t][half] = _mm256_add_epi32(i[hh][t][half], _mm256_madd_epi16(s[hh][t], ones));
+                        }
+                    }
                 }
+            }
+            for hh in 0..H {
+                let sa = [scale(hh, 0), scale(hh, 2)];
+                let (acc, sum) = (&mut acc[hh], &mut sum[hh]);
+                for t in 0..N {
+                    add_group6(sa, i[hh][t], a, bg + t, &mut sum[t]);
+                }
+                end_superblock(sbg, g, b0, a, sum, acc);
+            }
+        } else {
+            let mut s = [[_mm256_setzero_si256(); N]; H];
+            for j in 0..4 {
+                for half in 0..2 {
+                    let c: [__m256i; H] = std::array::from_fn(|hh| _mm256_load_si256(v.add(PRE_VECS * hh + 2 * j + half)));
+                    for t in 0..N {
+                        let x = _mm256_set1_epi32(std::ptr::read_unaligned(qx.add(32 * t + 4 * j + 16 * half) as *const i32));
+                        for hh in 0..H {
+                            s[hh][t] = _mm256_add_epi16(s[hh][t], _mm256_maddubs_epi16(c[hh], x));
+                        }
+                    }
+                }
+            }
+            for hh in 0..H {
+                let ab = (scale(hh, 0), scale(hh, 1));
+                let (acc, sum) = (&mut acc[hh], &mut sum[hh]);
+                for t in 0..N {
+                    let i = _mm256_madd_epi16(s[hh][t], ones);
+                    add_group(sbg > 1, ab, i, a, bg + t, &mut sum[t], &mut acc[t]);
+                }
+                end_superblock(sbg, g, b0, a, sum, acc);   // (each half's right after its sums: 5 % faster)
+            }
+        }
+    }
+}
+
+/// Vectors of one half (8 rows) of a group, unpacked: the codes of `pair` for j = 0..4 (lo,
+/// hi each), then the scales of `scales` ((a, b) twice).
+const PRE_VECS: usize = 12;
+
+thread_local! {
+    static PRE: std::cell::RefCell<Vec<__m256i>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Every group's codes and scales of one row group, both halves, at `pre` (`PRE_VECS` per
+/// half, group by group).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack<const Q: u8>(l: &Layout, rg: *const u8, pre: *mut __m256i) {
+    let l = &Layout { qtype: super::qt(Q), rows: l.rows, cols: l.cols };
+    let kind = l.codes();
+    for g in 0..l.groups() {
+        let (at, head) = l.group_at(g);
+        for h in 0..2 {
+            let v = pre.add(PRE_VECS * (2 * g + h));
+            for j in 0..4 {
+                let (lo, hi) = pair(kind, rg.add(at), h, j);
+                _mm256_store_si256(v.add(2 * j), lo);
+                _mm256_store_si256(v.add(2 * j + 1), hi);
+            }
+            let ab = scales(l, rg, at, head, h);
+            for (i, x) in [ab[0].0, ab[0].1, ab[1].0, ab[1].1].into_iter().enumerate() {
+                _mm256_store_ps(v.add(8 + i) as *mut f32, x);
             }
         }
     }
@@ -248,15 +394,25 @@ unsafe fn store(o: Out, t: usize, col: usize, n: usize, v: __m256) {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tiles<const N: usize, const Q: u8>(
-    l: &Layout, rg: *const u8, a: &QAct, t0: usize, o: Out, col: usize, nr: usize,
+#[allow(clippy::too_many_arguments)]
+unsafe fn tiles<const N: usize, const Q: u8, const P: bool>(
+    l: &Layout, rg: *const u8, pre: *const __m256i, a: &QAct, t0: usize, o: Out, col: usize, nr: usize,
 ) {
-    if N == 1 && nr > 8 {
-        // one token: both halves in one pass
+    // Q6_K's unpacked passes: 4 tokens over one half (two i32 sums a token: 16 rows would spill)
+    let six = P && super::qt(Q) == QType::Q6_K;
+    if (N == 1 || (P && !six)) && nr > 8 {
+        // one token, or the other passes over unpacked codes: both halves in one pass (each
+        // broadcast of a token's activations serves 16 rows)
         let mut acc = [[_mm256_setzero_ps(); N]; 2];
-        tile::<N, Q, 2>(l, rg, a, t0, 0, &mut acc);
+        if P && matches!(super::qt(Q), QType::Q4_0 | QType::Q4_1 | QType::Q4_K) {
+            tile_pre::<N, Q, 2>(l, pre, a, t0, 0, &mut acc);
+        } else {
+            tile::<N, Q, 2, P>(l, rg, pre, a, t0, 0, &mut acc);
+        }
         for (h, v) in acc.iter().enumerate() {
-            store(o, t0, col + 8 * h, (nr - 8 * h).min(8), v[0]);
+            for (t, x) in v.iter().enumerate() {
+                store(o, t0 + t, col + 8 * h, (nr - 8 * h).min(8), *x);
+            }
         }
         return;
     }
@@ -266,7 +422,11 @@ unsafe fn tiles<const N: usize, const Q: u8>(
             break;
         }
         let mut acc = [[_mm256_setzero_ps(); N]; 1];
-        tile::<N, Q, 1>(l, rg, a, t0, h, &mut acc);
+        if six {
+            tile_pre::<N, Q, 1>(l, pre, a, t0, h, &mut acc);
+        } else {
+            tile::<N, Q, 1, P>(l, rg, pre, a, t0, h, &mut acc);
+        }
         for (t, v) in acc[0].iter().enumerate() {
             store(o, t0 + t, col + 8 * h, n, *v);
         }
@@ -300,20 +460,39 @@ unsafe fn rows_of<const Q: u8>(w: &RMatrix, a: &QAct, o: Out, g0: usize, g1: usi
     // tokens per pass: a pass's tokens lie in one tile of the activations (`tile`'s `b0`), so
     // its count divides TILE (a 3-token pass read the wrong blocks)
     const { assert!(TILE % 4 == 0) };   // (4 and 2 tokens a pass)
-    let nt = if l.qtype == QType::Q6_K { 2 } else { 4 };
-    for rgi in g0..g1 {
-        let rg = w.rg(rgi).as_ptr();
-        let nr = (l.rows - rgi * ROWS).min(ROWS);
-        let mut t0 = 0;
-        while t0 < a.tokens {
-            let n = (a.tokens - t0).min(nt);
-            match n {
-                1 => tiles::<1, Q>(l, rg, a, t0, o, rgi * ROWS, nr),
-                2 => tiles::<2, Q>(l, rg, a, t0, o, rgi * ROWS, nr),
-                3 => tiles::<3, Q>(l, rg, a, t0, o, rgi * ROWS, nr),
-                _ => tiles::<4, Q>(l, rg, a, t0, o, rgi * ROWS, nr),
-            }
-            t0 += n;
+    // more than one pass over a row group's tokens: its codes unpacked and its scales made
+    // once, read by every pass (the same vectors: the same integers and products); Q6_K's
+    // 2-token passes over packed codes (4 spilled)
+    let pre = l.codes() != Codes::Eight && a.tokens > 4;
+    let nt = if l.qtype == QType::Q6_K && !pre { 2 } else { 4 };
+    PRE.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        if pre && buf.len() < PRE_VECS * 2 * l.groups() {
+            buf.resize(PRE_VECS * 2 * l.groups(), _mm256_setzero_si256());
         }
-    }
+        let pp = buf.as_mut_ptr();
+        for rgi in g0..g1 {
+            let rg = w.rg(rgi).as_ptr();
+            let nr = (l.rows - rgi * ROWS).min(ROWS);
+            if pre {
+                unpack::<Q>(l, rg, pp);
+            }
+            let mut t0 = 0;
+            while t0 < a.tokens {
+                let n = (a.tokens - t0).min(nt);
+                let col = rgi * ROWS;
+                match (n, pre) {
+                    (1, false) => tiles::<1, Q, false>(l, rg, pp, a, t0, o, col, nr),
+                    (2, false) => tiles::<2, Q, false>(l, rg, pp, a, t0, o, col, nr),
+                    (3, false) => tiles::<3, Q, false>(l, rg, pp, a, t0, o, col, nr),
+                    (_, false) => tiles::<4, Q, false>(l, rg, pp, a, t0, o, col, nr),
+                    (1, true) => tiles::<1, Q, true>(l, rg, pp, a, t0, o, col, nr),
+                    (2, true) => tiles::<2, Q, true>(l, rg, pp, a, t0, o, col, nr),
+                    (3, true) => tiles::<3, Q, true>(l, rg, pp, a, t0, o, col, nr),
+                    (_, true) => tiles::<4, Q, true>(l, rg, pp, a, t0, o, col, nr),
+                }
+                t0 += n;
+            }
+        }
+    });
 }
