@@ -212,6 +212,31 @@ AllocatorMachineWindow.TestCase.settings = AllocatorMachine.TestCase.settings
 TestAllocatorMachineWindow = AllocatorMachineWindow.TestCase
 
 
+def test_a_block_deduplicated_at_a_later_step_is_so_in_both():
+    """A fork's shared block whose twin sat in the cache unused (swapping then would have
+    shrunk the free list) is swapped for it at a later step, once the twin is in use: the Rust
+    pool did, the reference only hashed on new computed tokens (hypothesis found the case)."""
+    p1 = list(range(200, 213)) + [0]
+    tables = []
+    for a in (BlockAllocator(24, 4), RefAllocator(24, 4)):
+        def step(ids, ns):
+            return a.prepare_step(np.array(ids, dtype=np.int64), np.array(ns, dtype=np.int64))
+        a.add_sequence(2, p1, 1)
+        step([2], [4])                      # block 0 computed, not hashed yet
+        assert a.add_sequence(4, p1, 1) == 0
+        step([4], [4])                      # its twin
+        a.free_sequence(4, True)            # the twin cached, unused
+        a.fork(2, 6)
+        step([6], [0])                      # a swap would shrink the free list: not now
+        assert list(a.block_table(6)) == [0]
+        assert a.add_sequence(7, p1, 1) == 4
+        step([7], [0])                      # the twin in use
+        step([6], [0])
+        tables.append((list(a.block_table(6)), list(a.block_table(2)), a.num_free_blocks, list(a.free_list())))
+    assert tables[0] == tables[1]
+    assert tables[0][0] == [1]           # the twin (sequence 4's block)
+
+
 def test_errors_are_specific_and_change_nothing():
     a = BlockAllocator(4, 4)
     a.add_sequence(1, list(range(16)))

@@ -305,9 +305,10 @@ class RefAllocator:
             s = self.seqs[sid]
             if t >= 0:
                 s.tokens.append(t)
-            if s.num_computed < s.num_slots:
-                s.num_computed = s.num_slots
-                self._hash_computed(s, dedupe=True)
+            s.num_computed = s.num_slots
+            # every step (as the Rust pool): a block whose deduplication would have shrunk the
+            # free list before may be swapped for its cached twin now
+            self._hash_computed(s, dedupe=True)
         slots: list[int] = []
         copies: list[tuple[int, int]] = []
         seq_lens: list[int] = []
