@@ -389,9 +389,11 @@ class FrontEnd(Box):
         params.max_tokens = max_tokens
         self._check_cost(caller, max_tokens, n)
         matchers, forced = None, None
+        salt = cache_salt(caller.identity, item.share_prefix_cache, caller.namespace)
         if fmt is not None:   # compiled off the event loop, on a large stack, within the limits
-            prepared = await self._prepare(fmt, n, None, "format")
-            matchers, forced = prepared.matchers, ((len(ids), prepared.forced) if prepared.forced else None)
+            prepared = await self._prepare(fmt, n, None, "format", self._first_drafts(item, ids, salt, n))
+            matchers = prepared.matchers
+            forced = (len(ids), prepared.forced, prepared.lead) if prepared.forced else None
         from . import thinking as th
         thinks = item.messages is not None and item.think is not False and th.thinks(tok.chat_template)
         think_open = thinks and tok.decode(ids[-8:], skip_special_tokens=False).rstrip().endswith(th.OPEN)
@@ -400,8 +402,7 @@ class FrontEnd(Box):
             seed = None if params.seed is None else (params.seed + k) % (1 << 63)
             p = params if k == 0 else replace(params, seed=seed)
             return Request(prompt_ids=ids, params=p, priority=item.priority, client=caller.client,
-                           salt=cache_salt(caller.identity, item.share_prefix_cache, caller.namespace),
-                           owner=caller.identity, speculative=item.speculative,
+                           salt=salt, owner=caller.identity, speculative=item.speculative,
                            matcher=None if matchers is None else matchers[k], forced=forced,
                            lazy=None if lazy is None else tl.LazyCall(lazy[0], lazy[1].grammar, self.grammars, tok,
                                                                        matcher=lazy[1].matchers[k]),
@@ -412,12 +413,23 @@ class FrontEnd(Box):
                       [None if calls is None else tl.ToolStream(calls.syntax, tok) for _ in range(n)],
                       thinks, think_open)
 
-    async def _prepare(self, spec, n: int, grammar: str | None, what: str):
+    def _first_drafts(self, item, ids: list[int], salt: int, n: int):
+        """With prompt lookup on, how the prompt's last chunk drafts past what the format
+        forces first (run by the compiler thread on a fresh matcher: `speculate.chain_drafts`
+        over the prompt and this identity's earlier answers); None otherwise."""
+        spec = getattr(self.engine, "spec", None)
+        if spec is None or not spec.on or spec.config.mode != "lookup" or n != 1 or item.speculative is False:
+            return None
+        from .engine.speculate import chain_drafts
+        corpus, k = spec.history.corpus(salt), spec.config.max_k
+        return lambda m: chain_drafts(m, ids, k, corpus)
+
+    async def _prepare(self, spec, n: int, grammar: str | None, what: str, drafts=None):
         """A format (or a grammar a door built) compiled with n matchers, off the event loop;
-        a refusal as the protocol's error (400, or busy: 503)."""
+        a refusal as the protocol's error (400, or busy: 503). `drafts`: see `_first_drafts`."""
         from .model.grammar import GrammarRefused
         try:
-            return await self.grammars.prepare(spec, n, grammar=grammar)
+            return await self.grammars.prepare(spec, n, grammar=grammar, drafts=drafts)
         except GrammarRefused as e:
             raise RequestRejected("busy" if e.busy else "invalid_params", f"{what}: {e}") from None
 

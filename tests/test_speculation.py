@@ -205,24 +205,108 @@ def test_lookup_guesses_a_grammar_forbids_are_cut(embedded_runner):
     same tokens in the prompt: Home Assistant's prompt lists its tools as JSON, so after the
     answer's `{"` it guesses a tool's `type": "function"`, which the generic tool syntax
     forbids (8 rows computed for nothing in a step of the warm command, bench/RESULTS.md).
-    `checked_guesses` keeps the longest run the grammar allows: none of those, all of a run
-    it allows."""
-    from edgepaged.engine.speculate import checked_guesses
+    `chain_drafts` keeps the longest run the grammar allows: none of those, all of a run it
+    allows (to the format's end); the matcher is left as it was."""
+    from edgepaged.engine.speculate import chain_drafts
     from edgepaged.model.grammar import Grammars
     g = Grammars(embedded_runner.tokenizer, embedded_runner.config.vocab_size)
     grammar = g.compile({"type": "lark", "grammar": 'start: "{\\"" ("tool_calls\\": [1]" | "response\\": \\"ok\\"") "}"'})
     tok = g.lltok.tokenize_str
-    for seen, kept in (('{"type": "function"} ', 0), ('{"response": "ok"} ', None)):
+    for seen, want in (('{"type": "function"} ', ""), ('{"response": "ok"} ', 'response": "ok"}')):
         ids = tok(seen * 3 + '{"')
         m = g.matcher(grammar)
         assert m.consume_tokens(tok('{"'))
-        guess = propose(ids, 8)
-        assert guess, seen                                  # lookup guesses something
-        got = checked_guesses(ids, 8, m)
-        assert got == (guess[:kept] if kept is not None else got) and got == guess[:len(got)]
-        if kept is None:                                    # what it allows is kept, whole
-            assert m.validate_tokens(got) == len(got) and len(got) >= 3, (guess, got)
-        assert not m.is_error() and m.validate_tokens(got) == len(got)   # the matcher's state is untouched
+        assert propose(ids, 8), seen                        # lookup guesses something
+        chain, lead = chain_drafts(m, ids, 8)
+        assert lead == 0 and embedded_runner.tokenizer.decode(chain) == want, (seen, chain)
+        assert not m.is_error() and m.validate_tokens(chain) == len(chain)   # the matcher's state is untouched
+        assert m.compute_ff_tokens() == []
+
+
+def test_a_chain_runs_through_forced_tokens_and_earlier_answers(embedded_runner):
+    """Drafts chain what a format forces and guesses at its choices: from the start of a
+    tool call's format, with an earlier answer of the same identity (`AnswerHistory`) as
+    lookup's second source, the chain is that whole answer (`{"` forced, `to` guessed,
+    `ol_calls": [{"name": "` forced, the name guessed ...): one step can check it all. Without
+    an earlier answer only the forced `{"`; another identity's answers are not its source."""
+    from edgepaged.engine.speculate import AnswerHistory, chain_drafts
+    from edgepaged.model.grammar import Grammars
+    g = Grammars(embedded_runner.tokenizer, embedded_runner.config.vocab_size)
+    names = " | ".join(f'"{n}"' for n in ("HassTurnOn", "HassTurnOff", "HassLightSet"))
+    grammar = g.compile({"type": "lark", "grammar": 'start: "{\\"" ("tool_calls\\": [{\\"name\\": \\"" name '
+                                                    '"\\"}]" | "response\\": \\"ok\\"") "}"\nname: ' + names})
+    tok, dec = g.lltok.tokenize_str, embedded_runner.tokenizer.decode
+    prompt = tok("<|im_start|>user\nTurn off the kitchen light.<|im_end|>\n<|im_start|>assistant\n")
+    answers = {}
+    for name in ("HassTurnOff", "HassLightSet"):
+        m, text = g.matcher(grammar), '{"tool_calls": [{"name": "' + name + '"}]}'
+        out = []
+        while len(dec(out)) < len(text):                     # as the answer came out
+            ff = m.compute_ff_tokens()
+            t = ff if ff else tok(text[len(dec(out)):])[:1]
+            assert m.consume_tokens(t), (text, dec(out), t)
+            out += t
+        assert dec(out) == text and m.is_stopped()
+        answers[name] = out
+    m = g.matcher(grammar)
+    alone, lead = chain_drafts(m, prompt, 8)
+    assert dec(alone) == '{"' and lead == len(alone)        # only what the format forces
+    for name, ans in answers.items():
+        history = AnswerHistory()
+        history.add(7, prompt, ans)
+        chain, lead = chain_drafts(m, prompt, 8, history.corpus(7))
+        assert chain == ans and dec(chain[:lead]) == '{"', (name, dec(chain))
+        assert history.corpus(8) is None                     # another identity: nothing
+        assert m.compute_ff_tokens() == alone and not m.is_error()   # the matcher as it was
+    # k bounds the guesses, not the forced tokens between them
+    short, lead = chain_drafts(m, prompt, 1, history.corpus(7))
+    assert dec(short).startswith('{"tool_calls": [{"name": "') and len(short) < len(answers["HassLightSet"])
+
+
+def test_answer_history_is_bounded():
+    from edgepaged.engine.speculate import AnswerHistory
+    h = AnswerHistory(max_tokens=100, max_ids=3)
+    for i in range(50):
+        h.add(1, [9] * 20, list(range(i, i + 30)))
+    assert len(h.corpus(1)) <= 100 and h.corpus(1)[-2] == 49 + 29   # the latest answers kept
+    for salt in range(2, 6):
+        h.add(salt, [1], [2, 3])
+    assert h.corpus(1) is None and h.corpus(2) is None and h.corpus(5) is not None   # the identities seen last
+    h.add(9, [1], [2])                                       # one token: nothing to guess from
+    assert h.corpus(9) is None
+
+
+async def test_an_identity_s_earlier_answers_draft_its_next_one(embedded_runner):
+    """A household asks the same shape again: the second command's answer is drafted from the
+    first's (its format's forced runs and its choices, in the prompt's own step) and comes in
+    fewer steps; the answer is the plain one (`speculative: false`), and another identity,
+    with no earlier answers of its own, drafts only what the format forces."""
+    schema = {"type": "object", "properties": {"name": {"enum": ["HassTurnOn", "HassTurnOff", "HassLightSet"]},
+                                               "area": {"enum": ["kitchen", "bedroom", "office"]}},
+              "required": ["name", "area"], "additionalProperties": False}
+
+    def ask(text, user, **extra):
+        return {"messages": [{"role": "user", "content": text}], "max_tokens": 40, "temperature": 0, "user": user,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}, **extra}
+    out, steps = {}, {}
+    async with serving(embedded_runner, http=True) as server:
+        async def run(key, body):
+            before = server.engine.stats()["num_steps"]
+            status, _, raw = await afetch(server.http_base + "/v1/chat/completions", body)
+            assert status == 200, raw
+            out[key] = json.loads(raw)["choices"][0]["message"]["content"]
+            steps[key] = server.engine.stats()["num_steps"] - before
+        await run("plain", ask("Turn off the kitchen light.", "carol", speculative=False))
+        await run("first", ask("Turn off the kitchen light.", "anna"))
+        await run("again", ask("Turn off the kitchen light.", "anna"))
+        await run("other", ask("Turn off the kitchen light.", "jonas"))
+        stats = server.engine.stats()
+        assert stats["kv_blocks_used"] == 0
+        server.engine.allocator.check_invariants()
+    assert out["first"] == out["again"] == out["other"] == out["plain"], out
+    assert json.loads(out["plain"])["name"].startswith("Hass")
+    assert steps["again"] <= 2 < steps["other"], steps      # the whole answer checked in the prompt's step
+    assert steps["other"] == steps["first"], steps
 
 
 async def _burst(runner, prompts, warm=False, **body) -> tuple[list, dict]:

@@ -33,7 +33,7 @@ from .metrics import Metrics
 from ..memory import release_free_memory
 from .request import INTERACTIVE, DoneEvent, EmbeddingEvent, Request, Status, TokenEvent
 from .draft import Drafter, check_pair
-from .speculate import SpecConfig, Speculation, checked_guesses
+from .speculate import SpecConfig, Speculation, chain_drafts
 from .scheduler import Batch, ScheduleError, Scheduler, SchedulerConfig
 from ..model.grammar import matcher_error
 from ..model.runtime import StepInterrupted
@@ -716,30 +716,28 @@ class Engine:
         """In the worker thread, after the grammars took their tokens: the tokens each format
         forces next (`{"response": "` of a JSON reply, a call's `{"name": "` ...) become the
         request's drafts of the next step (`Speculation.drafts_for`), checked like any draft:
-        several forced tokens cost one forward instead of one each."""
+        several forced tokens cost one forward instead of one each; with prompt lookup, its
+        guesses at the format's choices and what they force carry the chain on
+        (`speculate.chain_drafts`)."""
         cfg = self.scheduler.spec.config
-        lookup = cfg if cfg.mode == "lookup" else None
+        lookup = cfg.mode == "lookup"
         for req, t in took.items():
             m = (req.matcher if t[0] == "took" and t[1] and not t[2] or t[0] == "spec" and not t[1]
                  else t[1] if t[0] == "lazy" and t[1] else None)
             if m is None or req.speculative is False or req.params.logprobs is not None or req.children:
                 continue
-            try:
-                ff = m.compute_ff_tokens()
-            except Exception:   # noqa: BLE001 - no forced tokens then
-                continue
             tok = tokens.get(req)
             new = list(tok) if isinstance(tok, list) else [tok[0] if isinstance(tok, tuple) else tok]
             at = req.num_tokens + len(new)
-            req.forced = (at, list(ff)) if ff else None
-            req.checked = None
-            if not ff and lookup is not None:
-                # a choice of the format's: prompt lookup's guesses, cut where the grammar
-                # refuses them (a guess it forbids is a row computed for nothing)
-                try:
-                    req.checked = (at, checked_guesses(req.all_ids + new, req.spec_k or lookup.max_k, m))
-                except Exception:   # noqa: BLE001 - unchecked guesses then
-                    req.checked = None
+            # what the format forces, and at its choices (lookup only) prompt lookup's guesses
+            # over the answer's own tokens and its identity's earlier answers, cut where the
+            # grammar refuses them (a guess it forbids is a row computed for nothing)
+            try:
+                chain, lead = chain_drafts(m, req.all_ids + new if lookup else None, req.spec_k or cfg.max_k,
+                                           self.spec.history.corpus(req.salt) if lookup else None)
+            except Exception:   # noqa: BLE001 - no drafts then
+                chain, lead = [], 0
+            req.forced = (at, chain, lead) if chain else None
 
     def _process(self, batch: Batch, tokens: list, forks=(), grammar: dict | None = None) -> None:
         now = time.monotonic()
@@ -797,7 +795,7 @@ class Engine:
             return None
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.stop_token_ids))
         ahead = []
-        for t in f[1][:max(0, p.max_tokens - len(req.output_ids))]:
+        for t in f[1][:min(f[2], max(0, p.max_tokens - len(req.output_ids)))]:   # the forced lead only
             if t in stops:
                 break
             ahead.append(t)
@@ -894,6 +892,8 @@ class Engine:
                 self._owner_tokens.pop(cost[0], None)
         if req not in self._in_step:
             self.scheduler.free(req, cache=reason != "error")
+        if reason in ("stop", "length") and not req.embed and self.spec.on and self.spec.config.mode == "lookup":
+            self.spec.history.add(req.salt, req.prompt_ids, req.output_ids)   # lookup's guesses for its next ones
         tail = req.detok.finish() if req.detok is not None and reason != "error" else ""
         if tail:
             self._send_quiet(req, TokenEvent([], tail))

@@ -114,8 +114,9 @@ class Request:
     spec_drafted: int = 0
     spec_accepted: int = 0
     proposal: Any = None           # a draft model's guesses: (num_tokens when made, [tokens]) (draft.py)
-    forced: Any = None             # tokens its format forces next: (num_tokens they follow, [tokens])
-    checked: Any = None            # a constrained request's lookup guesses its grammar allows: (num_tokens, [tokens])
+    # its format's drafts for the next step: (num_tokens they follow, [tokens], lead): the
+    # first `lead` forced (certain), then guesses and what they force (speculate.chain_drafts)
+    forced: Any = None
     disk: Any = None               # its prompt's blocks found on disk: (first block index, [payloads])
     loads: Any = None              # this step: the payloads its first planned tokens are loaded from
     disk_saved: bool = False       # its prompt's blocks were offered to the disk tier

@@ -502,14 +502,15 @@ class Scheduler:
 
     def _prefill_drafts(self, step: _Step, req: Request, n: int) -> list[int]:
         """The tokens its format forces first, when this chunk of `n` ends `req`'s prompt
-        (`req.forced`, from its grammar's compile off the loop): drafts of the chunk, certain to
-        be kept, as the pool allows."""
+        (`req.forced`, from its grammar's compile off the loop: the forced lead certain to be
+        kept, then the chain's guesses), drafts of the chunk as the pool allows."""
         spec, f = self.spec, req.forced
         if (f is None or spec is None or f[0] != req.num_tokens or req.num_known != req.num_tokens
                 or req.num_slots + n != req.num_tokens or req.loads or not spec.eligible(req)
                 or len(self.running) > spec.config.max_running):
             return []
-        left = min(len(f[1]), req.params.max_tokens - len(req.output_ids) - 1,
+        _, chain, lead = f                # (its guesses were held to k when it was made)
+        left = min(len(chain), req.params.max_tokens - len(req.output_ids) - 1,
                    self.config.max_model_len - req.num_tokens - 1)
         if left <= 0:
             return []
@@ -517,8 +518,8 @@ class Scheduler:
         if k - step.need.get(req, 0) > self._free(step) - self.watermark:
             return []
         step.need[req] = k
-        req.drafts_forced = left
-        return list(f[1][:left])
+        req.drafts_forced = min(left, lead)
+        return list(chain[:left])
 
     def _drafts(self, step: _Step, req: Request) -> list[int]:
         """Speculation's drafts for a decode: only while few sequences run, within the step's

@@ -31,36 +31,139 @@ MIN_NGRAM, MAX_NGRAM = 1, 4
 SEARCH_TOKENS = 8192           # how far back a match is looked for
 
 
-def propose(tokens, k: int, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM) -> list[int]:
+def _follows(src: np.ndarray, tail: np.ndarray, k: int, inside: bool) -> list[int]:
+    """Up to `k` tokens that followed the latest occurrence of `tail` in `src` (`inside`:
+    `tail` ends `src` itself, so that occurrence does not count); [] when none."""
+    n, size = len(tail), len(src)
+    end = size - n if inside else size - n + 1
+    if end <= 0:
+        return []
+    hits = np.flatnonzero(src[:end] == tail[0])
+    for j in range(1, n):
+        if not len(hits):
+            return []
+        hits = hits[src[hits + j] == tail[j]]
+    hits = hits[hits + n < size]
+    if not len(hits):
+        return []
+    start = int(hits[-1]) + n
+    out = src[start:start + k]
+    cut = np.flatnonzero(out < 0)             # an answer's end (`AnswerHistory.SEP`)
+    return (out[:cut[0]] if len(cut) else out).tolist()
+
+
+def propose(tokens, k: int, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM, corpus=None, valid=None) -> list[int]:
     """Up to `k` tokens that followed the latest earlier occurrence of the longest n-gram
-    (max_n down to min_n) ending the sequence; [] when none occurs."""
-    if k <= 0 or len(tokens) < min_n + 1:
+    (max_n down to min_n) ending the sequence; [] when none occurs. `corpus` (earlier answers
+    of the same identity: `AnswerHistory`) is searched after the sequence itself for each n;
+    `valid` (a grammar's `validate_tokens`) cuts a guess to the run it allows, and a guess it
+    allows none of gives way to the next source or a shorter n-gram."""
+    if k <= 0 or len(tokens) < min_n:
         return []
     arr = np.asarray(tokens[-SEARCH_TOKENS:], dtype=np.int64)
     size = len(arr)
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
+    for n in range(min(max_n, size), min_n - 1, -1):
         tail = arr[size - n:]
-        # candidate starts i (i + n < size: something follows), where arr[i:i+n] == tail
-        hits = np.flatnonzero(arr[:size - n] == tail[0])
-        for j in range(1, n):
-            if not len(hits):
-                break
-            hits = hits[arr[hits + j] == tail[j]]
-        hits = hits[hits + n < size]
-        if len(hits):
-            start = int(hits[-1]) + n
-            return arr[start:start + k].tolist()
+        for src, inside in ((arr, True), (corpus, False)):
+            if src is None or len(src) <= n - (0 if inside else 1):
+                continue
+            guess = _follows(src, tail, k, inside)
+            if guess and valid is not None:
+                guess = guess[:valid(guess)]
+            if guess:
+                return guess
     return []
 
 
-def checked_guesses(tokens, k: int, matcher) -> list[int]:
-    """Prompt lookup's guesses for a constrained answer at a choice of its format, cut where
-    its grammar (`matcher`, in its state after `tokens`) refuses them: a guess the grammar
-    forbids could never be kept, and its row would be computed for nothing (Home Assistant's
-    prompt lists its tools as JSON, so after the answer's `{"` lookup guesses a tool's
-    `"type": "function"` where the answer must say `tool_calls` or `response`)."""
-    guess = propose(tokens, k)
-    return guess[:matcher.validate_tokens(guess)] if guess else []
+CHAIN_MAX = 48                 # the most tokens one chain of drafts holds (forced and guessed)
+
+
+def chain_drafts(matcher, tokens, k: int, corpus=None, limit: int = CHAIN_MAX) -> tuple[list[int], int]:
+    """A constrained answer's drafts for its next step, from its grammar in its state after
+    `tokens` (`matcher`, in the worker thread; left as it was): the tokens the grammar forces
+    next, then at a choice prompt lookup's guesses (its own tokens, then `corpus`) cut where
+    the grammar refuses them, then what the grammar forces after those guesses, and so on, to
+    `k` guessed tokens (forced ones not counted) and `limit` tokens in all. Returns (drafts,
+    lead): the first `lead` drafts are forced (certain), the rest hold only if the guesses
+    before them do. With `tokens` None, only the forced lead (a draft model guesses the rest).
+
+    One step then covers a format's forced runs and its likely choices together: Home
+    Assistant's command answers `{"tool_calls": [{"name": "Hass...` where the format forces
+    all but `to` and the name, and the household's earlier answers (`corpus`) guess those."""
+    chain: list[int] = []
+    lead = guessed = consumed = 0
+    try:
+        while len(chain) < limit and not matcher.is_stopped():
+            ff = list(matcher.compute_ff_tokens())[:limit - len(chain)]
+            if ff:
+                n = matcher.try_consume_tokens(ff)
+                consumed += n
+                chain += ff[:n]
+                if not guessed:
+                    lead += n
+                if n < len(ff):
+                    break
+                continue
+            if tokens is None or guessed >= k:
+                break
+            guess = propose(list(tokens) + chain, min(k - guessed, limit - len(chain)), corpus=corpus,
+                            valid=matcher.validate_tokens)
+            if not guess:
+                break
+            took, whole = 0, True
+            for t in guess:                   # a guess runs to where the format forces again
+                if not matcher.consume_token(t):
+                    whole = False
+                    break
+                took += 1
+                chain.append(t)
+                if matcher.is_stopped() or matcher.compute_ff_tokens():
+                    break
+            consumed += took
+            guessed += took
+            if not took or not whole:
+                break
+    finally:
+        if consumed:
+            matcher.rollback(consumed)
+    return chain, lead
+
+
+class AnswerHistory:
+    """Recent answers per identity (the prefix cache's salt: what one identity's requests
+    share, never another's), each with the last tokens of its prompt: prompt lookup's second
+    source. A household asks the same shapes again (a voice command's tool call, a schema's
+    keys), so an earlier answer guesses the next one's choices where its own prompt cannot.
+    Bounded: `max_tokens` per identity, the `max_ids` identities seen last. Written on the
+    event loop (a request's end), read from the worker thread: each identity's corpus is
+    one array, replaced whole."""
+
+    CONTEXT = 8          # prompt tokens kept before each answer (its template's turn opening)
+    SEP = -1             # between answers: no n-gram runs from one into the next
+
+    def __init__(self, max_tokens: int = 8192, max_ids: int = 32):
+        self.max_tokens, self.max_ids = max_tokens, max_ids
+        self._answers: dict[int, list[np.ndarray]] = {}
+        self._corpus: dict[int, np.ndarray] = {}
+
+    def add(self, salt: int, prompt_ids, output_ids) -> None:
+        if len(output_ids) < 2:
+            return
+        entry = np.asarray(list(prompt_ids[-self.CONTEXT:]) + list(output_ids[:self.max_tokens // 2]) + [self.SEP],
+                           dtype=np.int64)
+        answers = self._answers.pop(salt, [])
+        answers.append(entry)
+        while sum(len(a) for a in answers) > self.max_tokens:
+            answers.pop(0)
+        self._answers[salt] = answers           # (re)inserted last: the identity seen last
+        self._corpus[salt] = np.concatenate(answers)
+        while len(self._answers) > self.max_ids:
+            old = next(iter(self._answers))
+            del self._answers[old]
+            self._corpus.pop(old, None)
+
+    def corpus(self, salt: int) -> np.ndarray | None:
+        return self._corpus.get(salt)
 
 
 def verify(logits: np.ndarray, drafts: list[int], params, prev: list[int], outputs: list[int] | None,
@@ -126,6 +229,7 @@ class Speculation:
         self.accepted: dict[str, int] = {}
         self.steps: dict[str, int] = {}
         self.forced: dict[str, int] = {}     # format-forced tokens taken as drafts (all kept)
+        self.history = AnswerHistory()       # earlier answers, per identity: lookup's second source
 
     @property
     def on(self) -> bool:
@@ -147,9 +251,12 @@ class Speculation:
         left = min(room, req.params.max_tokens - len(req.output_ids) - 1)
         f = req.forced
         if f is not None and f[0] == req.num_tokens and left > 0:
-            # what the format forces next: certain, whatever k is (a grammar allows nothing else)
-            req.drafts_forced = min(left, len(f[1]))
-            return list(f[1][:left])
+            # what the format forces next (certain, whatever k is: a grammar allows nothing
+            # else), then the chain's guesses and what they force (k guesses at most when the
+            # chain was made, after the step before)
+            _, chain, lead = f
+            req.drafts_forced = min(left, lead)
+            return list(chain[:left])
         req.drafts_forced = 0
         k = min(req.spec_k, left)
         if k <= 0:
@@ -157,10 +264,7 @@ class Speculation:
         if self.config.mode == "draft":
             p = req.proposal
             return list(p[1][:k]) if p is not None and p[0] == req.num_tokens else []
-        c = req.checked
-        if c is not None and c[0] == req.num_tokens:     # guessed and checked by its grammar already
-            return list(c[1][:k])
-        return propose(req.all_ids, k)
+        return propose(req.all_ids, k, corpus=self.history.corpus(req.salt))
 
     def want_k(self, req, max_model_len: int) -> int:
         """How many guesses a draft model makes for `req` in its next round."""

@@ -381,10 +381,12 @@ COMPILER = _Compiler()
 @dataclass
 class Prepared:
     """A compiled format: its grammar text, one fresh matcher per sample, and the tokens it
-    forces first (`{"` of a JSON answer: drafts of the prompt's last chunk)."""
+    forces first (`{"` of a JSON answer: drafts of the prompt's last chunk), the first `lead`
+    of them certain (the rest: `prepare`'s `drafts`)."""
     grammar: str
     matchers: list
     forced: list = field(default_factory=list)
+    lead: int = 0
 
 
 class Grammars:
@@ -457,11 +459,14 @@ class Grammars:
             raise GrammarRefused(_short(m.get_error()))
         return m
 
-    async def prepare(self, spec: dict | None = None, samples: int = 1, *, grammar: str | None = None) -> Prepared:
+    async def prepare(self, spec: dict | None = None, samples: int = 1, *, grammar: str | None = None,
+                      drafts=None) -> Prepared:
         """The server's path: a format spec (or a grammar text a door built, `grammar`) checked
         against the limits, compiled and given `samples` fresh matchers, all on a compiler
         thread, never on the event loop, within `compile_timeout_s`; cached by the spec's
-        text (refusals too). GrammarRefused (a 400; `busy`: a 503) otherwise."""
+        text (refusals too). GrammarRefused (a 400; `busy`: a 503) otherwise. `drafts`: a
+        function of the first matcher (left as it was) giving (tokens, lead), the prompt's
+        drafts in place of what the format forces first."""
         import trio
         # measuring a 256 KiB schema takes ~20 ms: in a worker thread, not on the event loop
         key, hit = await trio.to_thread.run_sync(self._check_and_look_up, spec, grammar)
@@ -488,7 +493,14 @@ class Grammars:
                 forced = list(template.compute_ff_tokens())
             except Exception:   # noqa: BLE001 - nothing forced then
                 forced = []
-            return g, template, [template.deep_copy() for _ in range(samples)], forced
+            lead = len(forced)
+            matchers = [template.deep_copy() for _ in range(samples)]
+            if drafts is not None:
+                try:
+                    forced, lead = drafts(matchers[0])
+                except Exception:   # noqa: BLE001 - what the format forces, then
+                    log.debug("the prompt's drafts failed", exc_info=True)
+            return g, template, matchers, (forced, lead)
 
         def done(fn):
             try:
@@ -522,8 +534,8 @@ class Grammars:
                                  "(the format compile-time limit)")
         if "e" in box:
             raise box["e"]
-        g, _, matchers, forced = box["v"]
-        return Prepared(g, matchers, forced)
+        g, _, matchers, (forced, lead) = box["v"]
+        return Prepared(g, matchers, forced, lead)
 
     def _check_and_look_up(self, spec: dict | None, grammar: str | None):
         """(the cache key, the cached compile or None); GrammarRefused past a limit or cached."""
