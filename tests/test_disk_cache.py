@@ -360,3 +360,68 @@ async def test_a_busy_engine_copies_pinned_blocks_between_steps(cpu_runner, tmp_
         await e.settle()
         assert e.allocator.num_sequences == 0
         e.allocator.check_invariants()
+
+
+async def test_the_answers_lookup_drafts_from_come_back_after_a_restart(cpu_runner, tmp_path):
+    """Prompt lookup's second source (an identity's earlier answers) is kept in the disk tier's
+    folder at shutdown and read at start: after a restart the same request's answer is
+    drafted from the one before and kept whole, the same tokens. A torn or corrupt file is
+    nothing (no drafts from it, nothing else changes); another identity has none."""
+    from edgepaged.engine.engine import ANSWERS_FILE
+    a = prompt(5)
+    async with engine_for(cpu_runner, tmp_path) as e1:
+        first, _ = await answer(e1, a, salt=3)
+        kept = e1.spec.history.corpus(3).copy()
+        folder = e1.disk.dir
+    assert (folder / ANSWERS_FILE).exists()
+    async with engine_for(cpu_runner, tmp_path) as e2:
+        assert np.array_equal(e2.spec.history.corpus(3), kept) and e2.spec.history.corpus(4) is None
+        again, _ = await answer(e2, a, salt=3)
+        s = e2.stats()["speculation"]["interactive"]
+    assert again == first and s["accepted"] >= len(first) - 2, s      # drafted from the answer before
+    raw = (folder / ANSWERS_FILE).read_bytes()
+    for bad in (raw[: len(raw) // 2], raw[:40] + bytes([raw[40] ^ 1]) + raw[41:], b"junk"):
+        (folder / ANSWERS_FILE).write_bytes(bad)
+        e3 = engine_for(cpu_runner, tmp_path)
+        assert e3.spec.history.corpus(3) is None
+
+
+async def test_a_prompt_read_from_disk_carries_its_format_s_drafts_in_the_same_step(embedded_runner, tmp_path):
+    """After a restart a command's prompt comes from the disk tier; the step that reads it
+    back and computes its last tokens also carries what its format forces and the answer
+    drafted from the identity's earlier one (kept on disk too): the whole answer in that one
+    step (before: a step for the prompt, then one for the drafts). The same answer as
+    before the restart and as a plain decode."""
+    from edgepaged.testing.serving import serving
+    from test_http import afetch
+    schema = {"type": "object", "properties": {"name": {"enum": ["HassTurnOn", "HassTurnOff", "HassLightSet"]},
+                                               "area": {"enum": ["kitchen", "bedroom", "office"]}},
+              "required": ["name", "area"], "additionalProperties": False}
+    system = "You control a home. " + " ".join(f"Device {i} is in the {('kitchen', 'bedroom', 'office')[i % 3]}."
+                                               for i in range(30))
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Kitchen light off."}],
+            "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}}
+    disk = {"prefix_cache_disk": 64 << 20, "prefix_cache_dir": str(tmp_path / "kv")}
+    out, steps = [], []
+    for rnd in range(2):
+        async with serving(embedded_runner, http=True, engine=disk) as server:
+            eng = server.engine
+            seen = []
+            eng.step_hook = lambda batch, seen=seen: seen.append((len(batch.loads), bool(batch.spec)))
+            status, _, raw = await afetch(server.http_base + "/v1/chat/completions", body)
+            assert status == 200, raw
+            if rnd == 0:
+                plain_status, _, plain = await afetch(server.http_base + "/v1/chat/completions",
+                                                      {**body, "speculative": False})
+                assert plain_status == 200 and json.loads(plain)["choices"][0]["message"]["content"] == \
+                    json.loads(raw)["choices"][0]["message"]["content"]
+            eng.step_hook = None
+            await eng.settle()
+            out.append(json.loads(raw)["choices"][0]["message"]["content"])
+            steps.append(seen)
+            assert eng.stats()["kv_blocks_used"] == 0
+            eng.allocator.check_invariants()
+    assert out[0] == out[1] and json.loads(out[1])["area"] in ("kitchen", "bedroom", "office")
+    assert steps[1] and steps[1][0][0] > 0 and steps[1][0][1], steps[1]   # read back, with its drafts
+    assert len(steps[1]) == 1, steps                                      # the whole answer in it

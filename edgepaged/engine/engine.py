@@ -39,6 +39,7 @@ from ..model.grammar import matcher_error
 from ..model.runtime import StepInterrupted
 
 log = logging.getLogger("edgepaged.engine")
+ANSWERS_FILE = "answers.bin"    # AnswerHistory's (prompt lookup's earlier answers), in the disk tier's folder
 # A completed prompt's blocks the disk tier lacks stay pinned (a sequence of their own shares
 # them) until the engine has no step to run, and are copied out of the pool then, a piece at a
 # time (a request that arrives waits one piece at most): copying ~70 MB of a 2 k-token prompt
@@ -156,6 +157,8 @@ class Engine:
         if (cfg.prefix_cache_disk and cfg.enable_prefix_caching and not cfg.contiguous
                 and runner.keeps_kv):
             self.disk = self._disk_tier(runner, cfg)
+            if self.spec.on and self.spec.config.mode == "lookup":   # the answers drafts came from, as they were
+                self.spec.history.load(self.disk.dir / ANSWERS_FILE, runner.config.vocab_size)
         path = runner.model_path
         self.model_name = runner.model_name or (path.stem if hasattr(path, "stem") else "model")
         self.metrics = Metrics(self.model_name)
@@ -237,6 +240,11 @@ class Engine:
                 await self._flush_disk(whole=True)
         if self.disk is not None:     # what the tier was given reaches the disk
             await trio.to_thread.run_sync(self.disk.close)
+            if self.disk.writable and self.spec.history.corpus_count():
+                try:
+                    await trio.to_thread.run_sync(self.spec.history.save, self.disk.dir / ANSWERS_FILE)
+                except OSError as e:
+                    log.warning("the answers prompt lookup drafts from were not saved: %s", _short(e))
 
     async def settle(self) -> None:
         """Wait until the engine rests: no request to run and the disk tier's copies made."""
@@ -732,8 +740,11 @@ class Engine:
             # what the format forces, and at its choices (lookup only) prompt lookup's guesses
             # over the answer's own tokens and its identity's earlier answers, cut where the
             # grammar refuses them (a guess it forbids is a row computed for nothing)
+            k = req.spec_k or cfg.max_k
+            if isinstance(tok, list) and req.drafts:    # k as this step's guesses leave it (recorded after)
+                k = self.spec.k_after(req.spec_k, len(req.drafts), len(tok) - 1, req.drafts_forced)
             try:
-                chain, lead = chain_drafts(m, req.all_ids + new if lookup else None, req.spec_k or cfg.max_k,
+                chain, lead = chain_drafts(m, req.all_ids + new if lookup else None, k,
                                            self.spec.history.corpus(req.salt) if lookup else None)
             except Exception:   # noqa: BLE001 - no drafts then
                 chain, lead = [], 0

@@ -503,10 +503,12 @@ class Scheduler:
     def _prefill_drafts(self, step: _Step, req: Request, n: int) -> list[int]:
         """The tokens its format forces first, when this chunk of `n` ends `req`'s prompt
         (`req.forced`, from its grammar's compile off the loop: the forced lead certain to be
-        kept, then the chain's guesses), drafts of the chunk as the pool allows."""
+        kept, then the chain's guesses), drafts of the chunk as the pool allows; also when the
+        step reads the prompt's blocks from the disk tier (`_build` drops the loaded tokens'
+        rows first: the drafts follow the computed ones)."""
         spec, f = self.spec, req.forced
         if (f is None or spec is None or f[0] != req.num_tokens or req.num_known != req.num_tokens
-                or req.num_slots + n != req.num_tokens or req.loads or not spec.eligible(req)
+                or req.num_slots + n != req.num_tokens or not spec.eligible(req)
                 or len(self.running) > spec.config.max_running):
             return []
         _, chain, lead = f                # (its guesses were held to k when it was made)

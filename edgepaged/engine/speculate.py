@@ -165,6 +165,50 @@ class AnswerHistory:
     def corpus(self, salt: int) -> np.ndarray | None:
         return self._corpus.get(salt)
 
+    def corpus_count(self) -> int:
+        return len(self._corpus)
+
+    # kept beside the prefix cache's disk tier (the same model identity's folder), so a restarted
+    # server drafts a household's commands as before: written at shutdown, read at start
+    MAGIC = b"EPANSWR1"
+
+    def save(self, path) -> None:
+        """Every identity's answers to `path` (a temporary name, then renamed), checksummed."""
+        import hashlib
+        import io
+        import os
+        buf = io.BytesIO()
+        np.savez(buf, **{f"s{salt}": c for salt, c in self._corpus.items()})
+        data = buf.getvalue()
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(self.MAGIC + hashlib.blake2b(data, digest_size=32).digest() + data)
+        os.replace(tmp, path)
+
+    def load(self, path, vocab: int) -> int:
+        """The answers `save` wrote (token ids within `vocab`, within the bounds); a missing,
+        torn or corrupt file is nothing. Returns how many identities came back."""
+        import hashlib
+        import io
+        try:
+            raw = open(path, "rb").read()
+        except OSError:
+            return 0
+        head, digest, data = raw[:8], raw[8:40], raw[40:]
+        if head != self.MAGIC or hashlib.blake2b(data, digest_size=32).digest() != digest:
+            return 0
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                items = [(int(k[1:]), np.asarray(z[k], dtype=np.int64)) for k in z.files if k.startswith("s")]
+        except Exception:   # noqa: BLE001 - a cache: nothing then
+            return 0
+        for salt, c in items[-self.max_ids:]:
+            for entry in np.split(c, np.flatnonzero(c == self.SEP) + 1):
+                entry = entry[entry != self.SEP]
+                if len(entry) > self.CONTEXT + 1 and entry.min() >= 0 and entry.max() < vocab:
+                    self.add(salt, entry[:self.CONTEXT].tolist(), entry[self.CONTEXT:].tolist())
+        return len(self._corpus)
+
 
 def verify(logits: np.ndarray, drafts: list[int], params, prev: list[int], outputs: list[int] | None,
            matcher=None, stops=frozenset(), vocab: int | None = None, first: int | None = None,
@@ -273,10 +317,24 @@ class Speculation:
         return max(0, min(req.spec_k, req.params.max_tokens - len(req.output_ids) - 1,
                           max_model_len - req.num_tokens - 1))
 
+    def k_after(self, k: int | None, drafted: int, accepted: int, forced: int = 0) -> int:
+        """A request's k after a step that drafted `drafted` (the first `forced` of them its
+        format's) and kept `accepted`: halved when it kept no guess, doubled when it kept all,
+        within min_k..max_k; forced tokens say nothing of guessing."""
+        cfg = self.config
+        k = k or cfg.max_k
+        drafted, accepted = drafted - forced, accepted - min(accepted, forced)
+        if drafted <= 0:
+            return k
+        if accepted == 0:
+            return max(cfg.min_k, k // 2)
+        return min(cfg.max_k, k * 2) if accepted == drafted else k
+
     def record(self, req, drafted: int, accepted: int, forced: int = 0) -> None:
         """A step's drafts of `req`: `forced` of them (the first) were its format's forced
         tokens, counted apart (they say nothing of guessing) and leaving k as it is."""
         cls = req.priority
+        req.spec_k = self.k_after(req.spec_k, drafted, accepted, forced)
         if forced:
             kept = min(accepted, forced)
             self.forced[cls] = self.forced.get(cls, 0) + kept
@@ -288,11 +346,6 @@ class Speculation:
         self.steps[cls] = self.steps.get(cls, 0) + 1
         req.spec_drafted += drafted
         req.spec_accepted += accepted
-        cfg = self.config
-        if accepted == 0:
-            req.spec_k = max(cfg.min_k, (req.spec_k or cfg.max_k) // 2)
-        elif accepted == drafted:
-            req.spec_k = min(cfg.max_k, (req.spec_k or cfg.max_k) * 2)
 
     def stats(self) -> dict:
         out = {}
