@@ -393,7 +393,7 @@ class FrontEnd(Box):
         if fmt is not None:   # compiled off the event loop, on a large stack, within the limits
             prepared = await self._prepare(fmt, n, None, "format", self._first_drafts(item, ids, salt, n))
             matchers = prepared.matchers
-            forced = (len(ids), prepared.forced, prepared.lead) if prepared.forced else None
+            forced = (len(ids), prepared.forced, prepared.lead, prepared.certain) if prepared.forced else None
         from . import thinking as th
         thinks = item.messages is not None and item.think is not False and th.thinks(tok.chat_template)
         think_open = thinks and tok.decode(ids[-8:], skip_special_tokens=False).rstrip().endswith(th.OPEN)

@@ -30,6 +30,42 @@ def test_propose_finds_the_latest_longest_match():
     assert propose(toks, 0) == []
 
 
+def test_verify_takes_certain_drafts_without_their_rows(embedded_runner):
+    """Rows of drafts the format forces after the drafts before them are not computed (`have`
+    leaves them out): verify takes those drafts as the grammar forces them and reads each
+    other row where it is; the tokens are those of a verify over every row."""
+    from edgepaged.engine.speculate import chain_drafts
+    from edgepaged.model.grammar import Grammars
+    g = Grammars(embedded_runner.tokenizer, embedded_runner.config.vocab_size)
+    grammar = g.compile({"type": "lark", "grammar": 'start: "{\\"name\\": \\"" ("ab" | "cd") "\\", \\"n\\": 1}"'})
+    tok = g.lltok.tokenize_str
+    m = g.matcher(grammar)
+    text = '{"name": "cd", "n": 1}'
+    corpus = tok(text + " " + text)                          # earlier answers: guesses `cd`
+    drafts, lead, certain = chain_drafts(m, tok("x"), 8, np.asarray(corpus + [-1], np.int64))
+    assert embedded_runner.tokenizer.decode(drafts) == text and not all(certain) and any(certain[lead:])
+    V = embedded_runner.config.vocab_size
+    rng = np.random.default_rng(0)
+    full = rng.standard_normal((len(drafts) + 1, V)).astype(np.float32)
+    for i, t in enumerate(drafts[1:] + [min(embedded_runner.tokenizer.stop_token_ids)], 1):
+        full[i, t] += 100.0                                  # the model agrees with every draft
+    full[0, drafts[0]] += 100.0
+    have = [i for i in range(1, len(drafts) + 1) if not (i < len(drafts) and certain[i])]
+    params = SamplingParams(temperature=0)
+    a = verify(full, drafts, params, [], None, matcher=g.matcher(grammar), vocab=V, forced=lead)
+    b = verify(full[[0] + have], drafts, params, [], None, matcher=g.matcher(grammar), vocab=V, forced=lead,
+               have=have)
+    assert a == b and a[:len(drafts)] == drafts and len(have) < len(drafts)
+    # a guess the model does not make: both stop there, with the model's token
+    wrong = full.copy()
+    j = certain.index(False, lead)                           # the first guess
+    wrong[j, drafts[j]] -= 200.0
+    a = verify(wrong, drafts, params, [], None, matcher=g.matcher(grammar), vocab=V, forced=lead)
+    b = verify(wrong[[0] + have], drafts, params, [], None, matcher=g.matcher(grammar), vocab=V, forced=lead,
+               have=have)
+    assert a == b and len(a) == j + 1 and a[j] != drafts[j]
+
+
 def test_sampled_verification_keeps_the_models_distribution():
     """A row distribution p and a draft d: the first token kept is distributed as p whatever
     d is (chi-square against p, 20,000 draws, 5 degrees of freedom, p < 0.001 bound 20.5), and
@@ -217,8 +253,9 @@ def test_lookup_guesses_a_grammar_forbids_are_cut(embedded_runner):
         m = g.matcher(grammar)
         assert m.consume_tokens(tok('{"'))
         assert propose(ids, 8), seen                        # lookup guesses something
-        chain, lead = chain_drafts(m, ids, 8)
+        chain, lead, certain = chain_drafts(m, ids, 8)
         assert lead == 0 and embedded_runner.tokenizer.decode(chain) == want, (seen, chain)
+        assert len(certain) == len(chain) and not any(certain[:1])
         assert not m.is_error() and m.validate_tokens(chain) == len(chain)   # the matcher's state is untouched
         assert m.compute_ff_tokens() == []
 
@@ -249,17 +286,20 @@ def test_a_chain_runs_through_forced_tokens_and_earlier_answers(embedded_runner)
         assert dec(out) == text and m.is_stopped()
         answers[name] = out
     m = g.matcher(grammar)
-    alone, lead = chain_drafts(m, prompt, 8)
-    assert dec(alone) == '{"' and lead == len(alone)        # only what the format forces
+    alone, lead, certain = chain_drafts(m, prompt, 8)
+    assert dec(alone) == '{"' and lead == len(alone) and all(certain)   # only what the format forces
     for name, ans in answers.items():
         history = AnswerHistory()
         history.add(7, prompt, ans)
-        chain, lead = chain_drafts(m, prompt, 8, history.corpus(7))
+        chain, lead, certain = chain_drafts(m, prompt, 8, history.corpus(7))
         assert chain == ans and dec(chain[:lead]) == '{"', (name, dec(chain))
+        # certain: `{"` and what the format forces after each guess (`ol_calls": [{"name": "`, ...)
+        assert certain[:lead] == [True] * lead and not certain[lead] and sum(certain) > len(chain) // 2
+        assert dec([t for t, c in zip(chain, certain) if not c]).startswith("to")
         assert history.corpus(8) is None                     # another identity: nothing
         assert m.compute_ff_tokens() == alone and not m.is_error()   # the matcher as it was
     # k bounds the guesses, not the forced tokens between them
-    short, lead = chain_drafts(m, prompt, 1, history.corpus(7))
+    short, lead, _ = chain_drafts(m, prompt, 1, history.corpus(7))
     assert dec(short).startswith('{"tool_calls": [{"name": "') and len(short) < len(answers["HassLightSet"])
 
 

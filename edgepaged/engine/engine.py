@@ -487,7 +487,7 @@ class Engine:
             at = len(batch.logits_indices)
             for req, extra in batch.spec.items():
                 spec[batch.sampled.index(req)] = (list(req.drafts), list(range(at, at + len(extra))),
-                                                  req.drafts_forced)
+                                                  req.drafts_forced, list(req.spec_have))
                 at += len(extra)
             batch.logits_indices = np.concatenate([batch.logits_indices] + [np.asarray(x, np.int64)
                                                                             for x in batch.spec.values()])
@@ -744,11 +744,11 @@ class Engine:
             if isinstance(tok, list) and req.drafts:    # k as this step's guesses leave it (recorded after)
                 k = self.spec.k_after(req.spec_k, len(req.drafts), len(tok) - 1, req.drafts_forced)
             try:
-                chain, lead = chain_drafts(m, req.all_ids + new if lookup else None, k,
-                                           self.spec.history.corpus(req.salt) if lookup else None)
+                chain, lead, certain = chain_drafts(m, req.all_ids + new if lookup else None, k,
+                                                    self.spec.history.corpus(req.salt) if lookup else None)
             except Exception:   # noqa: BLE001 - no drafts then
-                chain, lead = [], 0
-            req.forced = (at, chain, lead) if chain else None
+                chain, lead, certain = [], 0, []
+            req.forced = (at, chain, lead, certain) if chain else None
 
     def _process(self, batch: Batch, tokens: list, forks=(), grammar: dict | None = None) -> None:
         now = time.monotonic()

@@ -114,13 +114,15 @@ class Request:
     spec_drafted: int = 0
     spec_accepted: int = 0
     proposal: Any = None           # a draft model's guesses: (num_tokens when made, [tokens]) (draft.py)
-    # its format's drafts for the next step: (num_tokens they follow, [tokens], lead): the
-    # first `lead` forced (certain), then guesses and what they force (speculate.chain_drafts)
+    # its format's drafts for the next step: (num_tokens they follow, [tokens], lead, certain):
+    # the first `lead` forced, then guesses and what they force (speculate.chain_drafts)
     forced: Any = None
     disk: Any = None               # its prompt's blocks found on disk: (first block index, [payloads])
     loads: Any = None              # this step: the payloads its first planned tokens are loaded from
     disk_saved: bool = False       # its prompt's blocks were offered to the disk tier
     drafts_forced: int = 0         # how many of this step's drafts are forced ones
+    drafts_certain: list = field(default_factory=list)   # per draft: forced after the ones before it
+    spec_have: list = field(default_factory=list)        # the draft rows (1..) whose logits the step computes
     pooled: Any = None             # mean pooling: the prompt's final states by position, as steps compute them
 
     @property

@@ -511,7 +511,7 @@ class Scheduler:
                 or req.num_slots + n != req.num_tokens or not spec.eligible(req)
                 or len(self.running) > spec.config.max_running):
             return []
-        _, chain, lead = f                # (its guesses were held to k when it was made)
+        _, chain, lead, certain = f       # (its guesses were held to k when it was made)
         left = min(len(chain), req.params.max_tokens - len(req.output_ids) - 1,
                    self.config.max_model_len - req.num_tokens - 1)
         if left <= 0:
@@ -521,7 +521,18 @@ class Scheduler:
             return []
         step.need[req] = k
         req.drafts_forced = min(left, lead)
+        req.drafts_certain = list(certain[:left])
         return list(chain[:left])
+
+    @staticmethod
+    def _draft_rows(r: Request, at: int) -> list[int]:
+        """The positions whose logits check `r`'s drafts (its draft i's row at `at + i - 1`
+        checks draft i, the last one draws the token after them): all but those of drafts its
+        format forces after the ones before them (`drafts_certain`: no row, no lm_head).
+        `r.spec_have` says which (1-based) rows are there."""
+        k, certain = len(r.drafts), r.drafts_certain
+        r.spec_have = [i for i in range(1, k + 1) if not (i < k and i < len(certain) and certain[i])]
+        return [at + i - 1 for i in r.spec_have]
 
     def _drafts(self, step: _Step, req: Request) -> list[int]:
         """Speculation's drafts for a decode: only while few sequences run, within the step's
@@ -698,7 +709,7 @@ class Scheduler:
             if self.alloc.has_sequence(r.id):
                 self.alloc.undo_step(r.id, known, slots)
             r.num_known, r.num_slots = known, slots
-            r.drafts, r.drafts_forced = [], 0
+            r.drafts, r.drafts_forced, r.drafts_certain = [], 0, []
         self._free_blocks = None
 
     def _build(self, step: _Step) -> Batch:
@@ -754,14 +765,14 @@ class Scheduler:
                 input_ids[t:t + n] = [r.output_ids[-1]] + r.drafts
                 logits_indices.append(t)
                 sampled.append(r)
-                spec[r] = list(range(t + 1, t + n))
+                spec[r] = self._draft_rows(r, t + 1)
             elif tok == -3:                   # the prompt's last chunk, then the forced drafts
                 p = n - len(r.drafts)
                 input_ids[t:t + p] = r.all_ids[start:start + p]
                 input_ids[t + p:t + n] = r.drafts
                 logits_indices.append(t + p - 1)
                 sampled.append(r)
-                spec[r] = list(range(t + p, t + n))
+                spec[r] = self._draft_rows(r, t + p)
             elif tok >= 0:
                 r.num_known += 1
             if tok in (-2, -3):

@@ -78,19 +78,22 @@ def propose(tokens, k: int, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM, corp
 CHAIN_MAX = 48                 # the most tokens one chain of drafts holds (forced and guessed)
 
 
-def chain_drafts(matcher, tokens, k: int, corpus=None, limit: int = CHAIN_MAX) -> tuple[list[int], int]:
+def chain_drafts(matcher, tokens, k: int, corpus=None, limit: int = CHAIN_MAX) -> tuple[list[int], int, list[bool]]:
     """A constrained answer's drafts for its next step, from its grammar in its state after
     `tokens` (`matcher`, in the worker thread; left as it was): the tokens the grammar forces
     next, then at a choice prompt lookup's guesses (its own tokens, then `corpus`) cut where
     the grammar refuses them, then what the grammar forces after those guesses, and so on, to
     `k` guessed tokens (forced ones not counted) and `limit` tokens in all. Returns (drafts,
-    lead): the first `lead` drafts are forced (certain), the rest hold only if the guesses
-    before them do. With `tokens` None, only the forced lead (a draft model guesses the rest).
+    lead, certain): the first `lead` drafts are forced (certain), the rest hold only if the
+    guesses before them do; `certain[i]`: drafts[i] is the only token the format allows
+    after drafts[:i] (no logits row is needed to check it: `verify`'s `have`). With `tokens`
+    None, only the forced lead (a draft model guesses the rest).
 
     One step then covers a format's forced runs and its likely choices together: Home
     Assistant's command answers `{"tool_calls": [{"name": "Hass...` where the format forces
     all but `to` and the name, and the household's earlier answers (`corpus`) guess those."""
     chain: list[int] = []
+    certain: list[bool] = []
     lead = guessed = consumed = 0
     try:
         while len(chain) < limit and not matcher.is_stopped():
@@ -99,6 +102,7 @@ def chain_drafts(matcher, tokens, k: int, corpus=None, limit: int = CHAIN_MAX) -
                 n = matcher.try_consume_tokens(ff)
                 consumed += n
                 chain += ff[:n]
+                certain += [True] * n
                 if not guessed:
                     lead += n
                 if n < len(ff):
@@ -117,6 +121,7 @@ def chain_drafts(matcher, tokens, k: int, corpus=None, limit: int = CHAIN_MAX) -
                     break
                 took += 1
                 chain.append(t)
+                certain.append(False)
                 if matcher.is_stopped() or matcher.compute_ff_tokens():
                     break
             consumed += took
@@ -126,7 +131,7 @@ def chain_drafts(matcher, tokens, k: int, corpus=None, limit: int = CHAIN_MAX) -
     finally:
         if consumed:
             matcher.rollback(consumed)
-    return chain, lead
+    return chain, lead, certain
 
 
 class AnswerHistory:
@@ -212,7 +217,7 @@ class AnswerHistory:
 
 def verify(logits: np.ndarray, drafts: list[int], params, prev: list[int], outputs: list[int] | None,
            matcher=None, stops=frozenset(), vocab: int | None = None, first: int | None = None,
-           forced: int = 0) -> list[int]:
+           forced: int = 0, have: list[int] | None = None) -> list[int]:
     """`logits` [len(drafts) + 1, V]: row i follows draft i (row 0 the last real token).
     Each row draws its token exactly as a plain decode step would (the sampler, with the
     row's history: a seeded request takes the same random stream at the same position), and a
@@ -228,17 +233,23 @@ def verify(logits: np.ndarray, drafts: list[int], params, prev: list[int], outpu
     `first`: row 0's token when the step's plain pass drew it already (the same draw).
     `forced`: how many leading drafts are tokens the grammar forces (the only ones it allows
     there): rows 1 .. forced - 1 draw them with certainty, so they are taken without a mask
-    or a draw (a seeded request's stream is per position: nothing shifts)."""
+    or a draw (a seeded request's stream is per position: nothing shifts).
+
+    `have`: which rows past row 0 `logits` holds, in order (None: all of them); a row left
+    out is one whose draft the grammar forces after the drafts before it (`chain_drafts`'
+    `certain`: its logits were never computed), taken as the forced tokens are."""
     out: list[int] = []
     seen = list(prev)
     answer = list(outputs) if outputs is not None else None
+    at = None if have is None else {i: j for j, i in enumerate(have, 1)}
     for i in range(len(drafts) + 1):
         if i == 0 and first is not None:
             t = int(first)
-        elif 0 < i < forced and matcher is not None:
+        elif 0 < i < len(drafts) and matcher is not None and (i < forced or (at is not None and i not in at)):
             t = int(drafts[i])
         else:
-            row = logits[i:i + 1]
+            j = i if at is None or i == 0 else at[i]
+            row = logits[j:j + 1]
             if matcher is not None:
                 from ..model.grammar import Masks
                 row = row.copy()
@@ -298,10 +309,11 @@ class Speculation:
             # what the format forces next (certain, whatever k is: a grammar allows nothing
             # else), then the chain's guesses and what they force (k guesses at most when the
             # chain was made, after the step before)
-            _, chain, lead = f
+            _, chain, lead, certain = f
             req.drafts_forced = min(left, lead)
+            req.drafts_certain = list(certain[:left])
             return list(chain[:left])
-        req.drafts_forced = 0
+        req.drafts_forced, req.drafts_certain = 0, []
         k = min(req.spec_k, left)
         if k <= 0:
             return []

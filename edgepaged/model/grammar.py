@@ -387,6 +387,7 @@ class Prepared:
     matchers: list
     forced: list = field(default_factory=list)
     lead: int = 0
+    certain: list = field(default_factory=list)   # per token of `forced`: the format allows nothing else
 
 
 class Grammars:
@@ -465,8 +466,8 @@ class Grammars:
         against the limits, compiled and given `samples` fresh matchers, all on a compiler
         thread, never on the event loop, within `compile_timeout_s`; cached by the spec's
         text (refusals too). GrammarRefused (a 400; `busy`: a 503) otherwise. `drafts`: a
-        function of the first matcher (left as it was) giving (tokens, lead), the prompt's
-        drafts in place of what the format forces first."""
+        function of the first matcher (left as it was) giving (tokens, lead, certain): the
+        prompt's drafts in place of what the format forces first."""
         import trio
         # measuring a 256 KiB schema takes ~20 ms: in a worker thread, not on the event loop
         key, hit = await trio.to_thread.run_sync(self._check_and_look_up, spec, grammar)
@@ -493,14 +494,14 @@ class Grammars:
                 forced = list(template.compute_ff_tokens())
             except Exception:   # noqa: BLE001 - nothing forced then
                 forced = []
-            lead = len(forced)
+            lead, certain = len(forced), [True] * len(forced)
             matchers = [template.deep_copy() for _ in range(samples)]
             if drafts is not None:
                 try:
-                    forced, lead = drafts(matchers[0])
+                    forced, lead, certain = drafts(matchers[0])
                 except Exception:   # noqa: BLE001 - what the format forces, then
                     log.debug("the prompt's drafts failed", exc_info=True)
-            return g, template, matchers, (forced, lead)
+            return g, template, matchers, (forced, lead, certain)
 
         def done(fn):
             try:
@@ -534,8 +535,8 @@ class Grammars:
                                  "(the format compile-time limit)")
         if "e" in box:
             raise box["e"]
-        g, _, matchers, (forced, lead) = box["v"]
-        return Prepared(g, matchers, forced, lead)
+        g, _, matchers, (forced, lead, certain) = box["v"]
+        return Prepared(g, matchers, forced, lead, certain)
 
     def _check_and_look_up(self, spec: dict | None, grammar: str | None):
         """(the cache key, the cached compile or None); GrammarRefused past a limit or cached."""

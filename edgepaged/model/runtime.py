@@ -249,7 +249,8 @@ class RunnerBase:
                                     outputs[i] if outputs is not None else None, matcher=m,
                                     stops=(set(params[i].stop_token_ids) | (set() if params[i].ignore_eos else
                                            set(self.tokenizer.stop_token_ids))) if m else (),
-                                    vocab=self.config.vocab_size, first=drawn, forced=more[0] if more else 0)
+                                    vocab=self.config.vocab_size, first=drawn, forced=more[0] if more else 0,
+                                    have=more[1] if len(more) > 1 else None)
                 except Exception as e:     # that row alone fails
                     out[i] = e
         return out
