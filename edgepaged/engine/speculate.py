@@ -21,6 +21,9 @@ prefill tokens.
 """
 from __future__ import annotations
 
+import hashlib
+import io
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,9 +182,6 @@ class AnswerHistory:
 
     def save(self, path) -> None:
         """Every identity's answers to `path` (a temporary name, then renamed), checksummed."""
-        import hashlib
-        import io
-        import os
         buf = io.BytesIO()
         np.savez(buf, **{f"s{salt}": c for salt, c in self._corpus.items()})
         data = buf.getvalue()
@@ -193,8 +193,6 @@ class AnswerHistory:
     def load(self, path, vocab: int) -> int:
         """The answers `save` wrote (token ids within `vocab`, within the bounds); a missing,
         torn or corrupt file is nothing. Returns how many identities came back."""
-        import hashlib
-        import io
         try:
             raw = open(path, "rb").read()
         except OSError:
