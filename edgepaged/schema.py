@@ -204,6 +204,9 @@ class GenerateRequest:
     think: bool | None = None      # a thinking model thinks (True), or not (False); None: its default
     suffix: str | None = None      # generate: fill in the middle between prompt and suffix (FIM models)
     speculative: bool | None = None    # False: no speculative decoding for it (None: the server's)
+    # set by a door, not a field on the wire: the door streams a tool call's name as soon as it is
+    # complete (OpenAI's chunks), so the prompt's step drafts no further than the name
+    stream_calls: bool = False
 
 
 def parse(fields: dict, rid: Any, kind: str, *, messages: list | None = None, prompt: str | None = None,

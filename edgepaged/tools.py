@@ -607,6 +607,22 @@ class ToolStream:
         return (out if out.strip() else ""), calls
 
 
+def name_cut(syntax: ToolSyntax, tokenizer, drafts: list[int], certain: list[bool]) -> int | None:
+    """How many of an answer's first drafts (`speculate.chain_drafts`; `certain[i]`: drafts[i]
+    is forced after the ones before it) its first call's name needs: the fewest after which a
+    stream gives the name out (`ToolStream.name_ahead`, with the forced run that follows them
+    as `ahead`); None when they never complete it."""
+    for j in range(len(drafts) + 1):
+        run = j
+        while run < min(len(drafts), len(certain)) and certain[run]:
+            run += 1
+        stream = ToolStream(syntax, tokenizer)
+        stream.ids = list(drafts[:j])
+        if stream.name_ahead(drafts[j:run]):
+            return j
+    return None
+
+
 # a call's head as every syntax writes it (constrained calls name the function first): its name
 # complete, its arguments about to begin
 CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')

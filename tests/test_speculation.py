@@ -303,6 +303,48 @@ def test_a_chain_runs_through_forced_tokens_and_earlier_answers(embedded_runner)
     assert dec(short).startswith('{"tool_calls": [{"name": "') and len(short) < len(answers["HassLightSet"])
 
 
+def test_a_streamed_call_s_first_drafts_end_where_its_name_is_out(embedded_runner):
+    """A door that streams a call's name as soon as it is complete (OpenAI's chunks) needs the
+    prompt's step to draft only that far: `tools.name_cut` finds the fewest drafts of the chain
+    after which a stream gives the name out (the forced run after them counts as `ahead`, as
+    the engine sends it), so the first byte does not wait for the arguments' rows (a warm Home
+    Assistant command: 23 drafts -> 13). A chain that never completes a name is not cut."""
+    from edgepaged import tools as tl
+    from edgepaged.engine.speculate import AnswerHistory, chain_drafts
+    from edgepaged.model.grammar import Grammars
+    rt = embedded_runner.tokenizer
+    g = Grammars(rt, embedded_runner.config.vocab_size)
+    syntax = tl.ToolSyntax("generic", ())
+    fns = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}
+           for n in ("HassTurnOn", "HassTurnOff")]
+    grammar = g.compile({"type": "lark", "grammar": syntax.auto_grammar(tl.check_tools(fns))})
+    tok, dec = g.lltok.tokenize_str, rt.decode
+    prompt = tok("<|im_start|>user\nTurn off the kitchen light.<|im_end|>\n<|im_start|>assistant\n")
+    text = '{"tool_calls": [{"name": "HassTurnOff", "arguments": {"name": "kitchen light"}}]}'
+    m, out = g.matcher(grammar), []
+    while len(dec(out)) < len(text):                         # the earlier answer, as it came out
+        ff = m.compute_ff_tokens()
+        t = ff if ff else tok(text[len(dec(out)):])[:1]
+        assert m.consume_tokens(t), (dec(out), t)
+        out += t
+    history = AnswerHistory()
+    history.add(7, prompt, out)
+    chain, lead, certain = chain_drafts(g.matcher(grammar), prompt, 16, history.corpus(7))
+    assert dec(chain) == text
+    j = tl.name_cut(syntax, rt, chain, certain)
+    assert j is not None and 0 < j < len(chain) and dec(chain[:j]).endswith("Off"), dec(chain[:j])
+    run = j
+    while certain[run]:
+        run += 1
+    stream = tl.ToolStream(syntax, rt)                       # what the stream gives out after that step
+    stream.push(chain[:j], dec(chain[:j]))
+    assert stream.deltas() == [] and [p["name"] for _, p in stream.name_ahead(chain[j:run])] == ["HassTurnOff"]
+    assert tl.name_cut(syntax, rt, chain[:j - 1], certain[:j - 1]) is None     # the name not complete
+    reply = '{"response": "ok"}'
+    assert tl.name_cut(syntax, rt, tok(reply), [False] * len(tok(reply))) is None
+
+
 def test_answer_history_is_bounded():
     from edgepaged.engine.speculate import AnswerHistory
     h = AnswerHistory(max_tokens=100, max_ids=3)
@@ -347,6 +389,43 @@ async def test_an_identity_s_earlier_answers_draft_its_next_one(embedded_runner)
     assert json.loads(out["plain"])["name"].startswith("Hass")
     assert steps["again"] <= 2 < steps["other"], steps      # the whole answer checked in the prompt's step
     assert steps["other"] == steps["first"], steps
+
+
+async def test_a_streamed_command_s_prompt_step_drafts_to_its_call_s_name(embedded_runner):
+    """On the OpenAI door a streamed call goes out name first: the prompt's step of a command
+    drafted from the identity's earlier answer stops where the name is out (the arguments
+    are drafted by the next step), not streamed it drafts the whole call; both answers are the
+    same call, and the stream's first call chunk carries the name."""
+    from edgepaged.frontend import Caller
+    from edgepaged.schema import GenerateRequest
+    from edgepaged.tools import check_tools
+    fns = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"name": {"type": "string", "enum": ["kitchen light", "bedroom blinds"]}},
+        "required": ["name"], "additionalProperties": False}}} for n in ("HassTurnOn", "HassTurnOff")]
+    ask = [{"role": "user", "content": "Turn off the kitchen light."}]
+    body = {"messages": ask, "max_tokens": 40, "temperature": 0, "user": "anna", "tools": fns, "tool_choice": "required"}
+    dec = embedded_runner.tokenizer.decode
+    async with serving(embedded_runner, http=True) as server:
+        status, _, raw = await afetch(server.http_base + "/v1/chat/completions", body)
+        assert status == 200, raw
+        call = json.loads(raw)["choices"][0]["message"]["tool_calls"][0]["function"]
+        chains = {}
+        for streamed in (False, True):
+            item = GenerateRequest("x", "chat", messages=ask, max_tokens=40, tools=check_tools(fns),
+                                   tool_choice="required", sampling={"temperature": 0})
+            item.stream_calls = streamed
+            req = (await server.front.build(item, server.front.caller(None, "anna", "127.0.0.1"))).req
+            chains[streamed] = dec(req.forced[1])
+        status, _, sse = await afetch(server.http_base + "/v1/chat/completions", {**body, "stream": True})
+        assert status == 200
+    # (lookup guesses a name from the prompt's tool list or the earlier answer: a guess)
+    assert chains[False].endswith("}]}") and chains[False].startswith('{"tool_calls": [{"name": "Hass'), chains
+    assert chains[True].endswith(("HassTurnOn", "HassTurnOff")) and chains[False].startswith(chains[True]), chains
+    parts = [json.loads(line[6:])["choices"][0]["delta"].get("tool_calls") for line in sse.decode().splitlines()
+             if line.startswith("data: {")]
+    parts = [p[0] for p in parts if p]
+    assert parts[0]["function"] == {"name": call["name"], "arguments": ""}
+    assert "".join(p["function"].get("arguments", "") for p in parts) == call["arguments"]
 
 
 async def _burst(runner, prompts, warm=False, **body) -> tuple[list, dict]:

@@ -171,6 +171,7 @@ def _answer(body: dict, gen: Generation) -> None:
     if stream is not None and not isinstance(stream, bool):
         raise bad("stream must be a boolean", "stream")
     gen.stream = bool(stream)
+    gen.item.stream_calls = gen.stream and gen.chat
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
