@@ -425,3 +425,26 @@ async def test_a_prompt_read_from_disk_carries_its_format_s_drafts_in_the_same_s
     assert out[0] == out[1] and json.loads(out[1])["area"] in ("kitchen", "bedroom", "office")
     assert steps[1] and steps[1][0][0] > 0 and steps[1][0][1], steps[1]   # read back, with its drafts
     assert len(steps[1]) == 1, steps                                      # the whole answer in it
+
+
+async def test_a_prompt_starts_from_part_of_a_cached_block(cpu_runner, tmp_path):
+    """Past its cached whole blocks a prompt takes the K/V of the tokens it shares with a
+    cached block that continues them (a Home Assistant command's template tokens before the
+    spoken words): it computes only the rest, answers as a cold engine does, and the cached
+    block it started from stays as it was (its first step wrote into a copy)."""
+    a = prompt(21)
+    b = a[:137] + prompt(22, 12)                    # 8 whole blocks and 9 tokens of the 9th shared
+    engine = Engine(cpu_runner, EngineConfig())
+    async with engine:
+        _, cached = await answer(engine, a)
+        assert cached == 0
+        before = cached_blocks(engine, a)
+        got, cached = await answer(engine, b)
+        assert cached == 137
+        assert cached_blocks(engine, a) == before
+        engine.allocator.check_invariants()
+    cold = Engine(cpu_runner, EngineConfig(enable_prefix_caching=False))
+    async with cold:
+        want, cached = await answer(cold, b)
+        assert cached == 0
+    assert got == want

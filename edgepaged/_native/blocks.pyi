@@ -57,9 +57,14 @@ class BlockAllocator:
     @property
     def contiguous(self) -> bool: ...
     def add_sequence(
-        self, seq_id: int, prompt: _Ints, salt: int = 0, reserve_tokens: int | None = None
+        self, seq_id: int, prompt: _Ints, salt: int = 0, reserve_tokens: int | None = None,
+        partial: bool = False,
     ) -> int:
-        """Register a sequence; returns how many prompt tokens the prefix cache held."""
+        """Register a sequence; returns how many prompt tokens the prefix cache held. With
+        `partial` (paged mode), past the cached full blocks also the leading tokens the prompt
+        shares with a cached block that continues them (the sequence holds that block; its
+        first step copies it before writing: a `copies` pair), so the count need not be whole
+        blocks."""
     def append_tokens(self, seq_id: int, tokens: _Ints) -> None: ...
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares all the parent's blocks (refcounts up); the first write into a
@@ -71,10 +76,10 @@ class BlockAllocator:
     def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
         """Blocks prepare_step would take from the pool for that many more tokens."""
     def admission_blocks(self, prompt: _Ints, salt: int = 0, new_tokens: int = 0,
-                         reserve_tokens: int | None = None) -> int:
-        """Blocks add_sequence(prompt, salt, reserve_tokens) and then a first prepare_step of
-        `new_tokens` tokens take from the pool (cached blocks out of the free list, new
-        blocks, a contiguous reservation); changes nothing."""
+                         reserve_tokens: int | None = None, partial: bool = False) -> int:
+        """Blocks add_sequence(prompt, salt, reserve_tokens, partial) and then a first
+        prepare_step of `new_tokens` tokens take from the pool (cached blocks out of the free
+        list, new blocks and copies, a contiguous reservation); changes nothing."""
     def can_allocate(self, num_blocks: int) -> bool: ...
     def prefix_match(self, prompt: _Ints, salt: int = 0) -> tuple[int, int]:
         """(cached tokens, how many of those blocks sit in the free list); changes nothing."""

@@ -52,6 +52,8 @@ struct Block {
     parent: Option<BlockRef>,
     salt: u64,
     tokens: Vec<u32>,
+    /// Its key in `Store::children` (its parent's hash and its salt), while it is cached.
+    pkey: u64,
     // intrusive doubly linked free list
     prev: u32,
     next: u32,
@@ -106,6 +108,10 @@ struct Store {
     free_tail: u32,
     num_free: usize,
     cache: HashMap<u64, u32, FxBuild>,
+    /// The cached blocks that continue each cached block (or a salt's start): key
+    /// `child_key(parent hash, salt)`. `match_partial` looks there for a block whose first
+    /// tokens a prompt shares.
+    children: HashMap<u64, Vec<u32>, FxBuild>,
     prefix_caching: bool,
     counters: Counters,
     /// How many of the least recently freed blocks a sequence's next block is chosen among
@@ -116,6 +122,14 @@ struct Store {
 /// A sequence's next blocks that `pop_near` keeps other sequences away from: the `CLAIM`
 /// block ids after its last block.
 const CLAIM: u32 = 8;
+
+/// How many of a block's cached continuations `match_partial` compares with a prompt (the
+/// latest first): a system prompt's block that thousands of chats continued costs no more.
+const PARTIAL_SCAN: usize = 64;
+
+/// The fewest tokens `match_partial` shares: a block's copy is cheap, but a prompt's first
+/// token alone (a chat template's BOS) is not worth making its K/V another request's.
+const PARTIAL_MIN: usize = 4;
 
 /// The default `pick_window` of a pool of `num_blocks`: 16, or an 8th of a pool under 128
 /// blocks, so that a choice made away from the least recently freed block never reaches far
@@ -245,6 +259,15 @@ impl Store {
             if self.cache.get(&h) == Some(&id) {
                 self.cache.remove(&h);
             }
+            let key = b.pkey;
+            if let Some(list) = self.children.get_mut(&key) {
+                if let Some(i) = list.iter().position(|&x| x == id) {
+                    list.swap_remove(i);
+                }
+                if list.is_empty() {
+                    self.children.remove(&key);
+                }
+            }
             self.counters.evictions += 1;
         }
     }
@@ -275,6 +298,14 @@ impl Store {
     }
 
     fn refcount(&self, id: u32) -> u32 { self.blocks[id as usize].refcount }
+
+    /// A write into block `id` copies it first: others hold it too, or the prefix cache does
+    /// (a cached block's content never changes; a sequence holds one it writes into only when
+    /// it started from part of it, `match_partial`).
+    fn must_copy(&self, id: u32) -> bool {
+        let b = &self.blocks[id as usize];
+        b.refcount > 1 || b.hash.is_some()
+    }
 
     // ---- prefix cache -------------------------------------------------------------------
 
@@ -312,6 +343,42 @@ impl Store {
             }
         }
         found
+    }
+
+    /// The key of the cached blocks that continue `parent` (None: a salt's first blocks).
+    fn child_key(&self, parent: Option<u32>, salt: u64) -> u64 {
+        let parent_hash = parent.map_or(0, |p| self.blocks[p as usize].hash.unwrap_or(0));
+        chain_hash(parent_hash, salt, &[])
+    }
+
+    /// Past a prompt's cached full blocks (`full`, from `match_prefix`): the cached block
+    /// that continues the last of them (same parent, same salt) and shares the most leading
+    /// tokens with the prompt's next ones, and how many it shares (`PARTIAL_MIN` at least,
+    /// fewer than a block, never the prompt's last token). Its K/V for those positions is the prompt's own: a
+    /// sequence starts with it and copies it before its first write (`reserve`: a cached
+    /// block's content never changes). The `PARTIAL_SCAN` continuations cached last are looked at.
+    fn match_partial(&self, tokens: &[u32], salt: u64, full: &[u32]) -> Option<(u32, usize)> {
+        let bs = self.block_size;
+        let start = full.len() * bs;
+        if !self.prefix_caching || start + 1 >= tokens.len() {
+            return None;
+        }
+        let most = (tokens.len() - 1 - start).min(bs - 1);
+        let want = &tokens[start..start + most];
+        let parent = full.last().copied();
+        let parent_ref = parent.map(|p| self.block_ref(p));
+        let mut best: Option<(u32, usize)> = None;
+        for &id in self.children.get(&self.child_key(parent, salt))?.iter().rev().take(PARTIAL_SCAN) {
+            let b = &self.blocks[id as usize];
+            if b.hash.is_none() || b.parent != parent_ref || b.salt != salt {
+                continue;
+            }
+            let m = b.tokens.iter().zip(want).take_while(|(a, w)| a == w).count();
+            if m >= PARTIAL_MIN && m > best.map_or(0, |x| x.1) {
+                best = Some((id, m));
+            }
+        }
+        best
     }
 
     /// Register a sequence's computed full blocks in the prefix cache, in order. A block
@@ -353,12 +420,15 @@ impl Store {
                 break; // a true 64-bit collision: leave this block (and its tail) uncached
             }
             let parent_ref = parent.map(|p| self.block_ref(p));
+            let key = self.child_key(parent, seq.salt);
             let b = &mut self.blocks[id as usize];
             b.hash = Some(h);
             b.parent = parent_ref;
             b.salt = seq.salt;
             b.tokens = toks.to_vec();
+            b.pkey = key;
             self.cache.insert(h, id);
+            self.children.entry(key).or_default().push(id);
             seq.num_hashed_blocks += 1;
         }
     }
@@ -372,7 +442,7 @@ impl Store {
         let bs = self.block_size;
         let (first, last) = (seq.num_slots / bs, (seq.num_slots + n - 1) / bs);
         let have = seq.blocks.len().min(last + 1);
-        let shared = (first..have).filter(|&j| self.refcount(seq.blocks[j]) > 1).count();
+        let shared = (first..have).filter(|&j| self.must_copy(seq.blocks[j])).count();
         shared + (last + 1).saturating_sub(have.max(first))
     }
 
@@ -394,7 +464,7 @@ impl Store {
                 seq.blocks.push(id);
             } else {
                 let id = seq.blocks[j];
-                if self.refcount(id) > 1 {
+                if self.must_copy(id) {
                     let dst = self.pop_near(before(&seq.blocks, j), claims);
                     if j * bs < seq.num_slots {
                         copies.push((id, dst));
@@ -440,6 +510,7 @@ impl BlockPool {
                 parent: None,
                 salt: 0,
                 tokens: Vec::new(),
+                pkey: 0,
                 prev: if i == 0 { NIL } else { i - 1 },
                 next: if i as usize + 1 == num_blocks { NIL } else { i + 1 },
                 in_free_list: true,
@@ -453,6 +524,7 @@ impl BlockPool {
                 free_tail: num_blocks as u32 - 1,
                 num_free: num_blocks,
                 cache: HashMap::with_hasher(FxBuild),
+                children: HashMap::with_hasher(FxBuild),
                 // A reservation made up front for the whole length is the naive scheme; it
                 // has no prefix cache.
                 prefix_caching: prefix_caching && !contiguous,
@@ -530,6 +602,21 @@ impl BlockPool {
         salt: u64,
         reserve_tokens: Option<usize>,
     ) -> Result<usize> {
+        self.add_sequence_with(seq_id, tokens, salt, reserve_tokens, false)
+    }
+
+    /// `add_sequence`; with `partial`, past the cached full blocks also the leading tokens of
+    /// the cached block that shares the most with the prompt's next ones (`match_partial`):
+    /// the sequence holds that block, and its first step copies it before writing the rest
+    /// (a `copies` pair). The count returned then need not be whole blocks. Paged mode only.
+    pub fn add_sequence_with(
+        &mut self,
+        seq_id: i64,
+        tokens: Vec<u32>,
+        salt: u64,
+        reserve_tokens: Option<usize>,
+        partial: bool,
+    ) -> Result<usize> {
         if self.seqs.contains_key(&seq_id) {
             return Err(AllocError::DuplicateSequence(seq_id));
         }
@@ -546,16 +633,22 @@ impl BlockPool {
             blocks.extend((0..want).map(|_| st.pop_free()));
             blocks.sort_unstable();     // ascending, as `reserve` leaves a chunk's new blocks
         }
-        let cached = st.match_prefix(&tokens, salt);
+        let mut cached = st.match_prefix(&tokens, salt);
+        let num_hashed_blocks = cached.len();
+        let mut cached_tokens = cached.len() * st.block_size;
+        if partial && !self.contiguous {
+            if let Some((id, m)) = st.match_partial(&tokens, salt, &cached) {
+                cached.push(id);
+                cached_tokens += m;
+            }
+        }
         for &id in &cached {
             st.acquire(id);
         }
-        let cached_tokens = cached.len() * st.block_size;
         if st.prefix_caching {
             st.counters.prefix_cache_queries += tokens.len() as u64;
             st.counters.prefix_cache_hits += cached_tokens as u64;
         }
-        let num_hashed_blocks = cached.len();
         if !cached.is_empty() {
             blocks = cached;
         }
@@ -723,13 +816,27 @@ impl BlockPool {
     /// reservation). A pure query: the scheduler's admission test asks it rather than
     /// counting blocks itself.
     pub fn admission_blocks(&self, tokens: &[u32], salt: u64, new_tokens: usize, reserve_tokens: Option<usize>) -> usize {
+        self.admission_blocks_with(tokens, salt, new_tokens, reserve_tokens, false)
+    }
+
+    /// `admission_blocks` for `add_sequence_with(.., partial)`: a partly shared block is
+    /// taken out of the free list too, and the first step's copy of it is a new block.
+    pub fn admission_blocks_with(&self, tokens: &[u32], salt: u64, new_tokens: usize, reserve_tokens: Option<usize>,
+                                 partial: bool) -> usize {
         let st = &self.store;
-        let cached = st.match_prefix(tokens, salt);
-        let from_free = cached.iter().filter(|&&id| st.refcount(id) == 0).count();
+        let mut cached = st.match_prefix(tokens, salt);
         if self.contiguous {
+            let from_free = cached.iter().filter(|&&id| st.refcount(id) == 0).count();
             return from_free + st.blocks_for(reserve_tokens.unwrap_or(0).max(tokens.len()));
         }
-        let cached_tokens = cached.len() * st.block_size;
+        let mut cached_tokens = cached.len() * st.block_size;
+        if partial {
+            if let Some((id, m)) = st.match_partial(tokens, salt, &cached) {
+                cached.push(id);
+                cached_tokens += m;
+            }
+        }
+        let from_free = cached.iter().filter(|&&id| st.refcount(id) == 0).count();
         let seq = Sequence {
             tokens: Vec::new(),
             blocks: cached,
@@ -887,6 +994,19 @@ impl BlockPool {
         }
         if st.cache.values().any(|&id| st.blocks[id as usize].hash.is_none()) {
             return Err("cache maps to a block without a hash".into());
+        }
+        let mut listed = 0;
+        for (key, list) in &st.children {
+            for &id in list {
+                let b = &st.blocks[id as usize];
+                if b.hash.is_none() || b.pkey != *key {
+                    return Err(format!("block {id} is listed as a continuation it is not"));
+                }
+            }
+            listed += list.len();
+        }
+        if listed != st.cache.len() {
+            return Err(format!("{listed} continuations listed for {} cached blocks", st.cache.len()));
         }
         Ok(())
     }

@@ -203,7 +203,7 @@ fn random_operations_keep_invariants() {
                 let len = 1 + rnd(20) as usize;
                 let base = rnd(3) as u32 * 100;
                 let toks: Vec<u32> = (0..len as u32).map(|i| base + i % 7).collect();
-                if p.add_sequence(next_id, toks, rnd(2), None).is_ok() {
+                if p.add_sequence_with(next_id, toks, rnd(2), None, rnd(2) == 0).is_ok() {
                     live.push(next_id);
                 }
                 next_id += 1;
@@ -501,4 +501,62 @@ fn sequences_growing_side_by_side_keep_to_runs_of_their_own() {
     for table in &t {
         assert!(consecutive(table) >= 12, "{t:?}");   // of 15 neighbours
     }
+}
+
+#[test]
+fn a_prompt_starts_from_part_of_a_cached_block() {
+    let mut p = pool(16, 8);
+    let one: Vec<u32> = (1..=17).collect();
+    p.add_sequence(1, one.clone(), 0, None).unwrap();
+    p.prepare_step(&[1], &[17], None).unwrap();
+    let (b0, b1) = (p.sequence(1).unwrap().blocks[0], p.sequence(1).unwrap().blocks[1]);
+    p.free_sequence(1, true).unwrap();
+    // [1..8] [9..16] cached; the next prompt shares [1..8] [9..14] and goes on otherwise
+    let two: Vec<u32> = vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 40, 41, 42];
+    assert_eq!(p.prefix_match(&two, 0).0, 8);
+    let want = p.admission_blocks_with(&two, 0, 3, None, true);
+    assert_eq!(p.admission_blocks_with(&two, 0, 3, None, false), p.admission_blocks(&two, 0, 3, None));
+    let free = p.num_free_blocks();
+    assert_eq!(p.add_sequence_with(2, two.clone(), 0, None, true).unwrap(), 14);
+    assert_eq!(p.sequence(2).unwrap().blocks, vec![b0, b1]);
+    // what admission counted: the blocks out of the free list, then the first step's (the copy too)
+    assert_eq!(want, free - p.num_free_blocks() + p.blocks_needed(2, 3).unwrap());
+    assert_eq!(p.blocks_needed(2, 3).unwrap(), 2);
+    ok(&p);
+    let plan = p.prepare_step(&[2], &[3], None).unwrap();
+    let seq = p.sequence(2).unwrap();
+    assert_eq!(plan.copies, vec![(b1, seq.blocks[1])]);        // copied before its first write
+    assert!(seq.blocks[1] != b1 && seq.blocks[0] == b0);
+    assert_eq!(plan.slot_mapping[0], seq.blocks[1] as i64 * 8 + 6);
+    assert!(p.is_cached(b1 as usize) && p.refcount(b1 as usize).unwrap() == 0);   // the cached block as it was
+    assert_eq!(p.prefix_match(&one, 0).0, 16);
+    ok(&p);
+    p.free_sequence(2, true).unwrap();
+    ok(&p);
+    // never the prompt's last token, never fewer than 4 tokens, never another salt's block;
+    // without `partial`, whole blocks
+    assert_eq!(p.add_sequence_with(3, one[..13].to_vec(), 0, None, true).unwrap(), 12);
+    assert_eq!(p.add_sequence_with(4, vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 50, 51], 0, None, true).unwrap(), 8);
+    assert_eq!(p.add_sequence_with(5, one[..15].to_vec(), 7, None, true).unwrap(), 0);
+    assert_eq!(p.add_sequence(6, one[..15].to_vec(), 0, None).unwrap(), 8);
+    // the longest share among the block's continuations: [9..14 40 41] (computed by sequence 2), [9..16]
+    let mut three = two[..15].to_vec();
+    three.extend([60, 61]);
+    assert_eq!(p.add_sequence_with(7, three, 0, None, true).unwrap(), 15);
+    ok(&p);
+    for id in [3, 4, 5, 6, 7] {
+        p.free_sequence(id, false).unwrap();
+    }
+    // an evicted continuation is no longer offered
+    let mut q = pool(3, 4);
+    q.add_sequence(1, (1..=9).collect(), 0, None).unwrap();
+    q.prepare_step(&[1], &[9], None).unwrap();
+    q.free_sequence(1, true).unwrap();
+    assert_eq!(q.admission_blocks_with(&[1, 2, 3, 4, 5, 6, 7, 8, 0, 0], 0, 2, None, true), 3);
+    q.add_sequence(2, vec![9; 12], 1, None).unwrap();
+    q.prepare_step(&[2], &[12], None).unwrap();               // takes every block: the cache is gone
+    ok(&q);
+    q.free_sequence(2, false).unwrap();
+    assert_eq!(q.add_sequence_with(3, vec![1, 2, 3, 4, 5, 6, 7, 8, 0, 0], 0, None, true).unwrap(), 0);
+    ok(&q);
 }

@@ -90,10 +90,11 @@ impl BlockAllocator {
     #[getter]
     fn contiguous(&self) -> bool { self.pool.contiguous() }
 
-    #[pyo3(signature = (seq_id, prompt, salt = 0, reserve_tokens = None))]
-    fn add_sequence(&mut self, seq_id: i64, prompt: &Bound<'_, PyAny>, salt: u64, reserve_tokens: Option<usize>) -> PyResult<usize> {
+    #[pyo3(signature = (seq_id, prompt, salt = 0, reserve_tokens = None, partial = false))]
+    fn add_sequence(&mut self, seq_id: i64, prompt: &Bound<'_, PyAny>, salt: u64, reserve_tokens: Option<usize>,
+                    partial: bool) -> PyResult<usize> {
         let tokens = token_ids(prompt)?;
-        self.pool.add_sequence(seq_id, tokens, salt, reserve_tokens).map_err(err)
+        self.pool.add_sequence_with(seq_id, tokens, salt, reserve_tokens, partial).map_err(err)
     }
 
     fn append_tokens(&mut self, seq_id: i64, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -118,10 +119,10 @@ impl BlockAllocator {
 
     /// Blocks admitting a sequence with this prompt and a first step of `new_tokens` tokens
     /// takes from the pool (`add_sequence`, then `prepare_step`); changes nothing.
-    #[pyo3(signature = (prompt, salt = 0, new_tokens = 0, reserve_tokens = None))]
+    #[pyo3(signature = (prompt, salt = 0, new_tokens = 0, reserve_tokens = None, partial = false))]
     fn admission_blocks(&self, prompt: &Bound<'_, PyAny>, salt: u64, new_tokens: usize,
-                        reserve_tokens: Option<usize>) -> PyResult<usize> {
-        Ok(self.pool.admission_blocks(&token_ids(prompt)?, salt, new_tokens, reserve_tokens))
+                        reserve_tokens: Option<usize>, partial: bool) -> PyResult<usize> {
+        Ok(self.pool.admission_blocks_with(&token_ids(prompt)?, salt, new_tokens, reserve_tokens, partial))
     }
 
     fn can_allocate(&self, num_blocks: usize) -> bool { num_blocks <= self.pool.num_free_blocks() }
