@@ -159,6 +159,9 @@ class CpuModel:
         self.decoder = None
         self._cache = None        # a weights cache entry while loading from it
         self.interrupt = None     # the runner's threading.Event: set, a step stops between layers
+        # the steps' workspace, kept (`_workspace`); a forward holds it while it runs
+        self._ws: dict[str, np.ndarray] = {}
+        self._ws_lock = threading.Lock()
         self.build_rotary(max_positions)
 
     # ------------------------------------------------------------ weights (placement's sink)
@@ -285,9 +288,27 @@ class CpuModel:
 
     # ------------------------------------------------------------ forward
 
-    def embed(self, ids: np.ndarray) -> np.ndarray:
+    def _workspace(self, t: int, ws: dict | None, **widths: int) -> dict[str, np.ndarray]:
+        """Float32 [t, width] buffers by name: views of buffers kept from step to step (`ws`,
+        the model's own while a forward holds its lock), else new ones. The server maps every
+        buffer of 1 MiB or more fresh at each allocation (`tame_malloc`: flat RSS), so a
+        512-token step of the 1 B file faulted ~70 MB of workspace in again each time (a
+        fresh runner's first 512-token step: 0.25-0.4 s slower than the next); kept, they are
+        at most the largest step's (the budget's), ~70 MB on the 1 B file at 512 tokens."""
+        out = {}
+        for name, width in widths.items():
+            if ws is None:
+                out[name] = np.empty((t, width), np.float32)
+                continue
+            buf = ws.get(name)
+            if buf is None or buf.shape[0] < t or buf.shape[1] != width:
+                buf = ws[name] = np.empty((t, width), np.float32)
+            out[name] = buf[:t]
+        return out
+
+    def embed(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if self.embed_q is not None:
-            h = np.empty((len(ids), self.cfg.hidden_size), np.float32)
+            h = np.empty((len(ids), self.cfg.hidden_size), np.float32) if out is None else out
             kernels.gather_rows(self.embed_q.data, self.embed_q.kind, ids, h)
         else:
             h = self.embed_dense[ids]
@@ -305,10 +326,20 @@ class CpuModel:
         """Flat batch [T] -> float32 logits [len(logits_indices), vocab]; kv is the runner's
         [layers, 2, num_blocks, block_size, kv_heads, head_dim] pool. `prompt` (bool per
         sequence): its rows are its prompt's; without it, a sequence of 2 rows or more is one."""
+        ws = self._ws if self._ws_lock.acquire(blocking=False) else None   # (never two forwards on one buffer)
+        try:
+            return self._forward(ids, positions, query_start_loc, seq_lens, block_tables, slots, kv, logits_indices,
+                                 prompt, ws)
+        finally:
+            if ws is not None:
+                self._ws_lock.release()
+
+    def _forward(self, ids, positions, query_start_loc, seq_lens, block_tables, slots, kv, logits_indices,
+                 prompt, ws):
         cfg, settings = self.cfg, self.settings
         t = len(ids)
         q_lens = np.diff(query_start_loc)
-        h = self.embed(ids)
+        h = self.embed(ids, self._workspace(t, ws, h=cfg.hidden_size)["h"])
         # Every prompt row goes to the tiles (paged_prefill), however few: a prompt's tail after a
         # prefix-cache hit must attend as the whole prompt did the first time (the same answer
         # either way), and the row kernel rounds differently from the tiles (its sums per 8
@@ -338,9 +369,9 @@ class CpuModel:
                                 self.layers[0].spec.attention.window or 0)
             delta = None
         elif row_by_row:                 # decode rows, short chunks: paged_decode, one call per layer
-            delta = self._layers(h, positions, slots, kv, decode=per_row)
+            delta = self._layers(h, positions, slots, kv, decode=per_row, ws=ws)
         else:                            # a long prefill chunk in the step: paged_prefill, tiles of rows
-            delta = self._layers(h, positions, slots, kv, chunks=(
+            delta = self._layers(h, positions, slots, kv, ws=ws, chunks=(
                 np.ascontiguousarray(query_start_loc, dtype=np.int64), np.ascontiguousarray(seq_lens, dtype=np.int32),
                 np.ascontiguousarray(block_tables, dtype=np.int32)))
         if logits_indices is None:
@@ -358,23 +389,23 @@ class CpuModel:
             logits = np.tanh(logits / cap) * cap
         return logits
 
-    def _layers(self, h, positions, slots, kv, decode=None, chunks=None) -> np.ndarray:
+    def _layers(self, h, positions, slots, kv, decode=None, chunks=None, ws=None) -> np.ndarray:
         """Layer by layer, each its family's steps (families/base.py); h holds the residual
-        stream without the last layer's output, which is returned."""
+        stream without the last layer's output, which is returned (a view of `ws`, the
+        workspace, when given: valid until the next forward)."""
         cfg = self.cfg
         t, nh, nkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = nh * d, nkv * d
         inter = cfg.intermediate_size
-        a = np.empty_like(h)
-        out = np.empty((t, q_size), np.float32)
-        # the step's workspace, written by every layer in turn: a buffer of a megabyte or more
-        # is mapped fresh at each allocation in a server (tame_malloc) and its pages faulted in
-        # again, ~15 % of a 512-token prefill step on the 1 B file when each layer made its own
+        # the step's workspace, written by every layer in turn (a buffer of a megabyte or more
+        # is mapped fresh at each allocation in a server, tame_malloc, and its pages faulted in
+        # again: ~15 % of a 512-token prefill step on the 1 B file when each layer made its
+        # own), kept from step to step (`_workspace`); res: o's and down's outputs, each
+        # consumed by a Norm
         la = self.layers[0]
-        qkv_buf = np.empty((t, la.qkv.out_features), np.float32)
-        gu_buf = np.empty((t, la.gate_up.out_features), np.float32)
-        m_buf = np.empty((t, inter), np.float32)
-        res_buf = np.empty((t, cfg.hidden_size), np.float32)   # o's and down's outputs, each consumed by a Norm
+        b = self._workspace(t, ws, a=cfg.hidden_size, out=q_size, qkv=la.qkv.out_features,
+                            gu=la.gate_up.out_features, m=inter, res=cfg.hidden_size)
+        a, out, qkv_buf, gu_buf, m_buf, res_buf = b["a"], b["out"], b["qkv"], b["gu"], b["m"], b["res"]
         x = None       # the last step's output, added to the residual by the next Norm
         stop = self.interrupt
         for li, layer in enumerate(self.layers):
