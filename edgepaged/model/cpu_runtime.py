@@ -294,7 +294,9 @@ class CpuModel:
         buffer of 1 MiB or more fresh at each allocation (`tame_malloc`: flat RSS), so a
         512-token step of the 1 B file faulted ~70 MB of workspace in again each time (a
         fresh runner's first 512-token step: 0.25-0.4 s slower than the next); kept, they are
-        at most the largest step's (the budget's), ~70 MB on the 1 B file at 512 tokens."""
+        at most the largest step's (the budget's), ~70 MB on the 1 B file at 512 tokens. (A
+        Qwen3-shaped q-norm's two 8 MB buffers made per layer: 300-430 ms of a 512-token step
+        over 36 layers, kept 60-65 ms.)"""
         out = {}
         for name, width in widths.items():
             if ws is None:
@@ -419,12 +421,13 @@ class CpuModel:
                     x = a
                 elif isinstance(step, steps.Attention):
                     qkv = layer.qkv(x, qkv_buf)
-                    if step.qk_norm:        # per-head q/k norms before the rotary
-                        qkv[:, :q_size] = self._norm(np.ascontiguousarray(qkv[:, :q_size]).reshape(t * nh, d),
-                                                     n["q_norm"]).reshape(t, q_size)
-                        k = qkv[:, q_size: q_size + kv_size]
-                        qkv[:, q_size: q_size + kv_size] = self._norm(np.ascontiguousarray(k).reshape(t * nkv, d),
-                                                                      n["k_norm"]).reshape(t, kv_size)
+                    if step.qk_norm:        # per-head q/k norms before the rotary, in workspace buffers
+                        for at, size, heads, name in ((0, q_size, nh, "q"), (q_size, kv_size, nkv, "k")):
+                            b = self._workspace(t * heads, ws, **{name + "c": d, name + "y": d})
+                            c, y = b[name + "c"], b[name + "y"]
+                            np.copyto(c.reshape(t, size), qkv[:, at: at + size])
+                            ops.add_rms_norm(c, None, n[name + "_norm"], cfg.rms_eps, y)
+                            qkv[:, at: at + size] = y.reshape(t, size)
                     cos, sin = self.ropes[step.rope]
                     ops.rope_write_kv(qkv, positions, cos, sin, slots, kc, vc, nh, nkv)
                     attend = (ops.paged_decode, decode) if decode is not None else (ops.paged_prefill, chunks)
