@@ -120,7 +120,7 @@ def test_a_prefill_step_s_layers_share_one_workspace(tmp_path):
     np.testing.assert_array_equal(before, after)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 def test_the_workspace_is_kept_from_step_to_step(tmp_path, family):
     """A server maps every buffer of a megabyte or more fresh (`tame_malloc`), so a workspace
     made per step was faulted in again each step: kept, a 512-token prefill of the 1 B file
@@ -128,7 +128,7 @@ def test_the_workspace_is_kept_from_step_to_step(tmp_path, family):
     writes into the same buffers and computes what buffers of its own give; a forward that
     finds the workspace taken (another forward on the model) takes buffers of its own. Qwen3's
     per-head q/k norms take theirs there too (made per layer: 300-430 ms of a 512-token step
-    of a 36-layer Qwen3 shape)."""
+    of a 36-layer Qwen3 shape), and Gemma 3's norms after o and down and its gelu."""
     import numpy as np
 
     from edgepaged.model.cpu_runtime import CpuRunner
@@ -146,7 +146,8 @@ def test_the_workspace_is_kept_from_step_to_step(tmp_path, family):
     model._ws_lock.release()
     got_long = prompt_logits(runner, make_allocator(runner), long_prompt)
     kept = {k: v.ctypes.data for k, v in model._ws.items()}
-    names = {"h", "a", "out", "qkv", "gu", "m", "res"} | ({"qc", "qy", "kc", "ky"} if family == "qwen3" else set())
+    names = {"h", "a", "out", "qkv", "gu", "m", "res"} | ({"qc", "qy", "kc", "ky"} if family != "llama" else set()) \
+        | ({"post"} if family == "gemma3" else set())
     assert set(kept) == names and all(len(v) >= 300 for v in model._ws.values()), set(kept)
     got_short = prompt_logits(runner, make_allocator(runner), short_prompt)
     assert {k: v.ctypes.data for k, v in model._ws.items()} == kept     # the same buffers, not new ones
