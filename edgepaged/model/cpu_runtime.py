@@ -126,11 +126,25 @@ class Linear:
     def _dense(self, x: np.ndarray, s: QuantWeight, out: np.ndarray) -> None:
         k = self.in_features
         tile = max(1, SCRATCH_BYTES // 4 // k)
-        w = np.empty((min(tile, s.rows), k), np.float32)
+        w = _scratch(min(tile, s.rows), k)
         for r0 in range(0, s.rows, tile):
             n = min(tile, s.rows - r0)
             s.dequantize_into(w[:n], r0)
             np.matmul(x, w[:n].T, out=out[:, r0: r0 + n])
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(rows: int, cols: int) -> np.ndarray:
+    """A float32 [rows, cols] buffer of this thread's, kept (at most SCRATCH_BYTES): weights
+    decoded to fp32 a tile at a time (`Linear._dense`). Made per call, its 16 MB were faulted in
+    again at every product of a step in a server (`tame_malloc` maps a buffer of 1 MiB or more
+    fresh)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < rows * cols:
+        buf = _SCRATCH.buf = np.empty(rows * cols, np.float32)
+    return buf[:rows * cols].reshape(rows, cols)
 
 
 class Layer:
