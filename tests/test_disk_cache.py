@@ -443,8 +443,29 @@ async def test_a_prompt_starts_from_part_of_a_cached_block(cpu_runner, tmp_path)
         assert cached == 137
         assert cached_blocks(engine, a) == before
         engine.allocator.check_invariants()
-    cold = Engine(cpu_runner, EngineConfig(enable_prefix_caching=False))
-    async with cold:
-        want, cached = await answer(cold, b)
-        assert cached == 0
-    assert got == want
+    assert got == await cold_answer(cpu_runner, b)
+
+
+async def test_a_chat_s_next_turn_starts_from_its_last_turn_s_last_block(cpu_runner):
+    """A finished request's last block, only part of it computed, stays cached too (the
+    allocator's `tail`): the next turn of the conversation (its prompt, its answer, then more)
+    takes the K/V of every position the last turn computed, not only its whole blocks (before:
+    144 of 157), and answers as a cold engine does."""
+    a = prompt(23)
+    engine = Engine(cpu_runner, EngineConfig())
+    async with engine:
+        out, cached = await answer(engine, a)       # 150 + 7 positions computed: 9 blocks and 13 tokens
+        assert cached == 0 and len(out) == 8
+        b = a + out + prompt(24, 12)
+        got, cached = await answer(engine, b)
+        assert cached == 157
+        engine.allocator.check_invariants()
+    assert got == await cold_answer(cpu_runner, b)
+
+
+async def cold_answer(runner, ids) -> list[int]:
+    """The answer of an engine without a prefix cache (every position computed)."""
+    async with Engine(runner, EngineConfig(enable_prefix_caching=False)) as cold:
+        want, cached = await answer(cold, ids)
+    assert cached == 0
+    return want

@@ -69,9 +69,12 @@ class BlockAllocator:
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares all the parent's blocks (refcounts up); the first write into a
         shared block copies it (a `copies` pair of prepare_step)."""
-    def free_sequence(self, seq_id: int, cache: bool = True) -> None:
+    def free_sequence(self, seq_id: int, cache: bool = True, tail: bool = False) -> None:
         """Release the sequence's blocks, tail first; with `cache`, its computed full blocks
-        enter the prefix cache first (pass False when the step computing them failed)."""
+        enter the prefix cache first (pass False when the step computing them failed); with
+        `tail` too, its last block when only part of it was computed (4 tokens at least, the
+        sequence alone holding it, every block before it cached): a prompt that continues the
+        sequence's tokens then starts from it (`add_sequence(..., partial=True)`)."""
     def has_sequence(self, seq_id: int) -> bool: ...
     def blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
         """Blocks prepare_step would take from the pool for that many more tokens."""

@@ -264,10 +264,12 @@ class Scheduler:
     def free(self, req: Request, cache: bool) -> None:
         """Take a request out wherever it is. A running one's blocks return to the pool; with
         `cache`, its computed full blocks enter the prefix cache first (pass False when the
-        step that was to compute them failed). Call it only while no step uses its blocks."""
+        step that was to compute them failed), and its last block's computed tokens (the
+        allocator's `tail`: a chat's next turn, an agent's next call, continue them). Call it
+        only while no step uses its blocks."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
-            self.alloc.free_sequence(req.id, cache)
+            self.alloc.free_sequence(req.id, cache, tail=cache)
             self._free_blocks = None
         elif req.status is Status.WAITING:
             self.queues[req.priority].remove(req)
@@ -299,7 +301,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         req.loads = None
         self.running.remove(req)
-        self.alloc.free_sequence(req.id)
+        self.alloc.free_sequence(req.id, tail=True)      # it starts again from what it computed
         if self.drafter is not None:
             self.drafter.drop(req)
         self._free_blocks = None

@@ -265,13 +265,19 @@ class RefAllocator:
             freed += 1
         return freed
 
+    def _must_copy(self, b: int) -> bool:
+        """A write into block `b` copies it first: others hold it, or the prefix cache does (a
+        fork truncated inside a block its sibling then computed, cached and let go of holds a
+        cached block alone, mid-block)."""
+        return self.refcounts[b] > 1 or self.key[b] is not None
+
     def _needed(self, s: _Seq, n: int) -> int:
         if n == 0:
             return 0
         bs = self.block_size
         need = 0
         for j in range(s.num_slots // bs, (s.num_slots + n - 1) // bs + 1):
-            if j >= len(s.blocks) or self.refcounts[s.blocks[j]] > 1:
+            if j >= len(s.blocks) or self._must_copy(s.blocks[j]):
                 need += 1
         return need
 
@@ -323,7 +329,7 @@ class RefAllocator:
                     prev = s.blocks[j - 1] if j > 0 else None
                     if j == len(s.blocks):
                         s.blocks.append(self._pop_near(prev, lasts))
-                    elif self.refcounts[s.blocks[j]] > 1:
+                    elif self._must_copy(s.blocks[j]):
                         dst = self._pop_near(prev, lasts)
                         if j * bs < s.num_slots:
                             copies.append((s.blocks[j], dst))

@@ -415,22 +415,54 @@ impl Store {
                 seq.num_hashed_blocks += 1;
                 continue;
             }
-            let h = self.hash_of(parent, seq.salt, toks);
-            if self.cache.contains_key(&h) {
+            if !self.register(id, parent, seq.salt, toks) {
                 break; // a true 64-bit collision: leave this block (and its tail) uncached
             }
-            let parent_ref = parent.map(|p| self.block_ref(p));
-            let key = self.child_key(parent, seq.salt);
-            let b = &mut self.blocks[id as usize];
-            b.hash = Some(h);
-            b.parent = parent_ref;
-            b.salt = seq.salt;
-            b.tokens = toks.to_vec();
-            b.pkey = key;
-            self.cache.insert(h, id);
-            self.children.entry(key).or_default().push(id);
             seq.num_hashed_blocks += 1;
         }
+    }
+
+    /// A freed sequence's last block, when only part of it was computed (`PARTIAL_MIN` tokens
+    /// at least), the sequence alone holds it and every block before it is cached: it enters
+    /// the prefix cache too, as a continuation of the last of them that `match_partial` offers
+    /// (keyed by its own tokens, which never make a whole block's key) and nothing chains
+    /// from. A chat's next turn (the conversation so far, then more) starts from it instead
+    /// of computing its last block's tokens again. Whether it entered.
+    fn cache_tail(&mut self, seq: &Sequence) -> bool {
+        let bs = self.block_size;
+        let n = seq.num_slots.min(seq.tokens.len());
+        let (i, m) = (n / bs, n % bs);
+        if !self.prefix_caching || m < PARTIAL_MIN || seq.blocks.len() != i + 1 || seq.num_hashed_blocks != i {
+            return false;
+        }
+        let id = seq.blocks[i];
+        let parent = if i == 0 { None } else { Some(seq.blocks[i - 1]) };
+        if id == NIL || self.blocks[id as usize].hash.is_some() || self.refcount(id) != 1
+            || parent.is_some_and(|p| p == NIL || self.blocks[p as usize].hash.is_none()) {
+            return false;
+        }
+        // false: the same tail is cached already (or a true 64-bit collision)
+        self.register(id, parent, seq.salt, &seq.tokens[i * bs..n])
+    }
+
+    /// Enter block `id` into the prefix cache as `parent`'s continuation with these tokens
+    /// (and into `children`); false, and nothing changed, when their key is taken.
+    fn register(&mut self, id: u32, parent: Option<u32>, salt: u64, toks: &[u32]) -> bool {
+        let h = self.hash_of(parent, salt, toks);
+        if self.cache.contains_key(&h) {
+            return false;
+        }
+        let parent_ref = parent.map(|p| self.block_ref(p));
+        let key = self.child_key(parent, salt);
+        let b = &mut self.blocks[id as usize];
+        b.hash = Some(h);
+        b.parent = parent_ref;
+        b.salt = salt;
+        b.tokens = toks.to_vec();
+        b.pkey = key;
+        self.cache.insert(h, id);
+        self.children.entry(key).or_default().push(id);
+        true
     }
 
     /// Blocks a reservation of `n` more slots takes from the free list: new blocks plus
@@ -692,10 +724,20 @@ impl BlockPool {
     /// `cache`, its computed full blocks enter the prefix cache first; without it (the step
     /// that was to compute them failed) only already-cached blocks stay cached.
     pub fn free_sequence(&mut self, seq_id: i64, cache: bool) -> Result<()> {
+        self.free_sequence_with(seq_id, cache, false)
+    }
+
+    /// `free_sequence`; with `tail` (and `cache`, paged mode), its last block too when only
+    /// part of it was computed (`Store::cache_tail`): the next request that continues the
+    /// sequence's tokens (`add_sequence_with(.., partial)`) takes those positions' K/V.
+    pub fn free_sequence_with(&mut self, seq_id: i64, cache: bool, tail: bool) -> Result<()> {
         let mut seq = self.seqs.remove(&seq_id).ok_or(AllocError::UnknownSequence(seq_id))?;
         if cache {
             seq.num_computed = seq.num_slots;
             self.store.hash_computed_blocks(&mut seq, false);
+            if tail && !self.contiguous {
+                self.store.cache_tail(&seq);
+            }
         }
         for &id in seq.blocks.iter().rev().filter(|&&id| id != NIL) {
             self.store.release(id);
@@ -1001,6 +1043,9 @@ impl BlockPool {
                 let b = &st.blocks[id as usize];
                 if b.hash.is_none() || b.pkey != *key {
                     return Err(format!("block {id} is listed as a continuation it is not"));
+                }
+                if b.tokens.len() > st.block_size || (b.tokens.len() < st.block_size && b.tokens.len() < PARTIAL_MIN) {
+                    return Err(format!("cached block {id} holds {} tokens", b.tokens.len()));
                 }
             }
             listed += list.len();

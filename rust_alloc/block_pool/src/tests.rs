@@ -188,31 +188,62 @@ fn contiguous_reserves_up_front() {
 
 #[test]
 fn random_operations_keep_invariants() {
+    // blocks of 4 (no tail is ever cached: PARTIAL_MIN) and of 8 (tails of 4-7 tokens are)
+    for bs in [4, 8] {
+        random_operations(bs);
+    }
+}
+
+/// Random adds (whole or `partial`), frees (cached or not, with or without the tail), forks
+/// and steps on a pool of 64 blocks, checking the invariants after each, and what each slot
+/// holds: a step writes its tokens into its slots after its copies, and every position an
+/// add found cached holds the prompt's own token there.
+fn random_operations(bs: usize) {
     // a small deterministic LCG so the test needs no crates
     let mut s: u64 = 12345;
     let mut rnd = |n: u64| {
         s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (s >> 33) % n
     };
-    let mut p = pool(64, 4);
+    let mut p = pool(64, bs);
+    let mut content = vec![u32::MAX; 64 * bs];
     let mut live: Vec<i64> = Vec::new();
     let mut next_id = 0i64;
+    let (mut tails, mut parts) = (0, 0);
     for _ in 0..20_000 {
-        match rnd(6) {
+        // as many frees as adds (a pool that is always full steps rarely), steps most often
+        match rnd(7) {
             0 | 1 => {
-                let len = 1 + rnd(20) as usize;
+                let len = 1 + rnd(5 * bs as u64) as usize;
                 let base = rnd(3) as u32 * 100;
-                let toks: Vec<u32> = (0..len as u32).map(|i| base + i % 7).collect();
-                if p.add_sequence_with(next_id, toks, rnd(2), None, rnd(2) == 0).is_ok() {
+                // a shared start (prefix hits, evictions, deduplication), then the prompt's own
+                let shared = rnd(len as u64 + 1) as u32;
+                let toks: Vec<u32> = (0..len as u32).map(|i| if i < shared { base + i % 7 } else { 1000 + rnd(50) as u32 }).collect();
+                if let Ok(c) = p.add_sequence_with(next_id, toks.clone(), rnd(2), None, rnd(2) == 0) {
+                    let q = p.sequence(next_id).unwrap();
+                    for (pos, &t) in toks.iter().enumerate().take(c) {
+                        let slot = q.blocks[pos / bs] as usize * bs + pos % bs;
+                        assert_eq!(content[slot], t, "block size {bs}: cached position {pos} of {c}");
+                    }
+                    parts += (c % bs != 0) as usize;
                     live.push(next_id);
                 }
                 next_id += 1;
             }
-            2 if !live.is_empty() => {
+            2 | 3 if !live.is_empty() => {
                 let id = live.swap_remove(rnd(live.len() as u64) as usize);
-                p.free_sequence(id, rnd(4) != 0).unwrap();
+                let cached = p.num_cached_blocks();
+                let (cache, tail) = (rnd(4) != 0, rnd(2) == 0);
+                let (n, held) = {
+                    let q = p.sequence(id).unwrap();
+                    (q.num_slots, q.blocks.last().map(|&b| p.refcount(b as usize).unwrap()))
+                };
+                p.free_sequence_with(id, cache, tail).unwrap();
+                if cache && tail && n % bs >= 4 && held == Some(1) && p.num_cached_blocks() > cached {
+                    tails += 1;
+                }
             }
-            3 if !live.is_empty() => {
+            4 if !live.is_empty() && rnd(4) == 0 => {
                 let id = live[rnd(live.len() as u64) as usize];
                 if p.fork(id, next_id).is_ok() {
                     live.push(next_id);
@@ -221,6 +252,8 @@ fn random_operations_keep_invariants() {
             }
             _ if !live.is_empty() => {
                 let k = 1 + rnd(live.len() as u64) as usize;
+                let r = rnd(live.len() as u64) as usize;
+                live.rotate_left(r);
                 let ids: Vec<i64> = live[..k].to_vec();
                 for &id in &ids {
                     if rnd(2) == 0 {
@@ -235,9 +268,23 @@ fn random_operations_keep_invariants() {
                         rnd(avail + 1) as i64
                     })
                     .collect();
+                let from: Vec<usize> = ids.iter().map(|&id| p.sequence(id).unwrap().num_slots).collect();
                 let free_before = p.free_list();
                 match p.prepare_step(&ids, &n, None) {
-                    Ok(_) => {}
+                    Ok(plan) => {
+                        for &(src, dst) in &plan.copies {
+                            let (src, dst) = (src as usize * bs, dst as usize * bs);
+                            content.copy_within(src..src + bs, dst);
+                        }
+                        let mut at = 0;
+                        for (i, &id) in ids.iter().enumerate() {
+                            let q = p.sequence(id).unwrap();
+                            for pos in from[i]..from[i] + n[i] as usize {
+                                content[plan.slot_mapping[at] as usize] = q.tokens[pos];
+                                at += 1;
+                            }
+                        }
+                    }
                     Err(AllocError::NoFreeBlocks { .. }) => assert_eq!(p.free_list(), free_before),
                     Err(e) => panic!("unexpected {e}"),
                 }
@@ -247,6 +294,8 @@ fn random_operations_keep_invariants() {
         ok(&p);
         assert_eq!(p.num_free_blocks() + p.num_used_blocks(), 64);
     }
+    assert!(bs < 8 || tails > 30, "block size {bs}: {tails} tails cached");
+    assert!(bs < 8 || parts > 30, "block size {bs}: {parts} prompts started inside a block");
     for id in live {
         p.free_sequence(id, true).unwrap();
     }
@@ -559,4 +608,100 @@ fn a_prompt_starts_from_part_of_a_cached_block() {
     q.free_sequence(2, false).unwrap();
     assert_eq!(q.add_sequence_with(3, vec![1, 2, 3, 4, 5, 6, 7, 8, 0, 0], 0, None, true).unwrap(), 0);
     ok(&q);
+}
+
+#[test]
+fn a_freed_sequence_s_last_partial_block_starts_its_next_turn() {
+    // a turn of a chat: 13 prompt tokens, 10 answered (the last one sampled, never computed)
+    let turn = |p: &mut BlockPool, id: i64, salt: u64| {
+        let c = p.add_sequence(id, (1..=13).collect(), salt, None).unwrap();
+        p.prepare_step(&[id], &[13 - c as i64], None).unwrap();
+        for t in 50..59 {
+            p.prepare_step(&[id], &[1], Some(&[t])).unwrap();
+        }
+        p.append_tokens(id, &[59]).unwrap();
+        assert_eq!(p.sequence(id).unwrap().num_slots, 22);
+        *p.sequence(id).unwrap().blocks.last().unwrap()
+    };
+    let mut p = pool(16, 8);
+    let tail = turn(&mut p, 1, 0);
+    p.free_sequence_with(1, true, true).unwrap();
+    ok(&p);
+    // [1..8] [9..13 50 51 52] and the tail's 6 computed tokens [53..58]
+    assert_eq!(p.num_cached_blocks(), 3);
+    assert!(p.is_cached(tail as usize));
+    // the next turn: the conversation so far (59 sampled last), then the user's next words
+    let mut next: Vec<u32> = (1..=13).chain(50..=59).collect();
+    next.extend([90, 91]);
+    assert_eq!(p.prefix_match(&next, 0).0, 16);                      // whole blocks: 16
+    let want = p.admission_blocks_with(&next, 0, 3, None, true);
+    let free = p.num_free_blocks();
+    assert_eq!(p.add_sequence_with(2, next.clone(), 0, None, true).unwrap(), 22);
+    assert_eq!(want, free - p.num_free_blocks() + p.blocks_needed(2, 3).unwrap());
+    let plan = p.prepare_step(&[2], &[3], None).unwrap();
+    let seq = p.sequence(2).unwrap();
+    assert_eq!(plan.copies, vec![(tail, seq.blocks[2])]);              // written into a copy
+    assert_eq!(plan.slot_mapping[0], seq.blocks[2] as i64 * 8 + 6);
+    assert!(p.is_cached(tail as usize) && p.refcount(tail as usize).unwrap() == 0);
+    ok(&p);
+    p.free_sequence(2, false).unwrap();
+    // another identity never starts from it; nor a prompt that shares fewer than 4 of its tokens
+    assert_eq!(p.add_sequence_with(3, next.clone(), 9, None, true).unwrap(), 0);
+    let mut other: Vec<u32> = (1..=13).chain(50..=55).collect();
+    other.extend([70, 71, 72]);
+    assert_eq!(p.add_sequence_with(4, other, 0, None, true).unwrap(), 16);
+    p.free_sequence(3, false).unwrap();
+    p.free_sequence(4, false).unwrap();
+    ok(&p);
+    // not without `tail`; not a block another sequence holds too (a fork); the same tail once
+    let cached = p.num_cached_blocks();
+    let t5 = turn(&mut p, 5, 1);
+    p.free_sequence_with(5, true, false).unwrap();
+    assert!(!p.is_cached(t5 as usize));
+    let t6 = turn(&mut p, 6, 2);
+    p.fork(6, 7).unwrap();
+    p.free_sequence_with(6, true, true).unwrap();
+    assert!(!p.is_cached(t6 as usize));
+    p.free_sequence_with(7, true, true).unwrap();                    // the last holder's
+    assert!(p.is_cached(t6 as usize));
+    let t8 = turn(&mut p, 8, 0);   // its steps swapped its whole blocks for the cached ones
+    assert!(p.is_cached(tail as usize) && t8 != tail);
+    p.free_sequence_with(8, true, true).unwrap();                    // salt 0's tail is cached already
+    assert!(!p.is_cached(t8 as usize));
+    assert_eq!(p.num_cached_blocks(), cached + 2 + 3);              // salt 1's whole blocks, salt 2's and its tail
+    ok(&p);
+    // a tail of fewer than 4 tokens stays out
+    let mut q = pool(8, 8);
+    q.add_sequence(1, (1..=10).collect(), 0, None).unwrap();
+    q.prepare_step(&[1], &[10], None).unwrap();
+    q.free_sequence_with(1, true, true).unwrap();
+    assert_eq!(q.num_cached_blocks(), 1);
+    ok(&q);
+}
+
+#[test]
+fn a_fork_never_writes_into_a_block_its_sibling_cached() {
+    // the sibling computes a whole block the fork holds only part of (the fork was cut back
+    // inside it), caches it and ends: the fork then holds a cached block alone, and its next
+    // write copies it first (before b877dcf it wrote in place, and the cached block held the
+    // fork's tokens under the sibling's hash: found by tests/test_alloc_property.py)
+    let mut p = pool(8, 4);
+    p.add_sequence(1, (1..=9).collect(), 0, None).unwrap();
+    p.prepare_step(&[1], &[8], None).unwrap();
+    let b1 = p.sequence(1).unwrap().blocks[1];
+    p.fork(1, 2).unwrap();
+    p.truncate(2, 6).unwrap();                       // not cached yet: the fork keeps it, 6 slots
+    assert_eq!(p.sequence(2).unwrap().blocks[1], b1);
+    p.prepare_step(&[1], &[1], None).unwrap();       // the sibling's next step caches [5 6 7 8]
+    p.free_sequence(1, true).unwrap();
+    assert!(p.is_cached(b1 as usize) && p.refcount(b1 as usize).unwrap() == 1);
+    p.append_tokens(2, &[77, 78]).unwrap();
+    assert_eq!(p.blocks_needed(2, 2).unwrap(), 1);
+    let plan = p.prepare_step(&[2], &[2], None).unwrap();
+    let now = p.sequence(2).unwrap().blocks[1];
+    assert_eq!(plan.copies, vec![(b1, now)]);
+    assert_eq!(plan.slot_mapping, vec![now as i64 * 4 + 2, now as i64 * 4 + 3]);
+    assert!(p.is_cached(b1 as usize) && p.refcount(b1 as usize).unwrap() == 0);
+    assert_eq!(p.prefix_match(&(1..=9).collect::<Vec<u32>>(), 0).0, 8);
+    ok(&p);
 }

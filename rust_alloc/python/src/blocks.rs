@@ -106,9 +106,9 @@ impl BlockAllocator {
         self.pool.fork(parent_id, child_id).map_err(err)
     }
 
-    #[pyo3(signature = (seq_id, cache = true))]
-    fn free_sequence(&mut self, seq_id: i64, cache: bool) -> PyResult<()> {
-        self.pool.free_sequence(seq_id, cache).map_err(err)
+    #[pyo3(signature = (seq_id, cache = true, tail = false))]
+    fn free_sequence(&mut self, seq_id: i64, cache: bool, tail: bool) -> PyResult<()> {
+        self.pool.free_sequence_with(seq_id, cache, tail).map_err(err)
     }
 
     fn has_sequence(&self, seq_id: i64) -> bool { self.pool.sequence(seq_id).is_ok() }
