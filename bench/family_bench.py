@@ -108,7 +108,9 @@ def mem_read_gbs(mib: int = 1024, reps: int = 3) -> float:
     """Read bandwidth, every thread (core) at once, GB/s: the best of `reps` passes of two
     reductions over a `mib` MiB array split between the threads (numpy's reductions let go of
     the GIL): a max over 64-bit integers (the least work per byte numpy has) and a float32 sum
-    (measured 25-34 GB/s on one Zen 4 depending on the reduction: the best counts)."""
+    (measured 25-34 GB/s on one Zen 4 depending on the reduction: the best counts), and of the
+    kernels' own probe (`quant.read_gbs`: the pool's threads streaming as a decode step does,
+    its prefetch on and off): the highest any of them reached is the limit."""
     import threading
     a = np.ones(mib * 2**20 // 4, np.float32)
     threads = int(os.environ.get("EDGEPAGED_NUM_THREADS") or os.cpu_count() or 1)
@@ -123,7 +125,9 @@ def mem_read_gbs(mib: int = 1024, reps: int = 3) -> float:
             for th in ts:
                 th.join()
             best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
-    return best
+    del a, parts, view
+    from edgepaged._native import quant
+    return max(best, quant.read_gbs(mib, reps))
 
 
 def gemm_gflops(reps: int = 5) -> float:

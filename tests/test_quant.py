@@ -497,6 +497,24 @@ def test_the_int8_peak_bounds_the_integer_kernels():
     assert 0 < best < peak, (best, peak)
 
 
+def test_the_read_probe_measures_the_memory_as_a_decode_streams_it():
+    """quant.read_gbs (family_bench's `b1_roofline_frac` divides by the best probe): a finite
+    rate, at least half of what numpy's plain sum of a buffer as large reads in this process
+    (a probe that waits on itself reads slower; one that skips bytes or times nothing reads
+    beyond any memory)."""
+    import time
+    bw = kernels.read_gbs(256, 2)
+    assert 0 < bw < 5000, bw
+    a = np.ones(256 << 18, np.float32)
+    np.sum(a)
+    numpy_gbs = 0.0
+    for _ in range(3):
+        t = time.perf_counter()
+        np.sum(a)
+        numpy_gbs = max(numpy_gbs, a.nbytes / (time.perf_counter() - t) / 1e9)
+    assert bw >= 0.5 * numpy_gbs, (bw, numpy_gbs)
+
+
 def test_the_decode_prefetch_changes_no_product():
     """quant.decode_prefetch (EDGEPAGED_DECODE_PREFETCH, default 8192 bytes): 1, 2, 9 and 40
     tokens against repacked Q4_K and Q6_K weights and an interleaved Q4_1 give the same bits

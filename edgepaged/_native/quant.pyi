@@ -68,6 +68,11 @@ def int8_peak_gops(reps: int = 3) -> float | None:
     """The int8 products' limit on this CPU: GOPS of `vpdpbusd` (AVX-512 VNNI) on every thread
     of the kernels' pool at once, the best of `reps` passes; None without AVX-512 VNNI."""
 
+def read_gbs(mib: int = 1024, reps: int = 3) -> float:
+    """The memory's read bandwidth as the decode kernels meet it, GB/s: every thread of the
+    kernels' pool streams its share of a `mib` MiB buffer (the decode's prefetch on, then off),
+    the best of `reps` passes each."""
+
 def tile_groups(many: bool | None = None) -> bool:
     """Whether the exact products' tiles for a few tokens (2 to 8 on 16 lanes, to 5 on 8) run
     several groups of rows at once (the default: more FMA chains in flight) or one at a time;

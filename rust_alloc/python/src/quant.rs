@@ -263,6 +263,15 @@ fn int8_peak_gops(py: Python<'_>, reps: usize) -> Option<f64> {
     py.detach(|| q8::int8_peak_gops(reps))
 }
 
+/// The memory's read bandwidth as the decode kernels meet it (GB/s): every thread of the pool
+/// streams its share of a `mib` MiB buffer, the decode's prefetch on and off, the best of `reps`
+/// passes each.
+#[pyfunction]
+#[pyo3(signature = (mib=1024, reps=3))]
+fn read_gbs(py: Python<'_>, mib: usize, reps: usize) -> f64 {
+    py.detach(|| q8::read_gbs(mib, reps))
+}
+
 /// How far ahead (bytes) the integer kernels prefetch a decode step's weights (8192 unless
 /// EDGEPAGED_DECODE_PREFETCH says otherwise; 0: off); `bytes` sets it for the process first.
 #[pyfunction]
@@ -324,6 +333,7 @@ pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     m.add_function(wrap_pyfunction!(repack_parts, &m)?)?;
     m.add_function(wrap_pyfunction!(info, &m)?)?;
     m.add_function(wrap_pyfunction!(int8_peak_gops, &m)?)?;
+    m.add_function(wrap_pyfunction!(read_gbs, &m)?)?;
     m.add_function(wrap_pyfunction!(decode_prefetch, &m)?)?;
     m.add_function(wrap_pyfunction!(tile_groups, &m)?)?;
     Ok(m)
