@@ -149,3 +149,41 @@ def test_a_prompt_attends_the_same_whole_or_after_a_cached_prefix(cache, product
     assert np.array_equal(last([prompt[:32], prompt[32:]], prompt_flag=True), whole)
     if HAS_BF16:     # rows flagged as generated tokens' (drafts) attend row by row, in f32
         assert not np.array_equal(last([prompt[:32], prompt[32:]], prompt_flag=False), whole)
+
+
+KEPT_SCRATCH = r"""
+import resource, sys
+import numpy as np
+from edgepaged._native import ops
+from edgepaged.server.app import tame_malloc
+tame_malloc()                         # the server's allocator: a megabyte or more is mapped fresh
+rng = np.random.default_rng(0)
+nh, nkv, d, bs, ctx, rows = 32, 8, 64, 16, 2304, 64
+nb = ctx // bs
+k = rng.standard_normal((nb, bs, nkv, d)).astype(np.float16)
+v = rng.standard_normal((nb, bs, nkv, d)).astype(np.float16)
+q = rng.standard_normal((rows, nh * d)).astype(np.float32)
+tables = np.arange(nb, dtype=np.int32)[None]
+starts, lens = np.array([0, rows], np.int64), np.array([ctx], np.int32)
+out = np.zeros((rows, nh * d), np.float32)
+for _ in range(2):
+    ops.paged_prefill(q, out, starts, lens, tables, k, v, nh, nkv, 0.125)
+first = out.copy()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(4):
+    ops.paged_prefill(q, out, starts, lens, tables, k, v, nh, nkv, 0.125)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, np.array_equal(out, first))
+"""
+
+
+def test_prefill_attention_keeps_its_scratch_from_call_to_call():
+    """A tile's scores over a 2 k context (32 rows x 4 query heads a KV head) pass a megabyte:
+    made per call, the server's allocator mapped them fresh and every call faulted them in
+    again (12,800 page faults in a 146-row step of the 1 B file at 2,193 positions, against 36
+    now). Kept per thread, four more calls fault in (almost) nothing and answer the same."""
+    import subprocess
+    import sys
+    got = subprocess.run([sys.executable, "-c", KEPT_SCRATCH], capture_output=True, text=True, check=True)
+    faults, same = got.stdout.split()
+    assert same == "True"
+    assert int(faults) < 64, faults       # per call made: 4 calls x 8 chunks x 1.2 MB of scores

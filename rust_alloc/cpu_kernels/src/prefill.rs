@@ -723,20 +723,48 @@ mod x86 {
         }
     }
 
+    impl Scratch {
+        fn bytes(&self) -> usize {
+            8 * self.slots.capacity()
+                + 4 * (self.scores.capacity() + self.kt.capacity() + self.vb.capacity() + self.acc.capacity())
+                + 4 * (self.k2.capacity() + self.v2.capacity() + self.q2.capacity() + self.p2.capacity())
+        }
+    }
+
+    thread_local! {
+        /// Each thread's scratch, kept from call to call: a tile's scores over a 2 k context
+        /// (32 rows x 4 heads) pass a megabyte, which a server's allocator maps fresh each
+        /// time (`tame_malloc`) and the call then faulted in again, page by page.
+        static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+    }
+
+    /// The most a thread's scratch keeps between calls (a longer context's is made per call).
+    const KEEP_BYTES: usize = 16 << 20;
+
     /// Work items i0..i1 (`items` lists (sequence, tile, KV head)).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn run<E: KvElem>(a: &PrefillArgs<E>, items: &[(usize, usize, usize)], w512: bool, bf16: bool,
                                         shared: Option<&super::Shared>) {
-        let mut s = Scratch::default();
+        // (never re-entered: a pool thread runs one chunk at a time, and no tile calls back)
+        let mut s = SCRATCH.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        run_with(a, items, w512, bf16, shared, &mut s);
+        if s.bytes() <= KEEP_BYTES {
+            SCRATCH.with(|c| *c.borrow_mut() = s);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn run_with<E: KvElem>(a: &PrefillArgs<E>, items: &[(usize, usize, usize)], w512: bool, bf16: bool,
+                                  shared: Option<&super::Shared>, s: &mut Scratch) {
         for &(b, t, kh) in items {
             if bf16 {
-                tile_bf16(a, b, t, kh, &mut s, shared.map(|x| x.of(b, kh)));
+                tile_bf16(a, b, t, kh, s, shared.map(|x| x.of(b, kh)));
                 continue;
             }
             match a.hs.d / 8 {
-                4 => tile::<E, 4>(a, b, t, kh, &mut s, w512),
-                8 => tile::<E, 8>(a, b, t, kh, &mut s, w512),
-                16 => tile::<E, 16>(a, b, t, kh, &mut s, w512),
+                4 => tile::<E, 4>(a, b, t, kh, s, w512),
+                8 => tile::<E, 8>(a, b, t, kh, s, w512),
+                16 => tile::<E, 16>(a, b, t, kh, s, w512),
                 _ => unreachable!(),
             }
         }
