@@ -209,7 +209,7 @@ fn random_operations(bs: usize) {
     let mut content = vec![u32::MAX; 64 * bs];
     let mut live: Vec<i64> = Vec::new();
     let mut next_id = 0i64;
-    let (mut tails, mut parts) = (0, 0);
+    let (mut tails, mut parts, mut released) = (0, 0, 0);
     for _ in 0..20_000 {
         // as many frees as adds (a pool that is always full steps rarely), steps most often
         match rnd(7) {
@@ -236,7 +236,7 @@ fn random_operations(bs: usize) {
                 let (cache, tail) = (rnd(4) != 0, rnd(2) == 0);
                 let (n, held) = {
                     let q = p.sequence(id).unwrap();
-                    (q.num_slots, q.blocks.last().map(|&b| p.refcount(b as usize).unwrap()))
+                    (q.num_slots, q.blocks.last().filter(|&&b| b != u32::MAX).map(|&b| p.refcount(b as usize).unwrap()))
                 };
                 p.free_sequence_with(id, cache, tail).unwrap();
                 if cache && tail && n % bs >= 4 && held == Some(1) && p.num_cached_blocks() > cached {
@@ -249,6 +249,11 @@ fn random_operations(bs: usize) {
                     live.push(next_id);
                 }
                 next_id += 1;
+            }
+            4 if !live.is_empty() && rnd(8) == 0 => {
+                // the window policy: blocks no later query attends go back (never cached after)
+                let id = live[rnd(live.len() as u64) as usize];
+                released += p.release_outside(id, bs * rnd(2) as usize, 1 + rnd(3 * bs as u64) as usize).unwrap();
             }
             _ if !live.is_empty() => {
                 let k = 1 + rnd(live.len() as u64) as usize;
@@ -296,6 +301,7 @@ fn random_operations(bs: usize) {
     }
     assert!(bs < 8 || tails > 30, "block size {bs}: {tails} tails cached");
     assert!(bs < 8 || parts > 30, "block size {bs}: {parts} prompts started inside a block");
+    assert!(released > 30, "block size {bs}: {released} blocks released by the window policy");
     for id in live {
         p.free_sequence(id, true).unwrap();
     }
