@@ -517,11 +517,6 @@ class CpuRunner(RunnerBase):
         # sets it: Engine._maybe_interrupt
         self.interrupt = threading.Event()
         self.model = self._new_model(settings)
-        progress = progress or terminal_progress(f"loading {files.path.name}")
-        self._cache_writer = None         # the weights cache's writer thread, while it writes
-        self.weights_cache = self._load_weights(files, progress, keep, settings)
-        del files
-        self.tokenizer = tokenizer.result()
         if num_blocks is None:
             if kv_memory_bytes is None:
                 kv_memory_bytes = cpu_kv_default_bytes()
@@ -536,8 +531,14 @@ class CpuRunner(RunnerBase):
         self.max_model_len = min(cfg.context_length, num_blocks * block_size)
         if self.max_model_len != self.model.max_positions:
             self.model.build_rotary(self.max_model_len)
+        # its first pages faulted in beside the weights' loading (`_prefault_kv`)
         self.kv_prefault = threading.Thread(target=self._prefault_kv, name="edgepaged-kv-prefault", daemon=True)
         self.kv_prefault.start()
+        progress = progress or terminal_progress(f"loading {files.path.name}")
+        self._cache_writer = None         # the weights cache's writer thread, while it writes
+        self.weights_cache = self._load_weights(files, progress, keep, settings)
+        del files
+        self.tokenizer = tokenizer.result()
         self.forward_name = "cpu (numpy + rust" + (", one-call decoder)" if self.model.decoder else ")")
 
     dense_products = "fp32"
