@@ -30,15 +30,16 @@ def _result(fn, *args, **kw):
 class AllocatorMachine(RuleBasedStateMachine):
     PICK_WINDOW = None      # the default: 3 in a pool of 24 blocks (at most an 8th of the free ones)
     NUM_BLOCKS = NUM_BLOCKS
+    BS = BLOCK_SIZE
 
     def __init__(self):
         super().__init__()
-        self.rust = BlockAllocator(self.NUM_BLOCKS, BLOCK_SIZE, pick_window=self.PICK_WINDOW)
-        self.ref = RefAllocator(self.NUM_BLOCKS, BLOCK_SIZE, pick_window=self.PICK_WINDOW)
+        self.rust = BlockAllocator(self.NUM_BLOCKS, self.BS, pick_window=self.PICK_WINDOW)
+        self.ref = RefAllocator(self.NUM_BLOCKS, self.BS, pick_window=self.PICK_WINDOW)
         assert self.rust.pick_window == self.ref.pick_window
         self.next_id = 0
         # simulated KV cache: which token sits in each slot
-        self.content = np.full(self.NUM_BLOCKS * BLOCK_SIZE, -1, dtype=np.int64)
+        self.content = np.full(self.NUM_BLOCKS * self.BS, -1, dtype=np.int64)
 
     # -- helpers ---------------------------------------------------------------------------
     def _state(self, a):
@@ -59,16 +60,16 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------
     @rule(prefix=st.sampled_from(range(-1, len(PREFIXES))),
-          suffix=st.lists(st.integers(0, 5), max_size=9), salt=st.sampled_from([0, 0, 1]))
-    def add(self, prefix, suffix, salt):
+          suffix=st.lists(st.integers(0, 5), max_size=9), salt=st.sampled_from([0, 0, 1]), partial=st.booleans())
+    def add(self, prefix, suffix, salt, partial):
         prompt = (PREFIXES[prefix] if prefix >= 0 else []) + suffix
         sid = self.next_id
         self.next_id += 1
-        kind, cached = self._both("add_sequence", sid, prompt, salt)
+        kind, cached = self._both("add_sequence", sid, prompt, salt, partial=partial)
         if kind == "ok" and cached:
             # a prefix hit returns only blocks that hold exactly these tokens
             table = self.rust.block_table(sid)
-            slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached)]
+            slots = [table[p // self.BS] * self.BS + p % self.BS for p in range(cached)]
             assert self.content[slots].tolist() == prompt[:cached]
 
     @precondition(lambda self: self.ref.seqs)
@@ -101,7 +102,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         slots, tables, seq_lens, copies, num_free = out
         assert num_free == self.ref.num_free_blocks
         for src, dst in copies:  # copy-on-write first, as the runner does
-            self.content[dst * BLOCK_SIZE:(dst + 1) * BLOCK_SIZE] = self.content[src * BLOCK_SIZE:(src + 1) * BLOCK_SIZE]
+            self.content[dst * self.BS:(dst + 1) * self.BS] = self.content[src * self.BS:(src + 1) * self.BS]
         k = 0
         for sid, n, length in zip(ids, ns, seq_lens):
             toks = self.ref.seqs[sid].tokens
@@ -111,9 +112,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert k == len(slots)
 
     @precondition(lambda self: self.ref.seqs)
-    @rule(data=st.data(), cache=st.booleans())
-    def free(self, data, cache):
-        self._both("free_sequence", data.draw(st.sampled_from(self._live())), cache)
+    @rule(data=st.data(), cache=st.booleans(), tail=st.booleans())
+    def free(self, data, cache, tail):
+        self._both("free_sequence", data.draw(st.sampled_from(self._live())), cache, tail=tail)
 
     @precondition(lambda self: self.ref.seqs)
     @rule(data=st.data())
@@ -191,8 +192,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         # every slot a sequence reserved before holds its token (copy-on-write worked)
         for sid, s in self.ref.seqs.items():
             for pos in range(s.num_computed):
-                b = s.blocks[pos // BLOCK_SIZE]
-                assert self.content[b * BLOCK_SIZE + pos % BLOCK_SIZE] == s.tokens[pos], (sid, pos)
+                b = s.blocks[pos // self.BS]
+                assert self.content[b * self.BS + pos % self.BS] == s.tokens[pos], (sid, pos)
 
 
 AllocatorMachine.TestCase.settings = settings(
@@ -210,6 +211,17 @@ class AllocatorMachineWindow(AllocatorMachine):
 
 AllocatorMachineWindow.TestCase.settings = AllocatorMachine.TestCase.settings
 TestAllocatorMachineWindow = AllocatorMachineWindow.TestCase
+
+
+class AllocatorMachineEight(AllocatorMachine):
+    """Blocks of 8: a prompt starts from part of a cached block (4 tokens or more shared:
+    `add_sequence(..., partial=True)`), and a freed sequence's last block, 4+ tokens of it
+    computed, is cached too (`free_sequence(..., tail=True)`)."""
+    BS = 8
+
+
+AllocatorMachineEight.TestCase.settings = AllocatorMachine.TestCase.settings
+TestAllocatorMachineEight = AllocatorMachineEight.TestCase
 
 
 def test_a_block_deduplicated_at_a_later_step_is_so_in_both():

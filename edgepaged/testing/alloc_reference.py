@@ -3,8 +3,9 @@
 It is the reference model of the property tests (tests/test_alloc_property.py) and the
 baseline of bench/alloc_bench.py. It keys the prefix cache by the exact identity of a block
 (parent block and generation, salt, tokens) instead of a 64-bit hash, so it needs no
-verification step; everything else — free-list order, eviction, copy-on-write, deduplication
-— follows the Rust code step for step, so the two must agree on every block id.
+verification step; everything else — free-list order, eviction, copy-on-write, deduplication,
+a prompt started from part of a cached block, a freed sequence's cached last block — follows
+the Rust code step for step, so the two must agree on every block id.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import numpy as np
 from edgepaged._native.blocks import NoFreeBlocksError, SequenceError
 
 CLAIM = 8     # the block ids after a sequence's last block that others' picks leave alone
+PARTIAL_SCAN = 64   # a block's cached continuations the partial match compares (the latest)
+PARTIAL_MIN = 4     # the fewest leading tokens it shares
 
 
 @dataclass
@@ -42,6 +45,11 @@ class RefAllocator:
     free: OrderedDict = field(init=False)
     cache: dict = field(init=False)
     seqs: dict = field(init=False)
+    # the partial match's index, as Rust's `Store::children`: per (the parent's content, salt),
+    # the cached blocks continuing it, in the Rust list's order (appended; removed by swap)
+    children: dict = field(init=False)
+    chain: list = field(init=False)     # a cached block's content from the start (None: uncached)
+    pkey: list = field(init=False)
 
     def __post_init__(self) -> None:
         if self.num_blocks <= 0 or self.block_size <= 0:
@@ -51,6 +59,7 @@ class RefAllocator:
         self.free = OrderedDict((i, None) for i in range(n))
         self.cache = {}
         self.seqs = {}
+        self.children, self.chain, self.pkey = {}, [None] * n, [None] * n
         self.enable_prefix_caching = self.enable_prefix_caching and not self.contiguous
         w = min(16, max(1, n // 8)) if self.pick_window is None else self.pick_window
         self.pick_window = min(16, max(1, w))
@@ -140,7 +149,48 @@ class RefAllocator:
             self.generation[b] += 1
             if self.cache.get(k) == b:
                 del self.cache[k]
+            siblings = self.children[self.pkey[b]]
+            i = siblings.index(b)
+            last = siblings.pop()             # Rust's swap_remove: the last takes its place
+            if i < len(siblings):
+                siblings[i] = last
+            if not siblings:
+                del self.children[self.pkey[b]]
+            self.chain[b] = self.pkey[b] = None
             self.evictions += 1
+
+    def _register(self, b: int, parent: int | None, salt: int, tokens, k: tuple) -> None:
+        """Block b enters the cache as `parent`'s continuation (and the partial match's index)."""
+        above = () if parent is None else self.chain[parent]
+        self.key[b] = k
+        self.cache[k] = b
+        self.chain[b] = above + tuple(tokens)
+        self.pkey[b] = (above, salt)
+        self.children.setdefault(self.pkey[b], []).append(b)
+
+    def _match_partial(self, tokens: list[int], salt: int, full: list[int]) -> tuple[int, int] | None:
+        """Rust's `match_partial`: past the whole blocks found, the cached continuation of the
+        last of them sharing the most leading tokens with the prompt's next (4 at least, fewer
+        than a block, never the last token), among the 64 listed last."""
+        bs = self.block_size
+        start = len(full) * bs
+        if not self.enable_prefix_caching or start + 1 >= len(tokens):
+            return None
+        want = tokens[start:start + min(len(tokens) - 1 - start, bs - 1)]
+        parent = full[-1] if full else None
+        pref = None if parent is None else (parent, self.generation[parent])
+        above = () if parent is None else self.chain[parent]
+        best = None
+        for b in list(reversed(self.children.get((above, salt), [])))[:PARTIAL_SCAN]:
+            k = self.key[b]
+            if k is None or k[0] != pref or k[1] != salt:
+                continue
+            m = 0
+            while m < min(len(k[2]), len(want)) and k[2][m] == want[m]:
+                m += 1
+            if m >= PARTIAL_MIN and m > (best[1] if best else 0):
+                best = (b, m)
+        return best
 
     def _acquire(self, b: int) -> None:
         self.free.pop(b, None)
@@ -191,8 +241,7 @@ class RefAllocator:
                 self._release(b)
                 s.num_hashed += 1
                 continue
-            self.key[b] = k
-            self.cache[k] = b
+            self._register(b, parent, s.salt, s.tokens[i * bs:(i + 1) * bs], k)
             s.num_hashed += 1
 
     # -- operations ------------------------------------------------------------------------
@@ -200,7 +249,8 @@ class RefAllocator:
         found = self._match(list(tokens), salt)
         return len(found) * self.block_size, sum(self.refcounts[b] == 0 for b in found)
 
-    def add_sequence(self, seq_id: int, prompt, salt: int = 0, reserve_tokens: int | None = None) -> int:
+    def add_sequence(self, seq_id: int, prompt, salt: int = 0, reserve_tokens: int | None = None,
+                     partial: bool = False) -> int:
         tokens = [int(t) for t in prompt]
         if seq_id in self.seqs:
             raise SequenceError(f"sequence id {seq_id} already exists")
@@ -213,15 +263,21 @@ class RefAllocator:
                 raise NoFreeBlocksError(f"not enough free KV blocks: need {want}, {len(self.free)} free")
             blocks = sorted(self._pop_free() for _ in range(want))
         cached = self._match(tokens, salt)
+        hashed = len(cached)
+        n = len(cached) * self.block_size
+        if partial and not self.contiguous:
+            found = self._match_partial(tokens, salt, cached)
+            if found is not None:
+                cached.append(found[0])
+                n += found[1]
         for b in cached:
             self._acquire(b)
-        n = len(cached) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(tokens)
             self.prefix_cache_hits += n
         if cached:
             blocks = cached
-        self.seqs[seq_id] = _Seq(tokens, blocks, n, n, len(cached), salt)
+        self.seqs[seq_id] = _Seq(tokens, blocks, n, n, hashed, salt)
         return n
 
     def append_tokens(self, seq_id: int, tokens) -> None:
@@ -236,14 +292,30 @@ class RefAllocator:
         self.seqs[child_id] = _Seq(list(p.tokens), list(p.blocks), p.num_slots,
                                    p.num_computed, p.num_hashed, p.salt)
 
-    def free_sequence(self, seq_id: int, cache: bool = True) -> None:
+    def free_sequence(self, seq_id: int, cache: bool = True, tail: bool = False) -> None:
         s = self._seq(seq_id)
         if cache:
             s.num_computed = s.num_slots
             self._hash_computed(s, dedupe=False)
+            if tail and not self.contiguous:
+                self._cache_tail(s)
         del self.seqs[seq_id]
         for b in reversed(s.blocks):
             self._release(b)
+
+    def _cache_tail(self, s: _Seq) -> None:
+        """Rust's `cache_tail`: a freed sequence's last block, part of it computed."""
+        bs = self.block_size
+        n = min(s.num_slots, len(s.tokens))
+        i, m = divmod(n, bs)
+        if not self.enable_prefix_caching or m < PARTIAL_MIN or len(s.blocks) != i + 1 or s.num_hashed != i:
+            return
+        b, parent = s.blocks[i], (s.blocks[i - 1] if i else None)
+        if self.key[b] is not None or self.refcounts[b] != 1 or (parent is not None and self.key[parent] is None):
+            return
+        k = self._key(parent, s.salt, s.tokens[i * bs:n])
+        if k not in self.cache:
+            self._register(b, parent, s.salt, s.tokens[i * bs:n], k)
 
     def truncate(self, seq_id: int, num_tokens: int) -> int:
         s = self._seq(seq_id)
