@@ -48,7 +48,8 @@ class RefAllocator:
     # the partial match's index, as Rust's `Store::children`: per (the parent's content, salt),
     # the cached blocks continuing it, in the Rust list's order (appended; removed by swap)
     children: dict = field(init=False)
-    chain: list = field(init=False)     # a cached block's content from the start (None: uncached)
+    chain: list = field(init=False)     # a cached block's content from the start, as a number (None: uncached)
+    chains: dict = field(init=False)    # (the parent's content's number, tokens) -> its number
     pkey: list = field(init=False)
 
     def __post_init__(self) -> None:
@@ -59,7 +60,7 @@ class RefAllocator:
         self.free = OrderedDict((i, None) for i in range(n))
         self.cache = {}
         self.seqs = {}
-        self.children, self.chain, self.pkey = {}, [None] * n, [None] * n
+        self.children, self.chain, self.pkey, self.chains = {}, [None] * n, [None] * n, {}
         self.enable_prefix_caching = self.enable_prefix_caching and not self.contiguous
         w = min(16, max(1, n // 8)) if self.pick_window is None else self.pick_window
         self.pick_window = min(16, max(1, w))
@@ -159,12 +160,12 @@ class RefAllocator:
             self.chain[b] = self.pkey[b] = None
             self.evictions += 1
 
-    def _register(self, b: int, parent: int | None, salt: int, tokens, k: tuple) -> None:
+    def _register(self, b: int, parent: int | None, salt: int, k: tuple) -> None:
         """Block b enters the cache as `parent`'s continuation (and the partial match's index)."""
-        above = () if parent is None else self.chain[parent]
+        above = -1 if parent is None else self.chain[parent]
         self.key[b] = k
         self.cache[k] = b
-        self.chain[b] = above + tuple(tokens)
+        self.chain[b] = self.chains.setdefault((above, k[2]), len(self.chains))   # k[2]: the tokens
         self.pkey[b] = (above, salt)
         self.children.setdefault(self.pkey[b], []).append(b)
 
@@ -179,7 +180,7 @@ class RefAllocator:
         want = tokens[start:start + min(len(tokens) - 1 - start, bs - 1)]
         parent = full[-1] if full else None
         pref = None if parent is None else (parent, self.generation[parent])
-        above = () if parent is None else self.chain[parent]
+        above = -1 if parent is None else self.chain[parent]
         best = None
         for b in list(reversed(self.children.get((above, salt), [])))[:PARTIAL_SCAN]:
             k = self.key[b]
@@ -241,7 +242,7 @@ class RefAllocator:
                 self._release(b)
                 s.num_hashed += 1
                 continue
-            self._register(b, parent, s.salt, s.tokens[i * bs:(i + 1) * bs], k)
+            self._register(b, parent, s.salt, k)
             s.num_hashed += 1
 
     # -- operations ------------------------------------------------------------------------
@@ -315,7 +316,7 @@ class RefAllocator:
             return
         k = self._key(parent, s.salt, s.tokens[i * bs:n])
         if k not in self.cache:
-            self._register(b, parent, s.salt, s.tokens[i * bs:n], k)
+            self._register(b, parent, s.salt, k)
 
     def truncate(self, seq_id: int, num_tokens: int) -> int:
         s = self._seq(seq_id)
