@@ -9,7 +9,9 @@ by run, every run on a warm page cache, loopback only.
 A run's time: from starting the process to the first HTTP answer of its /health (polled every
 20 ms; both servers' /health answers once the model is loaded). The last line with --json:
 {"cpu", "file", "file_mb", "reps", "ready_s": {"edgepaged": median, "edgepaged_uncached": …,
-"llama_cpp": … or null}, "runs": {name: [seconds, …]}, "llama_cpp_note"}.
+"llama_cpp": … or null}, "runs": {name: [seconds, …]}, "ready_line_s": {"edgepaged": median,
+"edgepaged_uncached": …} (to the server's own "edgepaged ready on" line, which waits for the
+grammar tokenizer too), "ready_line_runs", "llama_cpp_note"}.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -28,20 +31,36 @@ from family_bench import cpu_flags, synthetic
 from soak import free_port
 
 
-def ready_after(cmd: list[str], port: int, env: dict | None = None, wait_s: float = 300.0) -> float | None:
+def ready_after(cmd: list[str], port: int, env: dict | None = None, wait_s: float = 300.0,
+                banner: str | None = None) -> tuple[float | None, float | None]:
     """Seconds from starting `cmd` to its first answer on http://127.0.0.1:port/health (None:
-    it ended first or never answered); the process is stopped after."""
+    it ended first or never answered), and, with `banner`, to the output line holding it (the
+    server's own "ready": for edgepaged, after the grammar tokenizer too); the process is
+    stopped after."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if banner else subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT if banner else subprocess.DEVNULL, env=env, text=True)
+    said: list[float] = []
+
+    def watch():
+        for line in proc.stdout:
+            if banner in line and not said:
+                said.append(time.monotonic() - t0)
+    if banner:
+        threading.Thread(target=watch, daemon=True).start()
+    health = None
     try:
         while time.monotonic() - t0 < wait_s and proc.poll() is None:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
                     if r.status == 200:
-                        return time.monotonic() - t0
+                        health = time.monotonic() - t0
+                        break
             except OSError:
                 time.sleep(0.02)
-        return None
+        while banner and not said and time.monotonic() - t0 < wait_s and proc.poll() is None:
+            time.sleep(0.02)
+        return health, (said[0] if said else None)
     finally:
         proc.terminate()
         try:
@@ -77,6 +96,7 @@ def main() -> None:
     if exe:
         variants["llama_cpp"] = None
     runs: dict[str, list[float]] = {k: [] for k in variants}
+    banners: dict[str, list[float]] = {k: [] for k in variants if k != "llama_cpp"}
     for r in range(args.reps):
         for name, env in variants.items():
             port = free_port()
@@ -85,14 +105,18 @@ def main() -> None:
             else:
                 cmd = [sys.executable, "-m", "edgepaged.cli", "serve", "--model", str(path), "--host", "127.0.0.1",
                        "--port", str(free_port()), "--http-port", str(port), "--no-mdns"]
-            s = ready_after(cmd, port, env)
+            s, said = ready_after(cmd, port, env, banner=None if name == "llama_cpp" else "edgepaged ready on")
             if s is not None:
                 runs[name].append(round(s, 3))
-            print(f"run {r + 1}: {name} {s if s is None else round(s, 2)} s", flush=True)
+            if said is not None:
+                banners[name].append(round(said, 3))
+            print(f"run {r + 1}: {name} {s if s is None else round(s, 2)} s"
+                  + (f" (its ready line {said:.2f} s)" if said is not None else ""), flush=True)
     out = {"cpu": cpu_flags(), "file": path.name, "file_mb": round(path.stat().st_size / 2**20, 1), "reps": args.reps,
            "weights_cache": state,
            "ready_s": {k: (round(statistics.median(v), 3) if v else None) for k, v in runs.items()}, "runs": runs,
-           "llama_cpp_note": note}
+           "ready_line_s": {k: (round(statistics.median(v), 3) if v else None) for k, v in banners.items()},
+           "ready_line_runs": banners, "llama_cpp_note": note}
     out["ready_s"].setdefault("llama_cpp", None)
     print(f"ready (median of {args.reps}): " + ", ".join(f"{k} {v} s" for k, v in out["ready_s"].items()), flush=True)
     if args.json:

@@ -378,6 +378,127 @@ class _Compiler:
 COMPILER = _Compiler()
 
 
+# llguidance reads a tokenizer.json with the `tokenizers` crate it is built with, whose added-token
+# registration compares each new token with every one before it: a vocabulary padded with tens of
+# thousands of reserved control tokens (79,104 in a Llama-3-sized file written from a 49 k
+# vocabulary) took 28 s, with the GIL held, before a server could say ready. Past this many added
+# tokens the token table is handed over as bytes instead (`_TokenTable`), built here in ~1 s.
+MANY_ADDED_TOKENS = 4096
+
+
+def lltokenizer(tokenizer, vocab_size: int, stops: list[int] | None, *, table: bool | None = None):
+    """llguidance's tokenizer for one of ours (model/tokenizer.py): from its tokenizer.json, or,
+    for a vocabulary with more than MANY_ADDED_TOKENS added tokens (or `table=True`), from its
+    token table as bytes with our own tokenizer encoding for it (`_TokenTable`): the same token
+    bytes and the same special tokens, so the same masks (tests/test_grammar.py compares them)."""
+    import llguidance
+    hf = tokenizer.tok
+    if table is None:
+        table = len(hf.get_added_tokens_decoder()) > MANY_ADDED_TOKENS
+    if not table:
+        return llguidance.LLTokenizer(hf.to_str(), n_vocab=vocab_size, eos_token=stops)
+    return llguidance.LLTokenizer(_TokenTable(tokenizer, vocab_size, stops), eos_token=stops)
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable bytes stand for themselves, the others for
+    the characters from U+0100 on, in byte order."""
+    def own(b):
+        return 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF
+    chars, k = {}, 0x100
+    for b in range(256):
+        if own(b):
+            chars[chr(b)] = b
+        else:
+            chars[chr(k)] = b
+            k += 1
+    return chars
+
+
+class _TokenTable:
+    """What llguidance's TokenizerWrapper protocol asks for: every token id's bytes (a special
+    token's text behind llguidance's 0xFF marker, added by it for `special_token_ids`), the ids
+    of EOS and BOS, and a call that tokenizes a string fragment. The bytes follow the same rules
+    llguidance applies to a tokenizer.json: an added token marked special, or written <...>, is
+    special; another added token is its text; a byte-level vocabulary maps its characters back
+    to bytes; a byte-fallback (SentencePiece) one reads <0xNN> as that byte and its space
+    character as a space. The fragment is tokenized as llguidance does it: no BOS, no space
+    prepended by the normalizer or the pre-tokenizer, control-token text parsed as the token."""
+
+    is_tokenizer_wrapper = True
+
+    def __init__(self, tokenizer, vocab_size: int, stops: list[int] | None):
+        hf = tokenizer.tok
+
+        def state(part):
+            return json.loads(part.__getstate__()) if part is not None else None
+        decoders = _flatten(state(hf.decoder), "decoders")
+        kinds = {d.get("type") for d in decoders}
+        space = next((d["pattern"]["String"] for d in decoders if d.get("type") == "Replace"
+                      and d.get("content") == " " and len(d.get("pattern", {}).get("String") or "") == 1), " ")
+        byte_level, fallback = "ByteLevel" in kinds, "ByteFallback" in kinds
+        if not (byte_level or fallback):
+            raise ValueError(f"cannot tell this tokenizer's token bytes (decoder {sorted(kinds)})")
+        n = max(vocab_size, hf.get_vocab_size())
+        tokens = [b""] * n
+        if byte_level:   # each character to its byte as a Latin-1 character; any other fails
+            to_byte = {c: chr(b) for c, b in _byte_level_chars().items()}
+            table = str.maketrans({**{chr(i): "\uffff" for i in range(256)}, **to_byte})
+        for text, i in hf.get_vocab(with_added_tokens=False).items():
+            if i >= n:
+                continue
+            if byte_level:
+                try:
+                    tokens[i] = text.translate(table).encode("latin-1")
+                except UnicodeEncodeError:
+                    pass                     # (llguidance leaves such a token empty too)
+            elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                tokens[i] = bytes([int(text[3:5], 16)])
+            else:
+                tokens[i] = text.replace(space, " ").encode()
+        special = []
+        for i, t in hf.get_added_tokens_decoder().items():
+            if i >= n:
+                continue
+            tokens[i] = t.content.encode()
+            if t.special or (t.content.startswith("<") and t.content.endswith(">")):
+                special.append(i)
+        self.tokens, self.special_token_ids = tokens, special
+        self.eos_token_id = stops[0] if stops else tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        # the fragment tokenizer: no prepended space (a Prepend normalizer dropped, a Metaspace
+        # pre-tokenizer told never to prepend); encoded without special tokens (no BOS/EOS).
+        # Most byte-level vocabularies prepend nothing: the model's own tokenizer serves.
+        self._fragment = hf
+        if any(x.get("type") == "Prepend" for x in _flatten(state(hf.normalizer), "normalizers")) or any(
+                x.get("type") == "Metaspace" for x in _flatten(state(hf.pre_tokenizer), "pretokenizers")):
+            from tokenizers import Tokenizer as HFTokenizer
+            whole = json.loads(hf.to_str())
+            if whole.get("normalizer") is not None:
+                kept = [x for x in _flatten(whole["normalizer"], "normalizers") if x.get("type") != "Prepend"]
+                whole["normalizer"] = (None if not kept else kept[0] if len(kept) == 1
+                                       else {"type": "Sequence", "normalizers": kept})
+            for p in _flatten(whole.get("pre_tokenizer"), "pretokenizers"):
+                if p.get("type") == "Metaspace":
+                    p["prepend_scheme"] = "never"
+            self._fragment = HFTokenizer.from_str(json.dumps(whole))
+
+    def __call__(self, text) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        return self._fragment.encode(text, add_special_tokens=False).ids
+
+
+def _flatten(node, key: str) -> list[dict]:
+    """A tokenizer.json component and, for a Sequence, its parts, depth first (the dicts
+    themselves: a change to one is a change to the state)."""
+    if not node:
+        return []
+    if node.get("type") == "Sequence":
+        return [x for part in node.get(key) or [] for x in _flatten(part, key)]
+    return [node]
+
+
 @dataclass
 class Prepared:
     """A compiled format: its grammar text, one fresh matcher per sample, and the tokens it
@@ -411,8 +532,7 @@ class Grammars:
                 import llguidance
                 # any of the model's stop tokens may end a complete output
                 stops = sorted(self.tokenizer.stop_token_ids) or None
-                self._lltok = llguidance.LLTokenizer(self.tokenizer.tok.to_str(), n_vocab=self.vocab_size,
-                                                     eos_token=stops)
+                self._lltok = lltokenizer(self.tokenizer, self.vocab_size, stops)
             return self._lltok
 
     def compile(self, spec: dict) -> str:
