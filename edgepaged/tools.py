@@ -303,7 +303,7 @@ def syntax_for(template: str | None, tokenizer=None) -> ToolSyntax:
     if tokenizer is not None:
         for text in ("<tool_call>", "</tool_call>", "[TOOL_CALLS]"):
             i = tokenizer.tok.token_to_id(text)
-            if i is not None and text in getattr(tokenizer, "control_strings", ()):
+            if i is not None and text in getattr(tokenizer, "control_set", ()):
                 specials.append((text, i))
     if "[TOOL_CALLS]" in t:
         name = "mistral"

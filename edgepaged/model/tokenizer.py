@@ -3,6 +3,7 @@ and an incremental detokenizer with stop strings."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -41,6 +42,11 @@ def _sentencepiece_merges(vocab: dict[str, int], scores: list[float]) -> list[tu
                 merges.append((scores[pid], vocab[left], vocab[right], left, right))
     merges.sort(key=lambda m: (-m[0], m[1], m[2]))
     return [(m[3], m[4]) for m in merges]
+
+
+# past this many control-token strings `Tokenizer.control_in` looks where one could start
+# instead of looking for each (Llama 3 has 256; a vocabulary padded with reserved ones 79 k)
+MANY_CONTROL_STRINGS = 1024
 
 
 def tokenizer_from_gguf(reader) -> "Tokenizer":
@@ -171,6 +177,12 @@ class Tokenizer:
         # the control tokens' texts, and a twin tokenizer that reads them as plain text
         self.control_strings = tuple(sorted({t.content for t in tok.get_added_tokens_decoder().values()
                                              if t.special and t.content}, key=len, reverse=True))
+        self.control_set = frozenset(self.control_strings)
+        # for many of them (a vocabulary padded with reserved tokens: 79 k), where each string's
+        # own scan of a message would cost 0.2 s: the lengths, and where one may start
+        self._control_lengths = sorted({len(c) for c in self.control_strings}, reverse=True)
+        firsts = "".join(sorted({c[0] for c in self.control_strings}))
+        self._control_start = re.compile(f"[{re.escape(firsts)}]") if firsts else None
         self._plain = None
 
     @classmethod
@@ -236,11 +248,24 @@ class Tokenizer:
                                      **{**special, **kwargs})
         return self._encode_rendered(text, messages) if tokenize else text
 
+    def control_in(self, text: str) -> str | None:
+        """A control-token string that `text` holds ("<|im_start|>"), or None. Few control
+        strings: each one looked for (the longest first); many: each place one could start,
+        with every length there is, looked up (time in the text's length, not in the count)."""
+        if len(self.control_strings) <= MANY_CONTROL_STRINGS:
+            return next((c for c in self.control_strings if c in text), None)
+        for m in self._control_start.finditer(text):
+            at = m.start()
+            for n in self._control_lengths:
+                if text[at:at + n] in self.control_set:
+                    return text[at:at + n]
+        return None
+
     def _encode_rendered(self, text: str, messages: list[dict]) -> list[int]:
         """Tokenize a rendered chat: the template's text with control tokens parsed, every
         message text that holds a control string as plain text. Messages without one are
         tokenized exactly as the whole rendered text would be."""
-        risky = [isinstance(m.get("content"), str) and any(c in m["content"] for c in self.control_strings)
+        risky = [isinstance(m.get("content"), str) and self.control_in(m["content"]) is not None
                  for m in messages]
         if not any(risky):
             return self.encode(text, add_special_tokens=False)
@@ -252,7 +277,7 @@ class Tokenizer:
             at = text.find(content, pos)
             if at < 0:
                 if r:
-                    hit = next(c for c in self.control_strings if c in content)
+                    hit = self.control_in(content)
                     raise ValueError(f"message {i} contains the control string {hit!r}, which this model's chat "
                                      "template does not keep as plain text")
                 continue
