@@ -26,7 +26,7 @@ SPECS = [
     {"type": "regex", "pattern": "(Yes|No), because [a-zé ]{3,40}\\."},
 ]
 TEXTS = ["Hello, world! ünïcödé 日本語 🙂", " {\"name\": \"light.kitchen\"}", "  two  spaces\n\tand tabs",
-         "word"]
+         "word", "\u0120\u0120x and \u2581\u2581y"]
 
 
 def _tokenizers(tmp_path):
@@ -47,7 +47,10 @@ def _mask(m: LLMatcher, n: int) -> np.ndarray:
 
 
 def test_a_token_table_masks_exactly_as_the_tokenizer_json_does(tmp_path):
+    from tokenizers import AddedToken
     for label, tok in _tokenizers(tmp_path):
+        # added tokens that are not special: read as the vocabulary's pieces where they can be
+        tok.tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("  ", "\u0120\u0120x", "\u2581\u2581y")])
         n = tok.vocab_size
         stops = sorted(tok.stop_token_ids) or None
         json_way = lltokenizer(tok, n, stops, table=False)

@@ -444,25 +444,28 @@ class _TokenTable:
         if byte_level:   # each character to its byte as a Latin-1 character; any other fails
             to_byte = {c: chr(b) for c, b in _byte_level_chars().items()}
             table = str.maketrans({**{chr(i): "\uffff" for i in range(256)}, **to_byte})
-        for text, i in hf.get_vocab(with_added_tokens=False).items():
-            if i >= n:
-                continue
+
+        def piece(text: str) -> bytes | None:
             if byte_level:
                 try:
-                    tokens[i] = text.translate(table).encode("latin-1")
+                    return text.translate(table).encode("latin-1")
                 except UnicodeEncodeError:
-                    pass                     # (llguidance leaves such a token empty too)
-            elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
-                tokens[i] = bytes([int(text[3:5], 16)])
-            else:
-                tokens[i] = text.replace(space, " ").encode()
+                    return None
+            if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                return bytes([int(text[3:5], 16)])
+            return text.replace(space, " ").encode()
+        for text, i in hf.get_vocab(with_added_tokens=False).items():
+            if i < n:
+                tokens[i] = piece(text) or b""   # (llguidance leaves a token it cannot read empty too)
         special = []
         for i, t in hf.get_added_tokens_decoder().items():
             if i >= n:
                 continue
-            tokens[i] = t.content.encode()
             if t.special or (t.content.startswith("<") and t.content.endswith(">")):
+                tokens[i] = t.content.encode()
                 special.append(i)
+            else:   # read as the vocabulary's pieces are, else as its text
+                tokens[i] = piece(t.content) or t.content.encode()
         self.tokens, self.special_token_ids = tokens, special
         self.eos_token_id = stops[0] if stops else tokenizer.eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
