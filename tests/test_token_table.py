@@ -151,3 +151,39 @@ def test_the_grammar_tokenizer_keeps_the_model_s_vocabulary_size(table):
     n = tok.vocab_size + 64
     ll = lltokenizer(tok, n, sorted(tok.stop_token_ids), table=table)
     assert ll.vocab_size == n
+
+
+async def test_a_padded_vocabulary_serves_formats_and_tool_calls(padded):
+    """End to end through the OpenAI door on the padded model (its grammar tokenizer the token
+    table, whose fragment tokenizer llguidance calls back for forced text): a JSON schema answer
+    validates, a required tool call parses with its arguments, and no answer holds a reserved
+    token's text."""
+    import json
+
+    import jsonschema
+    import trio
+
+    from edgepaged.model.runtime import open_runner
+    from test_http import afetch, serving
+    runner = open_runner(padded[0], "cpu", num_blocks=256)
+    schema = {"type": "object", "properties": {"room": {"enum": ["kitchen", "hall"]},
+                                               "level": {"type": "integer", "minimum": 0, "maximum": 100}},
+              "required": ["room", "level"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "set_light", "description": "Set a light", "parameters": schema}}
+    ask = [{"role": "user", "content": "Dim the kitchen light to 30."}]
+    async with serving(runner) as http:
+        url = http.base + "/v1/chat/completions"
+        base = {"model": "m", "messages": ask, "max_tokens": 60, "temperature": 0}
+        status, _, body = await afetch(url, {**base, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "light", "schema": schema, "strict": True}}})
+        assert status == 200, body
+        text = json.loads(body)["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(text), schema)
+        status, _, body = await afetch(url, {**base, "tools": [tool], "tool_choice": "required"})
+        assert status == 200, body
+        message = json.loads(body)["choices"][0]["message"]
+        (call,) = message["tool_calls"]
+        assert call["function"]["name"] == "set_light"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+        assert "reserved_special_token" not in json.dumps(message)
+    await trio.sleep(0)
