@@ -161,7 +161,6 @@ async def test_a_padded_vocabulary_serves_formats_and_tool_calls(padded):
     import json
 
     import jsonschema
-    import trio
 
     from edgepaged.model.runtime import open_runner
     from test_http import afetch, serving
@@ -186,4 +185,3 @@ async def test_a_padded_vocabulary_serves_formats_and_tool_calls(padded):
         assert call["function"]["name"] == "set_light"
         jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
         assert "reserved_special_token" not in json.dumps(message)
-    await trio.sleep(0)
