@@ -35,7 +35,7 @@ from .request import INTERACTIVE, DoneEvent, EmbeddingEvent, Request, Status, To
 from .draft import Drafter, check_pair
 from .speculate import SpecConfig, Speculation, chain_drafts
 from .scheduler import Batch, ScheduleError, Scheduler, SchedulerConfig
-from ..model.grammar import matcher_error
+from ..model.grammar import ForcedTooLong, GrammarRefused, forced_run, matcher_error
 from ..model.runtime import StepInterrupted
 
 log = logging.getLogger("edgepaged.engine")
@@ -714,6 +714,8 @@ class Engine:
                 elif not req.matcher.is_error():
                     ok = req.matcher.consume_token(tok)
                     out[req] = ("took", ok, ok and req.matcher.is_stopped())
+                    if ok and not out[req][2]:   # what it forces next: forced off the GIL, within the limit
+                        forced_run(req.matcher)
             except Exception as e:      # handed to the loop: that request alone ends
                 out[req] = ("failed", e)
         if self.scheduler.spec is not None:
@@ -746,6 +748,9 @@ class Engine:
             try:
                 chain, lead, certain = chain_drafts(m, req.all_ids + new if lookup else None, k,
                                                     self.spec.history.corpus(req.salt) if lookup else None)
+            except ForcedTooLong as e:   # (a call's lazy grammar: its request ends as a format's would)
+                took[req] = ("failed", e)
+                continue
             except Exception:   # noqa: BLE001 - no drafts then
                 chain, lead, certain = [], 0, []
             req.forced = (at, chain, lead, certain) if chain else None
@@ -777,16 +782,20 @@ class Engine:
                 continue
             try:
                 if isinstance(tok, list):     # speculation: the drafts it kept and the model's own token
+                    took = (grammar or {}).get(req)
+                    if took is not None and took[0] == "failed":
+                        raise took[1]
                     for t in tok:
                         generated += self._take(req, t, now)
                         if req.finished:
                             break
-                    took = (grammar or {}).get(req)
                     if took is not None and took[1] and not req.finished:   # the format is complete
                         req.stop_reason = "format"
                         self._end(req, "stop")
                     continue
                 generated += self._take(req, tok, now, (grammar or {}).get(req))
+            except GrammarRefused as e:   # its format went past a limit (the forced-text limit)
+                self._end(req, "error", error={"code": "invalid_params", "message": str(e)})
             except Exception as e:   # anything raised on behalf of one request ends that request only
                 log.error("request %s failed while processing its token: %s", req.id, _short(e))
                 log.debug("processing a token failed", exc_info=True)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..model.grammar import forced_run, forces
 from ..model.sampler import prepare, sample_prepared
 
 MIN_NGRAM, MAX_NGRAM = 1, 4
@@ -100,7 +101,7 @@ def chain_drafts(matcher, tokens, k: int, corpus=None, limit: int = CHAIN_MAX) -
     lead = guessed = consumed = 0
     try:
         while len(chain) < limit and not matcher.is_stopped():
-            ff = list(matcher.compute_ff_tokens())[:limit - len(chain)]
+            ff = forced_run(matcher)[:limit - len(chain)]   # (ForcedTooLong past the limit)
             if ff:
                 n = matcher.try_consume_tokens(ff)
                 consumed += n
@@ -125,7 +126,7 @@ def chain_drafts(matcher, tokens, k: int, corpus=None, limit: int = CHAIN_MAX) -
                 took += 1
                 chain.append(t)
                 certain.append(False)
-                if matcher.is_stopped() or matcher.compute_ff_tokens():
+                if matcher.is_stopped() or forces(matcher):
                     break
             consumed += took
             guessed += took

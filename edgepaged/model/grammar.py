@@ -56,6 +56,7 @@ class GrammarLimits:
     max_lexer_states: int = 100_000   # llguidance: lexer states (1-2 kB each)
     step_lexer_fuel: int = 200_000    # llguidance: lexer work per token (~15 ms)
     step_max_items: int = 50_000      # llguidance: parser items per token (~2.5 ms)
+    max_forced_bytes: int = 16 << 10  # what a format may force at once (a run of fixed text)
 
     def llguidance(self):
         from llguidance import LLParserLimits
@@ -71,6 +72,53 @@ class GrammarRefused(ValueError):
     def __init__(self, message: str, busy: bool = False):
         super().__init__(message)
         self.busy = busy
+
+
+class ForcedTooLong(GrammarRefused):
+    """A format that forces more than `GrammarLimits.max_forced_bytes` of fixed text at once."""
+
+
+# -- a format's forced text, bounded -------------------------------------------------------------
+
+# Forced runs up to this many bytes become forced tokens (drafts of the next step); a longer run
+# is generated a token a step like any other text (a JSON reply forces ~10-100 bytes at a time).
+FORCED_TOKENIZE_BYTES = 512
+
+
+def force_off_gil(m) -> None:
+    """Make the matcher's parser take the text its format forces next without the GIL: its mask
+    computation does (llguidance releases the GIL there), where `compute_ff_*` force it with the
+    GIL held, ~1-2.5 us a byte, up to ~250 KB (0.3-0.6 s: one format forcing a long run froze
+    every door). Forced, the run is a slice those calls return at once. A JSON reply's mask
+    costs 10-100 us."""
+    if not m.is_stopped() and not m.is_error():
+        m.compute_bitmask()
+
+
+def forced_run(m, max_bytes: int | None = None) -> list[int]:
+    """The tokens `m`'s format forces next, within bounds: the forcing runs without the GIL
+    (`force_off_gil`), a run of more than FORCED_TOKENIZE_BYTES gives no tokens (it is sampled a
+    token a step, its mask allowing only what fits it), and a run of more than `max_bytes`
+    (`GrammarLimits.max_forced_bytes`) is ForcedTooLong. [] when nothing is forced."""
+    if m.is_stopped() or m.is_error():
+        return []
+    force_off_gil(m)
+    if m.is_error():
+        return []
+    n = len(m.compute_ff_bytes())
+    limit = GrammarLimits.max_forced_bytes if max_bytes is None else max_bytes
+    if n > limit:
+        raise ForcedTooLong(f"the format forces {n} bytes of fixed text at once; this server allows {limit} "
+                            "(the format's forced-text limit)")
+    if not n or n > FORCED_TOKENIZE_BYTES:
+        return []
+    return list(m.compute_ff_tokens())
+
+
+def forces(m) -> bool:
+    """Whether `m`'s format forces any text next (forced without the GIL)."""
+    force_off_gil(m)
+    return not m.is_error() and len(m.compute_ff_bytes()) > 0
 
 
 # -- measuring before compiling -----------------------------------------------------------------
@@ -612,12 +660,15 @@ class Grammars:
                     log.debug("a format failed its first mask: %s", template.get_error())
                     raise GrammarRefused("the format is past the parser's per-token limits at its first token "
                                          "(e.g. too many optional properties); use a simpler format")
+            # (the template is shared by every request of the format: only copies change state)
+            matchers = [template.deep_copy() for _ in range(samples)]
             try:
-                forced = list(template.compute_ff_tokens())
+                forced = forced_run(matchers[0], self.limits.max_forced_bytes)
+            except ForcedTooLong:
+                raise
             except Exception:   # noqa: BLE001 - nothing forced then
                 forced = []
             lead, certain = len(forced), [True] * len(forced)
-            matchers = [template.deep_copy() for _ in range(samples)]
             if drafts is not None:
                 try:
                     forced, lead, certain = drafts(matchers[0])

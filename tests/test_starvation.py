@@ -1,0 +1,128 @@
+"""Nothing anyone sends can starve the box (issue "Nothing anyone sends can starve the box",
+docs/SECURITY.md): requests each accepted but costing the box seconds of shared time (the
+event loop, the GIL, the grammar compiler, the generation slots, the worker threads) are
+bounded or refused, while `/health` keeps answering and a greedy canary beside them answers
+as it did alone. Each test failed on the code before its fix."""
+from __future__ import annotations
+
+import json
+import time
+
+import trio
+
+from edgepaged.model.grammar import FORCED_TOKENIZE_BYTES, GrammarLimits, Grammars, forced_run
+from edgepaged.testing.serving import serving
+
+from test_takedown import FRANCE, afetch, alive
+
+CANARY = {"messages": FRANCE, "max_tokens": 12, "temperature": 0}
+
+
+class HealthWatch:
+    """Polls /health at `hz` while its block runs; `worst_ms`: the slowest answer."""
+
+    def __init__(self, base: str, hz: float = 20.0):
+        self.base, self.period, self.worst_ms, self.polls = base, 1.0 / hz, 0.0, 0
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED):
+        import http.client
+        task_status.started()
+        host, port = self.base.rsplit("/", 1)[1].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+
+        def get():
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            r.read()
+            return r.status
+        while True:
+            t = time.perf_counter()
+            status = await trio.to_thread.run_sync(get)
+            self.worst_ms = max(self.worst_ms, (time.perf_counter() - t) * 1000)
+            self.polls += 1
+            assert status == 200
+            await trio.sleep(self.period)
+
+
+async def canary(base: str) -> str:
+    status, raw = await afetch(base + "/v1/chat/completions", CANARY)
+    assert status == 200, raw[:300]
+    return json.loads(raw)["choices"][0]["message"]["content"]
+
+
+# ---------------------------------------------------------------- 1: a huge forced continuation
+
+def test_a_long_forced_run_is_bounded_and_forced_off_the_gil(embedded_runner):
+    """llguidance forces a format's fixed text with the GIL held (~1-2.5 us a byte, up to
+    ~250 KB) and tokenizes all of it, each time it is asked. `forced_run` forces it in the
+    mask computation (no GIL), tokenizes only short runs and refuses past the limit."""
+    g = Grammars(embedded_runner.tokenizer, embedded_runner.config.vocab_size)
+    a = embedded_runner.tokenizer.encode("a", add_special_tokens=False)[0]
+
+    def after_a(n):
+        m = g.matcher(g.compile({"type": "regex", "pattern": f"(a|b)c{{{n}}}"}))
+        assert m.consume_token(a)
+        return m
+    short = forced_run(after_a(100))
+    assert short and len(embedded_runner.tokenizer.decode(short)) <= 100       # the short run, as tokens
+    assert forced_run(after_a(4 * FORCED_TOKENIZE_BYTES)) == []                 # a long one: sampled a token a step
+    import pytest
+    from edgepaged.model.grammar import ForcedTooLong
+    with pytest.raises(ForcedTooLong, match="forced-text limit"):
+        forced_run(after_a(GrammarLimits.max_forced_bytes + 1))
+    # the GIL stays free while a 200 KB run is forced
+    import threading
+    gaps, stop = [], threading.Event()
+
+    def tick():
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+    m = after_a(200_000)
+    th = threading.Thread(target=tick)
+    th.start()
+    time.sleep(0.05)
+    with pytest.raises(ForcedTooLong):
+        forced_run(m)
+    stop.set()
+    th.join()
+    assert max(gaps) < 0.05, max(gaps)
+
+
+async def test_requests_forcing_long_runs_never_stall_health(embedded_runner):
+    """16 requests whose regex forces 200 KB after its first letter: each ends with a 400-class
+    error naming the forced-text limit (or a short answer), /health answers within 100 ms
+    throughout (10.6 s stalls for 8 before), a format forcing it from its start is a 400 before
+    it runs, and the canary answers as it did alone."""
+    async with serving(embedded_runner, http=True, max_num_seqs=32) as server:
+        base = server.http_base
+        alone = await canary(base)
+        body = {"messages": [{"role": "user", "content": "Say a or b."}], "max_tokens": 64, "temperature": 0,
+                "guided_regex": "(a|b)c{200000}"}
+        status, raw = await afetch(base + "/v1/chat/completions",
+                                   {**body, "guided_regex": "c{200000}"})
+        assert status == 400 and b"forced-text limit" in raw, raw[:300]
+        watch = HealthWatch(base)
+        results = []
+
+        async def attack(k):
+            results.append(await afetch(base + "/v1/chat/completions", {**body, "guided_regex": f"(a|b)c{{{200000 + k}}}"}))
+        async with trio.open_nursery() as n:
+            await n.start(watch.run)
+            async with trio.open_nursery() as inner:
+                for k in range(16):
+                    inner.start_soon(attack, k)
+            beside = await canary(base)
+            n.cancel_scope.cancel()
+        assert watch.polls > 5
+        print("health worst ms", watch.worst_ms, "polls", watch.polls)
+        assert watch.worst_ms <= 100, watch.worst_ms
+        assert len(results) == 16
+        for status, raw in results:     # ended at the forced run (before any text: a 400)
+            assert status == 400 and b"forced-text limit" in raw, raw[:300]
+        assert beside == alone
+        await alive(server)
+        assert server.front.engine.allocator.num_used_blocks == 0
