@@ -208,6 +208,9 @@ def main(verbose):
 @click.option("--max-inflight", type=int, default=16, show_default=True, help="Requests in flight per connection.")
 @click.option("--max-prompt-tokens", type=int, default=None, help="Longest prompt taken (default: the context).")
 @click.option("--max-tokens", type=int, default=None, help="Cap on a request's max_tokens (default: the context).")
+@click.option("--max-prompt-bytes", type=click.IntRange(1), default=None,
+              help="Most bytes of text one request's prompt may have (its messages, prompt and suffix, as UTF-8), "
+                   "checked before it is tokenized; past it a 400 (default: 16 x the context, at least 256 KiB).")
 @click.option("--max-request-tokens", type=click.IntRange(1), default=65536, show_default=True,
               help="Most tokens one request may ask for: max_tokens x n (its parallel samples). Past it: a 400.")
 @click.option("--max-identity-tokens", type=click.IntRange(1), default=262144, show_default=True,
@@ -271,7 +274,7 @@ def main(verbose):
                    "flags given here win over it. Env EDGEPAGED_CONFIG.")
 def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, prefix_cache_disk, block_size, kv_dtype,
           max_batched_tokens, token, http_port, no_http, no_mdns, mdns_interface, max_connections, max_unauthenticated,
-          max_unauthenticated_per_address, allowed_hosts, cors_origins, admin_from, max_inflight, max_prompt_tokens, max_tokens,
+          max_unauthenticated_per_address, allowed_hosts, cors_origins, admin_from, max_inflight, max_prompt_tokens, max_tokens, max_prompt_bytes,
           max_request_tokens, max_identity_tokens, grammar_max_depth, grammar_max_bytes, grammar_timeout, grace, users_file, contiguous, quant_math, runtime, step_time, speculation, draft_path, spec_tokens,
           spec_max_running, context_policy, window_tokens, window_sink,
           mdns_refresh):
@@ -360,6 +363,7 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
                             max_unauthenticated=max_unauthenticated,
                             max_unauthenticated_per_address=max_unauthenticated_per_address, sock=server_sock),
         front=FrontEndConfig(token=token or None, users=users, max_prompt_tokens=max_prompt_tokens,
+                             max_prompt_bytes=max_prompt_bytes,
                              max_tokens=max_tokens, max_request_tokens=max_request_tokens,
                              max_identity_tokens=max_identity_tokens,
                              grammar=GrammarLimits(max_depth=grammar_max_depth, max_bytes=grammar_max_bytes,

@@ -38,6 +38,11 @@ from .schema import MAX_SAMPLES
 
 log = logging.getLogger("edgepaged.frontend")
 MAX_EMBED_INPUTS = 512   # texts in one embeddings request
+# Rendering and tokenizing a request holds the GIL in parts (a chat template renders in Python):
+# the box's two cores run at most two such jobs at once, so a burst of long prompts leaves the
+# event loop its turn at the GIL (eight at once stalled /health 169 ms; two at a time, see
+# tests/test_starvation.py). Its own threads: the engine's steps never wait for these.
+PREPARE = trio.CapacityLimiter(2)
 
 
 class AuthFailed(Exception):
@@ -57,6 +62,7 @@ class FrontEndConfig:
     token: str | None = None             # shared secret; None = open to the network
     users: dict[str, str] | None = None  # per-user tokens (token -> name, a `Users` for admins): own prefix caches
     max_prompt_tokens: int | None = None  # default: the context length - 1
+    max_prompt_bytes: int | None = None  # a prompt's text before tokenizing; default: prompt_bytes_default()
     max_tokens: int | None = None        # cap on a request's max_tokens; default: the context length
     max_request_tokens: int | None = 65536   # max_tokens x n of one request (None: no cap)
     max_identity_tokens: int | None = 262144  # what one user/client/address has in flight, max_tokens x n summed
@@ -167,6 +173,28 @@ def model_display_name(engine) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
+def prompt_bytes_default(context: int) -> int:
+    """The default cap on a prompt's text: 16 bytes a token of the context (English runs ~4 a
+    token), at least 256 KiB. A prompt is measured before it is tokenized: tokenizing 1 MiB takes
+    ~0.5 s of a core."""
+    return max(256 << 10, 16 * context)
+
+
+def text_bytes(value, most: int) -> int:
+    """The UTF-8 bytes of the strings in `value` (a prompt, messages with their parts and tool
+    calls), walked without recursion; stops counting once past `most`."""
+    total, stack = 0, [value]
+    while stack and total <= most:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v) if v.isascii() else len(v.encode("utf-8", "surrogatepass"))
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return total
+
+
 WINDOW_MAX_TOKENS = 1 << 16  # the window policy's cap on max_tokens when the server sets none
 DEFAULT_ANSWER_ROOM = 512   # truncate "auto" keeps this much room for an answer when max_tokens is not given
 
@@ -268,6 +296,7 @@ class FrontEnd(Box):
         ctx = engine.max_model_len
         self.max_prompt_tokens = min(cfg.max_prompt_tokens or ctx - 1, ctx - 1)
         self.max_tokens = min(cfg.max_tokens or ctx, ctx)
+        self.max_prompt_bytes = cfg.max_prompt_bytes or prompt_bytes_default(ctx)
         self.model = model_display_name(engine)
         self._grammars = None
 
@@ -312,6 +341,10 @@ class FrontEnd(Box):
         except (ValueError, TypeError) as e:
             raise RequestRejected("invalid_params", str(e)) from None
         tok = self.tokenizer
+        size = text_bytes((item.messages, item.prompt, item.suffix), self.max_prompt_bytes)
+        if size > self.max_prompt_bytes:      # measured before anything renders or tokenizes it
+            raise RequestRejected("prompt_too_long", f"the prompt has over {self.max_prompt_bytes} bytes of text; this "
+                                  f"server takes at most {self.max_prompt_bytes} (serve --max-prompt-bytes)")
         n = item.n
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
             raise RequestRejected("invalid_params", f"n must be in 1..{MAX_SAMPLES}, got {n!r}")
@@ -323,7 +356,7 @@ class FrontEnd(Box):
             kwargs = self._template_kwargs(item, offered)
             job = partial(tok.apply_chat_template, messages, **kwargs)
             if offered:     # tool schemas are grammars too: measured before the prompt is even rendered
-                await trio.to_thread.run_sync(self._check_tool_limits, offered)
+                await trio.to_thread.run_sync(self._check_tool_limits, offered, limiter=PREPARE)
                 syntax = tl.syntax_for(tok.chat_template, tok)
                 calls = tl.ToolStream(syntax, tok)
                 if item.tool_choice == "auto" and syntax.name == "generic":   # JSON all through: calls or a reply
@@ -358,9 +391,9 @@ class FrontEnd(Box):
                 room = min(item.max_tokens or DEFAULT_ANSWER_ROOM, self.max_tokens)
                 limit = min(self.max_prompt_tokens, self.engine.max_model_len - room,
                             (item.context_limit or self.engine.max_model_len) - room)
-                ids, dropped = await trio.to_thread.run_sync(self._fit, item, offered, limit)
+                ids, dropped = await trio.to_thread.run_sync(self._fit, item, offered, limit, limiter=PREPARE)
             else:
-                ids = await trio.to_thread.run_sync(job)
+                ids = await trio.to_thread.run_sync(job, limiter=PREPARE)
         except Exception as e:  # a chat template may refuse a conversation (e.g. roles out of order)
             raise RequestRejected("bad_request", f"cannot render the prompt: {_short(e)}") from None
         if len(ids) > self.max_prompt_tokens:
@@ -487,10 +520,16 @@ class FrontEnd(Box):
             if isinstance(x, str) and not x:
                 raise RequestRejected("empty_prompt", f"input[{i}] is empty")
 
+        size = text_bytes(inputs, self.max_prompt_bytes)
+        if size > self.max_prompt_bytes:      # measured before anything is tokenized
+            raise RequestRejected("prompt_too_long", f"the inputs have over {self.max_prompt_bytes} bytes of text; this "
+                                  f"server takes at most {self.max_prompt_bytes} in one request "
+                                  "(serve --max-prompt-bytes): send them in parts")
+
         def encode():
             return [x if isinstance(x, list) else tok.encode(x) for x in inputs]
         try:
-            ids = await trio.to_thread.run_sync(encode)
+            ids = await trio.to_thread.run_sync(encode, limiter=PREPARE)
         except Exception as e:    # text the tokenizer cannot take (lone surrogates, ...)
             raise RequestRejected("bad_request", f"cannot tokenize the input: {_short(e)}") from None
         # an encoder takes its whole context (nothing is generated after it)
