@@ -82,6 +82,9 @@ class Caller:
     # address). The prefix-cache salt hashes it with the identity, so `"user": "<an address>"`
     # never reaches the cache of the client at that address.
     namespace: str = "peer"
+    # who counts against per-caller quotas: the authenticated user, else the address (never a
+    # name the client chose: a stranger could take a new one per request)
+    quota_key: str = ""
 
 
 @dataclass
@@ -267,10 +270,10 @@ class Box:
         client = client_name or peer
         if user is None:   # a name the client chose, or its address: two namespaces, never one
             return Caller(client, client, sees_all=not self.config.users,
-                          namespace="client" if client_name else "peer")
+                          namespace="client" if client_name else "peer", quota_key=f"peer:{peer}")
         admins = getattr(self.config.users, "admins", ())
         return Caller(f"{user}/{client_name}" if client_name else user, user, sees_all=user in admins,
-                      namespace="user")
+                      namespace="user", quota_key=f"user:{user}")
 
     def stats(self, caller: Caller, full: dict) -> dict:
         """What `caller` may see of the box's stats (`full`, the engine's and the doors'):
@@ -368,7 +371,7 @@ class FrontEnd(Box):
                 elif item.tool_choice == "auto" and fmt is None:   # a call the model starts is constrained
                     cont = syntax.continuation(offered, item.parallel_tool_calls)
                     if cont is not None:   # compiled now, with the request: never inside the engine loop
-                        lazy = (syntax.marker, await self._prepare(None, n, cont, "tools"))
+                        lazy = (syntax.marker, await self._prepare(None, n, cont, "tools", who=caller.quota_key))
                 if item.tool_choice != "auto":     # required / a named function: the call must parse
                     if fmt is not None:
                         raise RequestRejected("invalid_params", "a response format and a required tool call "
@@ -425,7 +428,8 @@ class FrontEnd(Box):
         salt = cache_salt(caller.identity, item.share_prefix_cache, caller.namespace)
         if fmt is not None:   # compiled off the event loop, on a large stack, within the limits
             prepared = await self._prepare(fmt, n, None, "format", self._first_drafts(
-                item, ids, salt, n, calls.syntax if calls is not None and item.stream_calls else None))
+                item, ids, salt, n, calls.syntax if calls is not None and item.stream_calls else None),
+                who=caller.quota_key)
             matchers = prepared.matchers
             forced = (len(ids), prepared.forced, prepared.lead, prepared.certain) if prepared.forced else None
         from . import thinking as th
@@ -471,14 +475,14 @@ class FrontEnd(Box):
             return (chain, lead, certain) if j is None else (chain[:j], min(lead, j), certain[:j])
         return first_name
 
-    async def _prepare(self, spec, n: int, grammar: str | None, what: str, drafts=None):
+    async def _prepare(self, spec, n: int, grammar: str | None, what: str, drafts=None, who: str = ""):
         """A format (or a grammar a door built) compiled with n matchers, off the event loop;
         a refusal as the protocol's error (400, or busy: 503). `drafts`: see `_first_drafts`."""
         from .model.grammar import GrammarRefused
         try:
-            return await self.grammars.prepare(spec, n, grammar=grammar, drafts=drafts)
+            return await self.grammars.prepare(spec, n, grammar=grammar, drafts=drafts, who=who)
         except GrammarRefused as e:
-            raise RequestRejected("busy" if e.busy else "invalid_params", f"{what}: {e}") from None
+            raise RequestRejected(e.code, f"{what}: {e}") from None
 
     def _check_tool_limits(self, tools: list) -> None:
         from .model.grammar import GrammarRefused, check_limits

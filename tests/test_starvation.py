@@ -193,3 +193,83 @@ async def test_a_prompt_past_the_byte_cap_is_refused_before_tokenizing_and_none_
         assert all(s == 400 and "tokens" in r for s, r in results), results[0][1][:300]
         assert watch.worst_ms <= 100, watch.worst_ms
         await alive(server)
+
+
+# ---------------------------------------------------------------- 3: the grammar compiler pinned
+
+def wide_schema(n: int, tag: str = "") -> dict:
+    return {"type": "object", "properties": {f"field_{tag}{i}": {"type": "string"} for i in range(n)}}
+
+
+HOUSEHOLD_TOOLS = {"type": "object", "properties": {"name": {"type": "string"}, "area": {"type": "string"},
+                                                    "brightness": {"type": "integer"}}, "required": ["name"]}
+
+
+async def test_a_strangers_large_formats_never_pin_the_compiler(embedded_runner):
+    """A stranger sending ~200 KB schemas, each with one property changed: a second one while
+    its first compiles is refused at once (429), the first is stopped at the time limit (its
+    child process killed: it no longer runs on for as long as it takes), then the stranger
+    waits a cooldown; meanwhile json_object and a household's tool schema from another caller
+    compile at once (they waited behind both compiler threads before: 503 busy)."""
+    import pytest
+    from edgepaged.model.grammar import COMPILER, LARGE_COMPILER, GrammarRefused
+    g = Grammars(embedded_runner.tokenizer, embedded_runner.config.vocab_size, GrammarLimits(compile_timeout_s=1.5))
+    g.lltok
+    with trio.fail_after(60):
+        while COMPILER.pending or LARGE_COMPILER.pending:   # (earlier tests' compiles finish first)
+            await trio.sleep(0.1)
+    outcome, quick = {}, []
+
+    async def stranger(k):
+        try:
+            await g.prepare({"type": "json_schema", "schema": wide_schema(6000, f"v{k}_")}, who="peer:10.0.0.66")
+            outcome[k] = "compiled"
+        except GrammarRefused as e:
+            outcome[k] = e
+    t0 = time.monotonic()
+    async with trio.open_nursery() as n:
+        n.start_soon(stranger, 0)
+        with trio.fail_after(10):
+            while not LARGE_COMPILER.pending:
+                await trio.sleep(0.01)
+        n.start_soon(stranger, 1)
+        for spec in ({"type": "json_object"}, {"type": "json_schema", "schema": HOUSEHOLD_TOOLS},
+                     {"type": "regex", "pattern": "(yes|no)"}):
+            t = time.monotonic()
+            ready = await g.prepare(spec, who="peer:10.0.0.2")
+            quick.append(time.monotonic() - t)
+            assert ready.matchers
+    stopped_after = time.monotonic() - t0
+    assert max(quick) < 1.0, quick
+    assert isinstance(outcome[1], GrammarRefused) and outcome[1].code == "too_many_requests", outcome
+    assert isinstance(outcome[0], GrammarRefused) and "stopped" in str(outcome[0]), outcome
+    assert stopped_after < 1.5 + 2.0, stopped_after        # the budget, not the compile's own ~3-6 s
+    with trio.fail_after(5):
+        while LARGE_COMPILER.pending:
+            await trio.sleep(0.01)
+    with pytest.raises(GrammarRefused) as e:                # its next large format: after a cooldown
+        await g.prepare({"type": "json_schema", "schema": wide_schema(6000, "v2_")}, who="peer:10.0.0.66")
+    assert e.value.code == "too_many_requests" and "stopped" in str(e.value)
+    ready = await g.prepare({"type": "json_schema", "schema": wide_schema(1500)}, who="peer:10.0.0.2")
+    assert ready.matchers                                   # another caller's large format compiles
+
+
+async def test_a_large_format_over_http_is_refused_per_caller_and_the_household_goes_on(embedded_runner):
+    """Over the doors: the stranger's second large format is a 429, the household's json_object
+    a 200 beside it."""
+    async with serving(embedded_runner, http=True, grammar=GrammarLimits(compile_timeout_s=1.5)) as server:
+        base = server.http_base
+        bodies = [{"messages": FRANCE, "max_tokens": 3, "guided_json": wide_schema(6000, f"h{k}_")} for k in range(2)]
+        async with trio.open_nursery() as n:
+            got = []
+
+            async def attack():
+                got.extend(await clients(base + "/v1/chat/completions", bodies))
+            n.start_soon(attack)
+            await trio.sleep(0.5)
+            status, raw = await afetch(base + "/v1/chat/completions", {
+                "messages": FRANCE, "max_tokens": 5, "response_format": {"type": "json_object"}})
+            assert status == 200, raw[:300]
+        codes = sorted(s for s, _ in got)
+        assert codes == [400, 429], got
+        await alive(server)

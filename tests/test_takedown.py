@@ -200,40 +200,7 @@ async def test_the_compile_time_budget_is_a_400_and_remembered(embedded_runner):
         await alive(server)
 
 
-async def test_a_full_compiler_says_busy_and_skips_what_nobody_waits_for(embedded_runner):
-    """Both compiler threads on slow formats: a third format waits its budget, then a 503
-    (busy, not remembered); its queued compile is skipped once its request gave up, and the
-    same format compiles at once later."""
-    g = Grammars(embedded_runner.tokenizer, embedded_runner.config.vocab_size, GrammarLimits(compile_timeout_s=0.5))
-    quick = {"type": "regex", "pattern": "(yes|no)"}
-    refused = []
-    with trio.fail_after(60):
-        while COMPILER.pending:          # (the compiler is the process's: earlier tests' compiles finish first)
-            await trio.sleep(0.1)
-
-    async def slow(k):
-        with pytest.raises(GrammarRefused) as e:
-            await g.prepare({"type": "json_schema", "schema": wide_schema(6000 + k)})
-        refused.append(e.value)
-    async with trio.open_nursery() as n:
-        for k in range(2):
-            n.start_soon(slow, k)
-        with trio.fail_after(30):      # both slow ones checked (in a worker thread) and on the compiler
-            while COMPILER.pending < 2:
-                await trio.sleep(0.01)
-        with pytest.raises(GrammarRefused) as e:
-            await g.prepare(quick)
-        assert e.value.busy and "busy" in str(e.value)
-    assert all(not r.busy and "compile-time limit" in str(r) for r in refused)
-    with trio.fail_after(30):
-        while True:             # the slow ones finish in their threads; the quick one is skipped, then asked again
-            try:
-                ready = await g.prepare(quick)
-                break
-            except GrammarRefused as e:
-                assert e.busy
-                await trio.sleep(0.5)
-    assert ready.matchers and not any("regex" in k for k, v in g._cache.items() if isinstance(v, GrammarRefused))
+# (a full compiler's "busy" and a stranger's large formats: tests/test_starvation.py, item 3)
 
 
 # ---------------------------------------------------------------- 3: faults outside the forward

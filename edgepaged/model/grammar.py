@@ -69,9 +69,14 @@ class GrammarRefused(ValueError):
     """A format refused before it ran (past a limit, or not a valid grammar). `busy`: the
     compiler had no room in time (a 503 rather than a 400)."""
 
-    def __init__(self, message: str, busy: bool = False):
+    def __init__(self, message: str, busy: bool = False, code: str | None = None):
         super().__init__(message)
         self.busy = busy
+        self.code = code or ("busy" if busy else "invalid_params")
+
+
+class CompileStopped(GrammarRefused):
+    """A compile stopped at the format compile-time limit (its child process killed)."""
 
 
 class ForcedTooLong(GrammarRefused):
@@ -423,7 +428,122 @@ class _Compiler:
         return box["v"]
 
 
-COMPILER = _Compiler()
+COMPILER = _Compiler()          # formats up to SMALL_FORMAT_BYTES (and synchronous callers)
+LARGE_COMPILER = _Compiler(1)   # larger ones: one at a time, each checked first in a child process
+
+# A format's text (its spec as JSON, or a grammar) up to this size compiles in well under a
+# second (a 32 KB, 1,000-property schema: ~0.15 s here) in the small lane: json_object, a
+# household's tool sets. A larger one goes to the large lane, where one stranger's compile
+# never holds up those.
+SMALL_FORMAT_BYTES = 32 << 10
+
+
+def in_child(fn, timeout_s: float):
+    """`fn()` run in a forked child process, killed after `timeout_s` (llguidance's compile
+    cannot be stopped in a thread: a format past its budget kept a compiler thread for as long
+    as it ran). Returns fn's result (a str); GrammarRefused for fn's own refusal, for the
+    time limit, or when the child died. The child shares nothing it could break: it closes the
+    server's files, takes no lock, and leaves by os._exit."""
+    import os
+    import pickle
+    import select
+    import signal
+    import warnings
+    r, w = os.pipe()
+    with warnings.catch_warnings():      # (Python 3.12 warns of fork beside threads; the child runs fn only)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:                         # the child
+        code = 0
+        try:
+            os.close(r)
+            os.closerange(3, w)
+            os.closerange(w + 1, 1 << 16)
+            try:
+                out = ("ok", fn())
+            except GrammarRefused as e:
+                out = ("refused", str(e))
+            except BaseException as e:   # noqa: BLE001 - said to the parent, in one line
+                out = ("failed", first_line(f"{type(e).__name__}: {e}"))
+            data = pickle.dumps(out)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(w, view):]
+        except BaseException:            # noqa: BLE001
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks, deadline, done = [], time.monotonic() + timeout_s, False
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                break
+            chunk = os.read(r, 1 << 20)
+            if not chunk:
+                done = True
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        if not done:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.waitpid(pid, 0)
+    if not done:
+        raise CompileStopped(f"the format takes longer than {timeout_s:g} s to compile (the format compile-time "
+                             "limit); it was stopped")
+    try:
+        kind, value = pickle.loads(b"".join(chunks))
+    except Exception:                    # noqa: BLE001 - the child died (out of memory, a crash in the library)
+        raise GrammarRefused("the format could not be compiled (its compile failed)") from None
+    if kind == "ok":
+        return value
+    if kind == "failed":
+        log.warning("a grammar failed to compile: %s", value)
+        raise GrammarRefused("the format could not be compiled")
+    raise GrammarRefused(value)
+
+
+class CompileQuota:
+    """Large formats' compiles per caller: at most `per_caller` queued or running at once, and
+    a caller whose compile was stopped at the time limit waits `cooldown_s` before its next
+    large one (each costs the box up to the budget of a core). Small formats and formats
+    compiled before never count."""
+
+    def __init__(self, per_caller: int = 1, cooldown_s: float = 30.0, max_callers: int = 4096):
+        self.per_caller, self.cooldown_s, self.max_callers = per_caller, cooldown_s, max_callers
+        self.running: dict[str, int] = {}
+        self.stopped: dict[str, float] = {}      # caller -> when its last compile was stopped
+        self._lock = threading.Lock()
+
+    def take(self, who: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if len(self.stopped) > self.max_callers:
+                self.stopped = {k: t for k, t in self.stopped.items() if now - t < self.cooldown_s}
+            since = now - self.stopped.get(who, -1e9)
+            if since < self.cooldown_s:
+                raise GrammarRefused(f"your last large format was stopped at the compile-time limit; send the next "
+                                     f"one in {self.cooldown_s - since:.0f} s", busy=True, code="too_many_requests")
+            if self.running.get(who, 0) >= self.per_caller:
+                raise GrammarRefused("your earlier large format is still compiling; send the next when it is done "
+                                     f"(at most {self.per_caller} at once per caller)", busy=True,
+                                     code="too_many_requests")
+            self.running[who] = self.running.get(who, 0) + 1
+
+    def give(self, who: str, stopped: bool = False) -> None:
+        with self._lock:
+            n = self.running.get(who, 1) - 1
+            if n > 0:
+                self.running[who] = n
+            else:
+                self.running.pop(who, None)
+            if stopped:
+                self.stopped[who] = time.monotonic()
 
 
 # llguidance reads a tokenizer.json with the `tokenizers` crate it is built with, whose added-token
@@ -574,10 +694,13 @@ class Grammars:
         self._lltok = None
         self._lock = threading.Lock()
         self._cache: OrderedDict = OrderedDict()    # key -> (grammar, template matcher) or GrammarRefused
+        self.quota = CompileQuota()
         self._cache_lock = threading.Lock()
 
     @property
     def lltok(self):
+        if self._lltok is not None:    # (no lock once built: a forked compile child may read it)
+            return self._lltok
         with self._lock:
             if self._lltok is None:
                 # any of the model's stop tokens may end a complete output
@@ -631,50 +754,50 @@ class Grammars:
         return m
 
     async def prepare(self, spec: dict | None = None, samples: int = 1, *, grammar: str | None = None,
-                      drafts=None) -> Prepared:
+                      drafts=None, who: str = "") -> Prepared:
         """The server's path: a format spec (or a grammar text a door built, `grammar`) checked
         against the limits, compiled and given `samples` fresh matchers, all on a compiler
         thread, never on the event loop, within `compile_timeout_s`; cached by the spec's
-        text (refusals too). GrammarRefused (a 400; `busy`: a 503) otherwise. `drafts`: a
+        text (refusals too). GrammarRefused (a 400; `busy`: a 503 or 429) otherwise. `drafts`: a
         function of the first matcher (left as it was) giving (tokens, lead, certain): the
-        prompt's drafts in place of what the format forces first."""
+        prompt's drafts in place of what the format forces first. `who`: the caller, whose
+        large formats count against `quota`.
+
+        A format compiled before takes copies of its matcher at once, never behind a compile.
+        A small one (SMALL_FORMAT_BYTES) compiles in the small lane; a large one in the large
+        lane, first in a child process that is killed at the time limit (`in_child`), then here."""
         import trio
         # measuring a 256 KiB schema takes ~20 ms: in a worker thread, not on the event loop
         key, hit = await trio.to_thread.run_sync(self._check_and_look_up, spec, grammar)
-        state = {"started": None}
+        if hit is not None:
+            g, _, matchers, (forced, lead, certain) = await trio.to_thread.run_sync(
+                self._ready, hit[0], hit[1], samples, drafts)
+            return Prepared(g, matchers, forced, lead, certain)
+        large = len(key) > SMALL_FORMAT_BYTES
+        if large:
+            self.quota.take(who)
+        state = {"started": None, "stopped": False}
         token = trio.lowlevel.current_trio_token()
         finished = trio.Event()
         box: dict = {}
+        budget = self.limits.compile_timeout_s
 
         def work():
             if state.get("abandoned"):     # its request gave up waiting (timeout, cancel): skip it
                 raise GrammarRefused("abandoned", busy=True)
             state["started"] = time.monotonic()
-            if hit is not None:
-                g, template = hit
+            if large:                      # (a child checks it within the budget; then it is built here)
+                try:
+                    g = in_child(lambda: self._checked(spec, grammar), budget)
+                except CompileStopped:
+                    state["stopped"] = True
+                    raise
+                template = self._matcher(g)
+                template.compute_bitmask()
             else:
                 g = self._compile(spec) if grammar is None else grammar
-                template = self._matcher(g)
-                template.compute_bitmask()      # the first token's mask: within the per-token limits?
-                if template.is_error():
-                    log.debug("a format failed its first mask: %s", template.get_error())
-                    raise GrammarRefused("the format is past the parser's per-token limits at its first token "
-                                         "(e.g. too many optional properties); use a simpler format")
-            # (the template is shared by every request of the format: only copies change state)
-            matchers = [template.deep_copy() for _ in range(samples)]
-            try:
-                forced = forced_run(matchers[0], self.limits.max_forced_bytes)
-            except ForcedTooLong:
-                raise
-            except Exception:   # noqa: BLE001 - nothing forced then
-                forced = []
-            lead, certain = len(forced), [True] * len(forced)
-            if drafts is not None:
-                try:
-                    forced, lead, certain = drafts(matchers[0])
-                except Exception:   # noqa: BLE001 - what the format forces, then
-                    log.debug("the prompt's drafts failed", exc_info=True)
-            return g, template, matchers, (forced, lead, certain)
+                template = self._first_mask(self._matcher(g))
+            return self._ready(g, template, samples, drafts)
 
         def done(fn):
             try:
@@ -684,19 +807,23 @@ class Grammars:
             except Exception as e:    # never a traceback to the client; one line in the log
                 log.warning("a grammar failed to compile: %s", _short(f"{type(e).__name__}: {e}"))
                 box["e"] = GrammarRefused("the format could not be compiled")
+            finally:
+                if large:
+                    self.quota.give(who, state["stopped"])
             took = time.monotonic() - (state["started"] or time.monotonic())
-            if took > self.limits.compile_timeout_s and "v" in box:   # too slow: refused from now on
+            if took > budget * (2 if large else 1) and "v" in box:   # too slow: refused from now on
                 box["e"] = GrammarRefused(f"the format took {took:.1f} s to compile; this server allows "
-                                          f"{self.limits.compile_timeout_s:g} s (the format compile-time limit)")
+                                          f"{budget:g} s (the format compile-time limit)")
             self._remember(key, box)
             try:
                 token.run_sync_soon(finished.set)
             except trio.RunFinishedError:
                 pass
 
-        COMPILER.submit(work, done)
+        (LARGE_COMPILER if large else COMPILER).submit(work, done)
         try:
-            with trio.move_on_after(self.limits.compile_timeout_s):
+            # a large format: the child's budget, then its build here (about as long again)
+            with trio.move_on_after(budget * (2 if large else 1)):
                 await finished.wait()
         finally:
             if not finished.is_set():   # a queued compile nobody waits for is not run
@@ -704,12 +831,48 @@ class Grammars:
         if not finished.is_set():
             if state["started"] is None:
                 raise GrammarRefused("the grammar compiler is busy; try again shortly", busy=True)
-            raise GrammarRefused(f"the format takes longer than {self.limits.compile_timeout_s:g} s to compile "
+            raise GrammarRefused(f"the format takes longer than {budget:g} s to compile "
                                  "(the format compile-time limit)")
         if "e" in box:
             raise box["e"]
         g, _, matchers, (forced, lead, certain) = box["v"]
         return Prepared(g, matchers, forced, lead, certain)
+
+    @staticmethod
+    def _first_mask(template):
+        template.compute_bitmask()      # the first token's mask: within the per-token limits?
+        if template.is_error():
+            log.debug("a format failed its first mask: %s", template.get_error())
+            raise GrammarRefused("the format is past the parser's per-token limits at its first token "
+                                 "(e.g. too many optional properties); use a simpler format")
+        return template
+
+    def _checked(self, spec: dict | None, grammar: str | None) -> str:
+        """(In a child process) the format compiled, its first mask and forced text within the
+        limits; its grammar text."""
+        g = self._compile(spec) if grammar is None else grammar
+        template = self._first_mask(self._matcher(g))
+        forced_run(template, self.limits.max_forced_bytes)
+        return g
+
+    def _ready(self, g: str, template, samples: int, drafts):
+        """`samples` fresh matchers of a compiled format (copies of its template, which every
+        request of the format shares and none changes), what it forces first, and the prompt's
+        drafts: (grammar, template, matchers, (forced, lead, certain))."""
+        matchers = [template.deep_copy() for _ in range(samples)]
+        try:
+            forced = forced_run(matchers[0], self.limits.max_forced_bytes)
+        except ForcedTooLong:
+            raise
+        except Exception:   # noqa: BLE001 - nothing forced then
+            forced = []
+        lead, certain = len(forced), [True] * len(forced)
+        if drafts is not None:
+            try:
+                forced, lead, certain = drafts(matchers[0])
+            except Exception:   # noqa: BLE001 - what the format forces, then
+                log.debug("the prompt's drafts failed", exc_info=True)
+        return g, template, matchers, (forced, lead, certain)
 
     def _check_and_look_up(self, spec: dict | None, grammar: str | None):
         """(the cache key, the cached compile or None); GrammarRefused past a limit or cached."""
