@@ -18,6 +18,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from . import jsontext
 from .model.grammar import JSON_STYLE   # JSON as models write it
 
 MAX_TOOLS = 128
@@ -79,7 +80,7 @@ def _arguments(value):
     """A call's arguments as the templates want them: a dict (a JSON string is parsed)."""
     if isinstance(value, str):
         try:
-            parsed = json.loads(value) if value.strip() else {}
+            parsed = jsontext.loads(value, "a tool call's arguments") if value.strip() else {}
         except ValueError:
             return value
         return parsed
@@ -226,7 +227,7 @@ class ToolSyntax:
             if at < 0:
                 return text, []
             try:
-                calls = json.loads(text[at + len("[TOOL_CALLS]"):].strip())
+                calls = jsontext.loads(text[at + len("[TOOL_CALLS]"):].strip())
             except ValueError:    # cut short (a length limit): the calls it completed still count
                 found = [c for c in (_call(x, "arguments") for x in _complete_items(
                     text[at + len("[TOOL_CALLS]"):])) if c is not None]
@@ -239,7 +240,7 @@ class ToolSyntax:
             if at < 0:
                 return text, []
             try:
-                obj = json.loads(text[at:].strip())
+                obj = jsontext.loads(text[at:].strip())
             except ValueError:    # cut short (a length limit): the calls it completed still count
                 return text[:at].strip(), [c for c in (_call(x, "arguments") for x in _complete_items(
                     text[at + len(GENERIC_CALLS):])) if c is not None]
@@ -272,7 +273,7 @@ def _complete_items(text: str) -> list:
 
 def _json_call(text: str, key: str) -> dict | None:
     try:
-        obj = json.loads(text)
+        obj = jsontext.loads(text)
     except ValueError:
         return None
     return _call(obj, key)
@@ -284,7 +285,7 @@ def _call(obj, key: str) -> dict | None:
     args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = jsontext.loads(args)
         except ValueError:
             return None
     if not isinstance(args, dict):

@@ -273,3 +273,68 @@ async def test_a_large_format_over_http_is_refused_per_caller_and_the_household_
         codes = sorted(s for s, _ in got)
         assert codes == [400, 429], got
         await alive(server)
+
+
+# ---------------------------------------------------------------- 4: JSON in a string, nested deep
+
+def deep_json(n: int) -> str:
+    return '{"type": "object", "properties": {"a": ' * 0 + "[" * n + "]" * n
+
+
+async def test_json_in_a_string_field_nested_deep_is_a_400_without_a_traceback(embedded_runner, caplog):
+    """`guided_json` as a string nested 2,000 deep (4 KB) raised RecursionError nowhere caught:
+    a 500 and ~65 lines of traceback per request. Every JSON-in-a-string field and the body
+    are parsed within one depth bound (jsontext.MAX_DEPTH): a 400 naming it."""
+    import logging
+    from edgepaged.jsontext import MAX_DEPTH
+    caplog.set_level(logging.DEBUG, logger="hypercorn")
+    async with serving(embedded_runner, http=True) as server:
+        base = server.http_base
+        for body, path in (
+                ({"messages": FRANCE, "max_tokens": 3, "guided_json": deep_json(2000)}, "/v1/chat/completions"),
+                ({"messages": FRANCE + [{"role": "assistant", "content": "", "tool_calls": [{
+                    "id": "c1", "type": "function", "function": {"name": "f", "arguments": deep_json(2000)}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "max_tokens": 3},
+                 "/v1/chat/completions")):
+            status, raw = await afetch(base + path, body)
+            if "guided_json" in body:
+                assert status == 400, raw[:300]
+                assert f"at most {MAX_DEPTH} levels".encode() in raw, raw[:300]
+            else:                  # a call's arguments past the bound stay text (as any arguments not JSON)
+                assert status == 200, raw[:300]
+        deep_body = ('{"messages": ' + "[" * 2000 + "]" * 2000 + "}").encode()
+        status, raw = await afetch(base + "/v1/chat/completions", deep_body)
+        assert status == 400 and f"at most {MAX_DEPTH}".encode() in raw, raw[:300]
+        status, raw = await afetch(base + "/v1/chat/completions",     # within the bound: an ordinary 400
+                                   {"messages": FRANCE, "max_tokens": 3, "guided_json": deep_json(100)})
+        assert status == 400 and b"guided_json must be a JSON schema" in raw, raw[:300]
+        await alive(server)
+    assert not [r for r in caplog.records if r.exc_info and r.levelno >= logging.WARNING], \
+        [r.getMessage() for r in caplog.records if r.exc_info]
+    assert not [r for r in caplog.records if "Traceback" in r.getMessage()]
+
+
+async def test_an_exception_after_starlette_answered_is_one_line_in_the_log(caplog):
+    """Starlette answers a 500 and raises the exception again for the server to log with its
+    traceback: the app's wrapper ends it as one line."""
+    import logging
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+    from edgepaged.server.httpd import HttpServer, _OneLine
+
+    async def boom(request):
+        raise RecursionError("maximum recursion depth exceeded")
+    app = _OneLine(Starlette(routes=[Route("/x", boom)], exception_handlers={Exception: HttpServer._internal_error}))
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(m):
+        sent.append(m)
+    caplog.set_level(logging.INFO)
+    await app({"type": "http", "method": "GET", "path": "/x", "headers": [], "query_string": b"", "server": ("t", 80),
+               "scheme": "http", "root_path": "", "http_version": "1.1", "client": ("127.0.0.1", 1)}, receive, send)
+    assert sent[0]["status"] == 500
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "RecursionError" in errors[0].getMessage() and not errors[0].exc_info

@@ -36,7 +36,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .. import brief
+from .. import brief, jsontext
 from ..answer import Answer, Call, End, Piece, answer_events
 from ..engine import DoneEvent, EmbeddingEvent, EngineClosed, RequestRejected
 from ..protocol import parse_keep_alive
@@ -103,6 +103,25 @@ def _static(name: str) -> bytes:
     return importlib.resources.files("edgepaged.server").joinpath("web/vendor", name).read_bytes()
 
 
+class _OneLine:
+    """Starlette answers an exception with `_internal_error` (a 500 and one line in the log) and
+    then raises it again for the server, which logged its whole traceback (~65 lines a request):
+    here it ends, as one line when nothing logged it yet (it came after the answer began)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except Exception as e:   # noqa: BLE001
+            if scope.get("type") != "http":
+                raise
+            if not getattr(e, "logged", False):
+                log.error("HTTP %s %s failed: %s", scope.get("method"), scope.get("path"), brief.of(e))
+            log.debug("HTTP %s %s failed", scope.get("method"), scope.get("path"), exc_info=e)
+
+
 def api_error_response(e: ApiError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
@@ -124,7 +143,7 @@ class HttpServer:
         self._stop = trio.Event()
         self._page = _page() if self.config.page else None
         self._static: dict[str, bytes] = {}
-        self.app = Guard(self._build_app(), self.config.allowed_hosts, self.config.cors_origins)
+        self.app = Guard(_OneLine(self._build_app()), self.config.allowed_hosts, self.config.cors_origins)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _listen(self) -> socket.socket:
@@ -227,6 +246,7 @@ class HttpServer:
     @staticmethod
     async def _internal_error(request, e: Exception) -> Response:
         # one line in the log (the traceback at debug level); the client never sees the exception
+        e.logged = True
         log.error("HTTP %s %s failed: %s", request.method, request.url.path, brief.of(e))
         log.debug("HTTP %s %s failed", request.method, request.url.path, exc_info=e)
         return JSONResponse(error_body(500, "the server failed on this request (see its log)", "internal_error"),
@@ -279,11 +299,11 @@ class HttpServer:
                 await self._drop_body(chunks)
                 raise too_large
         try:
-            data = json.loads(body)
+            data = jsontext.loads(body, "the body's JSON")
+        except jsontext.TooDeep as e:
+            raise ApiError(400, str(e), "bad_request") from None
         except ValueError as e:
             raise ApiError(400, f"the body is not valid JSON: {e}", "bad_request") from None
-        except RecursionError:
-            raise ApiError(400, "the body's JSON nests too deep", "bad_request") from None
         if not isinstance(data, dict):
             raise ApiError(400, "the body must be a JSON object", "bad_request")
         if SURROGATE_ESCAPE.search(body):   # "\ud800" alone parses, but is no text: no answer could echo it

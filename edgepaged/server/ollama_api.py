@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from .. import schema
+from .. import jsontext, schema
 from ..protocol import MAX_MESSAGES, GenerateRequest
 from ..schema import FieldError
 from ..thinking import thinks
@@ -273,7 +273,7 @@ class OllamaShaper:
             return None
         name, args = self._calls[k]
         try:
-            value = json.loads(args)
+            value = jsontext.loads(args)
         except ValueError:
             return None
         self.sent_calls = max(self.sent_calls, k + 1)
@@ -301,7 +301,7 @@ class OllamaShaper:
 
 def ollama_calls(calls: list[dict]) -> list[dict]:
     """Ollama's tool calls: arguments as an object."""
-    return [{"function": {"name": c["name"], "arguments": json.loads(c["arguments"])}} for c in calls]
+    return [{"function": {"name": c["name"], "arguments": jsontext.loads(c["arguments"])}} for c in calls]
 
 
 # ---------------------------------------------------------------- model lists

@@ -18,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .. import schema
+from .. import jsontext, schema
 from ..protocol import MAX_MESSAGES, MAX_NAME_LEN, GenerateRequest
 from ..schema import FieldError
 from ..tools import check_message
@@ -143,7 +143,9 @@ def output_format(body: dict) -> dict | None:
     if name == "guided_json":
         if isinstance(value, str):
             try:
-                value = json.loads(value)
+                value = jsontext.loads(value, "guided_json")
+            except jsontext.TooDeep as e:
+                raise bad(str(e), name, "invalid_params") from None
             except ValueError as e:
                 raise bad(f"guided_json is not valid JSON: {e}", name, "invalid_params") from None
         if not isinstance(value, dict):
