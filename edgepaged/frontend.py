@@ -423,7 +423,16 @@ class FrontEnd(Box):
             raise RequestRejected("invalid_params", f"max_tokens must be in 1..{cap} on this server, "
                                   f"got {max_tokens}{hint}")
         params.max_tokens = max_tokens
-        self._check_cost(caller, max_tokens, n)
+        hold = self._check_cost(caller, max_tokens, n)
+        try:
+            return await self._finish(item, caller, tok, ids, params, n, fmt, calls, lazy, dropped, window, hold)
+        except BaseException:
+            self.engine.release(hold)       # (refused or cancelled while its format compiled)
+            raise
+
+    async def _finish(self, item, caller, tok, ids, params, n, fmt, calls, lazy, dropped, window, hold) -> Ticket:
+        """The rest of `build`, after the cost check: the format compiled, the requests made."""
+        from . import tools as tl
         matchers, forced = None, None
         salt = cache_salt(caller.identity, item.share_prefix_cache, caller.namespace)
         if fmt is not None:   # compiled off the event loop, on a large stack, within the limits
@@ -444,7 +453,7 @@ class FrontEnd(Box):
                            matcher=None if matchers is None else matchers[k], forced=forced,
                            lazy=None if lazy is None else tl.LazyCall(lazy[0], lazy[1].grammar, self.grammars, tok,
                                                                        matcher=lazy[1].matchers[k]),
-                           fork_of=parent, engine=self.engine, context_window=window)
+                           fork_of=parent, engine=self.engine, context_window=window, cost_hold=hold)
         req = one(0)
         req.children = [one(k, req) for k in range(1, n)]
         return Ticket(req, self.model, dropped,
@@ -494,19 +503,21 @@ class FrontEnd(Box):
                 except GrammarRefused as e:
                     raise RequestRejected("invalid_params", f"tools: {e}") from None
 
-    def _check_cost(self, caller: Caller, max_tokens: int, n: int) -> None:
+    def _check_cost(self, caller: Caller, max_tokens: int, n: int):
         """What one request may cost: max_tokens x n within --max-request-tokens, and what one
-        identity has in flight (every sample's max_tokens) within --max-identity-tokens."""
+        identity has in flight (every sample's max_tokens) within --max-identity-tokens, checked
+        and counted at once: the engine's CostHold, which the request's samples carry (release
+        it if the request is not streamed)."""
         cost, cfg = max_tokens * n, self.config
         if cfg.max_request_tokens and cost > cfg.max_request_tokens:
             raise RequestRejected("invalid_params", f"max_tokens x n is {cost}; this server allows at most "
                                   f"{cfg.max_request_tokens} per request (serve --max-request-tokens)")
-        load = getattr(self.engine, "owner_tokens", None)
-        held = load(caller.identity) if callable(load) else 0
-        if cfg.max_identity_tokens and held + cost > cfg.max_identity_tokens:
+        held = self.engine.hold_cost(caller.identity, cost, cfg.max_identity_tokens)
+        if isinstance(held, int):
             raise RequestRejected("too_many_requests", f"your requests in flight may still generate {held} tokens "
                                   f"and this one {cost}; this server allows {cfg.max_identity_tokens} per user or "
                                   "client at once (serve --max-identity-tokens); wait for an answer to end")
+        return held
 
     async def build_embeds(self, inputs: list, caller: Caller, truncate: bool = True) -> list[Request]:
         """Requests for the embeddings of `inputs` (texts, or token id lists), one per input:

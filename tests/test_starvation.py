@@ -338,3 +338,26 @@ async def test_an_exception_after_starlette_answered_is_one_line_in_the_log(capl
     assert sent[0]["status"] == 500
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "RecursionError" in errors[0].getMessage() and not errors[0].exc_info
+
+
+# ---------------------------------------------------------------- 5: the cost cap, checked and counted at once
+
+async def test_the_identity_cost_cap_is_counted_where_it_is_checked(embedded_runner):
+    """16 requests with a format from one identity at once: the cap (1,000 tokens, 300 each)
+    admits three; before, every one passed the check while its format compiled (7 x 65,536
+    admitted against 262,144). When they end, the identity's count is back to 0."""
+    async with serving(embedded_runner, http=True, max_identity_tokens=1000) as server:
+        base = server.http_base
+        body = {"messages": [{"role": "user", "content": "Write a long sentence."}], "max_tokens": 300,
+                "temperature": 0, "guided_regex": "[a-z ]{200,400}", "user": "the-script"}
+        results = await clients(base + "/v1/chat/completions", [body] * 16)
+        codes = sorted(s for s, _ in results)
+        assert codes.count(200) == 3 and codes.count(429) == 13, codes
+        assert all("max-identity-tokens" in r for s, r in results if s == 429)
+        engine = server.front.engine
+        assert engine.owner_tokens("the-script") == 0 and not engine._holds
+        # a request refused after its check (its format fails to compile) gives its tokens back
+        status, raw = await afetch(base + "/v1/chat/completions", {**body, "guided_regex": "(unclosed"})
+        assert status == 400
+        assert engine.owner_tokens("the-script") == 0 and not engine._holds
+        await alive(server)

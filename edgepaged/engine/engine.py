@@ -31,7 +31,7 @@ from ..model.tokenizer import IncrementalDetokenizer
 from .. import brief
 from .metrics import Metrics
 from ..memory import release_free_memory
-from .request import INTERACTIVE, DoneEvent, EmbeddingEvent, Request, Status, TokenEvent
+from .request import INTERACTIVE, CostHold, DoneEvent, EmbeddingEvent, Request, Status, TokenEvent
 from .draft import Drafter, check_pair
 from .speculate import SpecConfig, Speculation, chain_drafts
 from .scheduler import Batch, ScheduleError, Scheduler, SchedulerConfig
@@ -175,6 +175,7 @@ class Engine:
         self._disk_pinned: set[bytes] = set()    # their keys (not pinned twice)
         self.step_started: float | None = None   # trio time the running model step began (None: no step)
         self._costs: dict[Request, tuple[str, int]] = {}   # unfinished requests: (owner, max_tokens)
+        self._holds: set[CostHold] = set()          # checked costs not streamed yet (hold_cost)
         self._pending: dict[Request, float] = {}   # built for this engine, not streamed yet (expect)
         self._owner_tokens: dict[str, int] = {}
         # the running step, while it may be stopped: (trio time it began, its expected seconds)
@@ -218,8 +219,33 @@ class Engine:
 
     def owner_tokens(self, owner: str) -> int:
         """Tokens the unfinished requests of `owner` may still ask for (their max_tokens summed,
-        every parallel sample counted): the front end bounds it per identity."""
-        return self._owner_tokens.get(owner, 0)
+        every parallel sample counted, those checked and not yet streamed too): the front end
+        bounds it per identity."""
+        now = trio.current_time()
+        held = 0
+        for h in list(self._holds):
+            if now - h.since > self.PENDING_S:     # built and never streamed (a door that failed)
+                self._holds.discard(h)
+            elif h.owner == owner:
+                held += h.left
+        return self._owner_tokens.get(owner, 0) + held
+
+    def hold_cost(self, owner: str, cost: int, cap: int | None) -> CostHold | int:
+        """Check and count at once (no await between): `cost` more tokens for `owner` within
+        `cap`. A CostHold its requests carry to `stream` (or give back with `release`), or,
+        past the cap, the tokens `owner` has in flight already."""
+        held = self.owner_tokens(owner)
+        if cap and held + cost > cap:
+            return held
+        hold = CostHold(owner, cost, trio.current_time())
+        self._holds.add(hold)
+        return hold
+
+    def release(self, hold: CostHold | None) -> None:
+        """A hold whose request will not be streamed (it failed while it was built)."""
+        if hold is not None:
+            hold.left = 0
+            self._holds.discard(hold)
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> "Engine":
@@ -283,6 +309,12 @@ class Engine:
         req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, stop=req.params.stop)
         self.requests[req.id] = req
         self._costs[req] = (req.owner, req.params.max_tokens)
+        hold = req.cost_hold
+        if hold is not None:          # counted from the front end's check: now here instead
+            req.cost_hold = None
+            hold.left = max(0, hold.left - req.params.max_tokens)
+            if not hold.left:
+                self._holds.discard(hold)
         self._owner_tokens[req.owner] = self._owner_tokens.get(req.owner, 0) + req.params.max_tokens
         self._idle = trio.Event()
         self._wake.set()

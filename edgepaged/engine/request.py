@@ -62,6 +62,16 @@ class DoneEvent:
 
 
 @dataclass(eq=False)
+class CostHold:
+    """Tokens an identity's request was allowed at the front end's cost check, held from that
+    check (`Engine.hold_cost`) until its samples are streamed (each takes its max_tokens over)
+    or it fails (`Engine.release`): what is checked is what is counted, with no await between."""
+    owner: str
+    left: int
+    since: float
+
+
+@dataclass(eq=False)
 class Request:
     prompt_ids: list[int]
     params: SamplingParams
@@ -97,6 +107,7 @@ class Request:
     fork_of: Any = None            # the parent of a child sample
     send: Any = None               # the engine's side of the event channel
     reserve_tokens: int = 0        # contiguous mode: tokens reserved at admission
+    cost_hold: "CostHold | None" = field(default=None, repr=False)   # its tokens held from the front end's check
     # where it runs: the engine of the model the front end picked (what the doors need to
     # answer it, its model's name, tool calls, thinking, is the front end's `Ticket`'s)
     engine: Any = field(default=None, repr=False)
