@@ -13,7 +13,7 @@ import trio
 from edgepaged.model.grammar import FORCED_TOKENIZE_BYTES, GrammarLimits, Grammars, forced_run
 from edgepaged.testing.serving import serving
 
-from test_takedown import FRANCE, afetch, alive
+from test_takedown import FRANCE, STORY, afetch, alive
 
 CANARY = {"messages": FRANCE, "max_tokens": 12, "temperature": 0}
 
@@ -360,4 +360,97 @@ async def test_the_identity_cost_cap_is_counted_where_it_is_checked(embedded_run
         status, raw = await afetch(base + "/v1/chat/completions", {**body, "guided_regex": "(unclosed"})
         assert status == 400
         assert engine.owner_tokens("the-script") == 0 and not engine._holds
+        await alive(server)
+
+
+# ---------------------------------------------------------------- 6: clients that never read
+
+def raw_request(port: int, path: str, body: dict, source: str = "127.0.0.1", rcvbuf: int = 0):
+    """A socket that sent one POST and reads nothing (yet)."""
+    import socket
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+async def test_streams_nobody_reads_are_cut_and_one_address_cannot_take_the_slots(embedded_runner):
+    """Streams whose client reads nothing held the box's 64 HTTP generation slots forever
+    (every other caller: 429 with the box idle). One address now holds at most its share of
+    the slots (a 429 past it, while another address is served), and a stream it takes nothing
+    of for `unread_timeout_s` is cut: its request cancelled, its blocks back in the pool, its
+    slot free."""
+    from edgepaged.server.httpd import HttpConfig
+    hc = HttpConfig(port=0, max_inflight=8, max_inflight_per_caller=3, unread_timeout_s=4.0, send_buffer_bytes=8192)
+    async with serving(embedded_runner, http=hc, max_num_seqs=16) as server:
+        base, port = server.http_base, server.http.port
+        stream = {"messages": STORY, "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+        socks = [raw_request(port, "/v1/chat/completions", stream, rcvbuf=1024) for _ in range(3)]
+        http = server.http
+        with trio.fail_after(10):
+            while http.inflight < 3:
+                await trio.sleep(0.05)
+        status, raw = await afetch(base + "/v1/chat/completions", CANARY)    # the same address: its share is taken
+        assert status == 429 and b"user or address" in raw, raw[:300]
+        other = await trio.to_thread.run_sync(lambda: _post_from("127.0.0.2", port, CANARY))
+        assert other[0] == 200 and "Paris" in other[1], other              # another address is served
+        with trio.fail_after(90):                                          # cut: nothing taken for 4 s
+            while http.inflight:
+                await trio.sleep(0.1)
+        engine = server.front.engine
+        with trio.fail_after(10):
+            while engine.requests:
+                await trio.sleep(0.05)
+        assert engine.scheduler.num_running == 0 and not http.inflight_by
+        for s in socks:
+            s.close()
+        assert await canary(base)
+        await alive(server)
+
+
+def _post_from(source: str, port: int, body: dict):
+    import http.client
+    import socket
+
+    class From(http.client.HTTPConnection):
+        def connect(self):
+            self.sock = socket.create_connection((self.host, self.port), self.timeout, (source, 0))
+    c = From("127.0.0.1", port, timeout=60)
+    c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    data = r.read().decode()
+    return r.status, data
+
+
+async def test_a_body_trickled_a_byte_at_a_time_times_out(embedded_runner):
+    """A body sent a byte every 0.3 s is a 408 after `body_timeout_s`, not a connection held
+    for as long as the client likes."""
+    from edgepaged.server.httpd import HttpConfig
+    async with serving(embedded_runner, http=HttpConfig(port=0, body_timeout_s=2.0)) as server:
+        import socket
+        s = socket.create_connection(("127.0.0.1", server.http.port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n")
+        t0 = time.monotonic()
+        s.setblocking(False)
+        got = b""
+        with trio.fail_after(20):
+            while b"\r\n\r\n" not in got:
+                try:
+                    s.send(b" ")
+                except OSError:
+                    pass
+                await trio.sleep(0.3)
+                try:
+                    got += s.recv(65536)
+                except BlockingIOError:
+                    pass
+        assert got.startswith(b"HTTP/1.1 408"), got[:200]
+        assert time.monotonic() - t0 < 5
+        s.close()
         await alive(server)

@@ -71,7 +71,8 @@ class HttpConfig:
     def __init__(self, host: str | None = None, port: int = DEFAULT_HTTP_PORT, max_body_bytes: int = 1 << 20,
                  max_inflight: int = 64, keep_alive_s: float = 5.0, page: bool = True,
                  allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
-                 admin_from: tuple[str, ...] = ()):
+                 admin_from: tuple[str, ...] = (), max_inflight_per_caller: int | None = None,
+                 unread_timeout_s: float = 30.0, body_timeout_s: float = 30.0, send_buffer_bytes: int = 256 << 10):
         self.host = host                    # None: every interface (0.0.0.0)
         self.allowed_hosts = tuple(allowed_hosts)   # names besides the box's own (guard.py)
         self.cors_origins = tuple(cors_origins)     # origins whose pages may call the API ("*": any)
@@ -81,6 +82,13 @@ class HttpConfig:
         self.port = port
         self.max_body_bytes = max_body_bytes
         self.max_inflight = max_inflight    # generations in flight over HTTP, all clients together
+        # ... and of one caller (a user, else an address): a quarter of them by default
+        self.max_inflight_per_caller = max_inflight_per_caller or max(1, max_inflight // 4)
+        self.unread_timeout_s = unread_timeout_s   # an answer the client takes nothing of for this long is cut
+        self.body_timeout_s = body_timeout_s       # a request body must have arrived within this
+        # each connection's kernel send buffer (fixed, not grown to megabytes): an answer its client
+        # does not read fills it and then waits, so the unread timeout can see it
+        self.send_buffer_bytes = send_buffer_bytes
         self.keep_alive_s = keep_alive_s
         self.page = page                    # serve the chat page at GET /
         self.box_name: str | None = None    # the name the page shows (default: the host's name)
@@ -122,6 +130,22 @@ class _OneLine:
             log.debug("HTTP %s %s failed", scope.get("method"), scope.get("path"), exc_info=e)
 
 
+def unread_timeout(sock: socket.socket, seconds: float, send_buffer: int = 0) -> bool:
+    """Connections accepted on `sock` (they inherit both settings) are cut by the kernel when
+    what was sent to them stays unread for `seconds` (TCP_USER_TIMEOUT: also while the client's
+    window is closed); their send buffer is fixed at `send_buffer` bytes rather than grown to
+    megabytes, so an answer nobody reads waits for them soon. The server's writes cannot be
+    interrupted otherwise (hypercorn shields them from cancellation): a client that never read
+    held its generation slot forever. The cut connection's answer sees a disconnect: its
+    request is cancelled and its blocks go back. False where the system has no such option."""
+    if send_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    if not seconds or not hasattr(socket, "TCP_USER_TIMEOUT"):
+        return False
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
+    return True
+
+
 def api_error_response(e: ApiError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
@@ -137,6 +161,7 @@ class HttpServer:
         self._stats = stats or self.engine.stats
         self.port: int | None = None
         self.inflight = 0
+        self.inflight_by: dict[str, int] = {}      # per caller (Caller.quota_key)
         self.response_store = ResponseStore()      # /v1/responses' previous_response_id, per identity
         self.admin = ModelAdmin(self, self.config.admin_from, self.config.store_root)
         self.created = int(time.time())
@@ -162,6 +187,7 @@ class HttpServer:
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         sock = self.config.sock if self.config.sock is not None else self._listen()
+        unread_timeout(sock, self.config.unread_timeout_s, self.config.send_buffer_bytes)
         self.port = sock.getsockname()[1]
         hc = HypercornConfig()
         hc.bind = [f"fd://{sock.detach()}"]   # bound here: a clear error, and the port of port 0 at once
@@ -183,6 +209,31 @@ class HttpServer:
                 await trio.sleep(0.02)
             return True
         return False
+
+    # -- generation slots ---------------------------------------------------------------------
+    def _take_slot(self, caller) -> str:
+        """One of the box's HTTP generation slots for `caller`: 429 when all `max_inflight` are
+        taken, or `max_inflight_per_caller` by this caller (a user, else an address: a client's
+        chosen name would not bound anyone). Give it back with `_give_slot`."""
+        key = caller.quota_key or caller.identity
+        cfg = self.config
+        if self.inflight >= cfg.max_inflight:
+            raise ApiError(429, f"the server has {cfg.max_inflight} HTTP requests in flight; try again "
+                           "shortly", "too_many_requests")
+        if self.inflight_by.get(key, 0) >= cfg.max_inflight_per_caller:
+            raise ApiError(429, f"you have {cfg.max_inflight_per_caller} HTTP requests in flight, the most one "
+                           "user or address may have at once; wait for one to end", "too_many_requests")
+        self.inflight += 1
+        self.inflight_by[key] = self.inflight_by.get(key, 0) + 1
+        return key
+
+    def _give_slot(self, key: str) -> None:
+        self.inflight -= 1
+        left = self.inflight_by.get(key, 1) - 1
+        if left > 0:
+            self.inflight_by[key] = left
+        else:
+            self.inflight_by.pop(key, None)
 
     # -- the app ------------------------------------------------------------------------------
     def _build_app(self) -> Starlette:
@@ -293,11 +344,15 @@ class HttpServer:
             raise too_large
         body = bytearray()
         chunks = request.stream()
-        async for chunk in chunks:
-            body += chunk
-            if len(body) > limit:
-                await self._drop_body(chunks)
-                raise too_large
+        with trio.move_on_after(self.config.body_timeout_s) as waited:   # a body trickled a byte at a time
+            async for chunk in chunks:
+                body += chunk
+                if len(body) > limit:
+                    await self._drop_body(chunks)
+                    raise too_large
+        if waited.cancelled_caught:
+            raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                           "request_timeout")
         try:
             data = jsontext.loads(body, "the body's JSON")
         except jsontext.TooDeep as e:
@@ -419,13 +474,10 @@ class HttpServer:
             raise ApiError(400, "truncate must be a boolean", "bad_request", "truncate")
         if not self.engine.accepting:
             raise ApiError(503, "the server is shutting down", "shutdown")
-        if self.inflight >= self.config.max_inflight:
-            raise ApiError(429, f"the server has {self.config.max_inflight} HTTP requests in flight; try again "
-                           "shortly", "too_many_requests")
         caller = self.front.caller(user, name if isinstance(name, str) else None, self._peer(request))
         if isinstance(inputs, str):
             inputs = [inputs]
-        self.inflight += 1
+        slot = self._take_slot(caller)
         try:
             if self.modelset is not None:
                 reqs = await self.front.build_embeds(inputs, caller, truncate, model or None)
@@ -451,7 +503,7 @@ class HttpServer:
         except EngineClosed:
             raise ApiError(503, "the server is shutting down", "shutdown") from None
         finally:
-            self.inflight -= 1
+            self._give_slot(slot)
         if failed or any(v is None for v in vectors):
             raise failed[0] if failed and failed[0] is not None else ApiError(
                 503, "the server stopped before the embeddings were done", "shutdown")
@@ -639,16 +691,13 @@ class HttpServer:
             ollama_api.check_model(gen.model, self.front.model)
         if not self.engine.accepting:
             raise ApiError(503, "the server is shutting down", "shutdown")
-        if self.inflight >= self.config.max_inflight:
-            raise ApiError(429, f"the server has {self.config.max_inflight} HTTP requests in flight; try again "
-                           "shortly", "too_many_requests")
         # the fairness identity: the OpenAI `user` field, else the peer's address (as over TCP)
         caller = self.front.caller(user, gen.user, self._peer(request))
-        self.inflight += 1   # held from here; the response gives it back when it ends
+        slot = self._take_slot(caller)   # held from here; the response gives it back when it ends
         try:
             ticket = await self.front.build(gen.item, caller)
         except BaseException as e:
-            self.inflight -= 1
+            self._give_slot(slot)
             if isinstance(e, RequestRejected):
                 raise ApiError.from_rejected(e) from None
             raise
@@ -661,7 +710,7 @@ class HttpServer:
                                                                                                            msgs))
         else:
             shaper = OllamaShaper(gen, model, ticket) if ollama else Shaper(gen, model, ticket)
-        return GenerationResponse(self, gen, ticket, shaper)
+        return GenerationResponse(self, gen, ticket, shaper, slot)
 
 
 def prometheus_text(engine) -> bytes:
@@ -693,8 +742,8 @@ class GenerationResponse:
     """An ASGI response that runs one request on the engine: a JSON answer, or server-sent
     events as the tokens come. The client's disconnect ends it (and the request) at once."""
 
-    def __init__(self, http: HttpServer, gen: Generation, ticket, shaper=None):
-        self.http, self.gen, self.ticket = http, gen, ticket
+    def __init__(self, http: HttpServer, gen: Generation, ticket, shaper=None, slot: str = ""):
+        self.http, self.gen, self.ticket, self.slot = http, gen, ticket, slot
         self.req = req = ticket.req
         self.shaper = shaper or Shaper(gen, ticket.model or http.front.model, ticket)
         self.tokenizer = req.engine.tokenizer if req.engine is not None else http.front.tokenizer
@@ -717,7 +766,7 @@ class GenerationResponse:
                 await self._run(send)
                 nursery.cancel_scope.cancel()
         finally:
-            self.http.inflight -= 1
+            self.http._give_slot(self.slot)
 
     @staticmethod
     async def _watch_disconnect(receive, scope: trio.CancelScope) -> None:
