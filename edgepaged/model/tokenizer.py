@@ -250,9 +250,11 @@ class Tokenizer:
             self._template = _compile(self.chat_template)
         special = {k: v for k, v in dict(bos_token=self.bos_token, eos_token=self.eos_token,
                                          unk_token=self.unk_token, pad_token=self.pad_token).items() if v}
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **{**special, **kwargs})
-        return self._encode_rendered(text, messages) if tokenize else text
+        def render(msgs):
+            return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                         **{**special, **kwargs})
+        text = render(messages)
+        return self._encode_rendered(text, messages, render) if tokenize else text
 
     def control_in(self, text: str) -> str | None:
         """A control-token string that `text` holds ("<|im_start|>"), or None. Few control
@@ -267,35 +269,67 @@ class Tokenizer:
                     return text[at:at + n]
         return None
 
-    def _encode_rendered(self, text: str, messages: list[dict]) -> list[int]:
+    def _encode_rendered(self, text: str, messages: list[dict], render) -> list[int]:
         """Tokenize a rendered chat: the template's text with control tokens parsed, every
         message text that holds a control string as plain text. Messages without one are
-        tokenized exactly as the whole rendered text would be."""
+        tokenized exactly as the whole rendered text would be.
+
+        Where each risky message's text lies comes from the renderer itself: `render(messages)`
+        is called again with a unique placeholder for each such text, and the rendering is the
+        text between the placeholders (the template's own, tokenized with control tokens) and
+        the messages' texts (plain). Looking a text up in the rendering instead (`str.find`)
+        matched a user's copy of the template's markup (the text that ends the system turn) to
+        the template's own, turning the template's end-of-turn into text and the user's copy
+        into the control token."""
         risky = [isinstance(m.get("content"), str) and self.control_in(m["content"]) is not None
                  for m in messages]
         if not any(risky):
             return self.encode(text, add_special_tokens=False)
-        cuts, pos = [], 0      # (start, end) of each risky message's text in `text`, in order
+        import secrets
+        nonce = secrets.token_hex(8)
+        marks, shown = {}, []         # placeholder -> the message text it stands for
         for i, (m, r) in enumerate(zip(messages, risky)):
-            content = m.get("content")
-            if not isinstance(content, str) or not content:
-                continue
-            at = text.find(content, pos)
-            if at < 0:
-                if r:
-                    hit = self.control_in(content)
-                    raise ValueError(f"message {i} contains the control string {hit!r}, which this model's chat "
-                                     "template does not keep as plain text")
-                continue
             if r:
-                cuts.append((at, at + len(content)))
-            pos = at + len(content)
-        ids, pos = [], 0
-        for start, end in cuts:
-            ids += self.encode(text[pos:start], add_special_tokens=False) if start > pos else []
-            ids += self.encode_plain(text[start:end])
-            pos = end
-        return ids + (self.encode(text[pos:], add_special_tokens=False) if pos < len(text) else [])
+                mark = f"\u2063edgepaged:{nonce}:{i}\u2063"
+                marks[mark] = m["content"]
+                m = {**m, "content": mark}
+            shown.append(m)
+        marked = render(shown)
+        pattern = re.compile("|".join(re.escape(k) for k in marks))
+        pieces, pos = [], 0          # (template text, message text) pairs, in order
+        for m in pattern.finditer(marked):
+            pieces.append((marked[pos:m.start()], marks[m.group(0)]))
+            pos = m.end()
+        tail = marked[pos:]
+        # the template may have trimmed a text it shows ({{ content | trim }}): the same cut here
+        texts = self._as_shown(text, pieces, tail)
+        if texts is None:
+            hit = next(self.control_in(c) for _, c in pieces) if pieces else None
+            raise ValueError(f"a message contains the control string {hit!r}, which this model's chat template does "
+                             "not keep as plain text")
+        ids = []
+        for (before, _), shown_text in zip(pieces, texts):
+            ids += self.encode(before, add_special_tokens=False) if before else []
+            ids += self.encode_plain(shown_text) if shown_text else []
+        return ids + (self.encode(tail, add_special_tokens=False) if tail else [])
+
+    @staticmethod
+    def _as_shown(text: str, pieces: list, tail: str) -> list[str] | None:
+        """How the template showed each message text in `text` (as it is, or trimmed), given
+        the template's text around them; None when the rendering is not those pieces."""
+        out, pos = [], 0
+        for before, content in pieces:
+            if not text.startswith(before, pos):
+                return None
+            pos += len(before)
+            for shown in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+                if text.startswith(shown, pos):
+                    out.append(shown)
+                    pos += len(shown)
+                    break
+            else:
+                return None
+        return out if text[pos:] == tail else None
 
 
 def _compile(source: str):
