@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,10 +108,11 @@ def inspect(path: Path) -> dict:
     from .model.loader import ModelFiles
     from .model import encoder
     try:
+        regular_file(path)
         with open(path, "rb") as f:
             head = f.read(4)
-        if head != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (it starts with {head!r}, not b'GGUF')")
+        if head != b"GGUF":     # (what it holds is never quoted: an admin's mistake could name any file)
+            raise ValueError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
         if encoder.is_encoder(path):          # an embedding model (BERT family)
             cfg = encoder.inspect(path)["config"]
             from .model.gguf_file import GgufFile
@@ -121,7 +123,7 @@ def inspect(path: Path) -> dict:
                     "context": cfg.context_length, "size_bytes": path.stat().st_size}
         files = ModelFiles(path)
         if files.reader is None:
-            raise ValueError(f"{path} is not a GGUF file")
+            raise ValueError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
         info = files.info()
         cfg = files.config
         files.reader.close()
@@ -129,6 +131,25 @@ def inspect(path: Path) -> dict:
         raise StoreError(str(e)) from None
     return {"architecture": cfg.arch, "quantization": info["quantization"],
             "context": int(cfg.context_length), "size_bytes": info["size"]}
+
+
+MAX_MODEL_BYTES = 1 << 40        # no GGUF file a box serves is larger
+SPACE_MARGIN = 256 << 20         # a copy into the store leaves this much of its disk free
+
+
+def regular_file(path: Path) -> int:
+    """A regular file's size (a link is followed); StoreError for anything else (a FIFO, a
+    device, a folder, /proc files), checked before it is opened: opening a FIFO blocks its
+    thread, reading /dev/zero never ends."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise StoreError(f"{path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreError(f"{path} is not a regular file")
+    if st.st_size > MAX_MODEL_BYTES:
+        raise StoreError(f"{path} is over {MAX_MODEL_BYTES >> 30} GiB")
+    return st.st_size
 
 
 def sha256_of(path: Path, progress=None) -> str:
@@ -356,18 +377,28 @@ def remove(name: str, root: Path | None = None) -> Entry:
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
+    """`src` (a regular GGUF file) at `dst`: a hard link where the file system allows, else a
+    copy, when the disk has room for it beside SPACE_MARGIN (checked first)."""
+    size = regular_file(src)
     try:
         os.link(src, dst)                   # same filesystem: no second copy of the bytes
+        return
     except OSError:
-        shutil.copyfile(src, dst)
+        pass
+    free = shutil.disk_usage(dst.parent).free
+    if size > free - SPACE_MARGIN:
+        raise StoreError(f"the model is {size >> 20} MiB and the store's disk has {free >> 20} MiB free", 507)
+    shutil.copyfile(src, dst)
 
 
-def copy(source: str, destination: str, root: Path | None = None) -> Entry:
+def copy(source: str, destination: str, root: Path | None = None, *, paths: bool = True) -> Entry:
     """A second name for a model (Ollama's copy): its own manifest, the same bytes (a hard
-    link where the file system allows). Any model `find` knows can be copied into the store."""
+    link where the file system allows). Any model `find` knows can be copied into the store
+    (`paths` False, the API's way: by name only, never a path on the box)."""
     root = root or store_dir()
     check_name(destination)
-    src = find(source, root)
+    src = find(source, root, paths=paths)
+    inspect(Path(src.path))                 # a GGUF the runtime serves, before anything is written
     if (root / f"{_slug(destination)}{MANIFEST_SUFFIX}").exists():
         remove(destination, root)           # as Ollama does: the destination is replaced
     _claim(root, destination)
@@ -394,7 +425,7 @@ def blob_path(digest: str, root: Path | None = None) -> Path:
 
 
 def create(name: str, *, from_: str | None = None, files: dict | None = None, root: Path | None = None,
-           quantize: str | None = None, adapters: dict | None = None, **extras) -> Entry:
+           quantize: str | None = None, adapters: dict | None = None, paths: bool = True, **extras) -> Entry:
     """Ollama's create: a new model `name` from another one (`from_`: its weights and its
     system/parameters/template unless given here) or from an uploaded GGUF blob (`files`:
     {file name: digest}), with `extras` (system, parameters, template, license, messages)."""
@@ -420,7 +451,7 @@ def create(name: str, *, from_: str | None = None, files: dict | None = None, ro
         base, origin, sha = None, f"blob:{digest}", blob.name.partition("-")[2]
         src = blob
     elif from_:
-        base = find(from_, root)
+        base = find(from_, root, paths=paths)
         src, origin, sha = Path(base.path), base.origin or base.path, base.sha256
         extras = {**{k: getattr(base, k) for k in EXTRA_FIELDS if getattr(base, k) is not None}, **extras}
     else:
@@ -511,11 +542,16 @@ def entries(root: Path | None = None) -> list[Entry]:
     return mine + [e for e in found_entries() if e.name not in names]
 
 
-def find(spec: str, root: Path | None = None) -> Entry:
-    """The model `spec` names: a path, a store name, an Ollama name (`:latest` when no tag), a
-    REPO:FILE or a repository in the HF cache. StoreError when there is none."""
+def find(spec: str, root: Path | None = None, *, paths: bool = True) -> Entry:
+    """The model `spec` names: a path (unless `paths` is off: a name a client sent over the
+    network never names the server's files), a store name, an Ollama name (`:latest` when no
+    tag), a REPO:FILE or a repository in the HF cache. StoreError when there is none."""
     path = Path(spec).expanduser()
-    if path.exists():
+    if not paths:
+        if spec.startswith((".", "/", "~")) or "\0" in spec:
+            raise StoreError(f"{spec!r}: over the API a model is a name from the box's list (/api/tags) or an "
+                             "uploaded blob, never a path", 400)
+    elif _exists(path):
         return Entry(name=default_name(path.name) if path.is_file() else path.name, path=str(path),
                      size_bytes=path.stat().st_size if path.is_file() else 0, architecture=None,
                      quantization=None, context=None, source="path", origin=str(path))

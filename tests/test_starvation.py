@@ -485,3 +485,51 @@ def test_a_message_equal_to_the_templates_markup_stays_text(embedded_runner):
                                   "{% endfor %}<|im_start|>assistant\n")
     ids = trimming.apply_chat_template([{"role": "user", "content": "  <|im_end|>\n "}])
     assert ids.count(end) == 1 and trimming.decode(ids).count("<|im_end|>") == 2
+
+
+# ---------------------------------------------------------------- 8: model management reads only what it should
+
+async def test_model_management_never_reads_a_path_a_fifo_or_a_secret(embedded_runner, tmp_path, monkeypatch):
+    """Over the API a model is a name from the box's list or an uploaded blob: `from` and
+    `source` as paths are a 400 (they read any file on the box: /proc/self/environ, /dev/zero
+    into the store); a FIFO among the found models is refused unopened (41 creates from one
+    blocked 40 threads, the engine's steps among them: it never answered again); a file that
+    is not GGUF is refused without quoting a byte of it."""
+    import os
+    cache = tmp_path / "hf"
+    repo = cache / "models--acme--box"
+    snap = repo / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    os.mkfifo(snap / "pipe.gguf")
+    (snap / "secret.gguf").write_text("SECRET=hunter2\n")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "no-ollama"))
+    async with serving(embedded_runner, http=True) as server:
+        base = server.http_base
+        for path, body in (("/api/copy", {"source": "/etc/passwd", "destination": "x"}),
+                           ("/api/copy", {"source": "/dev/zero", "destination": "x"}),
+                           ("/api/create", {"model": "x", "from": "/proc/self/environ", "stream": False}),
+                           ("/api/create", {"model": "x", "from": "~/.bashrc", "stream": False}),
+                           ("/api/create", {"model": "x", "from": "../../etc/shadow", "stream": False})):
+            status, raw = await afetch(base + path, body)
+            assert status == 400 and b"never a path" in raw, (path, body, raw[:300])
+        status, raw = await afetch(base + "/api/copy", {"source": "etc/passwd", "destination": "x"})
+        assert status == 404 and b"root:" not in raw
+        watch = HealthWatch(base)
+        async with trio.open_nursery() as n:
+            await n.start(watch.run)
+            with trio.fail_after(60):
+                got = await clients(base + "/api/copy", [{"source": "acme/box:pipe.gguf", "destination": f"p{k}"}
+                                                          for k in range(41)])
+                answer = await canary(base)
+            n.cancel_scope.cancel()
+        assert all(400 <= s < 500 and "not a regular file" in r for s, r in got), got[:2]
+        assert "Paris" in answer and watch.worst_ms < 1000
+        status, raw = await afetch(base + "/api/copy", {"source": "acme/box:secret.gguf", "destination": "s"})
+        assert 400 <= status < 500 and b"not a GGUF file" in raw and b"hunter2" not in raw and b"SECRET" not in raw
+        status, raw = await afetch(base + "/api/create", {"model": "s", "from": "acme/box:secret.gguf",
+                                                         "stream": False})
+        assert 400 <= status < 500 and b"hunter2" not in raw and b"SECRET" not in raw, raw[:300]
+        await alive(server)

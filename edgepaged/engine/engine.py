@@ -175,6 +175,10 @@ class Engine:
         self._disk_pinned: set[bytes] = set()    # their keys (not pinned twice)
         self.step_started: float | None = None   # trio time the running model step began (None: no step)
         self._costs: dict[Request, tuple[str, int]] = {}   # unfinished requests: (owner, max_tokens)
+        # the engine's own worker threads (steps, the disk tier, drafts): never shared with a door's
+        # or the model store's blocking work (41 creates from a FIFO once took trio's 40 and the
+        # engine never answered again while /health said ok)
+        self.threads = trio.CapacityLimiter(4)
         self._holds: set[CostHold] = set()          # checked costs not streamed yet (hold_cost)
         self._pending: dict[Request, float] = {}   # built for this engine, not streamed yet (expect)
         self._owner_tokens: dict[str, int] = {}
@@ -265,10 +269,11 @@ class Engine:
             with trio.CancelScope(shield=True):
                 await self._flush_disk(whole=True)
         if self.disk is not None:     # what the tier was given reaches the disk
-            await trio.to_thread.run_sync(self.disk.close)
+            await trio.to_thread.run_sync(self.disk.close, limiter=self.threads)
             if self.disk.writable and self.spec.history.corpus_count():
                 try:
-                    await trio.to_thread.run_sync(self.spec.history.save, self.disk.dir / ANSWERS_FILE)
+                    await trio.to_thread.run_sync(self.spec.history.save, self.disk.dir / ANSWERS_FILE,
+                                                 limiter=self.threads)
                 except OSError as e:
                     log.warning("the answers prompt lookup drafts from were not saved: %s", _short(e))
 
@@ -337,7 +342,8 @@ class Engine:
         if ram >= (len(req.prompt_ids) - 1) // bs * bs:
             return
         try:
-            start, blocks = await trio.to_thread.run_sync(self.disk.fetch, req.prompt_ids, req.salt, ram // bs)
+            start, blocks = await trio.to_thread.run_sync(self.disk.fetch, req.prompt_ids, req.salt, ram // bs,
+                                                         limiter=self.threads)
         except Exception as e:     # noqa: BLE001 - a cache: computed instead
             log.warning("the prefix cache's disk tier could not be read: %s", _short(e))
             return
@@ -433,7 +439,7 @@ class Engine:
                         # hand freed activation memory back to the system between bursts, so
                         # a server left running for months stays near its starting size
                         self._steps_since_trim = 0
-                        await trio.to_thread.run_sync(release_free_memory)
+                        await trio.to_thread.run_sync(release_free_memory, limiter=self.threads)
                         if self.scheduler.has_work():
                             continue
                 self._wake = trio.Event()
@@ -484,7 +490,7 @@ class Engine:
         self.step_started = trio.current_time()
         try:
             guesses = await trio.to_thread.run_sync(d.run, plan, trio.lowlevel.current_trio_token(),
-                                                    self.tokenizer.stop_token_ids)
+                                                    self.tokenizer.stop_token_ids, limiter=self.threads)
         except Exception as e:     # the draft failed: the requests decode without drafts
             log.error("the draft model's round failed: %s (no drafts this step)", _short(e))
             log.debug("draft round failed", exc_info=True)
@@ -543,7 +549,7 @@ class Engine:
         try:
             t0 = time.monotonic()
             tokens, grammar = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers, outputs,
-                                                            rows, embeds, spec)
+                                                            rows, embeds, spec, limiter=self.threads)
             if pool:
                 tokens = self._pooled(batch, pool, tokens)
             if spec:
@@ -712,7 +718,8 @@ class Engine:
             n = len(pin.items) if whole else DISK_COPY_PIECE
             piece, pin.items = pin.items[:n], pin.items[n:]
             try:
-                data = await trio.to_thread.run_sync(self.runner.read_blocks, [b for _, b in piece])
+                data = await trio.to_thread.run_sync(self.runner.read_blocks, [b for _, b in piece],
+                                                     limiter=self.threads)
                 self.disk.put([(key, d) for (key, _), d in zip(piece, data)])
             except Exception as e:   # noqa: BLE001 - a cache: nothing else hurt
                 log.warning("the prefix cache's disk tier could not take a prompt: %s", _short(e))

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import threading
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -32,6 +33,10 @@ from .ollama_api import OllamaError
 log = logging.getLogger("edgepaged.manage")
 BLOB_CHUNK = 1 << 20
 DISK_MARGIN = 256 << 20       # an upload leaves this much of the disk free
+# The store's blocking work (downloads, hashing, copying, reading files) runs on threads of its
+# own: however many management requests wait on a slow disk or a file that never ends, the
+# engine's steps and the front end's threads are never among them.
+MANAGE = trio.CapacityLimiter(4)
 
 
 def parse_networks(cidrs) -> tuple:
@@ -142,7 +147,7 @@ class ModelAdmin:
         await self.check(request)
         name = self._name(await self._body(request), "model", "name")
         try:
-            entry = await trio.to_thread.run_sync(store.remove, name, self.root)
+            entry = await trio.to_thread.run_sync(store.remove, name, self.root, limiter=MANAGE)
         except StoreError as e:
             raise OllamaError(e.status, f"model {name!r} not found" if e.status == 404 else str(e),
                               "not_found" if e.status == 404 else "bad_request") from None
@@ -156,7 +161,8 @@ class ModelAdmin:
         body = await self._body(request)
         source, destination = self._name(body, "source"), self._name(body, "destination")
         try:
-            entry = await trio.to_thread.run_sync(store.copy, source, destination, self.root)
+            entry = await trio.to_thread.run_sync(partial(store.copy, source, destination, self.root, paths=False),
+                                                  limiter=MANAGE)
         except StoreError as e:
             raise OllamaError(e.status, f"model {source!r} not found" if e.status == 404 else str(e),
                               "not_found" if e.status == 404 else "bad_request") from None
@@ -184,7 +190,7 @@ class ModelAdmin:
             base = fields["from"]
             if base and not fields["files"]:
                 try:
-                    store.find(base, root)
+                    store.find(base, root, paths=False)
                 except StoreError:
                     if not registry.is_ollama_name(base):
                         raise
@@ -195,7 +201,7 @@ class ModelAdmin:
             entry = store.create(name, from_=base, files=fields["files"], root=root, quantize=fields["quantize"],
                                  adapters=fields["adapters"], system=fields["system"], template=fields["template"],
                                  parameters=fields["parameters"], messages=fields["messages"],
-                                 license=fields["license"])
+                                 license=fields["license"], paths=False)
             progress(f"using existing layer sha256:{entry.sha256}")
             progress("writing manifest")
             return entry
@@ -239,10 +245,10 @@ class ModelAdmin:
                     if size > free - DISK_MARGIN:
                         raise OllamaError(413, "the blob does not fit on the store's disk", "too_large")
                     if len(buf) >= BLOB_CHUNK:
-                        await trio.to_thread.run_sync(write, f, bytes(buf))
+                        await trio.to_thread.run_sync(write, f, bytes(buf), limiter=MANAGE)
                         buf.clear()
                 if buf:
-                    await trio.to_thread.run_sync(write, f, bytes(buf))
+                    await trio.to_thread.run_sync(write, f, bytes(buf), limiter=MANAGE)
             got = "sha256:" + h.hexdigest()
             if got != digest.replace("sha256-", "sha256:"):
                 raise OllamaError(400, f'digest mismatch, expected "{digest}", got "{got}"', "bad_request")
@@ -277,7 +283,7 @@ class ProgressStream:
         async def run() -> None:
             async with send_ch:
                 try:
-                    result = await trio.to_thread.run_sync(self.work, progress)
+                    result = await trio.to_thread.run_sync(self.work, progress, limiter=MANAGE)
                     if self.after is not None:
                         await self.after(result)
                     await send_ch.send({"status": "success"})
