@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 
 from . import schema
+from .brief import names
 from .schema import (CONTEXT_POLICIES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, FieldError,  # noqa: F401 (re-exported)
                      GenerateRequest, parse_context_policy, parse_keep_alive, parse_truncate)
 
@@ -189,7 +190,7 @@ def _check_id(msg: dict, required: bool) -> Any:
 def _check_fields(msg: dict, allowed: set, rid: Any) -> None:
     extra = sorted(set(msg) - allowed)
     if extra:
-        raise ProtocolError("bad_request", f"unknown field(s) in {msg['type']}: {', '.join(extra)}", rid)
+        raise ProtocolError("bad_request", f"unknown field(s) in {msg['type']}: {names(extra)}", rid)
 
 
 def _type_check(name: str, value, types: tuple, rid: Any) -> None:

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
+from .brief import first_line, names
+
 MAX_STOP = 16            # stop strings, stop token ids
 MAX_SAMPLES = 8          # n: parallel samples of one prompt
 MAX_LOGIT_BIAS = 300
@@ -215,7 +217,7 @@ def parse(fields: dict, rid: Any, kind: str, *, messages: list | None = None, pr
     checked -> GenerateRequest; FieldError naming the first field that breaks its rule."""
     unknown = sorted(set(fields) - set(FIELDS))
     if unknown:
-        raise FieldError(unknown[0], f"unknown field(s): {', '.join(unknown)}")
+        raise FieldError(first_line(str(unknown[0]), 40), f"unknown field(s): {names(unknown)}")
     v = validate(fields)
     req = GenerateRequest(rid, kind, messages=messages, prompt=prompt, suffix=suffix)
     req.sampling = {k: getattr(v, k) for k in SAMPLING_FIELDS if getattr(v, k) is not None}

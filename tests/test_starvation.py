@@ -533,3 +533,62 @@ async def test_model_management_never_reads_a_path_a_fifo_or_a_secret(embedded_r
                                                          "stream": False})
         assert 400 <= status < 500 and b"hunter2" not in raw and b"SECRET" not in raw, raw[:300]
         await alive(server)
+
+
+# ---------------------------------------------------------------- 9: the small ones
+
+async def test_an_error_frame_never_echoes_every_unknown_field(embedded_runner):
+    """A msgpack chat with 100 k unknown fields was answered with a 789 KB error frame listing
+    them all; the HTTP doors likewise. The message names a few, cut short, and the count."""
+    import msgpack
+    junk = {f"f{i}": 1 for i in range(100_000)}
+
+    def frame(m):
+        b = msgpack.packb(m)
+        return len(b).to_bytes(4, "big") + b
+
+    def exchange(port):
+        import socket
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.sendall(frame({"type": "hello", "version": 1, "client": "t"}))
+        s.sendall(frame({"type": "chat", "id": 7, "messages": FRANCE, **junk}))
+        got, frames = b"", []
+        while not any(f.get("type") == "error" for f in frames):
+            chunk = s.recv(1 << 20)
+            assert chunk, frames
+            got += chunk
+            while len(got) >= 4 and len(got) >= 4 + int.from_bytes(got[:4], "big"):
+                n = int.from_bytes(got[:4], "big")
+                frames.append(msgpack.unpackb(got[4:4 + n]))
+                got = got[4 + n:]
+        s.close()
+        return next(f for f in frames if f.get("type") == "error")
+    async with serving(embedded_runner, http=True) as server:
+        err = await trio.to_thread.run_sync(exchange, server.port)
+        assert "100000 in all" in err["message"] and len(msgpack.packb(err)) < 2000, len(msgpack.packb(err))
+        from edgepaged import schema                 # (what every door's names map onto)
+        try:
+            schema.parse({"x" * 100_000: 1, **junk}, 1, "chat", messages=FRANCE)
+        except schema.FieldError as e:
+            assert "100001 in all" in str(e) and len(str(e)) < 600 and len(e.field) <= 40
+        else:
+            raise AssertionError("unknown fields were taken")
+        await alive(server)
+
+
+def test_the_disk_tier_counts_what_fits_its_limit_on_load(tmp_path):
+    """Two servers on one disk-tier folder each kept their own 8 blocks; a third loaded the
+    index as 16 against a limit of 8. Counted on load now: the oldest beyond the limit go."""
+    import numpy as np
+    from edgepaged.engine.disk_cache import HEADER, DiskTier
+    limit = 8 * (64 + HEADER)
+    a, b = (DiskTier(tmp_path / "kv", "m", 64, 4, limit) for _ in range(2))
+    for tier, seed in ((a, 1), (b, 2)):
+        ids = [seed * 1000 + i for i in range(4 * 8)]
+        tier.put([(k, np.full(64, i, np.uint8)) for i, k in tier.wanted(ids, 0)])
+        tier.flush()
+        time.sleep(0.02)
+    assert len(list(a.dir.glob("*/*.kv"))) == 16          # (each kept its own 8)
+    c = DiskTier(tmp_path / "kv", "m", 64, 4, limit)
+    assert len(c.index) == 8 and c.size_bytes <= limit and len(list(c.dir.glob("*/*.kv"))) == 8
+    assert set(c.index) == set(b.index)                    # the newest kept

@@ -98,6 +98,17 @@ class DiskTier:
         except OSError as e:
             log.warning("the prefix cache's disk tier is off: %s", e)
             self.writable, files = False, []
+        # what is counted is what fits the limit: the folder may hold more (another server on the
+        # same folder wrote its own share; a smaller limit than last time): the oldest go
+        most = self.limit // (self.block_bytes + HEADER)
+        if len(files) > most:
+            for f in files[:len(files) - most]:
+                try:
+                    f.unlink()
+                    self.stats["evicted"] += 1
+                except OSError:
+                    pass
+            files = files[len(files) - most:]
         for f in files:
             try:
                 self.index[bytes.fromhex(f.stem)] = f.stat().st_mtime
