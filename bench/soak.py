@@ -16,6 +16,16 @@ Each client loops until the deadline, picking a behaviour each round:
   bad_tools    1%  auto tool choice with a tool schema the grammar library rejects (it killed the engine)
   borrow       1%  asks with "user" set to its own address after priming a prompt from that address:
                    the cache must not answer (cached_tokens 0), else `attacks_succeeded` counts it
+  http_normal  5%  an HTTP chat from the household's address: must be answered (a 200)
+  forced       1%  a regex forcing 200 KB of text after its first letter (it froze every door): a 400
+  big_prompt   1%  a 600 KB prompt (over the byte cap) or a 250 KB one (over the context): a 400
+  compile      1%  a ~200 KB schema with one property changed each time, from 127.0.0.3 (two pinned the
+                   grammar compiler): compiled, stopped (400), or refused for that address (429/503)
+  costly       1%  six formatted requests at once from one identity, each a third of its token cap:
+                   more than three admitted counts in `attacks_succeeded`
+  noread_http  1%  HTTP streams from 127.0.0.3 that read nothing (they held all 64 slots): the
+                   household's HTTP chats must still be answered
+`health_worst_ms`: the slowest /health of the run, polled at 10 Hz from a process of its own.
 At the end: every normal request completed, zero blocks leaked (nothing used once idle),
 the server's RSS back near where it started after warm-up, and its task count back. `failed`
 counts only the requests of well-behaved (normal) clients. The household's clients share one
@@ -102,7 +112,8 @@ def rss_mb(pid: int) -> float:
 class Tally:
     def __init__(self):
         self.counts = {k: 0 for k in ("normal", "cancel", "vanish", "noread", "garbage", "reconnect", "badparams",
-                                      "pest", "upload", "deep_grammar", "wide_grammar", "bad_tools", "borrow")}
+                                      "pest", "upload", "deep_grammar", "wide_grammar", "bad_tools", "borrow",
+                                      "http_normal", "forced", "big_prompt", "compile", "costly", "noread_http")}
         self.attacks_succeeded: list[str] = []
         self.completed = 0
         self.failed: list[str] = []
@@ -186,15 +197,28 @@ async def behave(addr: str, host: str, port: int, http_port: int, kind: str, rng
         await s.aclose()
 
 
-def post(url: str, body: dict) -> tuple[int, dict]:
-    import urllib.error
-    import urllib.request
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post(url: str, body: dict, source: str | None = None) -> tuple[int, dict]:
+    """POST `body` as JSON (from the loopback address `source`, else the default)."""
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlsplit(url)
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=120,
+                                   source_address=(source, 0) if source else None)
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        c.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        data = r.read()
+        try:
+            return r.status, json.loads(data or b"{}")
+        except ValueError:
+            return r.status, {"raw": data[:200].decode("utf-8", "replace")}
+    finally:
+        c.close()
+
+
+def home(rng: random.Random) -> str:
+    """A household device's loopback address (phones, laptops, hubs: each its own, as at home)."""
+    return f"127.0.0.{10 + rng.randrange(32)}"
 
 
 def ref_chain(n: int) -> dict:
@@ -203,8 +227,9 @@ def ref_chain(n: int) -> dict:
     return {"$ref": "#/$defs/d0", "$defs": defs}
 
 
-async def attack(base: str, body: dict, t: Tally, kind: str, ok=(400,), path="/v1/chat/completions"):
-    status, out = await trio.to_thread.run_sync(post, base + path, body)
+async def attack(base: str, body: dict, t: Tally, kind: str, ok=(400,), path="/v1/chat/completions",
+                 source: str | None = None):
+    status, out = await trio.to_thread.run_sync(post, base + path, body, source)
     if status not in ok:
         t.attacks_succeeded.append(f"{kind}: HTTP {status}")
     return status, out
@@ -217,38 +242,134 @@ async def deep_grammar(base: str, rng: random.Random, t: Tally) -> None:
     else:
         body = {"messages": q, "max_tokens": 4,
                 "guided_grammar": "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(4000)) + 'r4000: "x"\n'}
-    await attack(base, body, t, "deep_grammar")
+    await attack(base, body, t, "deep_grammar", source=home(rng))
 
 
 async def wide_grammar(base: str, rng: random.Random, t: Tally) -> None:
     schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(3000)}}
     await attack(base, {"messages": [{"role": "user", "content": "Fill the form."}], "max_tokens": 3, "n": 8,
-                        "temperature": 0.7, "guided_json": schema}, t, "wide_grammar", ok=(200, 400))
+                        "temperature": 0.7, "guided_json": schema}, t, "wide_grammar", ok=(200, 400),
+                 source=home(rng))
 
 
 async def bad_tools(base: str, rng: random.Random, t: Tally) -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}]
     await attack(base, {"messages": [{"role": "user", "content": rng.choice(QUESTIONS)}], "max_tokens": 8,
-                        "tools": tools}, t, "bad_tools")
+                        "tools": tools}, t, "bad_tools", source=home(rng))
 
 
 async def borrow(base: str, rng: random.Random, t: Tally) -> None:
     secret = f"{rng.randrange(10**8):08d} is my door code. " * 6    # unique from its first block on
+    me = home(rng)
     status, _ = await attack(base, {"prompt": secret, "max_tokens": 1}, t, "borrow-prime", ok=(200,),
-                             path="/v1/completions")
-    status, out = await attack(base, {"prompt": secret, "max_tokens": 1, "user": "127.0.0.1"}, t, "borrow",
-                               ok=(200,), path="/v1/completions")
+                             path="/v1/completions", source=me)
+    status, out = await attack(base, {"prompt": secret, "max_tokens": 1, "user": me}, t, "borrow",
+                               ok=(200,), path="/v1/completions", source=me)
     if status == 200 and out["usage"].get("prompt_tokens_details", {}).get("cached_tokens"):
         t.attacks_succeeded.append("borrow: another identity's cache answered")
 
 
-ATTACKS = {"deep_grammar": deep_grammar, "wide_grammar": wide_grammar, "bad_tools": bad_tools, "borrow": borrow}
+async def http_normal(base: str, rng: random.Random, t: Tally) -> None:
+    """A household member's HTTP chat: a well-behaved request, counted in `failed` unless answered."""
+    t.requests += 1
+    status, out = await trio.to_thread.run_sync(post, base + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": rng.choice(QUESTIONS)}], "max_tokens": rng.randint(4, 16),
+        "temperature": 0}, home(rng))
+    if status == 200 and out.get("choices"):
+        t.completed += 1
+    else:
+        t.failed.append(f"http_normal: HTTP {status} {str(out)[:160]}")
+
+
+ATTACKER = "127.0.0.3"      # the script on a laptop: an address of its own
+
+
+async def forced(base: str, rng: random.Random, t: Tally) -> None:
+    status, out = await attack(base, {"messages": [{"role": "user", "content": "Say a or b."}], "max_tokens": 64,
+                                      "temperature": 0, "guided_regex": f"(a|b)c{{{200_000 + rng.randrange(999)}}}"},
+                               t, "forced", source=ATTACKER)
+    said = json.dumps(out)
+    if status == 400 and "forced-text limit" not in said and "parser's limits" not in said:
+        t.attacks_succeeded.append(f"forced: a 400 that does not name the limit: {str(out)[:160]}")
+
+
+async def big_prompt(base: str, rng: random.Random, t: Tally) -> None:
+    size = rng.choice([600_000, 250_000])
+    text = " ".join(rng.choice(QUESTIONS) for _ in range(size // 25))[:size]
+    await attack(base, {"messages": [{"role": "user", "content": text}], "max_tokens": 1}, t, "big_prompt",
+                 source=ATTACKER)
+
+
+async def compile_attack(base: str, rng: random.Random, t: Tally) -> None:
+    tag = rng.randrange(10**9)
+    schema = {"type": "object", "properties": {f"field_{tag}_{i}": {"type": "string"} for i in range(6000)}}
+    await attack(base, {"messages": [{"role": "user", "content": "Fill the form."}], "max_tokens": 3,
+                        "guided_json": schema}, t, "compile", ok=(200, 400, 429, 503), source=ATTACKER)
+
+
+COSTLY_CAP = 3072            # the soak server's --max-identity-tokens
+HEALTH_BOUND_MS = 100      # /health within this, polled at 10 Hz, whatever the attackers do
+
+
+async def costly(base: str, rng: random.Random, t: Tally) -> None:
+    body = {"messages": [{"role": "user", "content": "Write a long sentence."}], "max_tokens": COSTLY_CAP // 3,
+            "temperature": 0, "guided_regex": "[a-z ]{1,4000}", "user": f"costly-{rng.randrange(10**9)}"}
+    got = []
+
+    async def one():
+        got.append(await trio.to_thread.run_sync(post, base + "/v1/chat/completions", body, ATTACKER))
+    async with trio.open_nursery() as n:
+        for _ in range(6):
+            n.start_soon(one)
+    admitted = sum(s == 200 for s, _ in got)
+    if admitted > 3 or any(s not in (200, 429) for s, _ in got):
+        t.attacks_succeeded.append(f"costly: {sorted(s for s, _ in got)} (at most three fit the cap)")
+
+
+async def noread_http(base: str, rng: random.Random, t: Tally) -> None:
+    host, port = base.rsplit("/", 1)[1].split(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    s.bind((ATTACKER, 0))
+    try:
+        await trio.to_thread.run_sync(s.connect, (host, int(port)))
+        data = json.dumps({"messages": [{"role": "user", "content": rng.choice(QUESTIONS)}], "max_tokens": 4000,
+                           "ignore_eos": True, "stream": True}).encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        await trio.sleep(20 + rng.random() * 30)
+    finally:
+        s.close()
+
+
+ATTACKS = {"deep_grammar": deep_grammar, "wide_grammar": wide_grammar, "bad_tools": bad_tools, "borrow": borrow,
+           "http_normal": http_normal, "forced": forced, "big_prompt": big_prompt, "compile": compile_attack,
+           "costly": costly, "noread_http": noread_http}
+
+
+HEALTH_POLL = r"""
+import http.client, sys, time
+host, port, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+import os
+worst, polls = 0.0, 0
+c = http.client.HTTPConnection(host, port, timeout=60)
+while not os.path.exists(stop):
+    t = time.perf_counter()
+    try:
+        c.request("GET", "/health"); r = c.getresponse(); r.read()
+    except OSError:
+        c = http.client.HTTPConnection(host, port, timeout=60)
+        continue
+    worst = max(worst, (time.perf_counter() - t) * 1000); polls += 1
+    time.sleep(max(0.0, 0.1 - (time.perf_counter() - t)))
+print(round(worst, 1), polls)
+"""
 
 
 async def soak(addr: str, http_port: int, clients: int, seconds: float, seed: int, t: Tally) -> None:
     host, port = addr.rsplit(":", 1)
-    kinds, weights = list(t.counts), [44, 18, 9, 7, 5, 5, 5, 4, 3, 2, 1, 1, 1]
+    kinds, weights = list(t.counts), [44, 18, 9, 7, 5, 5, 5, 4, 3, 2, 1, 1, 1, 5, 1, 1, 1, 1, 1]
     deadline = trio.current_time() + seconds
 
     async def client(i: int) -> None:
@@ -302,7 +423,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "edgepaged.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--no-mdns",
            "--http-port", str(http_port), "--kv-memory", "256MiB", "--max-connections", str(args.clients + 64),
            "--max-unauthenticated", str(2 * args.clients), "--max-unauthenticated-per-address", str(args.clients),
-           "--grace", "5"]
+           "--max-identity-tokens", str(COSTLY_CAP), "--grace", "5"]
     # a store of its own: the prefix cache's disk tier outlives the server, and the seeded
     # clients send the same prompts every run (a borrow's own blocks from the last run were
     # counted as another identity's); the weights cache stays where it was
@@ -334,8 +455,13 @@ def main() -> None:
             while not stop.wait(10):
                 rss_trace.append((round(time.monotonic() - t0), round(rss_mb(proc.pid), 1)))
         threading.Thread(target=sample_rss, daemon=True).start()
+        stop_file = os.path.join(store.name, "health-stop")
+        poller = subprocess.Popen([sys.executable, "-c", HEALTH_POLL, "127.0.0.1", str(http_port), stop_file],
+                                  stdout=subprocess.PIPE, text=True)
         trio.run(soak, addr, http_port, args.clients, args.seconds, args.seed, t)
         stop.set()
+        open(stop_file, "w").close()
+        worst_ms, polls = poller.communicate(timeout=120)[0].split()
         wall = time.monotonic() - t0
         end = trio.run(wait_idle, addr)
         rss1 = rss_mb(proc.pid)
@@ -357,6 +483,7 @@ def main() -> None:
         "rss_trace_mb": rss_trace, "server_log_lines": len(log_lines),
         "tracebacks_in_log": sum("Traceback" in x for x in log_lines),
         "attacks_succeeded": len(t.attacks_succeeded), "server_alive_after": rc == 0,
+        "health_worst_ms": float(worst_ms), "health_polls": int(polls),
     }
     for f in t.attacks_succeeded[:10]:
         print("ATTACK SUCCEEDED:", f)
@@ -364,10 +491,12 @@ def main() -> None:
         print("FAILED:", f)
     print(f"{t.requests} requests from {args.clients} clients in {wall:.0f} s: {t.completed} normal ones completed, "
           f"{len(t.failed)} failed; leaked blocks {out['leaked_blocks']}; RSS {rss0:.0f} -> {rss1:.0f} MB; "
-          f"tasks {out['tasks_start']} -> {out['tasks_end']}; max active {out['max_active']}; server exit {rc}")
+          f"tasks {out['tasks_start']} -> {out['tasks_end']}; max active {out['max_active']}; server exit {rc}; "
+          f"/health worst {out['health_worst_ms']} ms over {polls} polls")
     if args.json:
         print(json.dumps(out))
     ok = not t.failed and out["leaked_blocks"] == 0 and rc == 0 and out["tracebacks_in_log"] == 0 \
+        and out["health_worst_ms"] <= HEALTH_BOUND_MS \
         and not t.attacks_succeeded
     sys.exit(0 if ok else 1)
 

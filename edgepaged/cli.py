@@ -208,6 +208,9 @@ def main(verbose):
 @click.option("--max-inflight", type=int, default=16, show_default=True, help="Requests in flight per connection.")
 @click.option("--max-prompt-tokens", type=int, default=None, help="Longest prompt taken (default: the context).")
 @click.option("--max-tokens", type=int, default=None, help="Cap on a request's max_tokens (default: the context).")
+@click.option("--max-http-per-caller", type=click.IntRange(1), default=None,
+              help="Most HTTP generations one user (with tokens) or address may have in flight at once; past it a "
+                   "429 (default: half of the box's 64).")
 @click.option("--max-prompt-bytes", type=click.IntRange(1), default=None,
               help="Most bytes of text one request's prompt may have (its messages, prompt and suffix, as UTF-8), "
                    "checked before it is tokenized; past it a 400 (default: 16 x the context, at least 256 KiB).")
@@ -274,7 +277,7 @@ def main(verbose):
                    "flags given here win over it. Env EDGEPAGED_CONFIG.")
 def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, prefix_cache_disk, block_size, kv_dtype,
           max_batched_tokens, token, http_port, no_http, no_mdns, mdns_interface, max_connections, max_unauthenticated,
-          max_unauthenticated_per_address, allowed_hosts, cors_origins, admin_from, max_inflight, max_prompt_tokens, max_tokens, max_prompt_bytes,
+          max_unauthenticated_per_address, allowed_hosts, cors_origins, admin_from, max_inflight, max_prompt_tokens, max_tokens, max_prompt_bytes, max_http_per_caller,
           max_request_tokens, max_identity_tokens, grammar_max_depth, grammar_max_bytes, grammar_timeout, grace, users_file, contiguous, quant_math, runtime, step_time, speculation, draft_path, spec_tokens,
           spec_max_running, context_policy, window_tokens, window_sink,
           mdns_refresh):
@@ -373,7 +376,7 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
                             step_time_target_s=step_time or None, speculation=speculation, spec_tokens=spec_tokens,
                             spec_max_running=spec_max_running, prefix_cache_disk=disk_bytes),
         http=None if no_http else HttpConfig(port=http_port, allowed_hosts=allowed_hosts, cors_origins=cors_origins,
-                                                 admin_from=admin_from),
+                                                 admin_from=admin_from, max_inflight_per_caller=max_http_per_caller),
         mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
     if cfg.http is not None:
         cfg.http.sock = http_sock

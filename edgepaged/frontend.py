@@ -38,11 +38,7 @@ from .schema import MAX_SAMPLES
 
 log = logging.getLogger("edgepaged.frontend")
 MAX_EMBED_INPUTS = 512   # texts in one embeddings request
-# Rendering and tokenizing a request holds the GIL in parts (a chat template renders in Python):
-# the box's two cores run at most two such jobs at once, so a burst of long prompts leaves the
-# event loop its turn at the GIL (eight at once stalled /health 169 ms; two at a time, see
-# tests/test_starvation.py). Its own threads: the engine's steps never wait for these.
-PREPARE = trio.CapacityLimiter(2)
+from .lanes import PREPARE   # noqa: E402 - rendering and tokenizing: one request at a time
 
 
 class AuthFailed(Exception):

@@ -370,11 +370,11 @@ class _Compiler:
 
     STACK_BYTES = 256 << 20
 
-    def __init__(self, threads: int = 2):
+    def __init__(self, threads: int = 2, nice: int = 0):
         import queue
         self.jobs: queue.Queue = queue.Queue()
         self.threads: list[threading.Thread] = []
-        self.size = threads
+        self.size, self.nice = threads, nice
         self._lock = threading.Lock()
         self.pending = 0                # jobs queued or running
 
@@ -393,6 +393,12 @@ class _Compiler:
                 threading.stack_size(old)
 
     def _work(self) -> None:
+        if self.nice:                   # (Linux: a thread's own priority; GIL-free work here)
+            try:
+                import os
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except (AttributeError, OSError):
+                pass
         while True:                     # a compiler thread never dies of one job
             fn, done = self.jobs.get()
             try:
@@ -429,7 +435,7 @@ class _Compiler:
 
 
 COMPILER = _Compiler()          # formats up to SMALL_FORMAT_BYTES (and synchronous callers)
-LARGE_COMPILER = _Compiler(1)   # larger ones: one at a time, each checked first in a child process
+LARGE_COMPILER = _Compiler(1, nice=10)   # larger ones: one at a time, each checked first in a child process
 
 # A format's text (its spec as JSON, or a grammar) up to this size compiles in well under a
 # second (a 32 KB, 1,000-property schema: ~0.15 s here) in the small lane: json_object, a
@@ -438,66 +444,29 @@ LARGE_COMPILER = _Compiler(1)   # larger ones: one at a time, each checked first
 SMALL_FORMAT_BYTES = 32 << 10
 
 
-def in_child(fn, timeout_s: float):
-    """`fn()` run in a forked child process, killed after `timeout_s` (llguidance's compile
-    cannot be stopped in a thread: a format past its budget kept a compiler thread for as long
-    as it ran). Returns fn's result (a str); GrammarRefused for fn's own refusal, for the
-    time limit, or when the child died. The child shares nothing it could break: it closes the
-    server's files, takes no lock, and leaves by os._exit."""
-    import os
+def in_child(job: dict, timeout_s: float) -> str:
+    """`job` checked by `compile_child` in a fresh process, killed after `timeout_s`
+    (llguidance's compile cannot be stopped in a thread: a format past its budget kept a
+    compiler thread for as long as it ran). The grammar text; GrammarRefused for the child's
+    own refusal, for the time limit (CompileStopped), or when the child died."""
     import pickle
-    import select
-    import signal
-    import warnings
-    r, w = os.pipe()
-    with warnings.catch_warnings():      # (Python 3.12 warns of fork beside threads; the child runs fn only)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid == 0:                         # the child
-        code = 0
-        try:
-            os.close(r)
-            os.closerange(3, w)
-            os.closerange(w + 1, 1 << 16)
-            try:
-                out = ("ok", fn())
-            except GrammarRefused as e:
-                out = ("refused", str(e))
-            except BaseException as e:   # noqa: BLE001 - said to the parent, in one line
-                out = ("failed", first_line(f"{type(e).__name__}: {e}"))
-            data = pickle.dumps(out)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(w, view):]
-        except BaseException:            # noqa: BLE001
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(w)
-    chunks, deadline, done = [], time.monotonic() + timeout_s, False
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "edgepaged.model.compile_child"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([r], [], [], left)[0]:
-                break
-            chunk = os.read(r, 1 << 20)
-            if not chunk:
-                done = True
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-        if not done:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        os.waitpid(pid, 0)
-    if not done:
+        out, _ = proc.communicate(pickle.dumps(job), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         raise CompileStopped(f"the format takes longer than {timeout_s:g} s to compile (the format compile-time "
-                             "limit); it was stopped")
+                             "limit); it was stopped") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     try:
-        kind, value = pickle.loads(b"".join(chunks))
+        kind, value = pickle.loads(out)
     except Exception:                    # noqa: BLE001 - the child died (out of memory, a crash in the library)
         raise GrammarRefused("the format could not be compiled (its compile failed)") from None
     if kind == "ok":
@@ -509,39 +478,43 @@ def in_child(fn, timeout_s: float):
 
 
 class CompileQuota:
-    """Large formats' compiles per caller: at most `per_caller` queued or running at once, and
-    a caller whose compile was stopped at the time limit waits `cooldown_s` before its next
-    large one (each costs the box up to the budget of a core). Small formats and formats
-    compiled before never count."""
+    """Compiles per caller (formats compiled before never count): at most `per_caller` queued
+    or running at once, `large` of them large; a caller whose compile was stopped at the time
+    limit waits `cooldown_s` before its next large one (each costs the box up to the budget of
+    a core). Past it: too_many_requests (a 429)."""
 
-    def __init__(self, per_caller: int = 1, cooldown_s: float = 30.0, max_callers: int = 4096):
-        self.per_caller, self.cooldown_s, self.max_callers = per_caller, cooldown_s, max_callers
-        self.running: dict[str, int] = {}
+    def __init__(self, per_caller: int = 16, large: int = 1, cooldown_s: float = 30.0, max_callers: int = 4096):
+        self.per_caller, self.large, self.cooldown_s, self.max_callers = per_caller, large, cooldown_s, max_callers
+        self.running: dict[str, list[int]] = {}     # caller -> [compiles, large ones]
         self.stopped: dict[str, float] = {}      # caller -> when its last compile was stopped
         self._lock = threading.Lock()
 
-    def take(self, who: str) -> None:
+    def take(self, who: str, large: bool) -> None:
         with self._lock:
             now = time.monotonic()
             if len(self.stopped) > self.max_callers:
                 self.stopped = {k: t for k, t in self.stopped.items() if now - t < self.cooldown_s}
             since = now - self.stopped.get(who, -1e9)
-            if since < self.cooldown_s:
+            if large and since < self.cooldown_s:
                 raise GrammarRefused(f"your last large format was stopped at the compile-time limit; send the next "
                                      f"one in {self.cooldown_s - since:.0f} s", busy=True, code="too_many_requests")
-            if self.running.get(who, 0) >= self.per_caller:
-                raise GrammarRefused("your earlier large format is still compiling; send the next when it is done "
-                                     f"(at most {self.per_caller} at once per caller)", busy=True,
+            n = self.running.setdefault(who, [0, 0])
+            if n[0] >= self.per_caller or large and n[1] >= self.large:
+                most = self.large if large else self.per_caller
+                raise GrammarRefused(f"your earlier {'large ' if large else ''}formats are still compiling (at most "
+                                     f"{most} at once per caller); send the next when one is done", busy=True,
                                      code="too_many_requests")
-            self.running[who] = self.running.get(who, 0) + 1
+            n[0] += 1
+            n[1] += large
 
-    def give(self, who: str, stopped: bool = False) -> None:
+    def give(self, who: str, large: bool, stopped: bool = False) -> None:
         with self._lock:
-            n = self.running.get(who, 1) - 1
-            if n > 0:
-                self.running[who] = n
-            else:
-                self.running.pop(who, None)
+            n = self.running.get(who)
+            if n is not None:
+                n[0] -= 1
+                n[1] -= large
+                if n[0] <= 0:
+                    del self.running[who]
             if stopped:
                 self.stopped[who] = time.monotonic()
 
@@ -687,6 +660,7 @@ class Grammars:
     compilation of format specs into grammars and matchers."""
 
     CACHE_SIZE = 64
+    LARGE_CACHED = 4      # of them, formats over SMALL_FORMAT_BYTES compiled
 
     def __init__(self, tokenizer, vocab_size: int, limits: GrammarLimits | None = None):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
@@ -695,6 +669,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._cache: OrderedDict = OrderedDict()    # key -> (grammar, template matcher) or GrammarRefused
         self.quota = CompileQuota()
+        self._tokenizer_json: str | None = None     # for compile_child, made at the first large format
         self._cache_lock = threading.Lock()
 
     @property
@@ -768,14 +743,12 @@ class Grammars:
         lane, first in a child process that is killed at the time limit (`in_child`), then here."""
         import trio
         # measuring a 256 KiB schema takes ~20 ms: in a worker thread, not on the event loop
-        key, hit = await trio.to_thread.run_sync(self._check_and_look_up, spec, grammar)
+        from ..lanes import PREPARE
+        key, hit, large = await trio.to_thread.run_sync(self._check_and_look_up, spec, grammar, who, limiter=PREPARE)
         if hit is not None:
             g, _, matchers, (forced, lead, certain) = await trio.to_thread.run_sync(
-                self._ready, hit[0], hit[1], samples, drafts)
+                self._ready, hit[0], hit[1], samples, drafts, limiter=PREPARE)
             return Prepared(g, matchers, forced, lead, certain)
-        large = len(key) > SMALL_FORMAT_BYTES
-        if large:
-            self.quota.take(who)
         state = {"started": None, "stopped": False}
         token = trio.lowlevel.current_trio_token()
         finished = trio.Event()
@@ -788,7 +761,7 @@ class Grammars:
             state["started"] = time.monotonic()
             if large:                      # (a child checks it within the budget; then it is built here)
                 try:
-                    g = in_child(lambda: self._checked(spec, grammar), budget)
+                    g = in_child(self._job(spec, grammar), budget)
                 except CompileStopped:
                     state["stopped"] = True
                     raise
@@ -808,8 +781,7 @@ class Grammars:
                 log.warning("a grammar failed to compile: %s", _short(f"{type(e).__name__}: {e}"))
                 box["e"] = GrammarRefused("the format could not be compiled")
             finally:
-                if large:
-                    self.quota.give(who, state["stopped"])
+                self.quota.give(who, large, state["stopped"])
             took = time.monotonic() - (state["started"] or time.monotonic())
             if took > budget * (2 if large else 1) and "v" in box:   # too slow: refused from now on
                 box["e"] = GrammarRefused(f"the format took {took:.1f} s to compile; this server allows "
@@ -820,7 +792,11 @@ class Grammars:
             except trio.RunFinishedError:
                 pass
 
-        (LARGE_COMPILER if large else COMPILER).submit(work, done)
+        try:
+            (LARGE_COMPILER if large else COMPILER).submit(work, done)
+        except BaseException:
+            self.quota.give(who, large)
+            raise
         try:
             # a large format: the child's budget, then its build here (about as long again)
             with trio.move_on_after(budget * (2 if large else 1)):
@@ -847,8 +823,17 @@ class Grammars:
                                  "(e.g. too many optional properties); use a simpler format")
         return template
 
+    def _job(self, spec: dict | None, grammar: str | None) -> dict:
+        """What `compile_child` needs to check a format as this object would."""
+        if self._tokenizer_json is None:
+            self._tokenizer_json = self.tokenizer.tok.to_str()
+        return {"tokenizer": self._tokenizer_json, "vocab": self.vocab_size,
+                "stops": sorted(self.tokenizer.stop_token_ids), "eos": self.tokenizer.eos_token_id,
+                "bos": self.tokenizer.bos_token_id, "limits": self.limits, "spec": spec, "grammar": grammar,
+                "table": len(self.tokenizer.tok.get_added_tokens_decoder()) > MANY_ADDED_TOKENS}
+
     def _checked(self, spec: dict | None, grammar: str | None) -> str:
-        """(In a child process) the format compiled, its first mask and forced text within the
+        """(In `compile_child`) the format compiled, its first mask and forced text within the
         limits; its grammar text."""
         g = self._compile(spec) if grammar is None else grammar
         template = self._first_mask(self._matcher(g))
@@ -874,8 +859,10 @@ class Grammars:
                 log.debug("the prompt's drafts failed", exc_info=True)
         return g, template, matchers, (forced, lead, certain)
 
-    def _check_and_look_up(self, spec: dict | None, grammar: str | None):
-        """(the cache key, the cached compile or None); GrammarRefused past a limit or cached."""
+    def _check_and_look_up(self, spec: dict | None, grammar: str | None, who: str = ""):
+        """(the cache key, the cached compile or None, large?); GrammarRefused past a limit or
+        cached, or past the caller's quota. A compile to come holds the caller's quota
+        (`quota.give` when it ends), taken before the format is measured."""
         key = json.dumps(spec, sort_keys=True, default=str) if grammar is None else "grammar:" + grammar
         with self._cache_lock:
             hit = self._cache.get(key)
@@ -883,12 +870,18 @@ class Grammars:
                 self._cache.move_to_end(key)
         if isinstance(hit, GrammarRefused):
             raise GrammarRefused(str(hit))
+        large = len(key) > SMALL_FORMAT_BYTES
         if hit is None:
-            if grammar is None:
-                check_limits(spec, self.limits)
-            else:
-                check_grammar_text(grammar, self.limits)
-        return key, hit
+            self.quota.take(who, large)
+            try:
+                if grammar is None:
+                    check_limits(spec, self.limits)
+                else:
+                    check_grammar_text(grammar, self.limits)
+            except BaseException:
+                self.quota.give(who, large)
+                raise
+        return key, hit, large
 
     def _remember(self, key: str, box: dict) -> None:
         with self._cache_lock:
@@ -898,6 +891,10 @@ class Grammars:
             self._cache.move_to_end(key)
             while len(self._cache) > self.CACHE_SIZE:
                 self._cache.popitem(last=False)
+            # a large format's matcher holds ~30 MB (a 200 KB schema): only the latest few stay
+            large = [k for k, v in self._cache.items() if len(k) > SMALL_FORMAT_BYTES and isinstance(v, tuple)]
+            for k in large[:-self.LARGE_CACHED] if len(large) > self.LARGE_CACHED else ():
+                del self._cache[k]
 
 
 def _short(message: str) -> str:

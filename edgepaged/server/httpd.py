@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import brief, jsontext
+from ..lanes import PREPARE
 from ..answer import Answer, Call, End, Piece, answer_events
 from ..engine import DoneEvent, EmbeddingEvent, EngineClosed, RequestRejected
 from ..protocol import parse_keep_alive
@@ -57,6 +58,7 @@ DEFAULT_HTTP_PORT = 7879
 # a byte, DROP_S in all), so a client still sending hears the 413 instead of a broken pipe
 # (the server closing a connection whose body it did not read).
 DROP_BYTES = 16 << 20
+BIG_BODY = 64 << 10
 DROP_IDLE_S = 0.5
 DROP_S = 5.0
 # The chat page loads nothing from outside the box: the browser enforces it.
@@ -82,8 +84,8 @@ class HttpConfig:
         self.port = port
         self.max_body_bytes = max_body_bytes
         self.max_inflight = max_inflight    # generations in flight over HTTP, all clients together
-        # ... and of one caller (a user, else an address): a quarter of them by default
-        self.max_inflight_per_caller = max_inflight_per_caller or max(1, max_inflight // 4)
+        # ... and of one caller (a user, else an address): half of them by default
+        self.max_inflight_per_caller = max_inflight_per_caller or max(1, max_inflight // 2)
         self.unread_timeout_s = unread_timeout_s   # an answer the client takes nothing of for this long is cut
         self.body_timeout_s = body_timeout_s       # a request body must have arrived within this
         # each connection's kernel send buffer (fixed, not grown to megabytes): an answer its client
@@ -353,8 +355,9 @@ class HttpServer:
         if waited.cancelled_caught:
             raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s",
                            "request_timeout")
-        try:
-            data = jsontext.loads(body, "the body's JSON")
+        try:   # (a large body is measured and parsed in a worker thread: ~30 ms a MiB of brackets)
+            data = jsontext.loads(body, "the body's JSON") if len(body) < BIG_BODY else \
+                await trio.to_thread.run_sync(jsontext.loads, bytes(body), "the body's JSON", limiter=PREPARE)
         except jsontext.TooDeep as e:
             raise ApiError(400, str(e), "bad_request") from None
         except ValueError as e:

@@ -27,16 +27,13 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from .. import brief, store
+from ..lanes import MANAGE
 from ..store import StoreError
 from .ollama_api import OllamaError
 
 log = logging.getLogger("edgepaged.manage")
 BLOB_CHUNK = 1 << 20
 DISK_MARGIN = 256 << 20       # an upload leaves this much of the disk free
-# The store's blocking work (downloads, hashing, copying, reading files) runs on threads of its
-# own: however many management requests wait on a slow disk or a file that never ends, the
-# engine's steps and the front end's threads are never among them.
-MANAGE = trio.CapacityLimiter(4)
 
 
 def parse_networks(cidrs) -> tuple:
