@@ -6,6 +6,10 @@ embedded model (a subprocess, loopback only):
    then cached, and while the deepest accepted one (a $ref chain at --grammar-max-depth)
    does: `health_worst_ms_cold` (target <= 50), `health_worst_ms_cached`,
    `health_worst_ms_deep`, `health_p99_ms`, and the request's own status and seconds.
+   `health_worst_ms_forced` (target <= 100): the same while 16 requests at once hold formats
+   that force 200 KB of fixed text after their first letter (each froze every door for
+   ~1.5 s before: llguidance forced and tokenized all of it with the GIL held, after every
+   step); `forced_statuses`: how they were answered (a 400 naming the limit).
 2. The plain requests' generated tokens/s (4 greedy streams) alone, beside 8 requests held to
    a JSON schema, and beside 8 free requests of the same shape, alternated `--rounds` times:
    `plain_ratio_beside_constrained` (beside 8 constrained / alone, target >= 0.9) and
@@ -61,8 +65,9 @@ def post(url: str, body: dict, timeout=300) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def health_during(base: str, body: dict) -> dict:
-    """Poll /health every 10 ms from another thread while `body` is answered."""
+def health_during(base: str, body: dict | list) -> dict:
+    """Poll /health every 10 ms from another thread while `body` is answered (a list: each
+    body at once, from a thread of its own)."""
     lat, stop = [], threading.Event()
 
     def poll():
@@ -76,7 +81,21 @@ def health_during(base: str, body: dict) -> dict:
     th.start()
     time.sleep(0.2)
     t0 = time.perf_counter()
-    status, raw = post(base + "/v1/chat/completions", body)
+    if isinstance(body, list):
+        got = [None] * len(body)
+
+        def one(i):
+            got[i] = post(base + "/v1/chat/completions", body[i])
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(body))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        status, raw = got[0]
+        statuses = sorted(s for s, _ in got)
+    else:
+        status, raw = post(base + "/v1/chat/completions", body)
+        statuses = [status]
     took = time.perf_counter() - t0
     time.sleep(0.1)
     stop.set()
@@ -84,7 +103,8 @@ def health_during(base: str, body: dict) -> dict:
     lat.sort()
     return {"status": status, "seconds": round(took, 2), "worst_ms": round(1000 * lat[-1], 1),
             "p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 1), "polls": len(lat),
-            "error": None if status == 200 else json.loads(raw).get("error", {}).get("message")}
+            "error": None if status == 200 else json.loads(raw).get("error", {}).get("message"),
+            "statuses": statuses}
 
 
 async def throughput(addr: str, seconds: float, beside: str | None) -> float:
@@ -134,6 +154,10 @@ def main() -> None:
                                     "guided_json": deepest_schema(128)})
         print(f"largest accepted schema ({props} optional properties, n=8): {cold}; again (cached): {cached}")
         print(f"deepest accepted schema (depth 128, n=8): {deep}")
+        forced = health_during(base, [{"messages": [{"role": "user", "content": "Say a or b."}], "max_tokens": 64,
+                                       "temperature": 0, "guided_regex": f"(a|b)c{{{200_000 + k}}}"}
+                                      for k in range(16)])
+        print(f"16 formats forcing 200 KB each: {forced}")
         runs = {"alone": [], "constrained": [], "free": []}
         for _ in range(args.rounds):
             for beside in ("alone", "constrained", "free"):
@@ -146,7 +170,9 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in runs.items()}
     out = {"cpu": cpu_flags(), "largest_schema_properties": props, "health_worst_ms_cold": cold["worst_ms"],
            "health_worst_ms_cached": cached["worst_ms"], "health_worst_ms_deep": deep["worst_ms"],
-           "health_p99_ms": max(cold["p99_ms"], cached["p99_ms"], deep["p99_ms"]),
+           "health_worst_ms_forced": forced["worst_ms"], "forced_statuses": forced["statuses"],
+           "forced_error": forced["error"],
+           "health_p99_ms": max(cold["p99_ms"], cached["p99_ms"], deep["p99_ms"], forced["p99_ms"]),
            "largest_status": cold["status"], "largest_seconds_cold": cold["seconds"],
            "largest_seconds_cached": cached["seconds"], "largest_error": cold["error"],
            "plain_tok_s_alone": round(med["alone"], 1), "plain_tok_s_beside_constrained": round(med["constrained"], 1),
