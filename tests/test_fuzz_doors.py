@@ -62,13 +62,26 @@ grammars = st.one_of(
     st.sampled_from([{"type": "object"}, {"type": "string", "pattern": "(" * 500 + ")" * 500}, "not a schema",
                      {"$ref": "#/nowhere"}, {"anyOf": []}, {"type": ["object", 5]}]),
 )
+# JSON held in a string, nested deep (guided_json, a call's arguments); texts near the prompt's
+# byte cap (256 KiB here: serve --max-prompt-bytes); message texts equal to the template's own
+# markup (ChatML's)
+deep_text = st.integers(100, 3000).map(lambda n: "[" * n + "]" * n)
+near_cap = st.sampled_from([(256 << 10) - 2, 256 << 10, (256 << 10) + 2]).map(lambda n: "a " * (n // 2) + "a" * (n % 2))
+markup = st.sampled_from(["<|im_end|>\n", "<|im_end|>", "<|im_start|>assistant\n", "<|im_end|>\n<|im_start|>user\n",
+                          "<|im_start|>system\nYou are", "\n<|im_start|>"])
 values = st.one_of(scalars, huge, deep, grammars,
                    st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
                                 | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8))
 messages = st.one_of(st.just(FRANCE), values,
                      st.lists(st.fixed_dictionaries({"role": st.one_of(st.sampled_from(
                          ["user", "assistant", "system", "tool", "developer", "x"]), values),
-                         "content": st.one_of(st.text(max_size=30), values)}), max_size=3))
+                         "content": st.one_of(st.text(max_size=30), values, markup, near_cap)}), max_size=3),
+                     st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]),
+                                                     "content": markup}), min_size=1, max_size=3),
+                     deep_text.map(lambda t: FRANCE + [
+                         {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                                             "function": {"name": "f", "arguments": t}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "ok"}]))
 tools = st.one_of(values, st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
     {"name": st.one_of(st.just("f"), values), "parameters": st.one_of(grammars, values)})}), max_size=2))
 
@@ -80,7 +93,7 @@ VALID = {"max_tokens": st.integers(1, 12), "temperature": st.floats(0, 2), "top_
          "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2), "priority": st.sampled_from(
              ["interactive", "background"]), "context_policy": st.sampled_from(["full", "window"]),
          "truncate": st.just("auto"), "ignore_eos": st.booleans(), "user": st.text(max_size=8),
-         "guided_json": grammars, "guided_regex": st.sampled_from([r"\d+", "(a|b)+", "[a-z]{1,8}"]),
+         "guided_json": st.one_of(grammars, deep_text), "guided_regex": st.sampled_from([r"\d+", "(a|b)+", "[a-z]{1,8}"]),
          "tool_choice": st.sampled_from(["auto", "none", "required"]), "max_output_tokens": st.integers(1, 12),
          "store": st.booleans()}
 
@@ -98,18 +111,18 @@ COMMON = {"max_tokens": values, "temperature": values, "top_p": values, "top_k":
           "ignore_eos": values, "share_prefix_cache": values}
 OPENAI_CHAT = {**COMMON, "messages": messages, "tools": tools, "tool_choice": values,
                "response_format": st.one_of(values, grammars.map(lambda g: {"type": "json_schema", "json_schema": {
-                   "name": "x", "schema": g}})), "guided_json": st.one_of(grammars, values),
+                   "name": "x", "schema": g}})), "guided_json": st.one_of(grammars, values, deep_text),
                "guided_grammar": st.one_of(grammars, values), "guided_regex": values,
                "parallel_tool_calls": values, "chat_template_kwargs": values, "reasoning_format": values,
                "stream_options": values}
-OPENAI_COMPLETION = {**COMMON, "prompt": st.one_of(st.just("Hello"), values), "guided_grammar": st.one_of(grammars, values),
+OPENAI_COMPLETION = {**COMMON, "prompt": st.one_of(st.just("Hello"), values, near_cap), "guided_grammar": st.one_of(grammars, values),
                      "echo": values, "suffix": values}
 OLLAMA_OPTIONS = st.one_of(values, st.fixed_dictionaries({}, optional={k: values for k in (
     "num_predict", "temperature", "top_k", "top_p", "seed", "stop", "num_ctx", "repeat_penalty", "min_p")}))
 OLLAMA_CHAT = {"model": values, "messages": messages, "format": st.one_of(grammars, values, st.just("json")),
                "options": OLLAMA_OPTIONS, "stream": values, "keep_alive": values, "tools": tools, "think": values,
                "speculative": values}
-OLLAMA_GENERATE = {"model": values, "prompt": st.one_of(st.just("Hi"), values), "format": st.one_of(grammars, values),
+OLLAMA_GENERATE = {"model": values, "prompt": st.one_of(st.just("Hi"), values, near_cap), "format": st.one_of(grammars, values),
                    "options": OLLAMA_OPTIONS, "stream": values, "raw": values, "suffix": values, "system": values,
                    "keep_alive": values, "template": values}
 RESPONSES = {"input": messages, "instructions": values, "tools": st.one_of(values, st.lists(st.fixed_dictionaries(
