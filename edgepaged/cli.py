@@ -472,6 +472,7 @@ def _load_config(ctx: click.Context, path: str | None) -> None:
 
 EXAMPLE_VALUES = {"model": ["llama3.2:3b"], "kv_memory": "1G", "memory_budget": "6G", "token": "a-long-secret",
                   "mdns_interface": "192.0.2.10", "max_prompt_tokens": 4096, "max_tokens": 2048,
+                  "max_prompt_bytes": 262144, "max_http_per_caller": 32,
                   "users": "/etc/edgepaged/users", "allowed_host": ["box.example.org"],
                   "cors_origin": ["http://tools.local:8080"], "admin_from": ["192.168.1.0/24"], "quant_math": "auto",
                   "runtime": "auto", "speculate": "lookup", "draft": "smollm2:135m", "spec_tokens": 8,
