@@ -7,7 +7,7 @@ embedded model (a subprocess, loopback only):
    does: `health_worst_ms_cold` (target <= 50), `health_worst_ms_cached`,
    `health_worst_ms_deep`, `health_p99_ms`, and the request's own status and seconds.
    `health_worst_ms_forced` (target <= 100): the same while 16 requests at once hold formats
-   that force 200 KB of fixed text after their first letter (each froze every door for
+   that force ~200 KB of fixed text (`forcing`) (each froze every door for
    ~1.5 s before: llguidance forced and tokenized all of it with the GIL held, after every
    step); `forced_statuses`: how they were answered (a 400 naming the limit).
 2. The plain requests' generated tokens/s (4 greedy streams) alone, beside 8 requests held to
@@ -54,6 +54,16 @@ def deepest_schema(depth: int) -> dict:
     defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
     defs[f"d{n}"] = {"type": "string"}
     return {"type": "object", "properties": {"a": {"$ref": "#/$defs/d0"}}, "$defs": defs}
+
+
+def forcing(k: int) -> dict:
+    """A format that forces ~200 KB of fixed text: a counted repetition (refused before it
+    compiles: its text says so) or an array of copies of one const (no count shows it: found
+    when the run is forced), alternately."""
+    if k % 2:
+        return {"guided_regex": f"(a|b)c{{{200_000 + k}}}"}
+    return {"guided_json": {"type": "object", "required": ["a"], "properties": {"a": {
+        "type": "array", "items": {"const": "xxxxxxxx"}, "minItems": 25_000 + k}}}}
 
 
 def post(url: str, body: dict, timeout=300) -> tuple[int, bytes]:
@@ -155,8 +165,7 @@ def main() -> None:
         print(f"largest accepted schema ({props} optional properties, n=8): {cold}; again (cached): {cached}")
         print(f"deepest accepted schema (depth 128, n=8): {deep}")
         forced = health_during(base, [{"messages": [{"role": "user", "content": "Say a or b."}], "max_tokens": 64,
-                                       "temperature": 0, "guided_regex": f"(a|b)c{{{200_000 + k}}}"}
-                                      for k in range(16)])
+                                       "temperature": 0, **forcing(k)} for k in range(16)])
         print(f"16 formats forcing 200 KB each: {forced}")
         runs = {"alone": [], "constrained": [], "free": []}
         for _ in range(args.rounds):

@@ -17,7 +17,7 @@ Each client loops until the deadline, picking a behaviour each round:
   borrow       1%  asks with "user" set to its own address after priming a prompt from that address:
                    the cache must not answer (cached_tokens 0), else `attacks_succeeded` counts it
   http_normal  5%  an HTTP chat from the household's address: must be answered (a 200)
-  forced       1%  a regex forcing 200 KB of text after its first letter (it froze every door): a 400
+  forced       1%  a format forcing ~200 KB of fixed text (it froze every door): a 400
   big_prompt   1%  a 600 KB prompt (over the byte cap) or a 250 KB one (over the context): a 400
   compile      1%  a ~200 KB schema with one property changed each time, from 127.0.0.3 (two pinned the
                    grammar compiler): compiled, stopped (400), or refused for that address (429/503)
@@ -286,8 +286,9 @@ ATTACKER = "127.0.0.3"      # the script on a laptop: an address of its own
 
 
 async def forced(base: str, rng: random.Random, t: Tally) -> None:
+    from grammar_bench import forcing
     status, out = await attack(base, {"messages": [{"role": "user", "content": "Say a or b."}], "max_tokens": 64,
-                                      "temperature": 0, "guided_regex": f"(a|b)c{{{200_000 + rng.randrange(999)}}}"},
+                                      "temperature": 0, **forcing(rng.randrange(999))},
                                t, "forced", source=ATTACKER)
     said = json.dumps(out)
     if status == 400 and "forced-text limit" not in said and "parser's limits" not in said:

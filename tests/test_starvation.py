@@ -86,8 +86,10 @@ def test_a_long_forced_run_is_bounded_and_forced_off_the_gil(embedded_runner):
     g = Grammars(embedded_runner.tokenizer, embedded_runner.config.vocab_size)
     a = embedded_runner.tokenizer.encode("a", add_special_tokens=False)[0]
 
-    def after_a(n):
-        m = g.matcher(g.compile({"type": "regex", "pattern": f"(a|b)c{{{n}}}"}))
+    from llguidance import LLMatcher
+
+    def after_a(n):      # (past the static check, which refuses such a count at once: the run-time bound)
+        m = g.matcher(LLMatcher.grammar_from_regex(f"(a|b)c{{{n}}}"))
         assert m.consume_token(a)
         return m
     short = forced_run(after_a(100))
@@ -119,11 +121,19 @@ def test_a_long_forced_run_is_bounded_and_forced_off_the_gil(embedded_runner):
     assert max(gaps) < 0.05, max(gaps)
 
 
+def one_value_array(n: int) -> dict:
+    """A schema whose answer must hold `n` copies of one string: a long forced run that no
+    count in a pattern shows (the run-time bound finds it)."""
+    return {"type": "object", "properties": {"a": {"type": "array", "items": {"const": "xxxxxxxx"}, "minItems": n}},
+            "required": ["a"]}
+
+
 async def test_requests_forcing_long_runs_never_stall_health(embedded_runner):
-    """16 requests whose regex forces 200 KB after its first letter: each ends with a 400-class
-    error naming the forced-text limit (or a short answer), /health answers within 100 ms
-    throughout (10.6 s stalls for 8 before), a format forcing it from its start is a 400 before
-    it runs, and the canary answers as it did alone."""
+    """16 requests whose format forces ~200 KB of fixed text: a counted repetition is refused
+    before it compiles (its text says so), one that no count shows (an array of n copies of a
+    const) when its run is forced (without the GIL); each is a 400 naming the forced-text
+    limit, /health answers within 100 ms throughout (10.6 s stalls for 8 before), and the
+    canary answers as it did alone."""
     async with serving(embedded_runner, http=True, max_num_seqs=32) as server:
         base = server.http_base
         alone = await canary(base)
@@ -136,7 +146,9 @@ async def test_requests_forcing_long_runs_never_stall_health(embedded_runner):
         results = []
 
         async def attack(k):
-            results.append(await afetch(base + "/v1/chat/completions", {**body, "guided_regex": f"(a|b)c{{{200000 + k}}}"}))
+            b = {**body, "guided_regex": f"(a|b)c{{{200000 + k}}}"} if k % 2 else \
+                {**{x: y for x, y in body.items() if x != "guided_regex"}, "guided_json": one_value_array(25_000 + k)}
+            results.append(await afetch(base + "/v1/chat/completions", b))
         async with trio.open_nursery() as n:
             await n.start(watch.run)
             async with trio.open_nursery() as inner:

@@ -296,6 +296,85 @@ def _balanced(text: str, at: int) -> str | None:
     return None
 
 
+_COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*\d*\s*)?\}")
+_LARK_TIMES = re.compile(r"~\s*(\d+)")
+
+
+def repeat_bound(text: str) -> int:
+    """The largest product of the minimum counts of nested counted repetitions in a pattern
+    (`(c{1000}){1000}`: 1,000,000; `\\d{4}`: 4), escapes and character classes skipped; Lark's
+    `item ~ n` counted too. How much fixed text one such repetition may force at once, near
+    enough, read without compiling anything."""
+    stack, last, i, n = [1], 1, 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i, last = i + 2, 1
+        elif c == "[":                     # a character class: one character
+            j = i + 1 + (i + 1 < n and text[i + 1] == "^")
+            j += j < n and text[j] == "]"
+            while j < n and text[j] != "]":
+                j += 2 if text[j] == "\\" else 1
+            i, last = j + 1, 1
+        elif c == "(":
+            stack.append(1)
+            i, last = i + 1, 1
+        elif c == ")":
+            last = stack.pop() if len(stack) > 1 else 1
+            i += 1
+        elif c in "{~" and (m := (_COUNT if c == "{" else _LARK_TIMES).match(text, i)):
+            last *= max(1, int(m.group(1)))
+            i = m.end()
+        else:
+            i, last = i + 1, 1
+        stack[-1] = max(stack[-1], last)
+    return max(stack)
+
+
+def _forced_texts(schema) -> tuple[int, int]:
+    """(the largest repetition bound of a JSON schema's patterns, its longest literal string an
+    answer must hold: a const, a one-value enum, a property name), walked without recursion."""
+    most_repeat, longest, stack = 1, 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "pattern" and isinstance(v, str):
+                    most_repeat = max(most_repeat, repeat_bound(v))
+                elif k == "patternProperties" and isinstance(v, dict):
+                    most_repeat = max([most_repeat] + [repeat_bound(p) for p in v if isinstance(p, str)])
+                elif k == "properties" and isinstance(v, dict):
+                    longest = max([longest] + [len(p) for p in v if isinstance(p, str)])
+                elif k == "const" and isinstance(v, str):
+                    longest = max(longest, len(v))
+                elif k == "enum" and isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
+                    longest = max(longest, len(v[0]))
+                if isinstance(v, (dict, list)):
+                    stack.append(v)
+        elif isinstance(node, list):
+            stack.extend(x for x in node if isinstance(x, (dict, list)))
+    return most_repeat, longest
+
+
+def check_forced(kind: str, value, limits: GrammarLimits) -> None:
+    """Refuse a format that can force more fixed text at once than `max_forced_bytes`, where
+    its text says so: a counted repetition (`c{200000}`, nested counts multiplied), a literal
+    an answer must hold (a 200 KB const or property name). Forcing it cost up to ~0.5 s of a
+    core per request (llguidance forces it whole); what this misses is bounded at run time
+    (`forced_run`)."""
+    most = limits.max_forced_bytes
+    if kind == "json_schema":
+        repeat, literal = _forced_texts(value)
+    else:
+        repeat, literal = repeat_bound(value), 0
+    if repeat > most:
+        raise GrammarRefused(f"the format repeats fixed text {repeat} times at once; this server allows {most} "
+                             "(the format's forced-text limit)")
+    if literal > most:
+        raise GrammarRefused(f"the format holds a literal of {literal} characters; this server allows {most} "
+                             "(the format's forced-text limit)")
+
+
 def check_limits(spec: dict, limits: GrammarLimits) -> None:
     """Refuse (GrammarRefused) a format spec past the limits, before anything compiles."""
     kind = spec.get("type") if isinstance(spec, dict) else None
@@ -336,6 +415,7 @@ def check_limits(spec: dict, limits: GrammarLimits) -> None:
     if depth > limits.max_depth:
         raise GrammarRefused(f"{what} {depth} deep; this server compiles at most {limits.max_depth} "
                              "(the format depth limit)")
+    check_forced(kind, value, limits)
 
 
 def check_grammar_text(grammar: str, limits: GrammarLimits) -> None:
