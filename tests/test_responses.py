@@ -26,6 +26,8 @@ async def test_responses_with_the_openai_package(embedded_runner):
                                                     temperature=0, max_output_tokens=24, stream=True))
             out["short"] = c.responses.create(model="x", input="Tell me a long story.", temperature=0,
                                               max_output_tokens=5)   # (sampled, it could end first)
+            out["short_events"] = list(c.responses.create(model="x", input="Tell me a long story.", temperature=0,
+                                                          max_output_tokens=5, stream=True))
             out["json"] = c.responses.create(
                 model="x", input="Describe Paris as JSON.", temperature=0, max_output_tokens=120,
                 instructions="You answer in JSON.",
@@ -72,6 +74,11 @@ async def test_responses_with_the_openai_package(embedded_runner):
     assert deltas == out["events"][-1].response.output_text == plain.output_text
     assert [e.sequence_number for e in out["events"]] == list(range(len(types)))
     assert out["short"].status == "incomplete" and out["short"].incomplete_details.reason == "max_output_tokens"
+    assert out["short"].output[0].status == "incomplete"         # the cut message item too, as OpenAI marks it
+    done_item = [e for e in out["short_events"] if e.type == "response.output_item.done"][0].item
+    assert done_item.status == "incomplete" and out["short_events"][-1].type == "response.incomplete"
+    assert out["short_events"][-1].response.output[0].status == "incomplete"
+    assert plain.output[0].status == "completed"
     city = json.loads(out["json"].output_text)
     assert set(city) == {"name", "country"}
     call = out["call"]

@@ -258,8 +258,9 @@ class ResponsesShaper:
                 "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
 
     def _final(self, text: str, done, calls) -> dict:
-        output = ([self._message(text)] if text or not calls else []) + [self._call(c) for c in calls or []]
-        length = done.finish_reason == "length"
+        length = done.finish_reason == "length"   # (OpenAI marks the cut message incomplete too)
+        output = ([self._message(text, "incomplete" if length else "completed")] if text or not calls else []) \
+            + [self._call(c) for c in calls or []]
         if self.remember is not None and self.gen.store:
             answer = {"role": "assistant", "content": text}
             if calls:
@@ -316,7 +317,8 @@ class ResponsesShaper:
                      "content_index": 0, "text": self.text},
                     {"type": "response.content_part.done", "item_id": self.msg_id, "output_index": 0,
                      "content_index": 0, "part": part},
-                    {"type": "response.output_item.done", "output_index": 0, "item": self._message(self.text)}]
+                    {"type": "response.output_item.done", "output_index": 0,
+                     "item": self._message(self.text, "incomplete" if done.finish_reason == "length" else "completed")}]
         first = 1 if out else 0
         for k, c in enumerate(calls or []):
             item = self._call(c)
