@@ -135,6 +135,18 @@ def test_ask_for_more_than_the_context_gets_what_fits(server):
     assert "DeprecationWarning" not in r.stderr
 
 
+def test_ask_for_a_model_the_box_does_not_serve_fails(server):
+    """A one-model box answered `--model nope` with its own model and exit 0; the Ollama door
+    says 404. Now the CLI says the model is not there, exits 1, and the served name works."""
+    r = cli("ask", "--server", server.address, "--model", "nope", "hi")
+    assert r.returncode == 1 and "no model 'nope'" in r.stderr and "SmolLM2" in r.stderr, r.stdout + r.stderr
+    r = cli("ask", "--server", server.address, "--json", "--model", "nope", "hi")
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "model_not_found"
+    r = cli("ask", "--server", server.address, "--model", "SmolLM2-135M-Instruct.Q4_1:latest", "--max-tokens", "2",
+            "hi")
+    assert r.returncode == 0, r.stderr
+
+
 def test_ask_json_and_stdin(server):
     r = cli("ask", "--server", server.address, "--json", input="What is the capital of France?")
     assert r.returncode == 0, r.stderr

@@ -261,6 +261,11 @@ class Connection:
                                 "per connection", rid)
         if not self.engine.accepting:
             raise ProtocolError("shutdown", "the server is shutting down", rid)
+        front = self.server.front
+        if item.model and front.modelset is None and item.model not in (front.model, f"{front.model}:latest"):
+            # (a box of one model answers by that model only: as the Ollama door does, a 404 there)
+            raise ProtocolError("model_not_found", f"no model {item.model!r} on this box; it serves {front.model!r}",
+                                rid)
         self.inflight[rid] = None              # its place, held while it is built
         self.building[rid] = trio.CancelScope()
         self._requests.start_soon(self._run, rid, item)
