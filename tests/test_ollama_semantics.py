@@ -128,3 +128,28 @@ async def test_ps_load_unload_version_and_mirostat_as_ollama(embedded_runner):
             "options": {"mirostat": 2, "num_predict": 3}})
         assert status == 200 and "mirostat" in headers["x-edgepaged-warning"]
     await trio.sleep(0)
+
+
+async def test_a_number_the_format_leaves_open_stays_one_a_client_can_parse(embedded_runner):
+    """An Ollama `format` with an unbounded integer let the embedded model write `"count":
+    8321222231231231231…` until its length limit (JSON no client parses, a number no integer
+    type holds). Integers and numbers a schema leaves open now get at most 16 digits before
+    the point and 10 after (llama.cpp's schema grammars: 1-16), so every answer parses."""
+    import ollama
+    count = {"type": "object", "properties": {"count": {"type": "integer"}}, "required": ["count"]}
+    share = {"type": "object", "properties": {"share": {"type": "number"}}, "required": ["share"]}
+    async with serving(embedded_runner) as http:
+        def scenario():
+            c = ollama.Client(host=http.base, timeout=120)
+            return [(c.chat(model=MODEL, messages=[{"role": "user", "content": q}], format=f,
+                            options={"temperature": t, "num_predict": 80, "seed": 1}).message.content, f is count)
+                    for q in ("What is the population of the world? Answer in JSON.",
+                              "How many stars are in the sky? Answer in JSON.") for t in (0, 0.8) for f in (count, share)]
+        answers = await trio.to_thread.run_sync(scenario)
+    for text, is_count in answers:
+        value = json.loads(text)                  # (the unbounded integer: never closed, not JSON)
+        if is_count:
+            assert isinstance(value["count"], int) and len(str(value["count"]).lstrip("-")) <= 16, text
+        else:
+            whole, _, frac = text.split(":", 1)[1].strip(" }").partition(".")
+            assert len(whole.lstrip("-")) <= 16 and len(frac.split("e")[0]) <= 10, text
