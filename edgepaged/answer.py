@@ -24,7 +24,7 @@ Samples (n > 1) interleave; each ends with an End of its own.
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
@@ -71,6 +71,8 @@ class Answer:
         self.n = len(self.calls)
         self.splits = [ThinkSplit.of(ticket) if thinking else None for _ in range(self.n)]
         self.stream_calls = stream_calls
+        self.req = ticket.req
+        self.cut = False          # (one sample) its calls repeated one: the rest was not generated
 
     def feed(self, k: int, ev: TokenEvent | DoneEvent) -> list:
         calls, split = self.calls[k], self.splits[k]
@@ -80,11 +82,19 @@ class Answer:
             if split is not None:
                 thinking, text = split.feed(text)
             out = [Piece(k, text, thinking, ev.token_ids, ev.logprobs)]
-            if self.stream_calls and calls is not None:
-                out += [Call(k, i, part) for i, part in calls.deltas()]
-                if ev.ahead:       # a call's name the format already forces to its end: now
-                    out += [Call(k, i, part) for i, part in calls.name_ahead(ev.ahead)]
+            if calls is not None:
+                parts = calls.deltas()       # (unstreamed too: what ends the list is seen as it comes)
+                if self.stream_calls:
+                    out += [Call(k, i, part) for i, part in parts]
+                    if ev.ahead:       # a call's name the format already forces to its end: now
+                        out += [Call(k, i, part) for i, part in calls.name_ahead(ev.ahead)]
+                if calls.repeated and self.n == 1 and not self.cut and self.req is not None \
+                        and self.req.engine is not None:
+                    self.cut = True   # an exact repeat ended the list: the model need not write on
+                    self.req.engine.cancel(self.req)
             return out
+        if self.cut and ev.finish_reason == "cancelled":   # (cut above: the answer ended with its calls)
+            ev = replace(ev, finish_reason="stop")
         found, rest, thinking = [], "", ""
         if calls is not None:
             rest, found = calls.finish()

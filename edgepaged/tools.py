@@ -500,6 +500,7 @@ class ToolStream:
         # position its arguments were given out to, "end": where they closed, or None}]
         self.streamed: list[dict] = []
         self._scan = _JsonValueEnd()
+        self.repeated = False   # a call repeated an earlier one exactly: the list ended there
 
     def raw(self) -> str:
         return self.tokenizer.decode(self.ids, skip_special_tokens=False)
@@ -539,7 +540,7 @@ class ToolStream:
         is what the grammar let the model write (a call is constrained from its marker on)."""
         text = self._raw.rstrip("\ufffd")
         start = self._calls_start(text, self.call_at)
-        if start is None:
+        if start is None or self.repeated:
             return []
         out: list[tuple[int, dict]] = []
         while True:
@@ -549,16 +550,24 @@ class ToolStream:
                 upto = end if end is not None else self._scan.safe
                 c["sent"] = max(c["sent"], self._scan.start if self._scan.start is not None else c["sent"])
                 if upto > c["sent"]:
-                    out.append((k, {"arguments": text[c["sent"]:upto]}))
+                    c["args"] += text[c["sent"]:upto]
+                    if not c["held"]:
+                        out.append((k, {"arguments": text[c["sent"]:upto]}))
                     c["sent"] = upto
                 if end is None:
                     return out
                 c["end"] = end
+                if c["held"]:        # a call named as an earlier one: given out now, unless it repeats one
+                    if any(_same_args(c["args"], e["args"]) for e in self.streamed[:-1] if e["name"] == c["name"]):
+                        self.repeated = True      # an exact repeat ends the list (nothing after it goes out)
+                        return out
+                    out += [(k, {"id": c["id"], "name": c["name"]}), (k, {"arguments": c["args"]})]
                 out.append((k, {"done": True}))
             head = self._open_call(text, start)
             if head is None:
                 return out
-            out.append(head)
+            if not self.streamed[-1]["held"]:
+                out.append(head)
 
     def _calls_start(self, text: str, call_at: int | None) -> int | None:
         """Where the answer's calls start in `text` (None: not a call list)."""
@@ -576,7 +585,10 @@ class ToolStream:
             name = json.loads('"' + m.group(1) + '"')
         except ValueError:
             return None
-        call = {"id": "call_" + uuid.uuid4().hex[:24], "name": name, "sent": m.end(), "end": None}
+        # a call named as an earlier one is held until its arguments close: it may repeat that one
+        held = any(c["name"] == name for c in self.streamed)
+        call = {"id": "call_" + uuid.uuid4().hex[:24], "name": name, "sent": m.end(), "end": None, "args": "",
+                "held": held}
         self.streamed.append(call)
         self._scan = _JsonValueEnd()
         return len(self.streamed) - 1, {"id": call["id"], "name": name}
@@ -586,7 +598,7 @@ class ToolStream:
         format forces next (`ahead`: certain to follow, not generated yet) complete its name,
         one step before `deltas` would see it; its arguments stream from `deltas` as they come.
         Nothing while a call's arguments are open."""
-        if self.streamed and self.streamed[-1]["end"] is None:
+        if self.repeated or self.streamed and self.streamed[-1]["end"] is None:
             return []
         text = self.tokenizer.decode(self.ids + list(ahead), skip_special_tokens=False).rstrip("\ufffd")
         at = self.call_at
@@ -594,11 +606,12 @@ class ToolStream:
             at = self.syntax.find(text)
         start = self._calls_start(text, at)
         head = None if start is None else self._open_call(text, start)
-        return [] if head is None else [head]
+        return [] if head is None or self.streamed[-1]["held"] else [head]
 
     def finish(self) -> tuple[str, list[dict]]:
         """(content still to give out, calls). Calls given out already by `deltas` keep their ids."""
         content, calls = self._finish()
+        calls = until_repeat(calls)
         for c, s in zip(calls, self.streamed):
             if c["name"] == s["name"]:
                 c["id"] = s["id"]
@@ -629,6 +642,30 @@ class ToolStream:
         out = raw[self.emitted:self.call_at] + content
         self.emitted = len(raw)
         return (out if out.strip() else ""), calls
+
+
+def _same_args(a, b) -> bool:
+    """Two calls' arguments (JSON text or values) are the same value."""
+    def value(x):
+        if isinstance(x, str):
+            try:
+                return json.dumps(jsontext.loads(x), sort_keys=True)
+            except ValueError:
+                return x.strip()
+        return json.dumps(x, sort_keys=True, default=str)
+    return value(a) == value(b)
+
+
+def until_repeat(calls: list[dict]) -> list[dict]:
+    """The calls up to the first exact repeat of an earlier one (the same name and the same
+    arguments): a small model asked for a call repeats it until the list's bound ("Make the
+    garage brighter." four times, 11-14 with parallel calls), and a home would run each."""
+    out: list[dict] = []
+    for c in calls:
+        if any(e["name"] == c["name"] and _same_args(e.get("arguments"), c.get("arguments")) for e in out):
+            break
+        out.append(c)
+    return out
 
 
 def name_cut(syntax: ToolSyntax, tokenizer, drafts: list[int], certain: list[bool]) -> int | None:

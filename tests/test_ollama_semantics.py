@@ -153,3 +153,43 @@ async def test_a_number_the_format_leaves_open_stays_one_a_client_can_parse(embe
         else:
             whole, _, frac = text.split(":", 1)[1].strip(" }").partition(".")
             assert len(whole.lstrip("-")) <= 16 and len(frac.split("e")[0]) <= 10, text
+
+
+async def test_an_exact_repeat_of_a_call_ends_the_list(embedded_runner):
+    """With a required call and parallel_tool_calls unset (or true) a small model repeats the
+    same call until the list's bound: "Make the garage brighter." four times, which Home
+    Assistant would run four times. A call equal to one before it (the same name and the same
+    arguments) ends the list, unstreamed and streamed (a call named as an earlier one is held
+    until its arguments close), and the model stops there (it wrote on to the bound). Here every call of the tool is the same call (its arguments
+    are constants), so each answer with more than one call's worth of tokens repeated one."""
+    import openai
+    garage = [{"type": "function", "function": {"name": "HassLightSet", "description": "Set a light's brightness",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "name": {"const": "garage"}, "brightness": {"const": 100}},
+                                                    "required": ["name", "brightness"]}}}]
+    ask = [{"role": "user", "content": "Make the garage brighter."}]
+    async with serving(embedded_runner) as http:
+        def scenario():
+            c = openai.OpenAI(base_url=http.base + "/v1", api_key="none", timeout=120, max_retries=0)
+            out = []
+            for seed, parallel in [(k, None) for k in range(6)] + [(k, True) for k in range(3)]:
+                kw = {} if parallel is None else {"parallel_tool_calls": parallel}
+                r = c.chat.completions.create(model="m", messages=ask, tools=garage, tool_choice="required",
+                                              temperature=0.8, seed=seed, max_tokens=400, **kw)
+                streamed = {}
+                for chunk in c.chat.completions.create(model="m", messages=ask, tools=garage, tool_choice="required",
+                                                       temperature=0.8, seed=seed, max_tokens=400, stream=True, **kw):
+                    for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                        streamed.setdefault(d.index, "")
+                        streamed[d.index] += d.function.arguments or ""
+                out.append((r.choices[0].finish_reason, r.choices[0].message.tool_calls, r.usage.completion_tokens,
+                            streamed))
+            return out
+        answers = await trio.to_thread.run_sync(scenario)
+    one_call = min(used for _, _, used, _ in answers)
+    assert any(used > 1.5 * one_call for _, _, used, _ in answers), answers    # (the model did repeat)
+    for reason, calls, used, streamed in answers:
+        assert reason == "tool_calls" and len(calls) == 1, (used, calls)
+        assert used < 3 * one_call, answers   # the model stops at the repeat (a step may take a forced call whole)
+        assert json.loads(calls[0].function.arguments) == {"name": "garage", "brightness": 100}
+        assert list(streamed) == [0] and json.loads(streamed[0]) == {"name": "garage", "brightness": 100}, streamed

@@ -344,6 +344,7 @@ async def test_tokens_a_format_forces_come_with_the_token_before_them(embedded_r
 
     class Ticket:
         calls = [ToolStream(syntax_for(tok.chat_template, tok), tok)]
+        req = None                # (no engine request behind it)
     answer = Answer(Ticket(), thinking=False, stream_calls=True)
     names = []
     for i, t in enumerate(head):
