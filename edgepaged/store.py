@@ -306,6 +306,30 @@ def _pick_file(repo: str, files: list) -> object:
                      f"`edgepaged pull {repo}:FILE` ({names})")
 
 
+REACH_TIMEOUT_S = 3.0
+
+
+def hub_endpoint() -> str:
+    """The Hugging Face hub's address huggingface_hub uses (HF_ENDPOINT, else huggingface.co)."""
+    return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+
+
+def reachable(url: str, what: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """StoreError 502 within `timeout_s` when nothing answers at `url`'s host and port (no
+    network, no name service, a closed port): said once, at once, instead of a client's
+    retries."""
+    import socket
+    from urllib.parse import urlsplit
+    u = urlsplit(url)
+    host, port = u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise StoreError(f"cannot reach {what} at {u.scheme}://{u.netloc} ({reason}): is this box online?",
+                         502) from None
+
+
 def pull_hub(spec: str, name: str | None = None, root: Path | None = None) -> Entry:
     """REPO[:FILE] from the hub, with huggingface_hub (its progress bar, its resumption of a
     cut transfer); the bytes are checked against the repository's sha256 before they count."""
@@ -315,6 +339,8 @@ def pull_hub(spec: str, name: str | None = None, root: Path | None = None) -> En
         raise StoreError(f"{spec!r} is neither a file here nor a repository (OWNER/NAME[:FILE])")
     from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.errors import RepositoryNotFoundError
+    if not any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        reachable(hub_endpoint(), "the Hugging Face hub")   # (its client retried for 23 s before a 400)
     api = HfApi()
     try:
         files = [f for f in api.list_repo_tree(repo, recursive=True) if hasattr(f, "size")]

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from edgepaged.testing.registry import FakeRegistry
-from test_store import Serve, cli, env, models, tiny  # noqa: F401 - fixtures and helpers
+from test_store import CLI, Serve, cli, env, models, tiny  # noqa: F401 - fixtures and helpers
 
 QUESTION = [{"role": "user", "content": "hello"}]
 
@@ -195,3 +195,34 @@ def test_who_may_manage_models(tiny, env, tmp_path):
     assert "--admin-from" in refused and "192.168.1.7" in refused
     assert allowed("192.168.1.7", ("192.168.1.0/24",)) == "yes"
     assert allowed("10.0.0.9", ("192.168.1.0/24",)) != "yes"
+
+
+def test_a_pull_with_no_network_fails_at_once_with_502(tiny, env, tmp_path):
+    """A Hugging Face name with the hub out of reach retried for 23 s, answered 400 (HTTP.md
+    promises 502) and the CLI printed each retry warning twice: now one line within seconds,
+    from the CLI (a closed port; a network namespace with no network at all) and over the API
+    (the `ollama` client's pull, and stream false: 502)."""
+    import shutil
+    import subprocess
+    import time
+    import ollama
+    t0 = time.monotonic()
+    r = cli({**env, "HF_ENDPOINT": "http://127.0.0.1:9"}, "pull", "acme/box")
+    assert r.returncode == 1 and time.monotonic() - t0 < 10, r.stderr
+    assert r.stderr.count("cannot reach the Hugging Face hub") == 1 and "Retry" not in r.stderr, r.stderr
+    if shutil.which("unshare") and subprocess.run(["unshare", "-n", "true"]).returncode == 0:
+        t0 = time.monotonic()
+        r = subprocess.run(["unshare", "-n", *CLI, "pull", "acme/box"], capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in env.items() if k != "HF_ENDPOINT"})
+        assert r.returncode == 1 and "cannot reach the Hugging Face hub" in r.stderr, r.stderr
+        assert time.monotonic() - t0 < 10
+    box = Serve({**env, "HF_ENDPOINT": "http://127.0.0.1:9"}, "--model", str(tiny["llama"]), "--kv-memory", "16M")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ollama.ResponseError, match="cannot reach the Hugging Face hub"):
+            ollama.Client(host=box.http, timeout=60).pull("acme/box")
+        assert time.monotonic() - t0 < 10
+        got = httpx.post(box.http + "/api/pull", json={"model": "acme/box", "stream": False}, timeout=60)
+        assert got.status_code == 502 and "cannot reach" in got.json()["error"]
+    finally:
+        box.stop()
