@@ -38,6 +38,9 @@ from .schema import MAX_SAMPLES
 
 log = logging.getLogger("edgepaged.frontend")
 MAX_EMBED_INPUTS = 512   # texts in one embeddings request
+TOKEN_IDS_REFUSED = ("input[{i}] is a list of token ids; this server embeds text (as Ollama does): token ids are "
+                     "one tokenizer's, and clients send another's (LangChain's OpenAIEmbeddings sends OpenAI's "
+                     "tiktoken ids unless check_embedding_ctx_length=False): send the text")
 from .lanes import PREPARE   # noqa: E402 - rendering and tokenizing: one request at a time
 
 
@@ -516,18 +519,20 @@ class FrontEnd(Box):
         return held
 
     async def build_embeds(self, inputs: list, caller: Caller, truncate: bool = True) -> list[Request]:
-        """Requests for the embeddings of `inputs` (texts, or token id lists), one per input:
+        """Requests for the embeddings of `inputs` (texts; token id lists are refused), one per input:
         each runs its prompt through the engine like any prompt (its KV blocks only while it
         runs) and answers its final hidden state. An input past the context is cut to it
         (`truncate`, Ollama's default) or refused."""
         if not isinstance(inputs, list) or not 1 <= len(inputs) <= MAX_EMBED_INPUTS:
             raise RequestRejected("invalid_params", f"input must be a text or a list of 1..{MAX_EMBED_INPUTS} texts")
-        tok, vocab = self.tokenizer, self.tokenizer.vocab_size
+        tok = self.tokenizer
         for i, x in enumerate(inputs):
-            if not (isinstance(x, str) or isinstance(x, list) and x and all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in x)):
-                raise RequestRejected("invalid_params", f"input[{i}] must be a non-empty text or a list of token ids "
-                                      f"in 0..{vocab - 1}")
+            if isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+                # token ids are a tokenizer's own, and the clients that send them send another's: LangChain's
+                # OpenAIEmbeddings sends OpenAI's (tiktoken) ids, which read as this model's gave a wrong vector
+                raise RequestRejected("invalid_params", TOKEN_IDS_REFUSED.format(i=i))
+            if not isinstance(x, str):
+                raise RequestRejected("invalid_params", f"input[{i}] must be a non-empty text")
             if isinstance(x, str) and not x:
                 raise RequestRejected("empty_prompt", f"input[{i}] is empty")
 
@@ -538,7 +543,7 @@ class FrontEnd(Box):
                                   "(serve --max-prompt-bytes): send them in parts")
 
         def encode():
-            return [x if isinstance(x, list) else tok.encode(x) for x in inputs]
+            return [tok.encode(x) for x in inputs]
         try:
             ids = await trio.to_thread.run_sync(encode, limiter=PREPARE)
         except Exception as e:    # text the tokenizer cannot take (lone surrogates, ...)

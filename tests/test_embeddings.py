@@ -63,7 +63,13 @@ async def test_every_door_with_the_real_clients_beside_a_chat(embedded_runner):
             c = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=120)
             out["openai"] = c.embeddings.create(model=model, input=TEXTS)
             out["openai_dims"] = c.embeddings.create(model=model, input=TEXTS[0], dimensions=16)
-            out["tokens"] = c.embeddings.create(model=model, input=[embedded_runner.tokenizer.encode(TEXTS[0])])
+            # token ids, as LangChain's OpenAIEmbeddings sends OpenAI's (tiktoken) ids by default: read as this
+            # model's ids they gave a 200 and a wrong vector (cosine 0.08); refused, naming the setting
+            try:
+                c.embeddings.create(model=model, input=[[9906, 1917, 0, 2028]])
+            except openai.BadRequestError as e:
+                out["tokens"] = e
+            out["langchain_setting"] = c.embeddings.create(model=model, input=[TEXTS[0]])   # what it sends then
             return out
 
         chat = {}
@@ -101,7 +107,8 @@ async def test_every_door_with_the_real_clients_beside_a_chat(embedded_runner):
     oa = np.array([d.embedding for d in out["openai"].data])
     assert np.allclose(oa, vecs, atol=1e-5) and out["openai"].usage.prompt_tokens > 0
     assert len(out["openai_dims"].data[0].embedding) == 16
-    assert np.allclose(out["tokens"].data[0].embedding, vecs[0], atol=1e-5)
+    assert out["tokens"].status_code == 400 and "check_embedding_ctx_length=False" in str(out["tokens"])
+    assert np.allclose(out["langchain_setting"].data[0].embedding, vecs[0], atol=1e-5)
     assert np.allclose(b64, vecs[0], atol=1e-5)
     assert cosine(vecs[1], vecs[2]) > cosine(vecs[0], vecs[2])     # "hello world…" is nearer "hello"
     assert "Paris" in chat["answer"]
