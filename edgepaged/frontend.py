@@ -212,6 +212,7 @@ class Ticket:
     calls: list = field(default_factory=lambda: [None])   # per sample: tools.ToolStream of its calls, or None
     thinking: bool = False          # a thinking model's answer: its thinking may come apart (ThinkSplit)
     think_open: bool = False        # the prompt already opened the thinking block
+    load_s: float = 0.0             # how long it waited for its model to load (Ollama's load_duration)
 
 
 class Box:

@@ -123,8 +123,27 @@ def test_a_chat_model_and_an_embedding_model_on_one_box(encoders, tiny, env):
         vectors = c.embed(model="nomic", input=TEXTS[:2]).embeddings
         with pytest.raises(ollama.ResponseError) as refused:
             c.chat(model="nomic", messages=[{"role": "user", "content": "hello"}])
+        # honest metadata (issue 65, item 2): an embedding model embeds only and says its quantization;
+        # every listed model its file's time and its size in parameters; a request that waited for
+        # its model's load after an unload says how long
+        shown = c.show("nomic")
+        tags = {m.model: m for m in c.list().models}
+        chat_shown = c.show("chat")
+        assert c.generate(model="chat", keep_alive=0).done_reason == "unload"
+        assert "chat:latest" not in {m.model for m in c.ps().models}
+        reloaded = c.chat(model="chat", messages=[{"role": "user", "content": "hello"}],
+                          options={"num_predict": 2, "temperature": 0})
+        warm = c.chat(model="chat", messages=[{"role": "user", "content": "hello"}],
+                      options={"num_predict": 2, "temperature": 0})
     finally:
         box.stop()
+    assert shown.capabilities == ["embedding"] and shown.details.quantization_level == "F32", shown
+    assert tags["nomic:latest"].details.quantization_level == shown.details.quantization_level
+    assert "completion" in chat_shown.capabilities and "embedding" not in chat_shown.capabilities
+    for m in tags.values():
+        assert m.modified_at.year >= 2025 and m.details.parameter_size, m
+    assert reloaded.load_duration > 1e6 and reloaded.total_duration >= reloaded.load_duration, reloaded
+    assert warm.load_duration == 0
     assert answer.message.content
     ref = reference_embeddings(e["model"], e["tok"], TEXTS[:2])
     assert all(cosine(v, r) >= 0.9999 for v, r in zip(vectors, ref))

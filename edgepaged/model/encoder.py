@@ -441,6 +441,22 @@ def inspect(path) -> dict:
     return {"config": cfg}
 
 
+def encoder_file_info(path: Path) -> dict:
+    """What a model list says of an encoder's files (as `ModelFiles.info` of a decoder's):
+    format, bytes, modification time, and the quantization (GGUF's general.file_type, else
+    the type most of the matrices' bytes are in: the store's own name for it)."""
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    quant = None
+    if path.is_file():
+        from .gguf_file import GgufFile
+        from .loader import FILE_TYPES
+        f = GgufFile(path)
+        ftype = f.fields.get("general.file_type")
+        quant = FILE_TYPES.get(ftype, f"type {ftype}") if ftype is not None else "F32"
+    return {"format": "gguf" if path.is_file() else "safetensors", "size": sum(x.stat().st_size for x in files),
+            "modified": max((x.stat().st_mtime for x in files), default=0.0), "quantization": quant or "F32"}
+
+
 # ---------------------------------------------------------------- the runner the engine drives
 
 class EncoderRunner:
@@ -463,6 +479,7 @@ class EncoderRunner:
             math = Encoder.pick_math((settings or CpuConfig.from_env()).quant_math)
         self.model, self.tokenizer = load_encoder(path, math)
         self.config = self.model.cfg
+        self.file_info = encoder_file_info(self.model_path)
         self.block_size = block_size
         self.max_model_len = self.config.context_length
         per_block = block_size * 4

@@ -613,8 +613,13 @@ class HttpServer:
         except ValueError as e:
             raise OllamaError(400, str(e), "bad_request") from None
         reason = "unload" if keep == 0 else "load"
+        headers = None
         if self.modelset is None:
             ollama_api.check_model(name, self.front.model)
+            if keep == 0:     # the only model stays: said so, not "unload" with the model still in /api/ps
+                reason = "load"
+                headers = {"X-Edgepaged-Warning": "this box serves one model, which stays loaded; serve several "
+                                                  "(--model A --model B) to unload idle ones"}
         elif keep == 0:
             try:
                 await self.modelset.unload(name)
@@ -624,7 +629,7 @@ class HttpServer:
             await self._ollama_slot_front(name, keep)
         out = {"model": body.get("model"), "created_at": ollama_api.now_iso(), "done": True, "done_reason": reason}
         out.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
-        return JSONResponse(out)
+        return JSONResponse(out, headers=headers)
 
     async def ollama_tags(self, request: HttpRequest) -> Response:
         await self._ollama(request, with_body=False)

@@ -219,6 +219,7 @@ class OllamaShaper:
 
     def __init__(self, gen: OllamaGeneration, model: str, ticket=None):
         self.gen, self.model = gen, model
+        self.load_s = ticket.load_s if ticket is not None else 0.0   # its wait for the model's load
         self._calls: dict = {}      # calls being written: index -> [name, arguments so far]
         self.sent_calls = 0         # calls that went out whole already
 
@@ -243,7 +244,7 @@ class OllamaShaper:
         out = self._obj(text, True, thinking)
         t, u = done.timings, done.usage
         out.update(done_reason=done.finish_reason if done.finish_reason in ("stop", "length") else "stop",
-                   total_duration=_ns(t["e2e_s"]), load_duration=0,
+                   total_duration=_ns(t["e2e_s"] + self.load_s), load_duration=_ns(self.load_s),
                    prompt_eval_count=u["prompt_tokens"], prompt_eval_duration=_ns(t["ttft_s"] - t["queue_s"]),
                    eval_count=u["completion_tokens"], eval_duration=_ns(t["decode_s"]))
         return out
@@ -329,9 +330,12 @@ def listed_entry(m: dict, running: bool = False) -> dict:
     """An Ollama list entry for a model of the set that may not be loaded (ModelSet.listing)."""
     name = m["name"] if ":" in m["name"] else f"{m['name']}:latest"
     digest = hashlib.sha256(f"{name}:{m['size_bytes']}".encode()).hexdigest()
-    entry = {"name": name, "model": name, "modified_at": "0001-01-01T00:00:00Z", "size": m["size_bytes"],
+    modified = datetime.fromtimestamp(m.get("modified") or 0.0, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    params = m.get("parameters")
+    entry = {"name": name, "model": name, "modified_at": modified, "size": m["size_bytes"],
              "digest": digest, "details": {"parent_model": "", "format": "gguf", "family": m["architecture"] or "",
-                                           "families": [m["architecture"] or ""], "parameter_size": "",
+                                           "families": [m["architecture"] or ""],
+                                           "parameter_size": _size_label(params) if params else "",
                                            "quantization_level": m["quantization"] or ""}}
     if running:
         expires = m.get("expires_in_s")
@@ -355,8 +359,10 @@ def show(name: str, runner, context: int, spec=None) -> dict:
     cfg = runner.config
     entry = model_entry(name, runner)
     template = runner.tokenizer.chat_template or ""
-    # tools on every model (a template without them: the generic syntax); thinking where the template has it
-    caps = ["completion", "tools"] + (["thinking"] if thinks(template) else [])
+    # an embedding model embeds only (as Ollama says of one); tools on every other model (a template
+    # without them: the generic syntax); thinking where the template has it
+    caps = ["embedding"] if runner.embedding_only else \
+        ["completion", "tools"] + (["thinking"] if thinks(template) else [])
     system, params = getattr(spec, "system", None), getattr(spec, "parameters", None)
     modelfile = f"# served by edgepaged\nFROM {name}\n" + (f'SYSTEM """{system}"""\n' if system else "") + \
         "".join(f"PARAMETER {line}\n" for line in _parameter_lines(params).splitlines())
