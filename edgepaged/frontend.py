@@ -199,6 +199,7 @@ def text_bytes(value, most: int) -> int:
 
 WINDOW_MAX_TOKENS = 1 << 16  # the window policy's cap on max_tokens when the server sets none
 DEFAULT_ANSWER_ROOM = 512   # truncate "auto" keeps this much room for an answer when max_tokens is not given
+NUM_KEEP = 4                # truncate "auto": a prompt cut in its middle keeps its first tokens (Ollama's num_keep)
 
 
 @dataclass(eq=False)
@@ -213,6 +214,7 @@ class Ticket:
     thinking: bool = False          # a thinking model's answer: its thinking may come apart (ThinkSplit)
     think_open: bool = False        # the prompt already opened the thinking block
     load_s: float = 0.0             # how long it waited for its model to load (Ollama's load_duration)
+    truncated_tokens: int = 0       # truncate "auto": tokens cut from the prompt's middle
 
 
 class Box:
@@ -388,17 +390,23 @@ class FrontEnd(Box):
             job = partial(tok.fill_in_the_middle, item.prompt, item.suffix)
         else:
             job = partial(tok.encode, item.prompt)
-        dropped = 0
+        dropped = cut = 0
+        room = min(item.max_tokens or DEFAULT_ANSWER_ROOM, self.max_tokens)
+        limit = max(1, min(self.max_prompt_tokens, self.engine.max_model_len - room,
+                           (item.context_limit or self.engine.max_model_len) - room))
         try:
             if item.truncate == "auto" and item.messages is not None:
-                room = min(item.max_tokens or DEFAULT_ANSWER_ROOM, self.max_tokens)
-                limit = min(self.max_prompt_tokens, self.engine.max_model_len - room,
-                            (item.context_limit or self.engine.max_model_len) - room)
                 ids, dropped = await trio.to_thread.run_sync(self._fit, item, offered, limit, limiter=PREPARE)
             else:
                 ids = await trio.to_thread.run_sync(job, limiter=PREPARE)
         except Exception as e:  # a chat template may refuse a conversation (e.g. roles out of order)
             raise RequestRejected("bad_request", f"cannot render the prompt: {_short(e)}") from None
+        if item.truncate == "auto" and len(ids) > limit:
+            # still too long (one message, or a prompt): as Ollama's runner, the first NUM_KEEP
+            # tokens and the last ones stay, the middle goes (X-Edgepaged-Truncated-Tokens says how many)
+            keep = min(NUM_KEEP, limit // 2)
+            cut = len(ids) - limit
+            ids = ids[:keep] + ids[keep + cut:]
         if len(ids) > self.max_prompt_tokens:
             raise RequestRejected("prompt_too_long", f"the prompt has {len(ids)} tokens; this server takes at most "
                                   f"{self.max_prompt_tokens}")
@@ -425,7 +433,9 @@ class FrontEnd(Box):
         params.max_tokens = max_tokens
         hold = self._check_cost(caller, max_tokens, n)
         try:
-            return await self._finish(item, caller, tok, ids, params, n, fmt, calls, lazy, dropped, window, hold)
+            ticket = await self._finish(item, caller, tok, ids, params, n, fmt, calls, lazy, dropped, window, hold)
+            ticket.truncated_tokens = cut
+            return ticket
         except BaseException:
             self.engine.release(hold)       # (refused or cancelled while its format compiled)
             raise

@@ -246,13 +246,13 @@ def parse(fields: dict, rid: Any, kind: str, *, messages: list | None = None, pr
 
 
 def parse_truncate(value, kind: str = "chat") -> str | None:
-    """`truncate`: "auto" (chat only) or "none"/false; FieldError otherwise."""
+    """`truncate`: "auto" or "none"/false; FieldError otherwise. "auto" drops a chat's oldest
+    turns, then, if one message or a prompt is still too long, its middle (as Ollama's runner:
+    the first tokens and the last stay)."""
     if value in (None, False, "none", "disabled"):
         return None
     if value != "auto":
         raise FieldError("truncate", 'truncate must be "auto" or "none"')
-    if kind != "chat":
-        raise FieldError("truncate", 'truncate "auto" is for chat requests (it drops whole turns)')
     return "auto"
 
 

@@ -202,3 +202,34 @@ async def test_an_exact_repeat_of_a_call_ends_the_list(embedded_runner):
         assert used < 3 * one_call, answers   # the model stops at the repeat (a step may take a forced call whole)
         assert json.loads(calls[0].function.arguments) == {"name": "garage", "brightness": 100}
         assert list(streamed) == [0] and json.loads(streamed[0]) == {"name": "garage", "brightness": 100}, streamed
+
+
+async def test_a_prompt_past_num_ctx_loses_its_middle_as_ollama_cuts_it(embedded_runner):
+    """One message (or a /api/generate prompt) longer than `num_ctx` was a 400 here; Ollama
+    cuts it and answers. As Ollama's runner: the first tokens and the last stay, the middle
+    goes, and X-Edgepaged-Truncated-Tokens (and the last object's `truncated_tokens`) says
+    how many; `truncate: "none"` still refuses it."""
+    import ollama
+    long = "The lighthouse keeper wrote in his log every night. " * 60 + "What is the capital of France?"
+    async with serving(embedded_runner) as http:
+        def scenario():
+            c = ollama.Client(host=http.base, timeout=120)
+            opts = {"num_ctx": 128, "num_predict": 8, "temperature": 0}
+            chat = c.chat(model=MODEL, messages=[{"role": "user", "content": long}], options=opts)
+            gen = c.generate(model=MODEL, prompt=long, options=opts)
+            raw = c.generate(model=MODEL, prompt=long, raw=True, options=opts)
+            streamed = list(c.chat(model=MODEL, messages=[{"role": "user", "content": long}], options=opts,
+                                   stream=True))
+            return chat, gen, raw, streamed
+        chat, gen, raw, streamed = await trio.to_thread.run_sync(scenario)
+        status, headers, body = await afetch(http.base + "/api/chat", {
+            "model": MODEL, "messages": [{"role": "user", "content": long}], "stream": False,
+            "options": {"num_ctx": 128, "num_predict": 8}})
+        assert status == 200 and int(headers["x-edgepaged-truncated-tokens"]) > 100, headers
+        assert json.loads(body)["truncated_tokens"] == int(headers["x-edgepaged-truncated-tokens"])
+        status, _, body = await afetch(http.base + "/api/generate", {
+            "model": MODEL, "prompt": long, "stream": False, "truncate": "none", "options": {"num_ctx": 128}})
+        assert status == 400, body
+    for answer in (chat, gen, raw):
+        assert answer.done and answer.prompt_eval_count + 8 <= 128, answer
+    assert streamed[-1].done and streamed[-1].prompt_eval_count + 8 <= 128

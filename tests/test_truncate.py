@@ -75,8 +75,12 @@ async def test_every_door_says_how_many_messages_were_dropped(embedded_runner):
                                                         "stream": False, "truncate": "auto",
                                                         "options": {"num_predict": 16}})).json()
             assert o["truncated_messages"] == dropped and o["done"], o
-            bad = await c.post(base + "/v1/completions", json={"prompt": "hi", "truncate": "auto"})
+            bad = await c.post(base + "/v1/completions", json={"prompt": "hi", "truncate": "sometimes"})
             assert bad.status_code == 400 and "truncate" in bad.json()["error"]["message"]
+            # a prompt takes "auto" too: past the context it loses its middle (as Ollama's runner cuts it)
+            cut = await c.post(base + "/v1/completions", json={"prompt": "word " * 9000, "truncate": "auto",
+                                                               "max_tokens": 4})
+            assert cut.status_code == 200 and int(cut.headers["x-edgepaged-truncated-tokens"]) > 0
             long = await c.post(base + "/v1/chat/completions", json={**body, "truncate": None})
             assert long.status_code == 400 and long.json()["error"]["code"] == "prompt_too_long"
         async with open_client(server.address) as client:

@@ -761,6 +761,8 @@ class GenerationResponse:
         extra = [(b"x-edgepaged-warning", w.encode("utf-8", "replace")) for w in self.gen.warnings]
         if self.ticket.truncated:   # truncate "auto" (Ollama's num_ctx): how many old messages were dropped
             extra.append((b"x-edgepaged-truncated-messages", str(self.ticket.truncated).encode()))
+        if self.ticket.truncated_tokens:   # ... and how many tokens from the middle of what was left
+            extra.append((b"x-edgepaged-truncated-tokens", str(self.ticket.truncated_tokens).encode()))
         if extra:
             plain_send = send
 
@@ -829,8 +831,7 @@ class GenerationResponse:
             body = self.shaper.full_n([("".join(texts[k]), ends[k].done, lp[k], ends[k].calls) for k in range(n)])
         else:
             body = self.shaper.full("".join(texts[0]), ends[0].done, ends[0].calls, lp[0], "".join(thinks[0]))
-            if self.ticket.truncated:
-                body["truncated_messages"] = self.ticket.truncated
+            self._say_truncated(body)
         await self._send_json(send, 200, body)
 
     async def _stream(self, answer: Answer, events, send) -> None:
@@ -882,9 +883,9 @@ class GenerationResponse:
                         chunks = sh.last_chunks(item.done, item.calls)
                         if n > 1:
                             chunks = [c for c in chunks if c["choices"]]
-                        elif self.ticket.truncated:
+                        else:
                             for c in chunks:
-                                c["truncated_messages"] = self.ticket.truncated
+                                self._say_truncated(c)
                         out += [at(c, k) for c in chunks]
                         ended.append(item)
             finished = err is not None or len(ended) == n
@@ -903,6 +904,13 @@ class GenerationResponse:
             err = ApiError(500, "a sample ended without an answer", "internal_error")
             await send({"type": "http.response.body", "body": sh.frame(sh.error_chunk(err)) + sh.trailer,
                         "more_body": False})
+
+    def _say_truncated(self, obj: dict) -> None:
+        """truncate "auto": the last object says what was dropped (old messages, middle tokens)."""
+        if self.ticket.truncated:
+            obj["truncated_messages"] = self.ticket.truncated
+        if self.ticket.truncated_tokens:
+            obj["truncated_tokens"] = self.ticket.truncated_tokens
 
     @staticmethod
     async def _send_json(send, status: int, body: dict) -> None:

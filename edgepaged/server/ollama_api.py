@@ -188,14 +188,16 @@ def parse_generate(body: dict, rid: str, template: str | None = None) -> OllamaG
         raise bad("context (the token list of an earlier answer) is not supported: send the conversation to "
                   "/api/chat instead")
     gen = OllamaGeneration(None, chat=False, item_id=rid)
+    # as Ollama: a prompt past num_ctx loses its middle (the first tokens and the last stay)
+    cut = {"truncate": "auto" if body.get("truncate") is None else body["truncate"]}
     if suffix:      # fill in the middle (Continue's autocomplete): the model's FIM tokens around the two
-        gen.item = _request(body, gen, "generate", prompt=prompt, suffix=suffix)
+        gen.item = _request(body, gen, "generate", cut, prompt=prompt, suffix=suffix)
     elif body.get("raw"):
-        gen.item = _request(body, gen, "generate", prompt=prompt)
+        gen.item = _request(body, gen, "generate", cut, prompt=prompt)
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
                                                                                    "content": prompt}]
-        gen.item = _request(body, gen, "chat", messages=messages)
+        gen.item = _request(body, gen, "chat", cut, messages=messages)
     return gen
 
 
