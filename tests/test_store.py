@@ -49,12 +49,13 @@ def cli(env, *args, timeout=120):
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
-def models(env) -> list[dict]:
+def models(env, embedded: bool = False) -> list[dict]:
+    """`edgepaged models --json` (the embedded default model, always there, left out unless asked)."""
     r = cli(env, "models", "--json", "--server", "127.0.0.1:1")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert all(FIELDS <= set(e) for e in out), out
-    return out
+    return out if embedded else [e for e in out if e["source"] != "embedded"]
 
 
 def sha(path: Path) -> str:
@@ -318,7 +319,8 @@ def test_two_models_served_loaded_on_demand_and_unloaded_when_idle(tiny, env):
                                "--repeat-penalty", "1", "--json", "hello").stdout.strip().splitlines()[-1])
             assert a["model"] == name and a["text"] == want[name], a
         r = cli(env, "models", "--json", "--server", s.http.removeprefix("http://"))
-        listed = {e["name"]: (e["loaded"], e["source"]) for e in json.loads(r.stdout.strip().splitlines()[-1])}
+        listed = {e["name"]: (e["loaded"], e["source"]) for e in json.loads(r.stdout.strip().splitlines()[-1])
+                  if e["source"] != "embedded"}
         assert listed == {name: (True, "store") for name in want}, listed
         assert s.loaded() == {"tiny-llama-q8_0": 1, "tiny-qwen2-q8_0": 1}
         metrics = httpx.get(s.http + "/metrics").text                 # one exposition, the model as a label
