@@ -6,6 +6,7 @@ import functools
 import mmap
 
 MADV_POPULATE_WRITE = 23     # Linux 5.14+
+MADV_NOHUGEPAGE = 15
 
 
 @functools.cache
@@ -26,6 +27,19 @@ def release_free_memory() -> None:
     trim = _libc_function("malloc_trim")
     if trim is not None:
         trim(0)
+
+
+def small_pages(address: int, length: int) -> bool:
+    """Keep [address, address + length) in small pages (madvise MADV_NOHUGEPAGE): numpy asks
+    for huge pages on its large arrays, and a huge page is resident whole once any byte of it
+    is touched. False where the system cannot."""
+    import ctypes
+    madvise = _libc_function("madvise")
+    if madvise is None:
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = address - address % mmap.PAGESIZE
+    return madvise(start, address + length - start, MADV_NOHUGEPAGE) == 0
 
 
 def populate(address: int, length: int) -> bool:
