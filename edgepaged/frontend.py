@@ -392,6 +392,9 @@ class FrontEnd(Box):
             job = partial(tok.encode, item.prompt)
         dropped = cut = 0
         room = min(item.max_tokens or DEFAULT_ANSWER_ROOM, self.max_tokens)
+        # (a small num_ctx: half of it for the answer at most, so a cut prompt keeps its
+        # first NUM_KEEP tokens and its last ones, not one token)
+        room = min(room, max(1, min(self.engine.max_model_len, item.context_limit or self.engine.max_model_len) // 2))
         limit = max(1, min(self.max_prompt_tokens, self.engine.max_model_len - room,
                            (item.context_limit or self.engine.max_model_len) - room))
         try:

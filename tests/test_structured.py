@@ -183,9 +183,16 @@ async def test_ollama_raw_shapes(embedded_runner):
         lines = [json.loads(x) for x in body.decode().splitlines()]
         assert len(lines) >= 2 and lines[-1]["done"] and lines[-1]["done_reason"] == "length"
         assert lines[-1]["eval_count"] == 5
-        status, _, body = await afetch(http.base + "/api/chat", {
-            "model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Say hi. " * 20}],
-            "options": {"num_ctx": 16}, "stream": False})
+        # past num_ctx: cut in its middle by default, as Ollama's runner does (its first 4
+        # tokens and its last; half the context left for the answer); a 400 with truncate off
+        long = {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Say hi. " * 20}],
+                "options": {"num_ctx": 16}, "stream": False}
+        status, headers, body = await afetch(http.base + "/api/chat", long)
+        answer = json.loads(body)
+        assert status == 200, answer
+        assert answer["prompt_eval_count"] == 8 and int(headers["x-edgepaged-truncated-tokens"]) > 40
+        assert 1 <= answer["eval_count"] <= 8
+        status, _, body = await afetch(http.base + "/api/chat", {**long, "truncate": False})
         assert status == 400 and "num_ctx" in json.loads(body)["error"]
         status, _, body = await afetch(http.base + "/api/generate", {"model": "SmolLM2-135M-Instruct.Q4_1"})
         assert status == 200 and json.loads(body)["done_reason"] == "load"

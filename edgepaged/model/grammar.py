@@ -30,6 +30,7 @@ import logging
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -607,6 +608,21 @@ class CompileQuota:
 MANY_ADDED_TOKENS = 4096
 
 
+# one llguidance tokenizer per loaded tokenizer (it is immutable and building it holds the GIL
+# ~0.3 s): a front end made anew over a loaded model (a reload, a test's server) reuses it
+_LLTOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LLTOKS_LOCK = threading.Lock()
+
+
+def _shared_lltok(tokenizer, vocab_size: int, stops: list[int] | None):
+    key = (vocab_size, tuple(stops or ()))
+    with _LLTOKS_LOCK:
+        made = _LLTOKS.setdefault(tokenizer, {})
+        if key not in made:
+            made[key] = lltokenizer(tokenizer, vocab_size, stops)
+        return made[key]
+
+
 def lltokenizer(tokenizer, vocab_size: int, stops: list[int] | None, *, table: bool | None = None):
     """llguidance's tokenizer for one of ours (model/tokenizer.py): from its tokenizer.json, or,
     for a vocabulary with more than MANY_ADDED_TOKENS added tokens (or `table=True`), from its
@@ -760,7 +776,7 @@ class Grammars:
             if self._lltok is None:
                 # any of the model's stop tokens may end a complete output
                 stops = sorted(self.tokenizer.stop_token_ids) or None
-                self._lltok = lltokenizer(self.tokenizer, self.vocab_size, stops)
+                self._lltok = _shared_lltok(self.tokenizer, self.vocab_size, stops)
             return self._lltok
 
     def compile(self, spec: dict) -> str:

@@ -35,5 +35,8 @@ async def serving(runner, *, http: HttpConfig | bool = False, max_num_seqs: int 
                 server.http = HttpServer(server.front, hc, stats=server.stats)
                 await nursery.start(server.http.serve)
                 server.http.base = server.http_base = f"http://127.0.0.1:{server.http.port}"
+            # as the real server does before it says ready (server/app.py): the grammar
+            # tokenizer built (made once per loaded tokenizer), not at the first format
+            await trio.to_thread.run_sync(server.front.warm_grammars)
             yield server
             nursery.cancel_scope.cancel()
