@@ -40,9 +40,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from family_bench import cpu_flags, synthetic
-from soak import start_llama_server, start_server
-from spec_bench import document
+from bench.family_bench import cpu_flags, synthetic
+from bench.soak import start_llama_server, start_server
+from bench.spec_bench import document
 
 AREAS = ["Kitchen", "Living Room", "Bedroom", "Bathroom", "Hallway", "Garage", "Garden", "Office", "Kids Room",
          "Basement"]
@@ -231,9 +231,8 @@ def tool_stream_check(max_tokens: int = 96) -> dict:
 
 FAMILY_PREFILL = """
 import sys
-sys.path.insert(0, sys.argv[1])
-from family_bench import prefill_chunked, prefill_only
-print(prefill_only(sys.argv[2]) if len(sys.argv) == 3 else prefill_chunked(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+from bench.family_bench import prefill_chunked, prefill_only
+print(prefill_only(sys.argv[1]) if len(sys.argv) == 2 else prefill_chunked(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
 """
 
 
@@ -244,8 +243,9 @@ def family_prefill(model: str, tokens: int | None = None, chunk: int = 512) -> f
     import subprocess
     import sys
     more = [] if tokens is None else [str(tokens), str(chunk)]
-    out = subprocess.run([sys.executable, "-c", FAMILY_PREFILL, str(Path(__file__).parent), model, *more],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", FAMILY_PREFILL, model, *more],
+                         capture_output=True, text=True, check=True,
+                         cwd=str(Path(__file__).resolve().parent.parent))
     return float(out.stdout.strip().splitlines()[-1])
 
 

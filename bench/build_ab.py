@@ -41,7 +41,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def load(path: str) -> types.ModuleType:
@@ -147,7 +146,7 @@ def attention(builds: Builds, reps: int, contexts: list[int], rows: int = 512) -
     each context under each build, alternated, bit for bit: the Llama-3.2-1B shape's heads
     (32 / 8 of 64), an f16 cache in blocks of 16, a shuffled table. GFLOP/s (4 x head_dim per
     row, query head and visible position)."""
-    from prefill_attention_bench import NH as nh, NKV as nkv, D as d, case
+    from bench.prefill_attention_bench import NH as nh, NKV as nkv, D as d, case
     rng = np.random.default_rng(1)
     out: dict = {}
     for n in contexts:
@@ -189,7 +188,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     new = args.new or str(Path(__file__).resolve().parent.parent / "edgepaged" / "_native.abi3.so")
-    from family_bench import cpu_flags, default_model_path, prompts, synthetic
+    from bench.family_bench import cpu_flags, default_model_path, prompts, synthetic
     from edgepaged.testing.decode import make_allocator, run_batch
     builds = Builds({"old": args.old, "new": new})
     res: dict = {"cpu": cpu_flags()}

@@ -19,8 +19,8 @@ import tempfile
 import time
 import urllib.request
 
-from family_bench import cpu_flags
-from soak import start_server
+from bench.family_bench import cpu_flags
+from bench.soak import start_server
 
 ASKS = ["Give me three ideas for a rainy Sunday with kids.", "And one more, for the evening?",
         "Which of them costs the least?", "Write a short shopping list for it.", "Thanks! Anything to avoid?"]

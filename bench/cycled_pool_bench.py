@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def main() -> None:
@@ -43,7 +41,7 @@ def main() -> None:
                     help="sequences built side by side (one timed); their blocks interleave")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from family_bench import cpu_flags
+    from bench.family_bench import cpu_flags
     from edgepaged.model.loader import default_model_path
     from edgepaged.model.runtime import open_runner
     from edgepaged.testing.decode import make_allocator, run_batch, step

@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def kv_layer(nb: int, bs: int, nkv: int, d: int, kv_dtype: str, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -80,7 +78,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from family_bench import cpu_flags, mem_read_gbs
+    from bench.family_bench import cpu_flags, mem_read_gbs
     from edgepaged.model.loader import default_model_path
     from edgepaged.model.runtime import open_runner
     from edgepaged.testing.decode import make_allocator, run_batch

@@ -28,8 +28,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from family_bench import cpu_flags
-from soak import start_llama_server, start_server
+from bench.family_bench import cpu_flags
+from bench.soak import start_llama_server, start_server
 
 WORDS = ("the house keeps its lights low at night while the kitchen timer counts the minutes until the bread "
          "is done and the garden sprinklers wake at dawn").split()

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from family_bench import cpu_flags  # noqa: E402
+from bench.family_bench import cpu_flags  # noqa: E402
 
 from edgepaged.client import SyncClient  # noqa: E402
 from edgepaged.testing.appliance import Served, build_wheel, dir_mb, rss_mb, runtime_venv  # noqa: E402

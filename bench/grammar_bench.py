@@ -29,9 +29,9 @@ import urllib.request
 
 import trio
 
-from family_bench import cpu_flags
-from soak import start_server
-from structured_bench import SCHEMA    # the same bounded schema as structured_bench's
+from bench.family_bench import cpu_flags
+from bench.soak import start_server
+from bench.structured_bench import SCHEMA    # the same bounded schema as structured_bench's
 
 from edgepaged.client import open_client
 

@@ -446,7 +446,7 @@ def llama_server_run(exe: str, model: Path, items, kv_memory: int, kv: str, tok,
     slots (`-np`) as it holds of the longest request (prompt and answer), `kv` as its K and V
     types; each prompt as its token ids on /completion, each answer `answer_tokens` long
     (ignore_eos), streamed. tok/s, TTFT by class, slots."""
-    from soak import start_llama_server
+    from bench.soak import start_llama_server
     from edgepaged.model.cpu_runtime import kv_bytes_per_value   # llama.cpp's f16 and q8_0 are the same sizes
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_bytes_per_value(kv)
     longest = max(len(it.prompt_ids) + it.answer_tokens for it in items) + 32
@@ -756,7 +756,7 @@ def main() -> None:
     out["kv_bound"] = pool
 
     # the window's cost in quality, on the same model: perplexity of a public-domain text
-    from perplexity import perplexity, text_ids
+    from bench.perplexity import perplexity, text_ids
     ids = text_ids(runner.tokenizer, 2048 if args.quick else None)
     ppl = {"text_tokens": len(ids), "window": args.window, "sink": args.sink}
     for name, w, sk in (("full", None, 0), ("window", args.window, args.sink), ("window_no_sink", args.window, 0)):

@@ -16,11 +16,8 @@ batch 32 x context 4096; --prefill times paged_prefill on fresh prompts against 
 import argparse
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 

@@ -19,10 +19,7 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
@@ -132,7 +129,7 @@ def main():
 
     # 3. decode configs, alternating
     if time.perf_counter() - t_start < args.budget_s:
-        from kernel_bench import make_inputs
+        from bench.kernel_bench import make_inputs
         default_decode = dict(attention.DECODE_CONFIG)
         variants = [default_decode, dict(TILE_BYTES=8192, num_warps=4, num_stages=2),
                     dict(TILE_BYTES=32768, num_warps=4, num_stages=3)]

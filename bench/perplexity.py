@@ -109,7 +109,7 @@ def kv_dtypes(args) -> dict:
     import shutil
     import tempfile
 
-    from family_bench import cpu_flags, synthetic
+    from bench.family_bench import cpu_flags, synthetic
 
     from edgepaged._native import ops
     from edgepaged.model.cpu_runtime import CpuRunner

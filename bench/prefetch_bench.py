@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "edgepaged" / "bench")
     args = ap.parse_args()
-    from family_bench import cpu_flags, mem_read_gbs, synthetic
+    from bench.family_bench import cpu_flags, mem_read_gbs, synthetic
 
     from edgepaged._native import quant
     from edgepaged.model.runtime import open_runner

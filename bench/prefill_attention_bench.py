@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,1024,2048,4096")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
-    from family_bench import cpu_flags
+    from bench.family_bench import cpu_flags
     rng = np.random.default_rng(0)
     was = ops.bf16_attention()
     out = {"cpu": cpu_flags(), "bf16_available": ops.bf16_attention(True), "rows": args.rows, "results": []}

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def child(model: str, decode: bool) -> dict:
@@ -109,7 +108,7 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a.model, decode=not a.products_only)))
         return
-    from family_bench import cpu_flags, mem_read_gbs
+    from bench.family_bench import cpu_flags, mem_read_gbs
     flags = cpu_flags()
     has16 = "avx512f" in (flags.get("flags") or "")
     widths = [8, 16] if has16 else [8]

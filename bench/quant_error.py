@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from family_bench import synthetic  # noqa: E402
+from bench.family_bench import synthetic  # noqa: E402
 
 from edgepaged._native import quant  # noqa: E402
 from edgepaged.model import ModelRunner  # noqa: E402

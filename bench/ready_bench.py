@@ -27,8 +27,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from family_bench import cpu_flags, synthetic
-from soak import free_port
+from bench.family_bench import cpu_flags, synthetic
+from bench.soak import free_port
 
 
 def ready_after(cmd: list[str], port: int, env: dict | None = None, wait_s: float = 300.0,

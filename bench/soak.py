@@ -286,7 +286,7 @@ ATTACKER = "127.0.0.3"      # the script on a laptop: an address of its own
 
 
 async def forced(base: str, rng: random.Random, t: Tally) -> None:
-    from grammar_bench import forcing
+    from bench.grammar_bench import forcing
     status, out = await attack(base, {"messages": [{"role": "user", "content": "Say a or b."}], "max_tokens": 64,
                                       "temperature": 0, **forcing(rng.randrange(999))},
                                t, "forced", source=ATTACKER)

@@ -38,8 +38,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from family_bench import cpu_flags, synthetic
-from soak import start_llama_server, start_server
+from bench.family_bench import cpu_flags, synthetic
+from bench.soak import start_llama_server, start_server
 
 DOC = Path(__file__).resolve().parent / "data" / "coriolanus.txt"
 CHORES = ("The heating runs from six to eight in the morning and from five to ten at night. The kitchen lights "

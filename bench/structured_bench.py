@@ -19,7 +19,7 @@ import time
 
 import trio
 
-from family_bench import cpu_flags
+from bench.family_bench import cpu_flags
 
 from edgepaged.engine import Engine, EngineConfig
 from edgepaged.frontend import Caller, FrontEnd
