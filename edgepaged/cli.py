@@ -351,8 +351,7 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
             model_path, served_name = resolve_model(model_paths[0] if model_paths else None)
             draft = resolve_model(draft_path)[0] if draft_path else None
             runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_kind, quant_math,
-                                 runtime, draft=draft)
-            runner.served_name = served_name
+                                 runtime, draft=draft, served_name=served_name)
         except AssemblyError as e:
             fail(str(e), e.code)
         except KvBudgetError as e:

@@ -194,9 +194,10 @@ class Stream:
 class Client:
     """A connection after hello; make it with `open_client`. `info` is the server's hello."""
 
-    def __init__(self, stream, name: str | None = None):
+    def __init__(self, stream, name: str | None = None, address: str = ""):
         self.stream = stream
         self.name = name
+        self.address = address          # host:port it dialled
         self.info: dict = {}
         self._streams: dict[Any, Stream] = {}
         self._replies: dict[Any, trio.MemorySendChannel] = {}
@@ -371,8 +372,7 @@ async def open_client(server: str | None = None, *, token: str | None = None, na
     if stream is None:
         raise last
     async with stream:
-        client = Client(stream, name)
-        client.address = f"{host}:{port}"
+        client = Client(stream, name, f"{host}:{port}")
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(client._reader)    # never raises: it reports through the streams

@@ -168,7 +168,7 @@ def _short(e: Exception) -> str:
 
 
 def model_display_name(engine) -> str:
-    served = getattr(getattr(engine, "runner", None), "served_name", None)   # a name from the store
+    served = engine.runner.served_name    # a name from the store
     if served:
         return served
     name = Path(str(engine.model_name)).name
@@ -310,7 +310,7 @@ class FrontEnd(Box):
         """The model's constrained-decoding compiler (llguidance), made on first use."""
         if self._grammars is None:
             from .model.grammar import Grammars
-            vocab = getattr(getattr(getattr(self.engine, "runner", None), "config", None), "vocab_size", None)
+            vocab = self.engine.runner.config.vocab_size
             self._grammars = Grammars(self.tokenizer, vocab or self.tokenizer.vocab_size, self.config.grammar)
         return self._grammars
 
@@ -481,8 +481,8 @@ class FrontEnd(Box):
         first call's name is out (`tools.name_cut`): its first byte does not wait for the rows
         of its arguments (the next step drafts those). A warm Home Assistant command on the 1 B
         file: 23 drafts -> 13, its first byte ~0.05 s sooner (bench/RESULTS.md)."""
-        spec = getattr(self.engine, "spec", None)
-        if spec is None or not spec.on or spec.config.mode != "lookup" or n != 1 or item.speculative is False:
+        spec = self.engine.spec
+        if not spec.on or spec.config.mode != "lookup" or n != 1 or item.speculative is False:
             return None
         from .engine.speculate import chain_drafts
         corpus, k = spec.history.corpus(salt), spec.config.max_k
@@ -570,8 +570,7 @@ class FrontEnd(Box):
                                   f"{cap} in one request (serve --max-identity-tokens): send them in parts")
         # a decoder embedding model's pooling (its file's pooling_type): mean needs every position's
         # state from this request's own steps, so it never starts from a cached prefix (a salt of its own)
-        pool = "last" if self.embedding_only else getattr(getattr(self.engine.runner, "config", None), "extra",
-                                                           {}).get("pooling", "last")
+        pool = "last" if self.embedding_only else self.engine.runner.config.extra.get("pooling", "last")
         out = []
         for i, x in enumerate(ids):
             if len(x) > most:

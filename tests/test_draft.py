@@ -30,7 +30,7 @@ def _pair(tmp_path, family="llama", target_seed=11, draft_seed=11, num_blocks=64
     make = (lambda p, n: CpuRunner(p, num_blocks=n)) if runtime == "cpu" else (lambda p, n: ModelRunner(p, num_blocks=n))
     plain = make(files[target_seed], num_blocks)
     target = make(files[target_seed], num_blocks)
-    target.draft = make(files[draft_seed], num_blocks)
+    target.attach_draft(make(files[draft_seed], num_blocks))
     return plain, target
 
 
@@ -88,7 +88,7 @@ async def test_draft_blocks_are_counted_and_go_first_when_the_pool_is_short(tmp_
     prompts = [f"{i} one two three one two three one two" for i in range(8)]
     plain, _ = await _answers(plain_runner, "off", prompts)
     target = CpuRunner(plain_runner.model_path, num_blocks=20)
-    target.draft = CpuRunner(plain_runner.model_path, num_blocks=20)
+    target.attach_draft(CpuRunner(plain_runner.model_path, num_blocks=20))
     got = [None] * len(prompts)
     peak = [0]
     async with serving(target, http=True, engine={"speculation": "draft", "spec_max_running": 8}) as server:

@@ -481,9 +481,11 @@ class CpuRunner(RunnerBase):
     last axis head_dim + head_dim / 16, see `kv_row_units`)."""
 
     def __init__(self, model_path=None, kv_memory_bytes=None, block_size=16, num_blocks=None, *, progress=None,
-                 settings: CpuConfig | None = None, kv_dtype: str | None = None, quantized: bool | None = None):
+                 settings: CpuConfig | None = None, kv_dtype: str | None = None, quantized: bool | None = None,
+                 served_name: str | None = None):
         """quantized: keep the file's quantized weights as GGUF blocks (None or True; False
-        decodes them to float32 matrices)."""
+        decodes them to float32 matrices). served_name: the store's name for it."""
+        self.served_name = served_name
         self.settings = settings = settings or CpuConfig.from_env()
         self.kv_np_dtype = kv_numpy_dtype(kv_dtype)
         self.kv_dtype_name = KV_NAMES[np.dtype(self.kv_np_dtype)]

@@ -469,11 +469,13 @@ class EncoderRunner:
     interrupt = None          # its steps are not stopped (Engine._maybe_interrupt)
     draft = None
     model_name: str | None = None
+    weights_cache: str | None = None
     file_info: dict | None = None
 
     def __init__(self, path, *, kv_memory_bytes: int | None = None, block_size: int = 16, num_blocks=None,
-                 math: str | None = None, settings=None, **_ignored):
+                 math: str | None = None, settings=None, served_name: str | None = None, **_ignored):
         self.model_path = Path(path)
+        self.served_name = served_name
         if math is None:
             from .settings import CpuConfig
             math = Encoder.pick_math((settings or CpuConfig.from_env()).quant_math)
@@ -490,6 +492,9 @@ class EncoderRunner:
 
     def memory(self) -> dict:
         return {"weights_bytes": self.model.nbytes, "kv_bytes": self.slot_tokens.nbytes}
+
+    def attach_draft(self, draft) -> None:
+        raise ValueError("an embedding model generates no text: it takes no draft model")
 
     def step(self, batch, params, prev_tokens=None, embeds=None, **_unused) -> list:
         bs = self.block_size

@@ -68,12 +68,13 @@ class ModelRunner(RunnerBase):
     def __init__(self, model_path=None, device="cpu", dtype=None, kv_memory_bytes=None, block_size=16,
                  num_blocks=None, *, gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
                  progress=None, quantized: bool | None = None, settings: CpuConfig | None = None,
-                 kv_dtype: str | None = None):
-        """quantized: keep a GGUF file's quantized weights as they are and multiply with the
+                 kv_dtype: str | None = None, served_name: str | None = None):
+        """served_name: the store's name for it. quantized: keep a GGUF file's quantized weights as they are and multiply with the
         Rust kernels; None = whenever it applies (`keeps_quantized`). settings: the CPU knobs,
         `CpuConfig.from_env()` by default. kv_dtype: the KV cache's element type, "f16" or
         "f32" (None: f16 on CPU, twice the tokens of f32 in the same memory; the model's dtype
         on a GPU, which the Triton kernels need)."""
+        self.served_name = served_name
         self.settings = settings = settings or CpuConfig.from_env()
         if settings.num_threads:
             torch.set_num_threads(settings.num_threads)

@@ -91,6 +91,8 @@ class Runner(Protocol):
     tokenizer: Any
     model_path: Any
     model_name: str | None      # a name for lists and banners (None: the file's stem)
+    served_name: str | None     # the name the store lists it under (`edgepaged pull`), or None
+    weights_cache: str | None   # how its laid-out weights came: "hit", "writing", or None
     file_info: dict | None      # format, size, modification time, quantization (model lists)
     block_size: int
     num_blocks: int
@@ -108,6 +110,8 @@ class Runner(Protocol):
 
     def memory(self) -> dict: ...
 
+    def attach_draft(self, draft) -> None: ...
+
 
 class RunnerBase:
     """The engine's side of a decoder's runner (`Runner`). A runner sets: config, tokenizer,
@@ -121,8 +125,15 @@ class RunnerBase:
     embedding_only = False
     keeps_kv = True
     model_name: str | None = None
+    served_name: str | None = None     # the store's name for it (a constructor's `served_name`)
+    weights_cache: str | None = None   # "hit" / "writing": its laid-out weights (CpuRunner)
     file_info: dict | None = None
     interrupt = None      # a threading.Event where a step can stop between layers (CpuRunner)
+
+    def attach_draft(self, draft) -> None:
+        """Speculation by a draft model: `draft`, a runner sharing this one's block numbers
+        (`engine.draft.check_pair` checks the pair: at load, and when the engine starts)."""
+        self.draft = draft
 
     def _init_stats(self) -> None:
         self.mask_ms = collections.deque(maxlen=10000)   # constrained steps' mask times
@@ -169,7 +180,7 @@ class RunnerBase:
             weights = None
         out = {"weights_bytes": weights, "kv_reserved_bytes": self.num_blocks * self.block_bytes,
                "block_bytes": self.block_bytes, "rss_bytes": rss_bytes()}
-        if getattr(self, "weights_cache", None) == "hit":   # mapped: resident as they are first read
+        if self.weights_cache == "hit":   # mapped: resident as they are first read
             out["weights_mapped"] = True
         if self.draft is not None:     # its weights, and its cache beside each block of the pool
             d = self.draft.memory()
@@ -350,19 +361,20 @@ def choose_runtime(runtime: str | None, device: str, model_path) -> str:
 
 def open_runner(model_path=None, device: str = "auto", kv_memory_bytes=None, block_size: int = 16, *,
                 max_num_batched_tokens: int = 2048, kv_dtype: str | None = None, settings=None,
-                runtime: str | None = None, num_blocks=None):
-    """The runner a server uses for this model and device (`choose_runtime`)."""
+                runtime: str | None = None, num_blocks=None, served_name: str | None = None):
+    """The runner a server uses for this model and device (`choose_runtime`); `served_name`:
+    the store's name for it (lists and banners show it)."""
     device = resolve_device(device)
     from .encoder import is_encoder
     if model_path is not None and is_encoder(model_path):    # an embedding model (BERT family): numpy
         from .encoder import EncoderRunner
         return EncoderRunner(model_path, kv_memory_bytes=kv_memory_bytes, block_size=block_size, num_blocks=num_blocks,
-                             settings=settings)
+                             settings=settings, served_name=served_name)
     if choose_runtime(runtime, device, model_path) == "cpu":
         from .cpu_runtime import CpuRunner
         return CpuRunner(model_path, kv_memory_bytes=kv_memory_bytes, block_size=block_size, num_blocks=num_blocks,
-                         settings=settings, kv_dtype=kv_dtype)
+                         settings=settings, kv_dtype=kv_dtype, served_name=served_name)
     from .runner import ModelRunner
     return ModelRunner(model_path, device=device, kv_memory_bytes=kv_memory_bytes, block_size=block_size,
                        num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
-                       settings=settings)
+                       settings=settings, served_name=served_name)

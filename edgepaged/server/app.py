@@ -299,9 +299,8 @@ def model_set(specs, keep_s, budget, kv_bytes, device, block_size, max_batched_t
                                 info["quantization"], e.system, e.parameters))
 
     def load(spec, kv):
-        runner = load_runner(spec.path, device, kv, block_size, max_batched_tokens, kv_dtype, quant_math, runtime)
-        runner.served_name = spec.name
-        return runner
+        return load_runner(spec.path, device, kv, block_size, max_batched_tokens, kv_dtype, quant_math, runtime,
+                           served_name=spec.name)
     from ..engine import EngineConfig
     try:
         return ModelSet(models, load, budget_bytes=budget, kv_bytes=kv_bytes or min(CPU_KV_MAX_BYTES, budget // 4),
@@ -312,7 +311,7 @@ def model_set(specs, keep_s, budget, kv_bytes, device, block_size, max_batched_t
 
 
 def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_dtype=None, quant_math=None,
-                runtime=None, draft=None, say=None):
+                runtime=None, draft=None, say=None, served_name=None):
     """The served model's runner; with `draft` (a path), its draft model attached (`runner.draft`),
     the KV budget shared between the two caches block for block. `say`: where the progress
     lines go (default: stderr). Raises what the load raises (ValueError, KvBudgetError, ...)."""
@@ -342,19 +341,20 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
         if kv_bytes is not None:
             kv_bytes = int(kv_bytes * share)
     runner = open_runner(model_path, device, kv_bytes, block_size, max_num_batched_tokens=max_batched_tokens,
-                         kv_dtype=kv_dtype, settings=settings, runtime=kind)
+                         kv_dtype=kv_dtype, settings=settings, runtime=kind, served_name=served_name)
     how = {"hit": "; weights laid out already, from the weights cache",
            "writing": "; writing its laid-out weights to the weights cache in the background, for a faster next load"
-           }.get(getattr(runner, "weights_cache", None), "")
+           }.get(runner.weights_cache, "")
     say(f"loaded {runner.model_path.name} in {time.monotonic() - t0:.1f} s ({runner.products} products{how})")
     if draft is not None:
         from ..engine.draft import check_pair
         t0 = time.monotonic()
         say(f"loading the draft model {draft}...")
-        runner.draft = open_runner(draft, device, None, block_size, max_num_batched_tokens=max_batched_tokens,
-                                   kv_dtype=kv_dtype, settings=settings,
-                                   runtime=choose_runtime(runtime, device, draft), num_blocks=runner.num_blocks)
-        check_pair(runner, runner.draft)
+        drafter = open_runner(draft, device, None, block_size, max_num_batched_tokens=max_batched_tokens,
+                              kv_dtype=kv_dtype, settings=settings, runtime=choose_runtime(runtime, device, draft),
+                              num_blocks=runner.num_blocks)
+        check_pair(runner, drafter)
+        runner.attach_draft(drafter)
         say(f"loaded the draft model {runner.draft.model_path.name} in {time.monotonic() - t0:.1f} s "
             f"({runner.num_blocks} blocks shared: {share:.0%} of the KV memory is the model's, the rest the draft's)")
     return runner

@@ -198,8 +198,8 @@ class Connection:
 
     async def _http_hint(self) -> None:
         """A short HTTP answer for an HTTP client at the msgpack port, naming the HTTP port."""
-        http = getattr(self.server, "http", None)
-        port = getattr(http, "port", None) if http is not None else None
+        http = self.server.http
+        port = http.port if http is not None else None
         where = f"the HTTP port is {port} (the chat page, the OpenAI and Ollama APIs)" if port else \
             "this server has no HTTP port open"
         body = (f"This is edgepaged's msgpack protocol port, not HTTP; {where}.\n").encode()

@@ -161,7 +161,7 @@ class HttpServer:
         self.config = config or HttpConfig()
         self.host = self.config.host or "0.0.0.0"
         self._stats = stats or self.engine.stats
-        self.port: int | None = None
+        self.port: int | None = None      # the bound port, once serving
         self.inflight = 0
         self.inflight_by: dict[str, int] = {}      # per caller (Caller.quota_key)
         self.response_store = ResponseStore()      # /v1/responses' previous_response_id, per identity
@@ -171,6 +171,12 @@ class HttpServer:
         self._page = _page() if self.config.page else None
         self._static: dict[str, bytes] = {}
         self.app = Guard(_OneLine(self._build_app()), self.config.allowed_hosts, self.config.cors_origins)
+
+    @property
+    def base(self) -> str:
+        """The base URL clients use, without a trailing slash ("http://127.0.0.1:PORT")."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "::1" if self.host == "::" else self.host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _listen(self) -> socket.socket:

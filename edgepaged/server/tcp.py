@@ -14,12 +14,16 @@ import importlib.metadata
 import logging
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 
 from ..frontend import FrontEnd
 from ..protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, encode
 from .connection import Connection, close_gracefully
+
+if TYPE_CHECKING:
+    from .httpd import HttpServer
 
 log = logging.getLogger("edgepaged.server")
 try:
@@ -58,11 +62,22 @@ class Server:
         self._accept_scope = trio.CancelScope()
         self._grace_scope = trio.CancelScope()
         self._conns: trio.Nursery | None = None
-        self.http = None          # the HttpServer beside it, if any (named to HTTP clients at this port)
+        self.http: HttpServer | None = None   # the HttpServer beside it, if any (named to HTTP clients here)
 
     @property
     def port(self) -> int:
         return self.listeners[0].socket.getsockname()[1]
+
+    @property
+    def address(self) -> str:
+        """host:port of the first listener, as a client dials it ("127.0.0.1:PORT")."""
+        host = self.listeners[0].socket.getsockname()[0]
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @property
+    def http_base(self) -> str | None:
+        """The HTTP server's base URL (no trailing slash), or None without one."""
+        return self.http.base if self.http is not None else None
 
     def info(self) -> dict:
         """The hello reply."""

@@ -25,16 +25,13 @@ async def serving(runner, *, http: HttpConfig | bool = False, max_num_seqs: int 
     front_cfg = FrontEndConfig(**{k: config.pop(k) for k in list(config) if k in _FRONT})
     async with Engine(runner, EngineConfig(max_num_seqs=max_num_seqs, **(engine or {}))) as engine:
         server = Server(FrontEnd(engine, front_cfg), ServerConfig(host="127.0.0.1", port=0, **config))
-        server.http = None
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
-            server.address = f"127.0.0.1:{server.port}"
             if http:
                 hc = http if isinstance(http, HttpConfig) else HttpConfig(port=0)
                 hc.host = hc.host or "127.0.0.1"
                 server.http = HttpServer(server.front, hc, stats=server.stats)
                 await nursery.start(server.http.serve)
-                server.http.base = server.http_base = f"http://127.0.0.1:{server.http.port}"
             # as the real server does before it says ready (server/app.py): the grammar
             # tokenizer built (made once per loaded tokenizer), not at the first format
             await trio.to_thread.run_sync(server.front.warm_grammars)
