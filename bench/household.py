@@ -596,24 +596,19 @@ def by_class(r: dict) -> dict:
 
 
 def clients_mode(args) -> None:
-    """`--clients N`: N closed-loop household clients, the same draws against each scheduler
-    setting, alternated: today's (`paged`) and the one before it (`paged_before`)."""
+    """`--clients N`: N closed-loop household clients, the same draws against the paged server
+    (`paged`) and, beside it, the same server reserving each request's whole context
+    (`contiguous`: the KV layout every paged runtime is measured against). The scheduler's
+    earlier policy (`paged_before` in bench/HISTORY.md) is gone from the engine."""
     from edgepaged.model import ModelRunner
     runner = ModelRunner(num_blocks=args.kv_tokens // 16, block_size=16)
     tok, kv_bytes = runner.tokenizer, args.kv_tokens // 16 * runner.block_bytes
     del runner
     out = {"clients": args.clients, "per_client": args.per_client, "kv_tokens": args.kv_tokens}
-    for mode, env in (("paged", {}), ("paged_before", {"EDGEPAGED_SCHEDULER": "before"})):
+    for mode in ("paged", "contiguous"):
         t = time.monotonic()
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            srv = Serve(kv_bytes, False, args.max_batched_tokens if mode == "paged" else 512,
-                        extra=["--step-time", str(args.step_time)] if mode == "paged" and args.step_time is not None
-                        else None)
-        finally:
-            for k, v in old.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        srv = Serve(kv_bytes, mode == "contiguous", args.max_batched_tokens,
+                    extra=["--step-time", str(args.step_time)] if args.step_time is not None else None)
         try:
             r = trio.run(run_closed_loop, srv.addr, tok, args.clients, args.per_client, 1.0, args.scale,
                          args.answer_scale, args.seed)
@@ -626,7 +621,7 @@ def clients_mode(args) -> None:
               f"failed {r['failed']} ({time.monotonic() - t:.0f} s)", flush=True)
         for k, v in out[mode]["by_class"].items():
             print(f"  {k:9} n={v['n']:<3} TTFT p50 {v['ttft_p50_s']} p90 {v['ttft_p90_s']} max {v['ttft_max_s']}")
-    out["tok_s_ratio"] = round(out["paged"]["tok_s"] / out["paged_before"]["tok_s"], 3)
+    out["tok_s_ratio"] = round(out["paged"]["tok_s"] / out["contiguous"]["tok_s"], 3)
     out["machine"] = platform.processor() or platform.machine()
     if args.json:
         print(json.dumps(out))
@@ -661,11 +656,11 @@ def main() -> None:
                     help="--model: llama.cpp's server, run beside with the same KV memory (each --kv-dtype)")
     ap.add_argument("--clients", type=int, default=None,
                     help="closed loop only: this many household clients (each asks, reads, thinks ~1 s, asks "
-                         "again), against the scheduler as it is and as it was (EDGEPAGED_SCHEDULER=before)")
+                         "again), paged against contiguous KV reservation")
     ap.add_argument("--per-client", type=int, default=4, help="--clients: requests per client")
-    ap.add_argument("--step-time", type=float, default=None, help="--clients: the `paged` server's --step-time")
+    ap.add_argument("--step-time", type=float, default=None, help="--clients: the servers' --step-time")
     ap.add_argument("--max-batched-tokens", type=int, default=512,
-                    help="--clients: the step's token budget of the `paged` server (`paged_before`: 512)")
+                    help="--clients: the servers' step token budget")
     args = ap.parse_args()
     if args.clients:
         return clients_mode(args)

@@ -250,7 +250,7 @@ def test_a_short_prompt_goes_ahead_of_one_the_pool_cannot_take_yet():
 
 
 def test_skipping_ahead_off_keeps_arrival_order():
-    s, running, doc, home = _blocked_pool(short_prompt_tokens=0)     # EDGEPAGED_SCHEDULER=before
+    s, running, doc, home = _blocked_pool(short_prompt_tokens=0)     # short-first admission off
     b = step(s)
     assert home not in b.requests and home.status is Status.WAITING
 

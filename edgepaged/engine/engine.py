@@ -126,18 +126,14 @@ class Engine:
         # an embedding model's engine serves nothing a person waits on token by token: its steps
         # take whole batches of inputs (the encoder runs once per input, at its last chunk)
         encoder = runner.embedding_only
-        from ..model.settings import CpuConfig
-        before = CpuConfig.from_env().scheduler == "before"
         self.scheduler = Scheduler(self.allocator, SchedulerConfig(
             max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=max(cfg.max_num_batched_tokens, 4096) if encoder else cfg.max_num_batched_tokens,
             watermark_frac=cfg.watermark_frac,
             contiguous=cfg.contiguous, background_share=cfg.background_share,
             long_prefill_tokens=cfg.long_prefill_tokens,
-            # EDGEPAGED_SCHEDULER=before: admission in arrival order only and full-budget steps, as
-            # before short prompts went first and steps were timed
-            short_prompt_tokens=0 if before else 256,
-            step_time_target_s=None if before or encoder
+            short_prompt_tokens=256,
+            step_time_target_s=None if encoder
             else cfg.step_time_target_s))
         self.drafter: Drafter | None = None
         if not runner.embedding_only and not cfg.contiguous:

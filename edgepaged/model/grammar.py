@@ -129,20 +129,6 @@ def forces(m) -> bool:
 
 # -- measuring before compiling -----------------------------------------------------------------
 
-def json_depth(value) -> int:
-    """Nesting depth of a JSON value (a scalar: 0), without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict):
-            deepest = max(deepest, d)
-            stack.extend((x, d + 1) for x in v.values())
-        elif isinstance(v, list):
-            deepest = max(deepest, d)
-            stack.extend((x, d + 1) for x in v)
-    return deepest
-
-
 def _resolve(root, ref: str):
     """The target of a local `$ref` (#, #/a/b, #name as an $anchor is not followed) or None."""
     if not isinstance(ref, str) or not ref.startswith("#"):

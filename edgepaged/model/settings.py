@@ -15,7 +15,6 @@ every EDGEPAGED_ variable that changes how the model runs is in this table (the 
 | `EDGEPAGED_RUST_ATTENTION_MAX`    | 131072  | a prefill chunk of q rows over n positions attends in Rust while q * n is at most this |
 | `EDGEPAGED_FUSED_MAX_TOKENS`      | 256     | steps with fewer rows run all layers in one Rust call        |
 | `EDGEPAGED_TILE_ATTENTION_MIN`    | 8192    | CPU runtime: a prefill chunk of q rows over n positions attends in `paged_prefill`'s tiles (its step layer by layer) once q * n is above this |
-| `EDGEPAGED_SCHEDULER`             | (empty) | `before`: the scheduler as it was before short prompts went first and steps were timed (the benchmarks' baseline; read by the engine) |
 | `EDGEPAGED_NO_AVX512`             | 0       | 1: the kernels use AVX2 even on a CPU with AVX-512 (read by Rust, at the first kernel call) |
 | `EDGEPAGED_DECODE_PREFETCH`       | 8192    | bytes ahead of its reads the integer kernels prefetch a decode step's weights (0: the hardware's prefetch alone; read by Rust; `quant.decode_prefetch`) |
 | `EDGEPAGED_DECODE_SEG`            | 512     | positions per segment of a long context's decode attention, each segment one item on the kernel threads, joined after (0: split by KV heads only; read by Rust; `ops.decode_seg`) |
@@ -63,7 +62,6 @@ class CpuConfig:
     fused_max_tokens: int = 256
     tile_attention_min: int = 8192
     runtime: str = "auto"              # what runs a model: RUNTIMES (model/runtime.py)
-    scheduler: str = ""                # "before": the scheduler's baseline policy
     no_avx512: bool = False            # (Rust reads the variable itself; here for the record)
     weights_cache_min_bytes: int = 512 << 20   # smaller model files are not kept laid out (weights_cache)
 
@@ -85,7 +83,6 @@ class CpuConfig:
             fused_max_tokens=_int(env, "EDGEPAGED_FUSED_MAX_TOKENS", 256),
             tile_attention_min=_int(env, "EDGEPAGED_TILE_ATTENTION_MIN", 8192),
             runtime=(env.get("EDGEPAGED_RUNTIME") or "auto").strip().lower(),
-            scheduler=(env.get("EDGEPAGED_SCHEDULER") or "").strip().lower(),
             no_avx512=_flag(env, "EDGEPAGED_NO_AVX512", False),
             weights_cache_min_bytes=_int(env, "EDGEPAGED_WEIGHTS_CACHE_MIN", 512 << 20),
         )
