@@ -525,7 +525,7 @@ def pull(spec, name, as_json):
     truncated or non-GGUF file) is refused here, before its weights are fetched where it can.
     A file of 512 MiB or more then has its weights laid out for the CPU runtime (the weights
     cache, README), so its first serve maps them."""
-    from . import store
+    from . import pulls, store
     shown = {}
 
     def progress(status, digest=None, total=None, completed=None):
@@ -542,7 +542,7 @@ def pull(spec, name, as_json):
         if tty and completed != total:
             click.echo("\r", err=True, nl=False)
     try:
-        entry = store.pull(spec, name, progress=progress)
+        entry = pulls.pull(spec, name, progress=progress)
     except store.StoreError as e:
         fail(str(e))
     except KeyboardInterrupt:

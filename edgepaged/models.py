@@ -414,8 +414,8 @@ class BoxEngine:
         return base
 
     def prometheus_text(self) -> bytes:
-        from .server.httpd import prometheus_text
-        return merge_prometheus([prometheus_text(e) for e in self._engines()])
+        """Every loaded model's exposition, merged (label model_name)."""
+        return merge_prometheus([e.prometheus_text() for e in self._engines()])
 
     @property
     def metrics(self):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .store import Entry, StoreError, _add, _claim, _slug, check_name, store_dir
+from .store import Entry, StoreError, add_file, check_name, claim, slug, store_dir
 
 REGISTRY_ENV = "EDGEPAGED_OLLAMA_REGISTRY"
 DEFAULT_REGISTRY = "https://registry.ollama.ai"
@@ -265,7 +265,7 @@ def _pull_locked(ref: Ref, name: str, root: Path, progress: Progress | None) -> 
             pass                                   # an unreadable config says nothing: the GGUF check decides
     from .store import find, remove
     try:
-        have = find(name, root) if (root / f"{_slug(name)}.json").exists() else None
+        have = find(name, root) if (root / f"{slug(name)}.json").exists() else None
     except StoreError:
         have = None
     if have is not None and have.sha256 == model_layer["digest"].partition(":")[2]:
@@ -296,11 +296,11 @@ def _pull_locked(ref: Ref, name: str, root: Path, progress: Progress | None) -> 
     say("writing manifest")
     if have is not None:                   # a newer version under the same name replaces the old one
         remove(name, root)
-    _claim(root, name)
-    part = root / f".{_slug(name)}.gguf.part"
+    claim(root, name)
+    part = root / f".{slug(name)}.gguf.part"
     os.replace(blob, part)
     try:
-        entry = _add(root, name, part, f"ollama:{ref.host}/{ref.namespace}/{ref.model}:{ref.tag}",
+        entry = add_file(root, name, part, f"ollama:{ref.host}/{ref.namespace}/{ref.model}:{ref.tag}",
                      model_layer["digest"].partition(":")[2], extras=extras)
     finally:
         part.unlink(missing_ok=True)

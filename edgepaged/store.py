@@ -24,7 +24,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-STORE_ENV = "EDGEPAGED_STORE"
+from .dirs import STORE_ENV, store_dir  # noqa: F401 (where the store is: dirs.py)
+
 MANIFEST_SUFFIX = ".json"
 PREFERRED_QUANT = "Q4_K_M"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._:/-]{0,127}$")
@@ -67,17 +68,6 @@ class Entry:
 
 
 # ---------------------------------------------------------------- where things are
-
-def store_dir() -> Path:
-    """The store: $EDGEPAGED_STORE; under systemd, the unit's StateDirectory (its first
-    entry) + /models; else $XDG_DATA_HOME (default ~/.local/share) /edgepaged/models."""
-    if os.environ.get(STORE_ENV):
-        return Path(os.environ[STORE_ENV])
-    if os.environ.get("STATE_DIRECTORY"):
-        return Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / "models"
-    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(data) / "edgepaged" / "models"
-
 
 def hf_cache_dir() -> Path:
     """Hugging Face's hub cache, where its tools put downloads (HF_HUB_CACHE, HF_HOME/hub)."""
@@ -168,7 +158,7 @@ def _manifests(root: Path) -> list[Path]:
     return sorted(root.glob("*" + MANIFEST_SUFFIX)) if root.is_dir() else []
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9._-]", "-", name)
 
 
@@ -201,11 +191,11 @@ def store_entries(root: Path | None = None) -> list[Entry]:
 
 
 def _write_manifest(root: Path, entry: Entry) -> None:
-    tmp = root / f".{_slug(entry.name)}{MANIFEST_SUFFIX}.tmp"
+    tmp = root / f".{slug(entry.name)}{MANIFEST_SUFFIX}.tmp"
     data = entry.to_dict()
     data.pop("loaded", None)
     tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, root / f"{_slug(entry.name)}{MANIFEST_SUFFIX}")
+    os.replace(tmp, root / f"{slug(entry.name)}{MANIFEST_SUFFIX}")
 
 
 def _drop(work: Path) -> None:
@@ -221,7 +211,7 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _add(root: Path, name: str, file: Path, origin: str, sha256: str, extras: dict | None = None) -> Entry:
+def add_file(root: Path, name: str, file: Path, origin: str, sha256: str, extras: dict | None = None) -> Entry:
     """Check `file` (already inside the store's folder) and record it under `name`; `extras`:
     the Entry's system/parameters/template/license/messages."""
     try:
@@ -229,7 +219,7 @@ def _add(root: Path, name: str, file: Path, origin: str, sha256: str, extras: di
     except StoreError:
         file.unlink(missing_ok=True)
         raise
-    final = root / f"{_slug(name)}.gguf"
+    final = root / f"{slug(name)}.gguf"
     os.replace(file, final)
     entry = Entry(name=name, path=str(final), size_bytes=info["size_bytes"], architecture=info["architecture"],
                   quantization=info["quantization"], context=info["context"], source="store", origin=origin,
@@ -245,28 +235,9 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def pull(spec: str, name: str | None = None, root: Path | None = None, progress=None, *,
-         local_files: bool = True) -> Entry:
-    """Bring a model into the store: `spec` is a local GGUF file (unless `local_files` is off:
-    a name a client sent over the network never reads the server's files), REPO[:FILE] on
-    the hub, or an Ollama name (`llama3.2:3b`, `ollama:user/model:tag`) from Ollama's
-    registry (registry.py)."""
-    root = root or store_dir()
-    local = Path(spec).expanduser()
-    if local_files and (_exists(local) or spec.startswith((".", "/", "~"))
-                        or spec.lower().endswith(".gguf") and ":" not in spec):
-        if not local.is_file():
-            raise StoreError(f"no file {spec}")
-        return import_file(local, name, root)
-    from . import registry
-    if registry.is_ollama_name(spec):
-        return registry.pull_ollama(spec, name, root, progress)
-    return pull_hub(spec, name, root)
-
-
-def _claim(root: Path, name: str) -> None:
+def claim(root: Path, name: str) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    if (root / f"{_slug(name)}{MANIFEST_SUFFIX}").exists():
+    if (root / f"{slug(name)}{MANIFEST_SUFFIX}").exists():
         raise StoreError(f"the store already has a model named {name!r}: `edgepaged rm {name}` first, or pull "
                          "with --name OTHER")
 
@@ -275,12 +246,12 @@ def import_file(path: Path, name: str | None = None, root: Path | None = None) -
     root = root or store_dir()
     name = check_name(name or default_name(path.name))
     inspect(path)                           # refused before anything is copied
-    _claim(root, name)
-    part = root / f".{_slug(name)}.gguf.part"
+    claim(root, name)
+    part = root / f".{slug(name)}.gguf.part"
     try:
         _link_or_copy(path, part)
         digest = sha256_of(part)
-        entry = _add(root, name, part, str(path.resolve()), digest)
+        entry = add_file(root, name, part, str(path.resolve()), digest)
     finally:
         part.unlink(missing_ok=True)
     _say(f"imported {path} as {name} ({entry.size_bytes / 2**20:.1f} MiB, {entry.architecture}, "
@@ -358,9 +329,9 @@ def pull_hub(spec: str, name: str | None = None, root: Path | None = None) -> En
     if re.search(r"-\d{5}-of-\d{5}\.gguf$", chosen.path):
         raise StoreError(f"{chosen.path} is one part of a split GGUF; edgepaged takes single-file GGUF models")
     name = check_name(name or default_name(chosen.path))
-    _claim(root, name)
+    claim(root, name)
     expected = chosen.lfs.sha256 if getattr(chosen, "lfs", None) is not None else None
-    work = root / ".downloads" / _slug(f"{repo}-{chosen.path}")
+    work = root / ".downloads" / slug(f"{repo}-{chosen.path}")
     _say(f"pulling {repo}/{chosen.path} ({chosen.size / 2**20:.1f} MiB) as {name}")
     try:
         got = Path(hf_hub_download(repo, chosen.path, local_dir=work))
@@ -373,10 +344,10 @@ def pull_hub(spec: str, name: str | None = None, root: Path | None = None) -> En
         _drop(work)
         raise StoreError(f"{repo}/{chosen.path}: checksum mismatch (sha256 {digest}, the repository says "
                          f"{expected}); the file was removed, pull again")
-    part = root / f".{_slug(name)}.gguf.part"
+    part = root / f".{slug(name)}.gguf.part"
     os.replace(got, part)
     _drop(work)
-    entry = _add(root, name, part, f"{repo}:{chosen.path}", digest)
+    entry = add_file(root, name, part, f"{repo}:{chosen.path}", digest)
     _say(f"pulled {name}: {entry.architecture}, {entry.quantization}, context {entry.context}, "
          f"{entry.size_bytes / 2**20:.1f} MiB")
     return entry
@@ -388,7 +359,7 @@ def remove(name: str, root: Path | None = None) -> Entry:
     for e in [e for want in (name, f"{name}:latest", name.removesuffix(":latest")) for e in mine if e.name == want]:
         if e.name:
             Path(e.path).unlink(missing_ok=True)
-            (root / f"{_slug(name)}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
+            (root / f"{slug(name)}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
             try:     # its laid-out weights, if a load kept them (model/weights_cache.py)
                 from .model.weights_cache import drop_stale
                 drop_stale()
@@ -425,14 +396,14 @@ def copy(source: str, destination: str, root: Path | None = None, *, paths: bool
     check_name(destination)
     src = find(source, root, paths=paths)
     inspect(Path(src.path))                 # a GGUF the runtime serves, before anything is written
-    if (root / f"{_slug(destination)}{MANIFEST_SUFFIX}").exists():
+    if (root / f"{slug(destination)}{MANIFEST_SUFFIX}").exists():
         remove(destination, root)           # as Ollama does: the destination is replaced
-    _claim(root, destination)
-    part = root / f".{_slug(destination)}.gguf.part"
+    claim(root, destination)
+    part = root / f".{slug(destination)}.gguf.part"
     try:
         _link_or_copy(Path(src.path), part)
         extras = {k: getattr(src, k) for k in EXTRA_FIELDS if getattr(src, k) is not None}
-        return _add(root, destination, part, src.origin or src.path, src.sha256 or sha256_of(part), extras=extras)
+        return add_file(root, destination, part, src.origin or src.path, src.sha256 or sha256_of(part), extras=extras)
     finally:
         part.unlink(missing_ok=True)
 
@@ -483,13 +454,13 @@ def create(name: str, *, from_: str | None = None, files: dict | None = None, ro
     else:
         raise StoreError("neither 'from' nor 'files' was given: name the model to build on, or an uploaded GGUF")
     inspect(src)                            # refused before the name is taken
-    if (root / f"{_slug(name)}{MANIFEST_SUFFIX}").exists():
+    if (root / f"{slug(name)}{MANIFEST_SUFFIX}").exists():
         remove(name, root)
-    _claim(root, name)
-    part = root / f".{_slug(name)}.gguf.part"
+    claim(root, name)
+    part = root / f".{slug(name)}.gguf.part"
     try:
         _link_or_copy(src, part)
-        return _add(root, name, part, origin, sha or sha256_of(part), extras=extras)
+        return add_file(root, name, part, origin, sha or sha256_of(part), extras=extras)
     finally:
         part.unlink(missing_ok=True)
 

@@ -199,7 +199,7 @@ class Engine:
         if cfg.prefix_cache_dir is not None:
             where = cfg.prefix_cache_dir
         else:
-            from ..store import store_dir
+            from ..dirs import store_dir
             where = store_dir() / "kvcache"
         return DiskTier(where, ident, runner.block_bytes, runner.block_size, cfg.prefix_cache_disk)
 
@@ -392,6 +392,17 @@ class Engine:
         """End a request now (finish_reason `cancelled`); its done event follows."""
         if not req.finished:
             self._end(req, "cancelled")
+
+    def prometheus_text(self) -> bytes:
+        """The Prometheus exposition, with the load gauges made current (the engine sets them
+        once per step, so a request aborted between steps would show until the next one)."""
+        s, m = self.stats(), self.metrics
+        m.num_requests_running.set(s["num_requests_running"])
+        m.num_requests_waiting.set(s["num_requests_waiting"])
+        m.kv_blocks_used.set(s["kv_blocks_used"])
+        m.kv_blocks_total.set(s["kv_blocks_total"])
+        m.kv_cache_usage_perc.set(s["kv_cache_usage_perc"])
+        return m.prometheus_text()
 
     def stats(self) -> dict:
         s = self.metrics.snapshot()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model.grammar import forced_run, forces
-from ..model.sampler import prepare, sample_prepared
+from ..model.sampler import verify  # noqa: F401 (a speculation's draws: the sampler's)
 
 MIN_NGRAM, MAX_NGRAM = 1, 4
 SEARCH_TOKENS = 8192           # how far back a match is looked for
@@ -212,58 +212,6 @@ class AnswerHistory:
                 if len(entry) > self.CONTEXT + 1 and entry.min() >= 0 and entry.max() < vocab:
                     self.add(salt, entry[:self.CONTEXT].tolist(), entry[self.CONTEXT:].tolist())
         return len(self._corpus)
-
-
-def verify(logits: np.ndarray, drafts: list[int], params, prev: list[int], outputs: list[int] | None,
-           matcher=None, stops=frozenset(), vocab: int | None = None, first: int | None = None,
-           forced: int = 0, have: list[int] | None = None) -> list[int]:
-    """`logits` [len(drafts) + 1, V]: row i follows draft i (row 0 the last real token).
-    Each row draws its token exactly as a plain decode step would (the sampler, with the
-    row's history: a seeded request takes the same random stream at the same position), and a
-    draft is kept while it is the token drawn. So the answer is the plain decode's token for
-    token, greedy, seeded or not (for a proposal certain of its draft this is the rejection
-    rule of speculative sampling: the draft is kept with probability p(draft), else the token
-    comes from p without it). Returns the kept drafts and the first token that differs (or
-    the one after the last draft): at least one token, at most len(drafts) + 1. With a
-    grammar's `matcher`, each row is masked by the grammar's state after the tokens before it
-    (a draft the grammar forbids can never be drawn) and the matcher takes the tokens drawn
-    (not a stop token: the answer ends there).
-
-    `first`: row 0's token when the step's plain pass drew it already (the same draw).
-    `forced`: how many leading drafts are tokens the grammar forces (the only ones it allows
-    there): rows 1 .. forced - 1 draw them with certainty, so they are taken without a mask
-    or a draw (a seeded request's stream is per position: nothing shifts).
-
-    `have`: which rows past row 0 `logits` holds, in order (None: all of them); a row left
-    out is one whose draft the grammar forces after the drafts before it (`chain_drafts`'
-    `certain`: its logits were never computed), taken as the forced tokens are."""
-    out: list[int] = []
-    seen = list(prev)
-    answer = list(outputs) if outputs is not None else None
-    at = None if have is None else {i: j for j, i in enumerate(have, 1)}
-    for i in range(len(drafts) + 1):
-        if i == 0 and first is not None:
-            t = int(first)
-        elif 0 < i < len(drafts) and matcher is not None and (i < forced or (at is not None and i not in at)):
-            t = int(drafts[i])
-        else:
-            j = i if at is None or i == 0 else at[i]
-            row = logits[j:j + 1]
-            if matcher is not None:
-                from ..model.grammar import Masks
-                row = row.copy()
-                Masks.compute([matcher], vocab or row.shape[1]).apply(row)
-            row = prepare(row, [params], [seen], [answer] if answer is not None else None)
-            t = int(sample_prepared(row, [params], [seen])[0])
-        out.append(t)
-        if matcher is not None and (t in stops or not matcher.consume_token(t) or matcher.is_stopped()):
-            return out
-        if i == len(drafts) or t != drafts[i]:
-            return out
-        seen.append(t)
-        if answer is not None:
-            answer.append(t)
-    return out
 
 
 @dataclass

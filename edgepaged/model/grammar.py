@@ -784,7 +784,7 @@ class Grammars:
                 # an object that lists its properties and says nothing of others is closed, as
                 # Ollama, llama.cpp and vLLM compile it (pydantic's schemas omit the field: open,
                 # a model adds keys and runs on to its length limit inside one)
-                from ..tools import closed
+                from .schemas import closed
                 grammar = LLMatcher.grammar_from_json_schema(closed(schema), defaults=JSON_STYLE)
             elif kind == "regex":
                 grammar = LLMatcher.grammar_from_regex(spec["pattern"])

@@ -251,7 +251,7 @@ class RunnerBase:
         if spec:
             # speculation (engine/speculate.py): spec[i] = (drafts, the rows of the drafts' logits,
             # past the sampled rows); row i's answer is the list of tokens kept
-            from ..engine.speculate import verify
+            from .sampler import verify
             for i, (drafts, rows, *more) in spec.items():
                 m = matchers[i] if matchers is not None else None
                 drawn = out[i] if isinstance(out[i], (int, np.integer)) else None   # row 0, drawn by the plain pass

@@ -424,7 +424,7 @@ class HttpServer:
         if not caller.sees_all:   # per-user tokens, not an admin: the box's load, coarsely
             return Response(coarse_prometheus_text(self.front.stats(caller, self.engine.stats())),
                             media_type=CONTENT_TYPE_LATEST)
-        return Response(prometheus_text(self.engine), media_type=CONTENT_TYPE_LATEST)
+        return Response(self.engine.prometheus_text(), media_type=CONTENT_TYPE_LATEST)
 
     async def stats(self, request: HttpRequest) -> Response:
         caller = self.front.caller(await self._authorize(request), None, self._peer(request))
@@ -725,21 +725,6 @@ class HttpServer:
         else:
             shaper = OllamaShaper(gen, model, ticket) if ollama else Shaper(gen, model, ticket)
         return GenerationResponse(self, gen, ticket, shaper, slot)
-
-
-def prometheus_text(engine) -> bytes:
-    """The engine's Prometheus exposition, with the load gauges made current (the engine sets
-    them once per step, so a request aborted between steps would show until the next one).
-    Several models (models.BoxEngine): every loaded model's, merged (label model_name)."""
-    if hasattr(engine, "prometheus_text"):
-        return engine.prometheus_text()
-    s, m = engine.stats(), engine.metrics
-    m.num_requests_running.set(s["num_requests_running"])
-    m.num_requests_waiting.set(s["num_requests_waiting"])
-    m.kv_blocks_used.set(s["kv_blocks_used"])
-    m.kv_blocks_total.set(s["kv_blocks_total"])
-    m.kv_cache_usage_perc.set(s["kv_cache_usage_perc"])
-    return m.prometheus_text()
 
 
 def coarse_prometheus_text(s: dict) -> bytes:

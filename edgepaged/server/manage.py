@@ -26,7 +26,7 @@ import trio
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
-from .. import brief, store
+from .. import brief, pulls, store
 from ..lanes import MANAGE
 from ..store import StoreError
 from .ollama_api import OllamaError
@@ -137,7 +137,7 @@ class ModelAdmin:
 
         def work(progress):
             progress("pulling manifest")
-            return store.pull(spec, root=root, progress=progress, local_files=False)
+            return pulls.pull(spec, root=root, progress=progress, local_files=False)
         return ProgressStream(work, self._stream(body), after=self._serve_new)
 
     async def delete(self, request: HttpRequest) -> Response:
@@ -192,7 +192,7 @@ class ModelAdmin:
                     if not registry.is_ollama_name(base):
                         raise
                     progress("pulling manifest")
-                    store.pull(base, root=root, progress=progress)
+                    pulls.pull(base, root=root, progress=progress)
             if fields["files"]:
                 progress("parsing GGUF")
             entry = store.create(name, from_=base, files=fields["files"], root=root, quantize=fields["quantize"],
