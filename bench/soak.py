@@ -51,7 +51,7 @@ import time
 import trio
 
 from edgepaged.client import ServerError, open_client
-from edgepaged.protocol import encode
+from edgepaged.request.protocol import encode
 
 QUESTIONS = ["Turn on the kitchen light?", "Is it going to rain tomorrow?", "What is 12 times 7?",
              "Name a green vegetable.", "What is the capital of France?", "Say good night."]

@@ -22,9 +22,9 @@ import trio
 from bench.family_bench import cpu_flags
 
 from edgepaged.engine import Engine, EngineConfig
-from edgepaged.frontend import Caller, FrontEnd
+from edgepaged.request.frontend import Caller, FrontEnd
 from edgepaged.model import ModelRunner
-from edgepaged.protocol import GenerateRequest
+from edgepaged.request.protocol import GenerateRequest
 
 SCHEMA = {   # bounded everywhere, so every answer can finish inside max_tokens
     "type": "object",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from .cli_markdown import ThinkingView, writer_for
+from .client.markdown import ThinkingView, writer_for
 from .client import CACHE_ENV, DEFAULT_PORT, ServerError, SyncClient
 
 DEFAULT_HTTP_PORT = 7879   # edgepaged.server.httpd.DEFAULT_HTTP_PORT (not imported: client commands start fast)
@@ -298,8 +298,8 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
     tame_malloc()
 
     from .engine import EngineConfig
-    from .frontend import FrontEndConfig, load_users
-    from .model.grammar import GrammarLimits
+    from .request.frontend import FrontEndConfig, load_users
+    from .constrain.grammar import GrammarLimits
     from .server.app import AppConfig, run
     from .server.httpd import HttpConfig
     from .server.tcp import ServerConfig
@@ -315,7 +315,7 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
     kv_kind = None if kv_dtype == "auto" else kv_dtype
     try:
         if prefix_cache_disk == "auto":
-            from . import store
+            from .box import store
             from .engine.disk_cache import default_limit
             disk_bytes = default_limit(store.store_dir() / "kvcache")
         else:
@@ -332,7 +332,7 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
              f"(not with {'several models' if several else '--contiguous' if contiguous else '--speculate off'})", 2)
     from .server.app import AssemblyError, load_runner, model_set, resolve_model
     if several:
-        from .protocol import parse_keep_alive
+        from .request.protocol import parse_keep_alive
         try:
             keep_s = parse_keep_alive(keep_alive)
         except ValueError as e:
@@ -525,7 +525,7 @@ def pull(spec, name, as_json):
     truncated or non-GGUF file) is refused here, before its weights are fetched where it can.
     A file of 512 MiB or more then has its weights laid out for the CPU runtime (the weights
     cache, README), so its first serve maps them."""
-    from . import pulls, store
+    from .box import pulls, store
     shown = {}
 
     def progress(status, digest=None, total=None, completed=None):
@@ -606,7 +606,7 @@ def _loaded_models(server: str | None) -> set[str] | None:
               help="The HTTP port of the server to ask which models are loaded (default: this box's).")
 def models_cmd(as_json, server):
     """The models on this box: the store, the Hugging Face cache and Ollama's store."""
-    from . import store
+    from .box import store
     found = store.entries()
     loaded = _loaded_models(server) or set()
     for e in found:
@@ -634,7 +634,7 @@ main.add_command(models_cmd, name="list")
 def rm(name):
     """Remove a model from the store (files found in the Hugging Face cache or Ollama's store
     are left to the tools that keep them)."""
-    from . import store
+    from .box import store
     try:
         e = store.remove(name)
     except store.StoreError as err:
@@ -721,7 +721,7 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
 def chat(server, token, mdns_interface, discover_timeout, temperature, max_tokens, repeat_penalty, top_p, seed, model,
          think, hide_thinking, system, plain):
     """Chat with a server: /reset, /system TEXT, Ctrl-C stops an answer, Ctrl-D leaves."""
-    from .cli_chat import ChatSession
+    from .client.chat import ChatSession
     with connect(server, token, mdns_interface, discover_timeout) as c:
         session = ChatSession(c, system=system, plain=plain, hide_thinking=hide_thinking)
         session.params = sampling_params(max_tokens, temperature, repeat_penalty, top_p, seed, c.info, model, think)
@@ -781,7 +781,7 @@ def stats(server, token, mdns_interface, discover_timeout, as_json):
 @click.option("--count", type=int, default=0, help="Stop after this many refreshes (0: until Ctrl-C).")
 def top(server, token, mdns_interface, discover_timeout, interval, count):
     """A live view of the server: requests, KV blocks, prefix cache, preemptions, tokens/s."""
-    from .cli_top import keys, render
+    from .client.top import keys, render
     tty = sys.stdout.isatty()
     with connect(server, token, mdns_interface, discover_timeout) as c, keys(sys.stdin) as pressed:
         n = 0

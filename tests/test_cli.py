@@ -429,7 +429,7 @@ def test_addresses():
 def test_markdown_blocks_are_cut_where_they_end():
     """A block is printed rendered once complete: a paragraph at a blank line, a fenced block at
     its own closing fence (not at a blank line inside it, not at a shorter or other fence)."""
-    from edgepaged.cli_markdown import Blocks
+    from edgepaged.client.markdown import Blocks
     b = Blocks()
     text = ("Intro line\nstill intro\n\n````python\nx = 1\n\n```\nnot the end\n````\nAfter\n\n"
             "~~~\ncode\n~~~\n- a\n- b")

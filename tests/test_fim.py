@@ -12,8 +12,8 @@ import pytest
 from test_http import afetch
 from edgepaged.testing.serving import serving
 from edgepaged.client import ServerError, open_client
-from edgepaged.frontend import Caller, FrontEnd
-from edgepaged.protocol import GenerateRequest
+from edgepaged.request.frontend import Caller, FrontEnd
+from edgepaged.request.protocol import GenerateRequest
 
 PREFIX = "def add(a, b):\n    <|im_start|>"      # code that holds a control string: it stays text
 SUFFIX = "\n\nprint(add(1, 2))\n"

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from edgepaged.client import open_client
 from edgepaged.model import ModelRunner, SamplingParams
-from edgepaged.protocol import CODES, GenerateRequest, ProtocolError, decode_body, encode, parse
+from edgepaged.request.protocol import CODES, GenerateRequest, ProtocolError, decode_body, encode, parse
 from edgepaged.testing.serving import serving
 
 CORPUS = sorted((pathlib.Path(__file__).parent / "corpus").glob("*.bin"))
@@ -94,7 +94,7 @@ def tiny_runner(tiny_model_dir):
 async def _replay(server, data: bytes) -> list[dict]:
     """Hello, send `data` then a marker (stats with id "end"); read frames until the marker's
     reply or the server closes the connection (bounded)."""
-    from edgepaged.protocol import ConnectionClosed, FrameReader
+    from edgepaged.request.protocol import ConnectionClosed, FrameReader
     stream = await trio.open_tcp_stream("127.0.0.1", server.port)
     reader = FrameReader(stream, 1 << 24)
     await stream.send_all(encode({"type": "hello", "version": 1, "client": "fuzz"}))
@@ -137,7 +137,7 @@ def test_corpus_is_present():
 
 
 async def test_idle_and_stalled_connections_are_closed(tiny_runner):
-    from edgepaged.protocol import ConnectionClosed, FrameReader
+    from edgepaged.request.protocol import ConnectionClosed, FrameReader
     async with serving(tiny_runner, idle_timeout_s=0.5) as server:
         for tail in (b"", b"\x00\x00\x10\x00partial"):   # idle, then half a frame
             stream = await trio.open_tcp_stream("127.0.0.1", server.port)

@@ -23,7 +23,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgepaged.protocol import CODES
+from edgepaged.request.protocol import CODES
 from edgepaged.server.httpd import DROP_BYTES
 from edgepaged.testing.serving import serving
 

@@ -20,7 +20,7 @@ import trio
 from edgepaged.client import ServerError, open_client
 from edgepaged.engine import Engine, EngineConfig, Request, TokenEvent
 from edgepaged.model import SamplingParams
-from edgepaged.protocol import FrameReader, encode
+from edgepaged.request.protocol import FrameReader, encode
 from edgepaged.testing.serving import serving
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -210,7 +210,7 @@ async def test_the_http_port_answers_only_its_own_names_and_json(embedded_runner
 # ---------------------------------------------------------------- 5: stats that tell nothing of others
 
 async def test_a_users_stats_do_not_move_with_another_users_prompts(embedded_runner, tmp_path):
-    from edgepaged.frontend import load_users
+    from edgepaged.request.frontend import load_users
     users = tmp_path / "users"
     users.write_text("anna tok-anna\njonas tok-jonas\nroot tok-root admin\n")
     async with serving(embedded_runner, http=True, users=load_users(users)) as server:

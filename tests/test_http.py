@@ -249,14 +249,14 @@ async def test_without_the_page(embedded_runner):
     ({"messages": FRANCE, "n": 9}, "n must be an integer in 1..8"),
 ])
 def test_refused_fields_name_themselves(body, message):
-    from edgepaged.server.openai_api import ApiError, parse_chat
+    from edgepaged.server.doors.openai import ApiError, parse_chat
     with pytest.raises(ApiError) as e:
         parse_chat(body, "chatcmpl-x")
     assert message in e.value.message and e.value.status == 400
 
 
 def test_chat_body_becomes_a_protocol_request():
-    from edgepaged.server.openai_api import parse_chat, parse_completion
+    from edgepaged.server.doors.openai import parse_chat, parse_completion
     gen = parse_chat({"model": "anything", "messages": [
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}],

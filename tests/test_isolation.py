@@ -4,7 +4,7 @@ explicit opt-in) the cache still works. The real embedded model on loopback."""
 import pytest
 
 from edgepaged.client import ServerError, open_client
-from edgepaged.frontend import cache_salt, load_users
+from edgepaged.request.frontend import cache_salt, load_users
 
 from test_server import serving
 

@@ -157,7 +157,7 @@ def test_who_may_manage_models(tiny, env, tmp_path):
     from starlette.requests import Request
 
     from edgepaged.server.manage import ModelAdmin
-    from edgepaged.server.ollama_api import OllamaError
+    from edgepaged.server.doors.ollama import OllamaError
     users = tmp_path / "users"
     users.write_text("ada admin-token admin\nbob bob-token\n")
     assert cli(env, "pull", str(tiny["qwen2"]), "--name", "base").returncode == 0
@@ -235,7 +235,7 @@ async def test_the_default_model_can_be_managed_like_any_listed_model(embedded_r
     the embedded one is not the store's to delete."""
     import ollama
     import trio
-    from edgepaged import store
+    from edgepaged.box import store
     from edgepaged.server.httpd import HttpConfig
     from edgepaged.testing.serving import serving
     hc = HttpConfig(port=0)

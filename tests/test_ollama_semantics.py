@@ -19,7 +19,7 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 
 def test_a_schema_without_additional_properties_is_a_closed_object(embedded_runner):
-    from edgepaged.model.grammar import Grammars
+    from edgepaged.constrain.grammar import Grammars
     g = Grammars(embedded_runner.tokenizer, embedded_runner.config.vocab_size)
     schema = {"type": "object", "properties": {"name": {"type": "string"},
                                                "where": {"type": "object", "properties": {"city": {"type": "string"}}}},
@@ -70,7 +70,7 @@ async def test_curl_bodies_are_json_and_api_refusals_are_ollamas_shape(embedded_
 
 
 def test_complete_calls_survive_a_length_cut():
-    from edgepaged.tools import ToolSyntax
+    from edgepaged.request.tools import ToolSyntax
     a = '{"name": "set_light", "arguments": {"room": "hall", "on": true}}'
     cut = '{"tool_calls": [' + a + ', ' + a + ', {"name": "set_li'
     content, calls = ToolSyntax("generic").parse(cut)
@@ -83,7 +83,7 @@ async def test_a_required_call_without_parallel_tool_calls_ends_when_its_list_cl
     """The embedded model (the generic JSON syntax) asked for several things with a required
     call and parallel_tool_calls unset: unbounded it wrote calls to the length limit (400
     tokens, 15-16 calls) and the cut list was dropped whole (no tool_calls, content "")."""
-    from edgepaged.tools import MAX_DEFAULT_CALLS
+    from edgepaged.request.tools import MAX_DEFAULT_CALLS
     from test_structured import WEATHER
     ask = [{"role": "user", "content": "Turn on the lights in the hall, the kitchen, the bedroom and the garage, "
                                        "and tell me the weather in Rome."}]

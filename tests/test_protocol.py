@@ -4,7 +4,7 @@ import pytest
 import trio
 import trio.testing
 
-from edgepaged.protocol import (CODES, FATAL_CODES, MAX_FRAME_BYTES, ConnectionClosed, FrameReader,
+from edgepaged.request.protocol import (CODES, FATAL_CODES, MAX_FRAME_BYTES, ConnectionClosed, FrameReader,
                                        GenerateRequest, Hello, ProtocolError, Simple, decode_body, encode, parse)
 
 

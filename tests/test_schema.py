@@ -1,4 +1,4 @@
-"""One request schema (edgepaged/schema.py): every door maps its names onto it and answers a
+"""One request schema (edgepaged/request/schema.py): every door maps its names onto it and answers a
 field that breaks a rule with the same code and the same rule; the docs' field tables list
 its fields."""
 import re
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from edgepaged import schema
-from edgepaged.protocol import ProtocolError, parse
-from edgepaged.server import ollama_api, openai_api
+from edgepaged.request import schema
+from edgepaged.request.protocol import ProtocolError, parse
+from edgepaged.server.doors import ollama as ollama_api, openai as openai_api
 
 ROOT = Path(__file__).resolve().parents[1]
 HI = [{"role": "user", "content": "hi"}]

@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from edgepaged.client import ServerError, open_client
-from edgepaged.protocol import ConnectionClosed, FrameReader, encode
+from edgepaged.request.protocol import ConnectionClosed, FrameReader, encode
 from edgepaged.testing.serving import serving
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

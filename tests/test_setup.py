@@ -91,7 +91,7 @@ def test_the_scheduler_the_doors_and_the_front_end_import_no_torch():
     """The policy and the server are plain Python over the Rust extension: importing them
     (in a fresh interpreter) leaves torch out of sys.modules."""
     code = ("import sys, edgepaged.engine.scheduler, edgepaged.server.tcp, edgepaged.server.httpd, "
-            "edgepaged.frontend, edgepaged.engine; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "edgepaged.request.frontend, edgepaged.engine; print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'triton', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -35,7 +35,7 @@ def test_verify_takes_certain_drafts_without_their_rows(embedded_runner):
     leaves them out): verify takes those drafts as the grammar forces them and reads each
     other row where it is; the tokens are those of a verify over every row."""
     from edgepaged.engine.speculate import chain_drafts
-    from edgepaged.model.grammar import Grammars
+    from edgepaged.constrain.grammar import Grammars
     g = Grammars(embedded_runner.tokenizer, embedded_runner.config.vocab_size)
     grammar = g.compile({"type": "lark", "grammar": 'start: "{\\"name\\": \\"" ("ab" | "cd") "\\", \\"n\\": 1}"'})
     tok = g.lltok.tokenize_str
@@ -244,7 +244,7 @@ def test_lookup_guesses_a_grammar_forbids_are_cut(embedded_runner):
     `chain_drafts` keeps the longest run the grammar allows: none of those, all of a run it
     allows (to the format's end); the matcher is left as it was."""
     from edgepaged.engine.speculate import chain_drafts
-    from edgepaged.model.grammar import Grammars
+    from edgepaged.constrain.grammar import Grammars
     g = Grammars(embedded_runner.tokenizer, embedded_runner.config.vocab_size)
     grammar = g.compile({"type": "lark", "grammar": 'start: "{\\"" ("tool_calls\\": [1]" | "response\\": \\"ok\\"") "}"'})
     tok = g.lltok.tokenize_str
@@ -267,7 +267,7 @@ def test_a_chain_runs_through_forced_tokens_and_earlier_answers(embedded_runner)
     `ol_calls": [{"name": "` forced, the name guessed ...): one step can check it all. Without
     an earlier answer only the forced `{"`; another identity's answers are not its source."""
     from edgepaged.engine.speculate import AnswerHistory, chain_drafts
-    from edgepaged.model.grammar import Grammars
+    from edgepaged.constrain.grammar import Grammars
     g = Grammars(embedded_runner.tokenizer, embedded_runner.config.vocab_size)
     names = " | ".join(f'"{n}"' for n in ("HassTurnOn", "HassTurnOff", "HassLightSet"))
     grammar = g.compile({"type": "lark", "grammar": 'start: "{\\"" ("tool_calls\\": [{\\"name\\": \\"" name '
@@ -309,9 +309,9 @@ def test_a_streamed_call_s_first_drafts_end_where_its_name_is_out(embedded_runne
     after which a stream gives the name out (the forced run after them counts as `ahead`, as
     the engine sends it), so the first byte does not wait for the arguments' rows (a warm Home
     Assistant command: 23 drafts -> 13). A chain that never completes a name is not cut."""
-    from edgepaged import tools as tl
+    from edgepaged.request import tools as tl
     from edgepaged.engine.speculate import AnswerHistory, chain_drafts
-    from edgepaged.model.grammar import Grammars
+    from edgepaged.constrain.grammar import Grammars
     rt = embedded_runner.tokenizer
     g = Grammars(rt, embedded_runner.config.vocab_size)
     syntax = tl.ToolSyntax("generic", ())
@@ -396,9 +396,9 @@ async def test_a_streamed_command_s_prompt_step_drafts_to_its_call_s_name(embedd
     drafted from the identity's earlier answer stops where the name is out (the arguments
     are drafted by the next step), not streamed it drafts the whole call; both answers are the
     same call, and the stream's first call chunk carries the name."""
-    from edgepaged.frontend import Caller
-    from edgepaged.schema import GenerateRequest
-    from edgepaged.tools import check_tools
+    from edgepaged.request.frontend import Caller
+    from edgepaged.request.schema import GenerateRequest
+    from edgepaged.request.tools import check_tools
     fns = [{"type": "function", "function": {"name": n, "parameters": {
         "type": "object", "properties": {"name": {"type": "string", "enum": ["kitchen light", "bedroom blinds"]}},
         "required": ["name"], "additionalProperties": False}}} for n in ("HassTurnOn", "HassTurnOff")]

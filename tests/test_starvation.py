@@ -10,7 +10,7 @@ import time
 
 import trio
 
-from edgepaged.model.grammar import FORCED_TOKENIZE_BYTES, GrammarLimits, Grammars, forced_run
+from edgepaged.constrain.grammar import FORCED_TOKENIZE_BYTES, GrammarLimits, Grammars, forced_run
 from edgepaged.testing.serving import serving
 
 from test_takedown import FRANCE, STORY, afetch, alive
@@ -96,7 +96,7 @@ def test_a_long_forced_run_is_bounded_and_forced_off_the_gil(embedded_runner):
     assert short and len(embedded_runner.tokenizer.decode(short)) <= 100       # the short run, as tokens
     assert forced_run(after_a(4 * FORCED_TOKENIZE_BYTES)) == []                 # a long one: sampled a token a step
     import pytest
-    from edgepaged.model.grammar import ForcedTooLong
+    from edgepaged.constrain.grammar import ForcedTooLong
     with pytest.raises(ForcedTooLong, match="forced-text limit"):
         forced_run(after_a(GrammarLimits.max_forced_bytes + 1))
     # the GIL stays free while a 200 KB run is forced
@@ -224,7 +224,7 @@ async def test_a_strangers_large_formats_never_pin_the_compiler(embedded_runner)
     waits a cooldown; meanwhile json_object and a household's tool schema from another caller
     compile at once (they waited behind both compiler threads before: 503 busy)."""
     import pytest
-    from edgepaged.model.grammar import COMPILER, LARGE_COMPILER, GrammarRefused
+    from edgepaged.constrain.grammar import COMPILER, LARGE_COMPILER, GrammarRefused
     g = Grammars(embedded_runner.tokenizer, embedded_runner.config.vocab_size, GrammarLimits(compile_timeout_s=1.5))
     g.lltok
     with trio.fail_after(60):
@@ -298,7 +298,7 @@ async def test_json_in_a_string_field_nested_deep_is_a_400_without_a_traceback(e
     a 500 and ~65 lines of traceback per request. Every JSON-in-a-string field and the body
     are parsed within one depth bound (jsontext.MAX_DEPTH): a 400 naming it."""
     import logging
-    from edgepaged.jsontext import MAX_DEPTH
+    from edgepaged.request.jsontext import MAX_DEPTH
     caplog.set_level(logging.DEBUG, logger="hypercorn")
     async with serving(embedded_runner, http=True) as server:
         base = server.http_base
@@ -578,7 +578,7 @@ async def test_an_error_frame_never_echoes_every_unknown_field(embedded_runner):
     async with serving(embedded_runner, http=True) as server:
         err = await trio.to_thread.run_sync(exchange, server.port)
         assert "100000 in all" in err["message"] and len(msgpack.packb(err)) < 2000, len(msgpack.packb(err))
-        from edgepaged import schema                 # (what every door's names map onto)
+        from edgepaged.request import schema                 # (what every door's names map onto)
         try:
             schema.parse({"x" * 100_000: 1, **junk}, 1, "chat", messages=FRANCE)
         except schema.FieldError as e:

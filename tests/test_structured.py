@@ -10,8 +10,8 @@ import pytest
 import trio
 
 from edgepaged.engine import Engine, EngineConfig, RequestRejected
-from edgepaged.frontend import FrontEnd
-from edgepaged.protocol import GenerateRequest
+from edgepaged.request.frontend import FrontEnd
+from edgepaged.request.protocol import GenerateRequest
 
 from test_http import afetch, serving
 
@@ -89,7 +89,7 @@ async def test_unconstrained_rows_are_untouched_beside_a_constrained_one(embedde
     same as when they run alone."""
     async with Engine(embedded_runner, EngineConfig(max_num_seqs=8)) as engine:
         front = FrontEnd(engine)
-        from edgepaged.frontend import Caller
+        from edgepaged.request.frontend import Caller
 
         async def run(item):
             req = (await front.build(item, Caller("c", "c"))).req
@@ -318,10 +318,10 @@ async def test_tokens_a_format_forces_come_with_the_token_before_them(embedded_r
     call's `", "arguments": `) comes with them as `ahead`: certain, so the tokens that follow
     in the answer begin with them every time; a call's name they complete is given out with
     that token (`Answer`), a step before the forced tokens themselves are generated."""
-    from edgepaged.answer import Answer, Call
+    from edgepaged.request.answer import Answer, Call
     from edgepaged.engine.request import TokenEvent
-    from edgepaged.frontend import Caller
-    from edgepaged.tools import ToolStream, syntax_for
+    from edgepaged.request.frontend import Caller
+    from edgepaged.request.tools import ToolStream, syntax_for
     async with Engine(embedded_runner, EngineConfig(max_num_seqs=4)) as engine:
         front = FrontEnd(engine)
         events = []
@@ -479,7 +479,7 @@ def test_tool_stream_holds_calls_back_and_parses_them(embedded_runner):
     """The text given out stops where a call starts (and holds a tail that may become one);
     the calls come out parsed at the end; Llama 3's bare JSON and Mistral's [TOOL_CALLS]
     parse too."""
-    from edgepaged.tools import ToolStream, ToolSyntax, check_tools, syntax_for
+    from edgepaged.request.tools import ToolStream, ToolSyntax, check_tools, syntax_for
     tok = embedded_runner.tokenizer
     assert syntax_for(tok.chat_template).name == "generic"     # SmolLM2's template knows no tools
     hermes = ToolSyntax("hermes")
@@ -510,8 +510,8 @@ def test_generic_syntax_streams_the_reply_and_parses_calls(embedded_runner):
     text streams out decoded from its JSON string, an escape or a character cut between
     tokens waiting for its end; a call list parses; a call cut short is no content; the
     auto grammar takes exactly the two shapes, each call's arguments following its schema."""
-    from edgepaged.model.grammar import Grammars
-    from edgepaged.tools import ToolStream, check_tools, prepare_messages, syntax_for
+    from edgepaged.constrain.grammar import Grammars
+    from edgepaged.request.tools import ToolStream, check_tools, prepare_messages, syntax_for
     tok = embedded_runner.tokenizer
     generic = syntax_for(tok.chat_template, tok)
     reply = 'Hi "there",\nnaïve été \U0001F600 \\ end'
@@ -555,8 +555,8 @@ def test_generic_syntax_streams_the_reply_and_parses_calls(embedded_runner):
 def test_a_started_call_is_constrained(embedded_runner):
     """Auto tool choice: once the answer has written <tool_call>, the rest must be a call of
     one of the tools with arguments following its schema (fed mid-token too)."""
-    from edgepaged.model.grammar import Grammars
-    from edgepaged.tools import LazyCall, ToolSyntax, check_tools
+    from edgepaged.constrain.grammar import Grammars
+    from edgepaged.request.tools import LazyCall, ToolSyntax, check_tools
     tok = embedded_runner.tokenizer
     g = Grammars(tok, embedded_runner.config.vocab_size)
     tools = check_tools(WEATHER)
@@ -716,7 +716,7 @@ async def test_n_samples_share_the_prompt_blocks(embedded_runner):
 async def test_samples_end_with_their_parent_and_give_every_block_back(embedded_runner):
     """Parallel samples through the engine alone: all three finish and every block returns;
     a request whose client leaves before its prompt ends takes its unforked samples along."""
-    from edgepaged.frontend import Caller
+    from edgepaged.request.frontend import Caller
     async with Engine(embedded_runner, EngineConfig(max_num_seqs=8)) as engine:
         front = FrontEnd(engine)
         item = GenerateRequest("n", "chat", messages=ASK, max_tokens=12, sampling={"temperature": 1.0, "seed": 3})
@@ -819,7 +819,7 @@ def test_think_split_streams_thinking_apart_from_the_answer():
     """<think>…</think> before the answer: the thinking and the answer come apart however the
     text is cut into pieces (a marker cut between pieces waits); an answer that does not open
     with the marker is all content; a block the prompt opened starts inside."""
-    from edgepaged.thinking import ThinkSplit
+    from edgepaged.request.thinking import ThinkSplit
     text = "\n<think>\nThe user wants 2+2. <b>four</b>\n</think>\n\nIt is 4. </think> stays"
     for size in (1, 2, 3, 5, 7, 100):
         s, thinking, content = ThinkSplit(), "", ""
@@ -846,7 +846,7 @@ async def test_think_reaches_the_template_and_ollama_gives_thinking_apart(tmp_pa
     true` for a model that does not think is a 400 naming it."""
     import ollama
 
-    from edgepaged.frontend import Caller
+    from edgepaged.request.frontend import Caller
     from edgepaged.model import ModelRunner
     from edgepaged.testing import families
     from edgepaged.testing.families import make_family_model, write_family_gguf

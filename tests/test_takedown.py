@@ -20,7 +20,7 @@ import trio
 
 from edgepaged.engine import Engine, EngineConfig, Request
 from edgepaged.model import SamplingParams
-from edgepaged.model.grammar import COMPILER, GrammarLimits, GrammarRefused, Grammars, check_limits
+from edgepaged.constrain.grammar import COMPILER, GrammarLimits, GrammarRefused, Grammars, check_limits
 from edgepaged.testing.serving import serving
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -306,11 +306,11 @@ async def test_a_tool_schema_the_grammar_library_rejects_is_refused_before_it_ru
 # ---------------------------------------------------------------- 4: a model held while its request is built
 
 async def test_a_request_holds_its_model_while_it_is_built(embedded_runner):
-    from edgepaged.frontend import FrontEnd
+    from edgepaged.request.frontend import FrontEnd
     from edgepaged.model import ModelRunner
     from edgepaged.model.loader import default_model_path
-    from edgepaged.models import ModelSet, ModelSpec, MultiFront
-    from edgepaged.protocol import GenerateRequest
+    from edgepaged.box.models import ModelSet, ModelSpec, MultiFront
+    from edgepaged.request.protocol import GenerateRequest
     path = default_model_path()
     size = path.stat().st_size
     specs = [ModelSpec(n, str(path), size, 8192, "llama", "Q4_1") for n in ("house", "kitchen")]
@@ -358,7 +358,7 @@ async def test_a_request_holds_its_model_while_it_is_built(embedded_runner):
 # ---------------------------------------------------------------- 5: the reader reads while a request is built
 
 async def test_a_slow_build_does_not_hold_up_the_connections_cancels(embedded_runner):
-    from edgepaged.frontend import FrontEnd
+    from edgepaged.request.frontend import FrontEnd
     from test_server import Raw
     release = trio.Event()
     real_build = FrontEnd.build
@@ -408,7 +408,7 @@ async def test_a_client_name_cannot_borrow_an_address_cache(embedded_runner):
 
 
 async def test_health_tells_figures_only_to_those_who_may_see_them(embedded_runner, tmp_path):
-    from edgepaged.frontend import load_users
+    from edgepaged.request.frontend import load_users
     (tmp_path / "users").write_text("anna tok-anna admin\njonas tok-jonas\n")
     async with serving(embedded_runner, http=True, users=load_users(tmp_path / "users")) as server:
         base = server.http_base

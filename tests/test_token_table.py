@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from llguidance import LLMatcher
 
-from edgepaged.model.grammar import MANY_ADDED_TOKENS, Grammars, lltokenizer
+from edgepaged.constrain.grammar import MANY_ADDED_TOKENS, Grammars, lltokenizer
 from edgepaged.model.loader import default_model_path
 from edgepaged.model.tokenizer import Tokenizer
 

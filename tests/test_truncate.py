@@ -9,8 +9,8 @@ import httpx
 import trio
 
 from edgepaged.client import open_client
-from edgepaged.frontend import Caller
-from edgepaged.protocol import GenerateRequest
+from edgepaged.request.frontend import Caller
+from edgepaged.request.protocol import GenerateRequest
 from edgepaged.testing import serving as box
 
 LIMIT = 300

@@ -487,7 +487,7 @@ async def test_a_box_with_several_models_lets_the_page_pick_one(tmp_path):
     the one picked answers (it is the one the box loads), the choice survives a reload."""
     from edgepaged.model import ModelRunner
     from edgepaged.model.loader import default_model_path
-    from edgepaged.models import ModelSet, ModelSpec, MultiFront
+    from edgepaged.box.models import ModelSet, ModelSpec, MultiFront
     from edgepaged.server.httpd import HttpConfig, HttpServer
     chromium, driver_path, problem = browser_problem()
     if problem:

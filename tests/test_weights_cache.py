@@ -197,7 +197,7 @@ def test_small_files_are_not_cached_by_default(model, tmp_path):
 
 
 def test_removing_the_model_from_the_store_drops_its_entry(tmp_path, monkeypatch):
-    from edgepaged import store
+    from edgepaged.box import store
     monkeypatch.setenv("EDGEPAGED_STORE", str(tmp_path / "store"))
     monkeypatch.delenv("EDGEPAGED_WEIGHTS_CACHE", raising=False)      # the default: the store's weights/
     src = write_random_gguf(tmp_path / "m.gguf", hidden=256, layers=2, heads=4, kv_heads=2, inter=512, qtypes=QTYPES)

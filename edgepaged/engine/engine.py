@@ -28,14 +28,14 @@ import trio
 
 from .._native.blocks import BlockAllocator
 from ..model.tokenizer import IncrementalDetokenizer
-from .. import brief
+from ..common import brief
 from .metrics import Metrics
-from ..memory import release_free_memory
+from ..common.memory import release_free_memory
 from .request import INTERACTIVE, CostHold, DoneEvent, EmbeddingEvent, Request, Status, TokenEvent
 from .draft import Drafter, check_pair
 from .speculate import SpecConfig, Speculation, chain_drafts
 from .scheduler import Batch, ScheduleError, Scheduler, SchedulerConfig
-from ..model.grammar import ForcedTooLong, GrammarRefused, forced_run, matcher_error
+from ..constrain.grammar import ForcedTooLong, GrammarRefused, forced_run, matcher_error
 from ..model.runtime import StepInterrupted
 
 log = logging.getLogger("edgepaged.engine")
@@ -199,7 +199,7 @@ class Engine:
         if cfg.prefix_cache_dir is not None:
             where = cfg.prefix_cache_dir
         else:
-            from ..dirs import store_dir
+            from ..common.dirs import store_dir
             where = store_dir() / "kvcache"
         return DiskTier(where, ident, runner.block_bytes, runner.block_size, cfg.prefix_cache_disk)
 

@@ -98,7 +98,7 @@ class Request:
     stop_reason: str | int | None = None
     error: dict[str, str] | None = None
     detok: Any = None              # IncrementalDetokenizer
-    matcher: Any = None            # llguidance matcher of a constrained output (model/grammar.py), else None
+    matcher: Any = None            # llguidance matcher of a constrained output (constrain/grammar.py), else None
     lazy: Any = None               # tools.LazyCall: constrains a call the model starts (auto tool choice)
     # parallel samples (n > 1): the parent's `children` wait, outside the scheduler, until the
     # step that ends the parent's prompt; then each is forked from it (copy-on-write blocks)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model.grammar import forced_run, forces
+from ..constrain.grammar import forced_run, forces
 from ..model.sampler import verify  # noqa: F401 (a speculation's draws: the sampler's)
 
 MIN_NGRAM, MAX_NGRAM = 1, 4

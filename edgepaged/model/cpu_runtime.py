@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from .._native import ops
-from ..memory import release_free_memory
+from ..common.memory import release_free_memory
 from .._native import quant as kernels
 from .families import base as steps
 from .families.base import llama_blocks
@@ -533,7 +533,7 @@ class CpuRunner(RunnerBase):
         # small pages: the pool is resident as it fills. In numpy's huge pages each layer's K and V
         # came in 2 MB at a time: the prefault below made 209 MB resident for its 94 MB on the
         # embedded model (the idle server 462 MB, 351 in small pages)
-        from ..memory import small_pages
+        from ..common.memory import small_pages
         small_pages(self.kv_cache.ctypes.data, self.kv_cache.nbytes)
         self.max_model_len = min(cfg.context_length, num_blocks * block_size)
         if self.max_model_len != self.model.max_positions:
@@ -557,7 +557,7 @@ class CpuRunner(RunnerBase):
         of 0.8 (the 1 B file, 134 MB), and a first request sent as the server was ready waited
         for the pages it held (its first 512-token step 3.99-4.03 s, 3.72-3.81 at nice 0,
         3.42-3.48 the next)."""
-        from ..memory import populate
+        from ..common.memory import populate
         kv = self.kv_cache
         n = min(self.num_blocks, -(-KV_PREFAULT_TOKENS // self.block_size),
                 max(1, KV_PREFAULT_BYTES // (kv.shape[0] * 2 * kv.strides[2])))

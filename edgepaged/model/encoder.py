@@ -469,6 +469,7 @@ class EncoderRunner:
     interrupt = None          # its steps are not stopped (Engine._maybe_interrupt)
     draft = None
     model_name: str | None = None
+    served_name: str | None = None
     weights_cache: str | None = None
     file_info: dict | None = None
 

@@ -17,7 +17,7 @@ from .attention import AttentionMetadata
 from .families import base as steps
 from .layers import Linear, RMSNorm, Rotary
 from .loader import ModelConfig
-from ..memory import release_free_memory
+from ..common.memory import release_free_memory
 from .placement import FUSED, PARENT, check_linear, place
 from .quant import QuantEmbedding, QuantLinear, QuantWeight, lay_out_weights
 

@@ -1,10 +1,10 @@
 """Sampling parameters: plain data, no torch (the scheduler and the doors import it); their
-rules are the request's field rules (`edgepaged/fields.py`)."""
+rules are the request's field rules (`edgepaged/common/fields.py`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..fields import (MAX_PENALTY, MAX_TEMPERATURE, MIN_PENALTY, MIN_TEMPERATURE,  # noqa: F401 (re-exported)
+from ..common.fields import (MAX_PENALTY, MAX_TEMPERATURE, MIN_PENALTY, MIN_TEMPERATURE,  # noqa: F401 (re-exported)
                       SAMPLING_FIELDS, check_sampling)
 
 

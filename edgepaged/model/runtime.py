@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .grammar import Masks
+from ..constrain.grammar import Masks
 from .params import SamplingParams
 from .sampler import as_array, logprob_info, prepare, sample, sample_prepared
 

@@ -189,7 +189,7 @@ def verify(logits: np.ndarray, drafts: list[int], params, prev: list[int], outpu
             j = i if at is None or i == 0 else at[i]
             row = logits[j:j + 1]
             if matcher is not None:
-                from .grammar import Masks
+                from ..constrain.grammar import Masks
                 row = row.copy()
                 Masks.compute([matcher], vocab or row.shape[1]).apply(row)
             row = prepare(row, [params], [seen], [answer] if answer is not None else None)

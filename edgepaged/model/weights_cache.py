@@ -57,7 +57,7 @@ def cache_dir(env=None) -> Path | None:
         return None
     if v:
         return Path(v).expanduser()
-    from ..dirs import store_dir
+    from ..common.dirs import store_dir
     return store_dir() / "weights"
 
 

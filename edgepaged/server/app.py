@@ -26,8 +26,8 @@ from typing import Callable
 import trio
 
 from ..engine import Engine, EngineConfig
-from ..frontend import FrontEnd, FrontEndConfig
-from ..protocol import PROTOCOL_VERSION
+from ..request.frontend import FrontEnd, FrontEndConfig
+from ..request.protocol import PROTOCOL_VERSION
 from . import mdns, systemd
 from .httpd import HttpConfig, HttpServer
 from .manage import loopback
@@ -130,7 +130,7 @@ async def _refresh_load(adv: mdns.Advertiser, server: Server, every_s: float) ->
 async def _front_end(runner, cfg: AppConfig):
     """The front end of one model (a runner: its engine runs while the block does), or of a
     model set (models.ModelSet: its models load and unload on their own)."""
-    from ..models import ModelSet, MultiFront
+    from ..box.models import ModelSet, MultiFront
     if isinstance(runner, ModelSet):
         runner.front_config, runner.engine_config = cfg.front, cfg.engine   # every model gets the box's settings
         async with trio.open_nursery() as nursery:
@@ -253,7 +253,7 @@ def resolve_model(spec: str | None) -> tuple[str | None, str | None]:
     first."""
     if spec is None or os.path.exists(spec):
         return spec, None
-    from .. import store
+    from ..box import store
     try:
         entry = store.find(spec)
     except store.StoreError as e:
@@ -271,8 +271,8 @@ def model_set(specs, keep_s, budget, kv_bytes, device, block_size, max_batched_t
     """serve --model A --model B ...: a models.ModelSet (nothing loaded yet). keep_s: the
     keep-alive in seconds; budget: the memory budget in bytes (None: 70 % of the available
     memory)."""
-    from .. import store
-    from ..models import ModelSet, ModelSpec
+    from ..box import store
+    from ..box.models import ModelSet, ModelSpec
     from ..model.runtime import CPU_KV_MAX_BYTES, available_ram
     if budget is None:
         budget = int(0.7 * available_ram())

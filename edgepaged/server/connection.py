@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .. import brief
+from ..common import brief
 from ..engine import DoneEvent, EngineClosed, RequestRejected, TokenEvent
-from ..answer import Answer, End, Piece, answer_events
-from ..frontend import AuthFailed, Caller
-from ..protocol import (CODES, SUPPORTED_VERSIONS, ConnectionClosed, FrameReader, GenerateRequest, Hello,
+from ..request.answer import Answer, End, Piece, answer_events
+from ..request.frontend import AuthFailed, Caller
+from ..request.protocol import (CODES, SUPPORTED_VERSIONS, ConnectionClosed, FrameReader, GenerateRequest, Hello,
                        ProtocolError, encode, parse, with_id)
 
 if TYPE_CHECKING:

@@ -23,6 +23,7 @@ import logging
 import re
 import socket
 import time
+from functools import partial
 
 import numpy as np
 import trio
@@ -36,18 +37,20 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .. import brief, jsontext
-from ..lanes import PREPARE
-from ..answer import Answer, Call, End, Piece, answer_events
+from ..common import brief
+from ..request import jsontext
+from ..common.lanes import PREPARE
+from ..request.answer import Answer, Call, End, Piece, answer_events
 from ..engine import DoneEvent, EmbeddingEvent, EngineClosed, RequestRejected
-from ..protocol import parse_keep_alive
-from ..frontend import AuthFailed, FrontEnd, model_display_name
+from ..request.protocol import parse_keep_alive
+from ..request.frontend import AuthFailed, FrontEnd, model_display_name
 from .guard import Guard
 from .manage import ModelAdmin
-from . import ollama_api
-from .ollama_api import OllamaError, OllamaShaper
-from .responses_api import ResponseStore, ResponsesGeneration, ResponsesShaper, parse_responses
-from .openai_api import (ApiError, Generation, Logprobs, Shaper, done_error, error_body, model_card, models_list,
+from .doors import ollama as ollama_api
+from .doors.base import Door
+from .doors.ollama import OllamaError, OllamaShaper
+from .doors.responses import ResponseStore, ResponsesGeneration, ResponsesShaper, parse_responses
+from .doors.openai import (ApiError, Generation, Logprobs, Shaper, done_error, error_body, model_card, models_list,
                          new_id, parse_chat, parse_completion, usage)
 
 log = logging.getLogger("edgepaged.http")
@@ -74,7 +77,9 @@ class HttpConfig:
                  max_inflight: int = 64, keep_alive_s: float = 5.0, page: bool = True,
                  allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
                  admin_from: tuple[str, ...] = (), max_inflight_per_caller: int | None = None,
-                 unread_timeout_s: float = 30.0, body_timeout_s: float = 30.0, send_buffer_bytes: int = 256 << 10):
+                 unread_timeout_s: float = 30.0, body_timeout_s: float = 30.0, send_buffer_bytes: int = 256 << 10,
+                 doors: tuple = ()):
+        self.doors = tuple(doors)           # more doors (doors.base.Door), beside the built-in ones
         self.host = host                    # None: every interface (0.0.0.0)
         self.allowed_hosts = tuple(allowed_hosts)   # names besides the box's own (guard.py)
         self.cors_origins = tuple(cors_origins)     # origins whose pages may call the API ("*": any)
@@ -257,7 +262,7 @@ class HttpServer:
             Route("/v1/embeddings", self.openai_embeddings, methods=["POST"]),
             Route("/api/embed", self.ollama_embed, methods=["POST"]),
             Route("/api/embeddings", self.ollama_embeddings, methods=["POST"]),
-            # the Ollama API (ollama_api.py)
+            # the Ollama API (server/doors/ollama.py)
             Route("/api/chat", self.ollama_chat, methods=["POST"]),
             Route("/api/generate", self.ollama_generate, methods=["POST"]),
             Route("/api/tags", self.ollama_tags, methods=["GET"]),
@@ -272,6 +277,8 @@ class HttpServer:
             Route("/api/blobs/{digest}", self.admin.blob_head, methods=["HEAD"]),
             Route("/api/blobs/{digest}", self.admin.blob_post, methods=["POST"]),
         ]
+        for door in self.config.doors:
+            routes.append(Route(door.path, partial(self._door, door), methods=["POST"]))
         if self._page is not None:
             routes.append(Route("/", self.page, methods=["GET"]))
             routes.append(Route("/static/{name}", self.static, methods=["GET"]))
@@ -457,7 +464,7 @@ class HttpServer:
         return await self._generation(request, parse_chat, chat=True)
 
     async def responses(self, request: HttpRequest) -> Response:
-        """OpenAI's Responses API over the chat path (server/responses_api.py)."""
+        """OpenAI's Responses API over the chat path (server/doors/responses.py)."""
         user = await self._authorize(request)
         body = await self._json_body(request)
         name = body.get("user") if isinstance(body.get("user"), str) else None
@@ -579,6 +586,14 @@ class HttpServer:
     async def completions(self, request: HttpRequest) -> Response:
         return await self._generation(request, parse_completion, chat=False)
 
+    async def _door(self, door: Door, request: HttpRequest) -> Response:
+        """A door of `HttpConfig.doors`: its parser and its shaper over the same path as the
+        built-in ones (auth, fairness slots, the front end, the answer stream)."""
+        try:
+            return await self._generation_inner(request, door.parse, door.chat, False, None, door.shaper)
+        except ApiError as e:
+            raise e if door.error is None else door.error(e) from None
+
     # -- the Ollama API ------------------------------------------------------------------------
     async def _ollama(self, request: HttpRequest, with_body: bool = True) -> dict:
         """Auth and body of an Ollama call, its errors in Ollama's shape."""
@@ -697,7 +712,7 @@ class HttpServer:
         return body
 
     async def _generation_inner(self, request: HttpRequest, parse, chat: bool, ollama: bool,
-                                body: dict | None) -> Response:
+                                body: dict | None, make_shaper=None) -> Response:
         user = await self._authorize(request)
         body = self._with_model_defaults(body if body is not None else await self._json_body(request), ollama)
         gen = parse(body, new_id(chat))
@@ -718,7 +733,9 @@ class HttpServer:
         model = ticket.model or self.front.model
         if ollama and self.modelset is None:
             model = self.front.model
-        if isinstance(gen, ResponsesGeneration):
+        if make_shaper is not None:
+            shaper = make_shaper(gen, model, ticket)
+        elif isinstance(gen, ResponsesGeneration):
             who = (caller.namespace, caller.identity)
             shaper = ResponsesShaper(gen, model, ticket, remember=lambda rid, msgs: self.response_store.put(who, rid,
                                                                                                            msgs))
@@ -886,7 +903,7 @@ class GenerationResponse:
                 dones = [e.done for e in ended]
                 u = {"prompt_tokens": dones[0].usage["prompt_tokens"],
                      "completion_tokens": sum(d.usage["completion_tokens"] for d in dones), "cached_tokens": 0}
-                out.append(sh.frame(sh._chunk(None, usage(u))))
+                out.append(sh.frame(sh.usage_chunk(u)))
             if finished:
                 out.append(sh.trailer)
             if out or finished:

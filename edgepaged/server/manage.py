@@ -26,10 +26,11 @@ import trio
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
-from .. import brief, pulls, store
-from ..lanes import MANAGE
-from ..store import StoreError
-from .ollama_api import OllamaError
+from ..common import brief
+from ..box import pulls, store
+from ..common.lanes import MANAGE
+from ..box.store import StoreError
+from .doors.ollama import OllamaError
 
 log = logging.getLogger("edgepaged.manage")
 BLOB_CHUNK = 1 << 20
@@ -118,7 +119,7 @@ class ModelAdmin:
             log.info("%s is in the store; this box serves %s only (serve --model all serves every stored model)",
                      entry.name, self.http.front.model)
             return
-        from ..models import ModelSpec
+        from ..box.models import ModelSpec
         if entry.name in models.slots:
             await models.remove(entry.name)
         models.add(ModelSpec.of(entry))
@@ -130,7 +131,7 @@ class ModelAdmin:
         body = await self._body(request)
         spec = self._name(body, "model", "name")
         root = self.root
-        from .. import registry
+        from ..box import registry
         if not registry.is_ollama_name(spec) and (spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf")):
             raise OllamaError(400, f"{spec!r}: over the API, pull takes an Ollama name (llama3.2:3b) or a Hugging "
                               "Face repository (OWNER/NAME[:FILE]), never a path", "bad_request")
@@ -181,7 +182,7 @@ class ModelAdmin:
                 raise OllamaError(400, f"{key} has the wrong type", "bad_request")
             fields[key] = v
         root = self.root
-        from .. import registry
+        from ..box import registry
 
         def work(progress):
             base = fields["from"]

@@ -1,6 +1,6 @@
 """The TCP server: `trio.serve_tcp`, one task per connection (connection.py), one task per
 request, all under nurseries; connection limits and shutdown. Who may ask and what a
-request becomes is the front end's (edgepaged/frontend.py).
+request becomes is the front end's (edgepaged/request/frontend.py).
 
     server = Server(FrontEnd(engine), ServerConfig(port=0))
     async with trio.open_nursery() as n:
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..frontend import FrontEnd
-from ..protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, encode
+from ..request.frontend import FrontEnd
+from ..request.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, encode
 from .connection import Connection, close_gracefully
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from dataclasses import fields
 import trio
 
 from ..engine import Engine, EngineConfig
-from ..frontend import FrontEnd, FrontEndConfig
+from ..request.frontend import FrontEnd, FrontEndConfig
 from ..server.httpd import HttpConfig, HttpServer
 from ..server.tcp import Server, ServerConfig
 

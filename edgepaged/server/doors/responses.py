@@ -21,7 +21,8 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .openai_api import ApiError, Generation, bad, parse_chat
+from .base import ApiError, Generation, bad
+from .openai import parse_chat
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -270,7 +271,7 @@ class ResponsesShaper:
         return self._response("incomplete" if length else "completed", output, self._usage(done.usage),
                               {"reason": "max_output_tokens"} if length else None)
 
-    # -- the door's interface (as openai_api.Shaper) --------------------------------------------
+    # -- the door's interface (base.Shaper) ----------------------------------------------------
     def full(self, text: str, done, calls=None, logprobs=None, thinking: str = "") -> dict:
         return self._final(text, done, calls)
 
@@ -287,6 +288,10 @@ class ResponsesShaper:
         self.seq += 1
         return (f"event: {obj['type']}\ndata: ".encode()
                 + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
+
+    def call_chunk(self, k: int, part: dict) -> None:
+        """A call's pieces are not streamed here: each call is an output item at the end."""
+        return None
 
     def first_chunk(self) -> list:
         r = self._response("in_progress", [])

@@ -16,12 +16,12 @@ import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from .. import jsontext, schema
-from ..protocol import MAX_MESSAGES, GenerateRequest
-from ..schema import FieldError
-from ..thinking import thinks
-from ..tools import check_message
-from .openai_api import ApiError, Generation
+from ...request import jsontext, schema
+from ...request.protocol import MAX_MESSAGES, GenerateRequest
+from ...request.schema import FieldError
+from ...request.thinking import thinks
+from ...request.tools import check_message
+from .base import ApiError, Generation
 
 ROLES = ("system", "user", "assistant", "tool")
 # options that are the server's business (threads, GPU layers, memory mapping, batch size):

@@ -27,7 +27,7 @@ def main() -> None:
         pass
     from tokenizers import Tokenizer as HFTokenizer
 
-    from ..brief import first_line
+    from ..common.brief import first_line
     from .grammar import Grammars, GrammarRefused, lltokenizer
     try:
         tok = SimpleNamespace(tok=HFTokenizer.from_str(job["tokenizer"]), eos_token_id=job["eos"],

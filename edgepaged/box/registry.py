@@ -168,8 +168,8 @@ def check_manifest(ref: Ref, manifest: dict) -> dict:
 
 
 def _check_config(ref: Ref, config: dict) -> None:
-    from .model import families as decoders
-    from .model.loader import EMBEDDING_ARCHS
+    from ..model import families as decoders
+    from ..model.loader import EMBEDDING_ARCHS
     fmt = config.get("model_format")
     if fmt and fmt != "gguf":
         raise StoreError(f"{ref.name} is in the {fmt} format; edgepaged serves GGUF files")

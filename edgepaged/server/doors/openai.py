@@ -9,68 +9,22 @@ Fields this server cannot honour (`best_of`, the deprecated `functions`, ...) ar
 with a 400 naming them, never silently ignored; fields it does not know are ignored, as
 OpenAI-compatible servers do, since clients send many (docs/HTTP.md lists them).
 `response_format` (json_object, json_schema) and vLLM's `guided_json`, `guided_regex` and
-`guided_grammar` (Lark) constrain the output (model/grammar.py).
+`guided_grammar` (Lark) constrain the output (constrain/grammar.py).
 """
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
 
-from .. import jsontext, schema
-from ..protocol import MAX_MESSAGES, MAX_NAME_LEN, GenerateRequest
-from ..schema import FieldError
-from ..tools import check_message
+from ...request import jsontext, schema
+from ...request.protocol import MAX_MESSAGES, MAX_NAME_LEN, GenerateRequest
+from ...request.schema import FieldError
+from ...request.tools import check_message
+from .base import ERROR_TYPES, STATUS, ApiError, Generation, bad, error_body  # noqa: F401 (the doors' shared shapes)
 
-# protocol error code -> HTTP status (the code itself goes to the client as error.code)
-STATUS = {
-    "bad_request": 400, "invalid_params": 400, "empty_prompt": 400, "prompt_too_long": 400,
-    "context_exceeded": 400, "kv_capacity": 400, "bad_token": 400,
-    "too_many_requests": 429, "shutdown": 503, "internal_error": 500, "model_not_found": 404,
-    "model_unavailable": 503, "busy": 503,
-}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions (chat: up to the context)
-
-
-class ApiError(Exception):
-    """An error to answer with an OpenAI-style body and an HTTP status."""
-
-    def __init__(self, status: int, message: str, code: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-
-    @classmethod
-    def from_rejected(cls, e) -> "ApiError":
-        """From a `RequestRejected` of the front end or the engine."""
-        return cls(STATUS.get(e.code, 400), str(e), e.code)
-
-    def body(self) -> dict:
-        return error_body(self.status, self.message, self.code, self.param)
-
-
-def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
-    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def bad(message: str, param: str | None = None, code: str = "bad_request") -> ApiError:
-    return ApiError(400, message, code, param)
-
-
-@dataclass
-class Generation:
-    """A parsed generation request: what to run and how to answer."""
-    item: GenerateRequest
-    chat: bool
-    stream: bool = False
-    include_usage: bool = False
-    user: str | None = None
-    reasoning: bool = False        # llama.cpp's reasoning_format: a thinking model's thinking in reasoning_content
-    warnings: list = field(default_factory=list)   # what was accepted and ignored (X-Edgepaged-Warning headers)
 
 
 # ---------------------------------------------------------------- requests
@@ -372,6 +326,10 @@ class Shaper:
         if self.gen.include_usage:
             out["usage"] = usage_value
         return out
+
+    def usage_chunk(self, u: dict) -> dict:
+        """The chunk that closes n samples' stream with their usage (include_usage)."""
+        return self._chunk(None, usage(u))
 
     def first_chunk(self) -> dict | None:
         """Chat streams open with the assistant role."""

@@ -1,7 +1,7 @@
 """The front end: the one transport-neutral place between every door and the engine.
 
 A door (a msgpack connection, the OpenAI, Ollama and Responses APIs) maps its transport's
-shape onto the one request schema (`GenerateRequest`, edgepaged/schema.py) and hands it
+shape onto the one request schema (`GenerateRequest`, edgepaged/request/schema.py) and hands it
 here with the caller:
 
     front = FrontEnd(engine, FrontEndConfig(token=..., users=...))
@@ -9,7 +9,7 @@ here with the caller:
     caller = front.caller(user, client_name, peer)   # fairness identity + prefix-cache identity
     ticket = await front.build(item, caller)         # RequestRejected(code, message), or a Ticket:
     async with answer_events(engine, ticket.req) as events:   # the engine's Request, and the doors' part
-        answer = Answer(ticket, thinking=True)       # edgepaged/answer.py: the one answer stream
+        answer = Answer(ticket, thinking=True)       # edgepaged/request/answer.py: the one answer stream
 
 The front end checks who is asking, validates every field against the model (sampling
 fields, the vocabulary, the context), renders the chat template, tokenizes in a worker
@@ -19,6 +19,7 @@ sockets, frames or HTTP: errors are values with a code from the protocol's list
 """
 from __future__ import annotations
 
+import abc
 import hashlib
 import hmac
 import logging
@@ -27,21 +28,23 @@ import time
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import trio
 
-from .brief import first_line
-from .engine.request import BACKGROUND, INTERACTIVE, PRIORITIES, Request, RequestRejected
-from .model.params import SamplingParams
+from ..common.brief import first_line
+from ..engine.view import EngineView
+from ..engine.request import BACKGROUND, INTERACTIVE, PRIORITIES, Request, RequestRejected
+from ..model.params import SamplingParams
 from .protocol import GenerateRequest
 from .schema import MAX_SAMPLES
 
-log = logging.getLogger("edgepaged.frontend")
+log = logging.getLogger("edgepaged.request.frontend")
 MAX_EMBED_INPUTS = 512   # texts in one embeddings request
 TOKEN_IDS_REFUSED = ("input[{i}] is a list of token ids; this server embeds text (as Ollama does): token ids are "
                      "one tokenizer's, and clients send another's (LangChain's OpenAIEmbeddings sends OpenAI's "
                      "tiktoken ids unless check_embedding_ctx_length=False): send the text")
-from .lanes import PREPARE   # noqa: E402 - rendering and tokenizing: one request at a time
+from ..common.lanes import PREPARE   # noqa: E402 - rendering and tokenizing: one request at a time
 
 
 class AuthFailed(Exception):
@@ -217,15 +220,35 @@ class Ticket:
     truncated_tokens: int = 0       # truncate "auto": tokens cut from the prompt's middle
 
 
-class Box:
+class Box(abc.ABC):
     """What every door talks to: the box, serving one model (`FrontEnd`) or several
-    (`models.MultiFront`). Both say who is asking (`authenticate`, `caller`), what a caller
-    may see (`stats`), and take requests (`build`, `build_embeds`, `models`); each has
-    `engine`, `model` (the default model's name), `tokenizer`, `max_prompt_tokens`,
-    `max_tokens`, `embedding_only`, `warm_grammars`. `modelset` is the several models' set
-    (models.ModelSet), None on a box of one model."""
+    (`box.models.MultiFront`). Both say who is asking (`authenticate`, `caller`), what a
+    caller may see (`stats`), and take requests (`build`, `build_embeds`, `models`).
+    `modelset` is the several models' set (box.models.ModelSet), None on a box of one model."""
 
+    engine: EngineView            # the engine as the doors see it (engine/view.py)
+    model: str                    # the default model's name
+    tokenizer: Any                # the default model's tokenizer (model/tokenizer.py)
+    max_prompt_tokens: int
+    max_tokens: int
+    embedding_only: bool          # it answers embeddings only
     modelset = None
+
+    @abc.abstractmethod
+    async def build(self, item: GenerateRequest, caller: Caller) -> Ticket:
+        """Validate, render and tokenize one request into a `Ticket` (RequestRejected if not)."""
+
+    @abc.abstractmethod
+    async def build_embeds(self, inputs: list, caller: Caller, truncate: bool = True) -> list:
+        """The engine requests that embed `inputs` (RequestRejected if not)."""
+
+    @abc.abstractmethod
+    def models(self) -> list[dict]:
+        """The models a caller may name, as the doors list them."""
+
+    @abc.abstractmethod
+    def warm_grammars(self) -> None:
+        """Build what the first format needs before serving (in a worker thread)."""
 
     def __init__(self, config: FrontEndConfig | None = None, throttle: AuthThrottle | None = None):
         self.config = config or FrontEndConfig()
@@ -309,7 +332,7 @@ class FrontEnd(Box):
     def grammars(self):
         """The model's constrained-decoding compiler (llguidance), made on first use."""
         if self._grammars is None:
-            from .model.grammar import Grammars
+            from ..constrain.grammar import Grammars
             vocab = self.engine.runner.config.vocab_size
             self._grammars = Grammars(self.tokenizer, vocab or self.tokenizer.vocab_size, self.config.grammar)
         return self._grammars
@@ -484,7 +507,7 @@ class FrontEnd(Box):
         spec = self.engine.spec
         if not spec.on or spec.config.mode != "lookup" or n != 1 or item.speculative is False:
             return None
-        from .engine.speculate import chain_drafts
+        from ..engine.speculate import chain_drafts
         corpus, k = spec.history.corpus(salt), spec.config.max_k
         if syntax is None:
             return lambda m: chain_drafts(m, ids, k, corpus)
@@ -500,14 +523,14 @@ class FrontEnd(Box):
     async def _prepare(self, spec, n: int, grammar: str | None, what: str, drafts=None, who: str = ""):
         """A format (or a grammar a door built) compiled with n matchers, off the event loop;
         a refusal as the protocol's error (400, or busy: 503). `drafts`: see `_first_drafts`."""
-        from .model.grammar import GrammarRefused
+        from ..constrain.grammar import GrammarRefused
         try:
             return await self.grammars.prepare(spec, n, grammar=grammar, drafts=drafts, who=who)
         except GrammarRefused as e:
             raise RequestRejected(e.code, f"{what}: {e}") from None
 
     def _check_tool_limits(self, tools: list) -> None:
-        from .model.grammar import GrammarRefused, check_limits
+        from ..constrain.grammar import GrammarRefused, check_limits
         for t in tools:
             schema = (t.get("function") or {}).get("parameters") if isinstance(t, dict) else None
             if isinstance(schema, dict):

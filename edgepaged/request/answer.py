@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import trio
 
-from .engine.request import DoneEvent, TokenEvent
+from ..engine.request import DoneEvent, TokenEvent
 from .thinking import ThinkSplit
 
 

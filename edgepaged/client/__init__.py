@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import trio
 
-from .protocol import PROTOCOL_VERSION, ConnectionClosed, FrameReader, ProtocolError, encode
+from ..request.protocol import PROTOCOL_VERSION, ConnectionClosed, FrameReader, ProtocolError, encode
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -292,7 +292,7 @@ async def resolve(server: str | None, *, discover_timeout_s: float = 3.0, mdns_i
     or with `wait_all` after the whole timeout."""
     if server:
         return [parse_address(server)]
-    from .server.mdns import discover
+    from ..server.mdns import discover
     records = await discover(discover_timeout_s, mdns_interface, first=not wait_all)
     if not records:
         raise NoServerFound(f"no edgepaged server answered on the local network within {discover_timeout_s:g} s; "

@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 
 from . import schema
-from .brief import names
+from ..common.brief import names
 from .schema import (CONTEXT_POLICIES, MAX_NAME_LEN, MAX_STOP, PRIORITIES, FieldError,  # noqa: F401 (re-exported)
                      GenerateRequest, parse_context_policy, parse_keep_alive, parse_truncate)
 

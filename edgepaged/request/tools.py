@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass
 
 from . import jsontext
-from .model.grammar import JSON_STYLE   # JSON as models write it
-from .model.schemas import MAX_INTEGER, NUMBER_STEP, closed  # noqa: F401 (a format's concern)
+from ..constrain.grammar import JSON_STYLE   # JSON as models write it
+from ..constrain.schemas import MAX_INTEGER, NUMBER_STEP, closed  # noqa: F401 (a format's concern)
 
 MAX_TOOLS = 128
 GENERIC_CALLS = '{"tool_calls": '    # the generic syntax's answers: a call list or a reply, in JSON

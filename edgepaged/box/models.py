@@ -28,11 +28,11 @@ from typing import Callable
 import numpy as np
 import trio
 
-from .engine import Engine, EngineConfig, RequestRejected
-from .engine.metrics import merge_prometheus
-from .frontend import AuthThrottle, Box, FrontEnd, FrontEndConfig
+from ..engine import Engine, EngineConfig, RequestRejected
+from ..engine.metrics import merge_prometheus
+from ..request.frontend import AuthThrottle, Box, FrontEnd, FrontEndConfig
 
-log = logging.getLogger("edgepaged.models")
+log = logging.getLogger("edgepaged.box.models")
 KEEP_ALIVE_S = 300.0
 IDLE_FLOOR_S = 0.5          # a model is idle this long at least before it unloads (keep_alive 0 included)
 MIN_KV_BYTES = 8 << 20      # less KV than this is no model worth loading
@@ -289,7 +289,7 @@ _COUNTING: set[tuple] = set()
 
 def _count(key: tuple) -> None:
     try:
-        from .model.gguf_file import GgufFile
+        from ..model.gguf_file import GgufFile
         f = GgufFile(key[0])
         _PARAMS[key] = sum(int(np.prod(t.shape, dtype=np.int64)) for t in f.tensors) or None
     except Exception:   # noqa: BLE001 - a list entry without a parameter count
@@ -371,7 +371,7 @@ class BoxEngine:
         return all(e.alive(limit_s) for e in self._engines())
 
     def memory(self) -> dict:
-        from .model.runtime import rss_bytes
+        from ..model.runtime import rss_bytes
         per = [e.memory() for e in self._engines()]
         total = {k: sum(m.get(k) or 0 for m in per) for k in ("weights_bytes", "kv_reserved_bytes", "kv_used_bytes")}
         return {**total, "rss_bytes": rss_bytes(), "budget_bytes": self.models.budget_bytes}

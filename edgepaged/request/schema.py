@@ -19,11 +19,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, StrictBool, StrictInt, StrictStr
 
-from .brief import first_line, names
-from .fields import (MAX_LOGIT_BIAS, MAX_PENALTY, MAX_STOP, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,  # noqa: F401
+from ..common.brief import first_line, names
+from ..common.fields import (MAX_LOGIT_BIAS, MAX_PENALTY, MAX_STOP, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,  # noqa: F401
                      MIN_PENALTY, MIN_TEMPERATURE, SAMPLING_FIELDS, FieldError, Sampling, _rule,
                      check_sampling)
-from .fields import validate as _validate
+from ..common.fields import validate as _validate
 
 MAX_SAMPLES = 8          # n: parallel samples of one prompt
 MAX_NAME_LEN = 128

@@ -9,8 +9,8 @@ import json
 import sys
 from contextlib import contextmanager
 
-from .cli_markdown import ThinkingView, writer_for
-from .client import ServerError, SyncClient
+from .markdown import ThinkingView, writer_for
+from . import ServerError, SyncClient
 
 HELP = ('/reset clears the conversation, /system TEXT sets the system prompt, """ opens a multi-line message, '
         "/show, /set parameter NAME VALUE, /set think, /set nothink, /save FILE, /load FILE, Ctrl-C stops an answer, "

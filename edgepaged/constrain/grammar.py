@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..brief import first_line
+from ..common.brief import first_line
 
 log = logging.getLogger("edgepaged.grammar")
 
@@ -519,7 +519,7 @@ def in_child(job: dict, timeout_s: float) -> str:
     import pickle
     import subprocess
     import sys
-    proc = subprocess.Popen([sys.executable, "-m", "edgepaged.model.compile_child"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "edgepaged.constrain.compile_child"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
     try:
         out, _ = proc.communicate(pickle.dumps(job), timeout=timeout_s)
@@ -825,7 +825,7 @@ class Grammars:
         lane, first in a child process that is killed at the time limit (`in_child`), then here."""
         import trio
         # measuring a 256 KiB schema takes ~20 ms: in a worker thread, not on the event loop
-        from ..lanes import PREPARE
+        from ..common.lanes import PREPARE
         key, hit, large = await trio.to_thread.run_sync(self._check_and_look_up, spec, grammar, who, limiter=PREPARE)
         if hit is not None:
             g, _, matchers, (forced, lead, certain) = await trio.to_thread.run_sync(

