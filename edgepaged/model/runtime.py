@@ -339,13 +339,15 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def choose_runtime(runtime: str | None, device: str, model_path) -> str:
+def choose_runtime(runtime: str | None, device: str, model_path, settings=None) -> str:
     """Which runner serves: "cpu" (numpy + Rust: a GGUF file on the CPU; the default there)
-    or "torch" (a GPU, a safetensors checkpoint, or asked for). runtime None: the
-    EDGEPAGED_RUNTIME variable, else "auto"."""
+    or "torch" (a GPU, a safetensors checkpoint, or asked for). runtime None: the settings'
+    (EDGEPAGED_RUNTIME, read at assembly and passed down), else "auto"."""
     from .loader import NEEDS_TORCH, default_model_path, is_gguf
-    from .settings import CpuConfig
-    runtime = (runtime or CpuConfig.from_env().runtime or "auto").strip().lower()
+    if settings is None:
+        from .settings import CpuConfig
+        settings = CpuConfig.from_env()
+    runtime = (runtime or settings.runtime or "auto").strip().lower()
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
     gguf = is_gguf(model_path if model_path is not None else default_model_path())
@@ -363,14 +365,18 @@ def open_runner(model_path=None, device: str = "auto", kv_memory_bytes=None, blo
                 max_num_batched_tokens: int = 2048, kv_dtype: str | None = None, settings=None,
                 runtime: str | None = None, num_blocks=None, served_name: str | None = None):
     """The runner a server uses for this model and device (`choose_runtime`); `served_name`:
-    the store's name for it (lists and banners show it)."""
+    the store's name for it (lists and banners show it). `settings` (CpuConfig): read by the
+    caller once at assembly (else here, once) and passed to the runner."""
+    if settings is None:
+        from .settings import CpuConfig
+        settings = CpuConfig.from_env()
     device = resolve_device(device)
     from .encoder import is_encoder
     if model_path is not None and is_encoder(model_path):    # an embedding model (BERT family): numpy
         from .encoder import EncoderRunner
         return EncoderRunner(model_path, kv_memory_bytes=kv_memory_bytes, block_size=block_size, num_blocks=num_blocks,
                              settings=settings, served_name=served_name)
-    if choose_runtime(runtime, device, model_path) == "cpu":
+    if choose_runtime(runtime, device, model_path, settings) == "cpu":
         from .cpu_runtime import CpuRunner
         return CpuRunner(model_path, kv_memory_bytes=kv_memory_bytes, block_size=block_size, num_blocks=num_blocks,
                          settings=settings, kv_dtype=kv_dtype, served_name=served_name)

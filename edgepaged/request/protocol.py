@@ -218,7 +218,7 @@ def _parse_hello(msg: dict):
 def _parse_messages(value, rid) -> list[dict]:
     if not isinstance(value, list) or not 0 < len(value) <= MAX_MESSAGES:
         raise ProtocolError("bad_request", f"messages must be a list of 1..{MAX_MESSAGES} maps", rid)
-    from .tools import check_message
+    from .messages import from_map
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or set(m) - {"role", "content", "tool_calls", "tool_call_id", "name"} \
@@ -228,7 +228,7 @@ def _parse_messages(value, rid) -> list[dict]:
                                 "content (an assistant's tool_calls, a tool result's tool_call_id and name; nothing "
                                 "else)", rid)
         try:
-            out.append(check_message(m, i))
+            out.append(from_map(m, i).template())      # (text only: a frame's content is a string)
         except ValueError as e:
             raise ProtocolError("bad_request", str(e), rid) from None
     return out

@@ -372,30 +372,10 @@ def check_choice(choice, tools: list[dict] | None):
 
 
 def check_message(m: dict, i: int) -> dict:
-    """A chat message with the tool fields (assistant tool_calls, a tool result's
-    tool_call_id and name) checked and kept; ValueError naming the problem."""
-    out = {"role": m["role"], "content": m.get("content")}
-    calls = m.get("tool_calls")
-    if calls is not None:
-        if m["role"] != "assistant" or not isinstance(calls, list) or len(calls) > MAX_TOOLS:
-            raise ValueError(f"messages[{i}].tool_calls must be a list, on an assistant message")
-        norm = []
-        for j, c in enumerate(calls):
-            fn = c.get("function") if isinstance(c, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
-                    not isinstance(fn.get("arguments", {}), (str, dict)):
-                raise ValueError(f"messages[{i}].tool_calls[{j}] must have function.name and function.arguments")
-            norm.append({"id": c.get("id") if isinstance(c.get("id"), str) else f"call_{i}_{j}",
-                         "type": "function", "function": {"name": fn["name"], "arguments": fn.get("arguments", {})}})
-        out["tool_calls"] = norm
-    for key in ("tool_call_id", "name", "tool_name"):
-        if m.get(key) is not None:
-            if not isinstance(m[key], str):
-                raise ValueError(f"messages[{i}].{key} must be a string")
-            out["name" if key == "tool_name" else key] = m[key]
-    if out["content"] is None:
-        out["content"] = ""
-    return out
+    """A chat message in the schema's shape, checked by the one message model
+    (request/messages.py) -> the map its template renders; ValueError naming the problem."""
+    from .messages import from_map
+    return from_map(m, i).template()
 
 
 def _generic_text(raw: str) -> tuple[str, bool]:

@@ -324,7 +324,7 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
     if quant_math:
         settings = dataclasses.replace(settings, quant_math=quant_math)
     device = resolve_device(device)
-    kind = choose_runtime(runtime, device, model_path)
+    kind = choose_runtime(runtime, device, model_path, settings)
     if kv_dtype is None and kind == "cpu":
         kv_dtype, why = auto_kv_dtype(model_path, kv_bytes, draft)
         if kv_dtype:
@@ -351,7 +351,7 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
         t0 = time.monotonic()
         say(f"loading the draft model {draft}...")
         drafter = open_runner(draft, device, None, block_size, max_num_batched_tokens=max_batched_tokens,
-                              kv_dtype=kv_dtype, settings=settings, runtime=choose_runtime(runtime, device, draft),
+                              kv_dtype=kv_dtype, settings=settings, runtime=choose_runtime(runtime, device, draft, settings),
                               num_blocks=runner.num_blocks)
         check_pair(runner, drafter)
         runner.attach_draft(drafter)

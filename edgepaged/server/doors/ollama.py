@@ -20,7 +20,7 @@ from ...request import jsontext, schema
 from ...request.protocol import MAX_MESSAGES, GenerateRequest
 from ...request.schema import FieldError
 from ...request.thinking import thinks
-from ...request.tools import check_message
+from ...request.messages import Image, Message, from_map, text_only
 from .base import ApiError, Generation
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -104,7 +104,7 @@ def _format(body: dict):
 
 def _request(body: dict, gen: OllamaGeneration, kind: str, fields: dict | None = None, **text) -> GenerateRequest:
     """The body's generation fields onto the schema's names, checked by its rules; the
-    door's own (model required, stream, images) here."""
+    door's own (model required, stream) here."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model is required")
@@ -113,8 +113,6 @@ def _request(body: dict, gen: OllamaGeneration, kind: str, fields: dict | None =
     if not isinstance(stream, bool):
         raise bad("stream must be a boolean")
     gen.stream = stream
-    if body.get("images"):
-        raise bad("images are not supported: this server runs text-only models")
     f = {"model": model, "truncate": body.get("truncate"), "context_policy": body.get("context_policy"),
          "keep_alive": body.get("keep_alive"), "format": _format(body), **(fields or {})}
     opts = body.get("options")
@@ -149,16 +147,21 @@ def parse_chat(body: dict, rid: str) -> OllamaGeneration:
         messages = []
     if not isinstance(messages, list) or len(messages) > MAX_MESSAGES:
         raise bad(f"messages must be a list of at most {MAX_MESSAGES} messages")
-    out = []
+    msgs = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}")
-        if m.get("images"):
-            raise bad("images are not supported: this server runs text-only models")
+        images = m.get("images") or []
+        if not isinstance(images, list) or not all(isinstance(x, str) for x in images):
+            raise bad(f"messages[{i}].images must be a list of base64 strings")
         try:
-            out.append(check_message({**m, "content": _text(i, m)}, i))
+            msgs.append(from_map(m, i, _text(i, m), tuple(Image(b64=x) for x in images)))
         except ValueError as e:
             raise bad(str(e)) from None
+    try:
+        out = text_only(msgs)
+    except ValueError as e:
+        raise bad(str(e)) from None
     gen = OllamaGeneration(None, chat=True, item_id=rid)
     # Ollama's way: a conversation past num_ctx loses its oldest turns (the system message
     # stays), and X-Edgepaged-Truncated-Messages says how many; Ollama has no tool_choice:
@@ -187,7 +190,16 @@ def parse_generate(body: dict, rid: str, template: str | None = None) -> OllamaG
     if body.get("context"):
         raise bad("context (the token list of an earlier answer) is not supported: send the conversation to "
                   "/api/chat instead")
+    images = body.get("images") or []
+    if not isinstance(images, list) or not all(isinstance(x, str) for x in images):
+        raise bad("images must be a list of base64 strings")
     gen = OllamaGeneration(None, chat=False, item_id=rid)
+    turn = [Message("system", system, where="system")] if system else []
+    turn.append(Message("user", prompt, tuple(Image(b64=x) for x in images), where="prompt"))
+    try:
+        messages = text_only(turn)    # (images refused here for raw prompts and fill in the middle too)
+    except ValueError as e:
+        raise bad(str(e)) from None
     # as Ollama: a prompt past num_ctx loses its middle (the first tokens and the last stay)
     cut = {"truncate": "auto" if body.get("truncate") is None else body["truncate"]}
     if suffix:      # fill in the middle (Continue's autocomplete): the model's FIM tokens around the two
@@ -195,8 +207,6 @@ def parse_generate(body: dict, rid: str, template: str | None = None) -> OllamaG
     elif body.get("raw"):
         gen.item = _request(body, gen, "generate", cut, prompt=prompt)
     else:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
-                                                                                   "content": prompt}]
         gen.item = _request(body, gen, "chat", cut, messages=messages)
     return gen
 

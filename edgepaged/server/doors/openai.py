@@ -20,7 +20,7 @@ import uuid
 from ...request import jsontext, schema
 from ...request.protocol import MAX_MESSAGES, MAX_NAME_LEN, GenerateRequest
 from ...request.schema import FieldError
-from ...request.tools import check_message
+from ...request.messages import Image, from_map, text_only
 from .base import ERROR_TYPES, STATUS, ApiError, Generation, bad, error_body  # noqa: F401 (the doors' shared shapes)
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -138,18 +138,25 @@ def _answer(body: dict, gen: Generation) -> None:
         gen.user = user
 
 
-def _content_text(content, i: int) -> str:
+def _content(content, i: int) -> tuple[str, tuple[Image, ...]]:
+    """OpenAI's content: a string, or parts (text; image_url) -> (text, images)."""
     if isinstance(content, str):
-        return content
+        return content, ()
     if content is None:
-        return ""
+        return "", ()
     if isinstance(content, list):
-        parts = []
+        parts, images = [], []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            parts.append(part["text"])
-        return "\n".join(parts)
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif kind == "image_url" and isinstance(part.get("image_url"), dict) and \
+                    isinstance(part["image_url"].get("url"), str):
+                images.append(Image(url=part["image_url"]["url"]))
+            else:
+                raise bad(f"messages[{i}].content: only text parts are supported (and image_url parts, for a "
+                          "model that takes images)", f"messages[{i}].content")
+        return "\n".join(parts), tuple(images)
     raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
@@ -159,15 +166,19 @@ def parse_chat(body: dict, rid: str) -> Generation:
     messages = body.get("messages")
     if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
         raise bad(f"messages must be a list of 1..{MAX_MESSAGES} messages", "messages")
-    out = []
+    msgs = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role")
+        text, images = _content(m.get("content"), i)
         try:
-            out.append(check_message({**m, "role": ROLES[m["role"]], "content": _content_text(m.get("content"), i)},
-                                     i))
+            msgs.append(from_map({**m, "role": ROLES[m["role"]]}, i, text, images))
         except ValueError as e:
             raise bad(str(e), f"messages[{i}]") from None
+    try:
+        out = text_only(msgs)
+    except ValueError as e:
+        raise bad(str(e), "messages") from None
     _refuse_unsupported(body)
     fields = _fields(body, None)
     lp, top = body.get("logprobs"), body.get("top_logprobs")

@@ -21,6 +21,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ...request.messages import Image, Message, MessageError, ToolCall, text_only
 from .base import ApiError, Generation, bad
 from .openai import parse_chat
 
@@ -36,29 +37,42 @@ class ResponsesGeneration(Generation):
     previous_response_id: str | None = None
 
 
-def _text(content, where: str) -> str:
+def _content(content, where: str) -> tuple[str, tuple[Image, ...]]:
+    """An input message's content: a string, or parts (text; input_image) -> (text, images)."""
     if content is None:
-        return ""
+        return "", ()
     if isinstance(content, str):
-        return content
+        return content, ()
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or a list of parts", where)
-    out = []
+    out, images = [], []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise bad(f"{where}.content[{j}] must be a text part ({', '.join(TEXT_PARTS)}); this server takes no "
-                      "images or files", where)
-        out.append(part["text"])
-    return "".join(out)
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            images.append(Image(url=part["image_url"]))
+        else:
+            raise bad(f"{where}.content[{j}] must be a text part ({', '.join(TEXT_PARTS)}) or an input_image with "
+                      "an image_url; this server takes no files", where)
+    return "".join(out), tuple(images)
 
 
 def input_messages(items) -> list[dict]:
-    """`input` -> chat messages (consecutive function calls become one assistant turn)."""
+    """`input` -> chat messages (consecutive function calls become one assistant turn), each
+    through the one message model (request/messages.py)."""
+    try:
+        return text_only(_messages(items))
+    except MessageError as e:
+        raise bad(str(e), "input") from None
+
+
+def _messages(items) -> list[Message]:
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [Message("user", items, where="input")]
     if not isinstance(items, list):
         raise bad("input must be a string or a list of items", "input")
-    out: list[dict] = []
+    out: list[Message] = []
     for i, it in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(it, dict):
@@ -68,21 +82,22 @@ def input_messages(items) -> list[dict]:
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise bad(f"{where}.role must be user, assistant, system or developer", where)
-            out.append({"role": role, "content": _text(it.get("content"), where)})
+            text, images = _content(it.get("content"), where)
+            out.append(Message(role, text, images, where=where))
         elif kind == "function_call":
             call_id, name, args = it.get("call_id"), it.get("name"), it.get("arguments", "{}")
             if not all(isinstance(x, str) for x in (call_id, name, args)):
                 raise bad(f"{where}: a function_call needs call_id, name and arguments (strings)", where)
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1]["content"]:
-                out[-1]["tool_calls"].append(call)
+            call = ToolCall(call_id, name, args)
+            if out and out[-1].role == "assistant" and out[-1].tool_calls and not out[-1].text:
+                out[-1].tool_calls += (call,)
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                out.append(Message("assistant", "", tool_calls=(call,), where=where))
         elif kind == "function_call_output":
             call_id, output = it.get("call_id"), it.get("output")
             if not isinstance(call_id, str) or not isinstance(output, str):
                 raise bad(f"{where}: a function_call_output needs call_id and output (strings)", where)
-            out.append({"role": "tool", "tool_call_id": call_id, "content": output})
+            out.append(Message("tool", output, tool_call_id=call_id, where=where))
         else:
             raise bad(f"{where}.type {kind!r} is not supported (message, function_call, function_call_output)",
                       where)
