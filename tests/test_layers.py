@@ -92,3 +92,38 @@ def test_the_engines_and_runners_are_what_they_declare(embedded_runner):
         missing = [n for n in protocol_members(Shaper) if not hasattr(cls, n) and n != "splits_thinking"]
         assert not missing, (cls, missing)
     assert not [n for n in protocol_members(SamplesShaper) if not hasattr(OpenAIShaper, n) and n != "splits_thinking"]
+
+
+def test_the_rust_kernels_modules_import_no_circle():
+    """The kernels crate's modules (rust_alloc/cpu_kernels/src) use each other in one
+    direction: isa and threads at the bottom, then quant, kv, ops, q8, attention, prefill,
+    decoder (tests and their helpers aside). A `crate::` path that closes a circle fails here."""
+    import re
+    src = ROOT / "rust_alloc" / "cpu_kernels" / "src"
+    graph: dict[str, set[str]] = {}
+    for path in src.rglob("*.rs"):
+        rel = path.relative_to(src).with_suffix("")
+        parts = [p for p in rel.parts if p != "mod"]
+        if parts[-1] in ("tests", "testing", "lib"):
+            continue
+        top = parts[0]
+        code = "\n".join(line.split("//")[0] for line in path.read_text().splitlines())
+        graph.setdefault(top, set()).update(m for m in re.findall(r"crate::([a-z0-9_]+)", code)
+                                            if m not in (top, "testing"))
+    assert {"isa", "quant", "q8", "kv", "ops"} <= set(graph)
+    order, seen, stack = [], set(), set()
+
+    def visit(n, path):
+        if n in stack:
+            raise AssertionError("a circle: " + " -> ".join(path + [n]))
+        if n in seen:
+            return
+        stack.add(n)
+        for m in sorted(graph.get(n, ())):
+            visit(m, path + [n])
+        stack.discard(n)
+        seen.add(n)
+        order.append(n)
+    for n in sorted(graph):
+        visit(n, [])
+    assert order.index("isa") < order.index("ops") and order.index("quant") < order.index("q8")

@@ -271,7 +271,7 @@ fn q8_block(xs: &[f32], q: &mut [i8]) -> u16 {
     let s = f16_to_f32(h);
     let inv = if s > 0.0 && s.is_finite() { 1.0 / s } else { 0.0 };
     #[cfg(target_arch = "x86_64")]
-    if crate::ops::has_avx2() {
+    if crate::isa::Isa::cpu() >= crate::isa::Isa::Avx2 {
         // SAFETY: the CPU has AVX2; both slices hold a whole block.
         unsafe { q8_block_avx2(xs, q, inv) };
         return h;
@@ -311,7 +311,7 @@ pub fn rot_len(d: usize) -> usize { if d % 64 == 0 { 64 } else { 32 } }
 /// 1 / sqrt(n)): its own inverse, so turning twice gives the row back.
 pub fn hadamard(x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::ops::has_avx2() {
+    if crate::isa::Isa::cpu() >= crate::isa::Isa::Avx2 {
         // SAFETY: the CPU has AVX2 and FMA.
         unsafe { hadamard_avx2(x) };
         return;
@@ -417,7 +417,7 @@ unsafe fn q8_scale(row: *const i8, i: usize, d: usize) -> f32 {
 #[inline]
 pub fn store_row<E: KvScalar>(dst: &mut [E], src: &[f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::ops::has_avx2() {
+    if crate::isa::Isa::cpu() >= crate::isa::Isa::Avx2 {
         // SAFETY: the CPU has AVX2 and F16C.
         unsafe { store_row_avx2(dst, src) };
         return;
@@ -487,7 +487,7 @@ mod tests {
                 let got = unsafe { <i8 as KvElem>::get(r, i, d) };
                 assert!((got - xi).abs() <= step * 0.5 + step * 2e-3 + 1e-12, "head {h} value {i}: {got} vs {xi}");
                 #[cfg(target_arch = "x86_64")]
-                if crate::ops::has_avx2() && i % 8 == 0 {
+                if crate::isa::Isa::cpu() >= crate::isa::Isa::Avx2 && i % 8 == 0 {
                     let mut lanes = [0f32; 8];
                     // SAFETY: the CPU has AVX2 and F16C, i + 8 <= d.
                     unsafe { std::arch::x86_64::_mm256_storeu_ps(lanes.as_mut_ptr(), <i8 as KvElem>::load8(r, i, d)) };

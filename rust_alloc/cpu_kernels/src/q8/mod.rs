@@ -48,29 +48,8 @@ pub const ROWS: usize = 16;
 /// against the exact math where llama.cpp's is +0.6 %; per 32: −0.1 %).
 pub const ACT_GROUPS: usize = 8;
 
-/// Bytes ahead of its reads a decode step's product asks the memory for (0: the hardware's
-/// prefetch alone); usize::MAX: not read from the environment yet.
-static DECODE_PREFETCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
-
-/// How far ahead (bytes) the integer kernels (and the exact ones' interleaved products) prefetch
-/// a decode step's weights: 8192 unless `EDGEPAGED_DECODE_PREFETCH` says otherwise (0 turns it
-/// off; at most 1 MiB). Measured on a Zen 4, one
-/// stream of the 1 B and 3 B Q4_K_M files: +20-44 % (bench/prefetch_bench.py, RESULTS.md).
-pub fn decode_prefetch() -> usize {
-    use std::sync::atomic::Ordering::Relaxed;
-    let v = DECODE_PREFETCH.load(Relaxed);
-    if v != usize::MAX {
-        return v;
-    }
-    let v = std::env::var("EDGEPAGED_DECODE_PREFETCH").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(8192usize);
-    set_decode_prefetch(v);
-    DECODE_PREFETCH.load(Relaxed)
-}
-
-/// Set `decode_prefetch` for the process (benchmarks alternate); at most 1 MiB.
-pub fn set_decode_prefetch(bytes: usize) {
-    DECODE_PREFETCH.store(bytes.min(1 << 20), std::sync::atomic::Ordering::Relaxed);
-}
+// the prefetch distance is a process-wide kernel setting, kept with the others in isa.rs
+pub use crate::isa::{decode_prefetch, set_decode_prefetch};
 
 /// Ask for the `n` bytes from `p` (cache lines of 64 bytes). A prefetch never faults: `p` may
 /// lie past the matrix (the last row groups' reads ahead), so it is never dereferenced.

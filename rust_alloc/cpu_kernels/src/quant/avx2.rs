@@ -638,11 +638,11 @@ unsafe fn x8_panel<F: Fmt>(gb: *const u8, wp: *mut f32) {
     }
 }
 
-/// How far ahead an interleaved product asks for its blocks: `q8::decode_prefetch()` (the
+/// How far ahead an interleaved product asks for its blocks: `isa::decode_prefetch()` (the
 /// integer kernels' distance) when set, else `near` (a few blocks).
 #[inline]
 fn far_ahead(near: usize) -> usize {
-    match crate::q8::decode_prefetch() {
+    match crate::isa::decode_prefetch() {
         0 => near,
         d => d.max(near),
     }
