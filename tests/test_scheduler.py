@@ -463,15 +463,15 @@ def test_a_recomputed_request_does_not_draft_behind_a_token_it_holds():
         assert b is not None
         if r in b.spec:        # the engine's part: every draft that continues the pattern is kept
             kept = 0
-            for d in r.drafts:
+            for d in r.drafting.drafts:
                 if d != pat[(r.num_tokens + kept) % 5]:
                     break
                 kept += 1
-            r.output_ids += r.drafts[:kept]
+            r.output_ids += r.drafting.drafts[:kept]
             r.num_known += kept
             s.alloc.truncate(r.id, r.num_known)
             r.num_slots = s.alloc.seq_num_slots(r.id)
-            r.drafts = []
+            r.drafting.drafts = []
             kept_after += kept if r.num_preemptions else 0
         if r in b.sampled:
             r.output_ids.append(pat[r.num_tokens % 5])

@@ -219,7 +219,7 @@ async def test_what_a_format_forces_first_rides_on_the_prompt_s_last_chunk(embed
                     if not r.output_ids:                 # the step that ends its prompt
                         j = batch.requests.index(r)
                         seen.append((batch.num_new[j], len(r.prompt_ids) - r.num_cached, r in batch.spec,
-                                     list(r.drafts)))
+                                     list(r.drafting.drafts)))
             eng.step_hook = hook
             status, _, raw = await afetch(server.http_base + "/v1/chat/completions", {**ask, "speculative": spec})
             eng.step_hook = None
@@ -415,7 +415,7 @@ async def test_a_streamed_command_s_prompt_step_drafts_to_its_call_s_name(embedd
                                    tool_choice="required", sampling={"temperature": 0})
             item.stream_calls = streamed
             req = (await server.front.build(item, server.front.caller(None, "anna", "127.0.0.1"))).req
-            chains[streamed] = dec(req.forced[1])
+            chains[streamed] = dec(req.drafting.chain[1])
         status, _, sse = await afetch(server.http_base + "/v1/chat/completions", {**body, "stream": True})
         assert status == 200
     # (lookup guesses a name from the prompt's tool list or the earlier answer: a guess)

@@ -251,7 +251,7 @@ async def test_a_fault_raised_for_one_request_ends_that_request_only(embedded_ru
                         return ev
 
         bad = Request(prompt_ids=ids, params=SamplingParams(temperature=0, max_tokens=8))
-        bad.lazy = Exploding()
+        bad.constraint.lazy = Exploding()
         good = Request(prompt_ids=ids, params=SamplingParams(temperature=0, max_tokens=8))
         results = {}
 

@@ -168,7 +168,7 @@ async def test_a_shared_prefix_block_outlives_one_window(gguf_two_layers):
     async with engine:
         _, _, done = await collect(engine, request(prompt, 1))     # the prompt's blocks enter the cache
         full = request(prompt, 30, window=False)
-        full.speculative = False      # one token a step, as the windowed one: they run side by side to the end
+        full.drafting.allowed = False      # one token a step, as the windowed one: they run side by side to the end
         async with trio.open_nursery() as nursery:
             nursery.start_soon(collect, engine, full)
             nursery.start_soon(collect, engine, request(prompt, 30))

@@ -33,10 +33,14 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from ..common.brief import first_line
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 log = logging.getLogger("edgepaged.grammar")
 
@@ -983,6 +987,21 @@ def _short(message: str) -> str:
     """An llguidance message for a client's eyes: its first line, cut short (never a parser
     state dump)."""
     return first_line(message, 300, "the grammar is not valid")
+
+
+class LazyConstraint(Protocol):
+    """Auto tool choice (request/tools.py `LazyCall`): fed each sampled token, it gives the
+    matcher that constrains a call the model starts (None until then)."""
+
+    def feed(self, token: int): ...
+
+
+@dataclass
+class Constraint:
+    """A request's constrained output, kept on `Request.constraint`: its format's matcher, or
+    (auto tool choice) what starts one when the model starts a call."""
+    matcher: LLMatcher | None = None      # llguidance's matcher at this request's state
+    lazy: LazyConstraint | None = None
 
 
 def matcher_error(m) -> str:

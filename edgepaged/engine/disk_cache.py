@@ -36,11 +36,21 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..model.weights_cache import lowest_priority
+
+
+@dataclass
+class DiskState:
+    """A request's part of the disk tier, kept by this module and the scheduler on
+    `Request.disk_tier`."""
+    found: tuple[int, list[bytes]] | None = None   # its prompt's blocks found on disk: (first block index, payloads)
+    loads: list[bytes] | None = None               # this step: the payloads its first planned tokens load from
+    saved: bool = False                            # its prompt's blocks were offered to the disk tier
 
 log = logging.getLogger("edgepaged.engine")
 

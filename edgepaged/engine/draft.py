@@ -92,7 +92,7 @@ class Drafter:
         seq = self.seqs.pop(req)
         if self.alloc.has_sequence(seq):
             self.alloc.free_sequence(seq, cache)
-        req.proposal = None
+        req.drafting.proposal = None
         return True
 
     def drop_all(self, keep=()) -> bool:
@@ -220,7 +220,7 @@ class Drafter:
         for req, seq, k, toks, start in plan:
             got = (guesses or {}).get(req)
             # guesses follow the tokens the round saw (all of them: it drafts only when caught up)
-            req.proposal = (start + len(toks), got) if got else None
+            req.drafting.proposal = (start + len(toks), got) if got else None
         self.busy = False
         later, self._drop_later = self._drop_later, []
         failed = {r for r, *_ in plan} if guesses is None else set()

@@ -344,7 +344,7 @@ class Engine:
             log.warning("the prefix cache's disk tier could not be read: %s", _short(e))
             return
         if blocks:
-            req.disk = (start, blocks)
+            req.disk_tier.found = (start, blocks)
 
     @asynccontextmanager
     async def stream_samples(self, req: Request) -> AsyncIterator[trio.MemoryReceiveChannel]:
@@ -521,7 +521,7 @@ class Engine:
                                                    batch.logits_indices[[j for j, _ in forks]]])
         # mean-pooled embeddings: every row of their chunks is a row whose final state comes back
         qsl = batch.query_start_loc
-        pool = [(r, s) for j, r in enumerate(batch.requests) if r.pool == "mean" and not r.finished
+        pool = [(r, s) for j, r in enumerate(batch.requests) if r.embedding is not None and r.embedding.pool == "mean" and not r.finished
                 for s in range(int(qsl[j]), int(qsl[j + 1]))]
         if pool:
             batch.logits_indices = np.concatenate([batch.logits_indices, np.array([s for _, s in pool], np.int64)])
@@ -531,14 +531,14 @@ class Engine:
         if batch.spec:
             at = len(batch.logits_indices)
             for req, extra in batch.spec.items():
-                spec[batch.sampled.index(req)] = (list(req.drafts), list(range(at, at + len(extra))),
-                                                  req.drafts_forced, list(req.spec_have))
+                spec[batch.sampled.index(req)] = (list(req.drafting.drafts), list(range(at, at + len(extra))),
+                                                  req.drafting.forced, list(req.drafting.have))
                 at += len(extra)
             batch.logits_indices = np.concatenate([batch.logits_indices] + [np.asarray(x, np.int64)
                                                                             for x in batch.spec.values()])
         prev = [r.all_ids if r.params.needs_history else [] for r in rows]
         params = [r.params for r in rows]
-        matchers = [r.matcher for r in rows] if any(r.matcher is not None for r in rows) else None
+        matchers = [r.constraint.matcher for r in rows] if any(r.constraint.matcher is not None for r in rows) else None
         outputs = [r.output_ids if r.params.counts_output else [] for r in rows] \
             if any(r.params.counts_output for r in rows) else None
         embeds = [r.embed for r in rows] if any(r.embed for r in rows) else None
@@ -636,9 +636,9 @@ class Engine:
         for (req, s), state in zip(pool, tokens[n:]):
             if isinstance(state, BaseException):
                 continue
-            if req.pooled is None:
-                req.pooled = np.full((len(req.prompt_ids), len(state)), np.nan, np.float32)
-            req.pooled[int(batch.positions[s])] = state
+            if req.embedding.states is None:
+                req.embedding.states = np.full((len(req.prompt_ids), len(state)), np.nan, np.float32)
+            req.embedding.states[int(batch.positions[s])] = state
         return tokens[:n]
 
     def _free_after_step(self, batch: Batch, cache: bool) -> None:
@@ -659,15 +659,15 @@ class Engine:
             i = batch.sampled.index(req)
             got = tokens[i]
             kept = len(got) - 1 if isinstance(got, list) else 0
-            drafted = len(req.drafts)
+            drafted = len(req.drafting.drafts)
             req.num_known += kept
             if self.allocator.has_sequence(req.id):
                 self.allocator.truncate(req.id, req.num_known)
                 req.num_slots = self.allocator.seq_num_slots(req.id)
             if isinstance(got, list):
-                forced, req.drafts_forced = req.drafts_forced, 0
+                forced, req.drafting.forced = req.drafting.forced, 0
                 self.spec.record(req, drafted, kept, forced)
-            req.drafts = []
+            req.drafting.drafts = []
 
     def _execute(self, batch: Batch, params, prev, matchers=None, outputs=None, rows=(),
                  embeds=None, spec=None) -> tuple[list, dict]:
@@ -694,10 +694,10 @@ class Engine:
         sequence of their own shares them), to be copied out when the engine rests."""
         bs = self.block_size
         for r in batch.requests:
-            if (r.disk_saved or r.embed or r.context_window is not None or r.num_slots < len(r.prompt_ids)
+            if (r.disk_tier.saved or r.embed or r.context_window is not None or r.num_slots < len(r.prompt_ids)
                     or len(r.prompt_ids) < bs or r.finished or not self.allocator.has_sequence(r.id)):
                 continue
-            r.disk_saved = True
+            r.disk_tier.saved = True
             try:
                 want = [(j, key) for j, key in self.disk.wanted(r.prompt_ids, r.salt) if key not in self._disk_pinned]
                 if not want:
@@ -745,23 +745,23 @@ class Engine:
         out = {}
         eos = self.tokenizer.stop_token_ids
         for req, tok in zip(rows, tokens):
-            if req.finished or req.embed or isinstance(tok, BaseException) or (req.matcher is None
-                                                                                and req.lazy is None):
+            if req.finished or req.embed or isinstance(tok, BaseException) or (req.constraint.matcher is None
+                                                                                and req.constraint.lazy is None):
                 continue
             if isinstance(tok, list):      # speculation: the grammar took the kept tokens as they were verified
-                out[req] = ("spec", req.matcher.is_stopped())
+                out[req] = ("spec", req.constraint.matcher.is_stopped())
                 continue
             tok = tok[0] if isinstance(tok, tuple) else tok
             if tok in req.params.stop_token_ids or (not req.params.ignore_eos and tok in eos):
                 continue              # it ends here: its grammar takes nothing
             try:
-                if req.lazy is not None:   # auto tool choice: a call it starts is constrained from here
-                    out[req] = ("lazy", req.lazy.feed(tok))
-                elif not req.matcher.is_error():
-                    ok = req.matcher.consume_token(tok)
-                    out[req] = ("took", ok, ok and req.matcher.is_stopped())
+                if req.constraint.lazy is not None:   # auto tool choice: a call it starts is constrained from here
+                    out[req] = ("lazy", req.constraint.lazy.feed(tok))
+                elif not req.constraint.matcher.is_error():
+                    ok = req.constraint.matcher.consume_token(tok)
+                    out[req] = ("took", ok, ok and req.constraint.matcher.is_stopped())
                     if ok and not out[req][2]:   # what it forces next: forced off the GIL, within the limit
-                        forced_run(req.matcher)
+                        forced_run(req.constraint.matcher)
             except Exception as e:      # handed to the loop: that request alone ends
                 out[req] = ("failed", e)
         if self.scheduler.spec is not None:
@@ -778,9 +778,9 @@ class Engine:
         cfg = self.scheduler.spec.config
         lookup = cfg.mode == "lookup"
         for req, t in took.items():
-            m = (req.matcher if t[0] == "took" and t[1] and not t[2] or t[0] == "spec" and not t[1]
+            m = (req.constraint.matcher if t[0] == "took" and t[1] and not t[2] or t[0] == "spec" and not t[1]
                  else t[1] if t[0] == "lazy" and t[1] else None)
-            if m is None or req.speculative is False or req.params.logprobs is not None or req.children:
+            if m is None or req.drafting.allowed is False or req.params.logprobs is not None or req.children:
                 continue
             tok = tokens.get(req)
             new = list(tok) if isinstance(tok, list) else [tok[0] if isinstance(tok, tuple) else tok]
@@ -788,9 +788,9 @@ class Engine:
             # what the format forces, and at its choices (lookup only) prompt lookup's guesses
             # over the answer's own tokens and its identity's earlier answers, cut where the
             # grammar refuses them (a guess it forbids is a row computed for nothing)
-            k = req.spec_k or cfg.max_k
-            if isinstance(tok, list) and req.drafts:    # k as this step's guesses leave it (recorded after)
-                k = self.spec.k_after(req.spec_k, len(req.drafts), len(tok) - 1, req.drafts_forced)
+            k = req.drafting.k or cfg.max_k
+            if isinstance(tok, list) and req.drafting.drafts:    # k as this step's guesses leave it (recorded after)
+                k = self.spec.k_after(req.drafting.k, len(req.drafting.drafts), len(tok) - 1, req.drafting.forced)
             try:
                 chain, lead, certain = chain_drafts(m, req.all_ids + new if lookup else None, k,
                                                     self.spec.history.corpus(req.salt) if lookup else None)
@@ -799,7 +799,7 @@ class Engine:
                 continue
             except Exception:   # noqa: BLE001 - no drafts then
                 chain, lead, certain = [], 0, []
-            req.forced = (at, chain, lead, certain) if chain else None
+            req.drafting.chain = (at, chain, lead, certain) if chain else None
 
     def _process(self, batch: Batch, tokens: list, forks=(), grammar: dict | None = None) -> None:
         now = time.monotonic()
@@ -853,10 +853,10 @@ class Engine:
             reserved_slots=blocks_used * self.block_size, unused_slots=self._unused_slots())
 
     def _ahead(self, req: Request) -> list[int] | None:
-        """The tokens `req`'s format forces right after its last one (`req.forced`, from the
+        """The tokens `req`'s format forces right after its last one (`req.drafting.chain`, from the
         worker's `_forced_tokens`), within its max_tokens and before any stop token; None
         with stop strings (the text might end sooner) or nothing forced."""
-        f, p = req.forced, req.params
+        f, p = req.drafting.chain, req.params
         if f is None or f[0] != req.num_tokens or p.stop:
             return None
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.stop_token_ids))
@@ -877,17 +877,17 @@ class Engine:
             return 0
         if req.embed:                         # its prompt's hidden state: the whole answer
             req.first_token = now
-            if req.pool == "mean":
-                if req.pooled is None or np.isnan(req.pooled[:, 0]).any():
+            if req.embedding.pool == "mean":
+                if req.embedding.states is None or np.isnan(req.embedding.states[:, 0]).any():
                     raise RuntimeError("a mean-pooled embedding is missing positions")
-                tok = req.pooled.mean(0)
-                req.pooled = None
+                tok = req.embedding.states.mean(0)
+                req.embedding.states = None
             self._send(req, EmbeddingEvent(tok))
             req.stop_reason = "embedding"
             self._end(req, "stop")
             return 0
-        if req.matcher is not None and req.matcher.is_error():   # its grammar failed computing this mask
-            self._end(req, "error", error={"code": "invalid_params", "message": matcher_error(req.matcher)})
+        if req.constraint.matcher is not None and req.constraint.matcher.is_error():   # its grammar failed computing this mask
+            self._end(req, "error", error={"code": "invalid_params", "message": matcher_error(req.constraint.matcher)})
             return 0
         info = None
         if isinstance(tok, tuple):            # (token, its logprobs)
@@ -908,10 +908,10 @@ class Engine:
         if took is not None and took[0] == "lazy":   # the model started a call: constrained from here
             m = took[1]
             if m is not None:      # (it took this token's text after the marker already)
-                req.matcher, req.lazy = m or None, None
+                req.constraint.matcher, req.constraint.lazy = m or None, None
         elif took is not None:     # a constrained output: its grammar took the token
             if not took[1]:
-                self._end(req, "error", error={"code": "invalid_params", "message": matcher_error(req.matcher)})
+                self._end(req, "error", error={"code": "invalid_params", "message": matcher_error(req.constraint.matcher)})
                 return 1
             if took[2]:            # the format is complete: nothing may follow
                 req.stop_reason = "format"

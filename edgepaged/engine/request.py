@@ -5,9 +5,20 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ..model.params import SamplingParams
+from ..constrain.grammar import Constraint
+from ..model.tokenizer import IncrementalDetokenizer
+from .disk_cache import DiskState
+from .speculate import DraftState
+
+if TYPE_CHECKING:
+    import trio
+
+    from .view import EngineView
 
 INTERACTIVE, BACKGROUND = "interactive", "background"
 PRIORITIES = (INTERACTIVE, BACKGROUND)
@@ -48,7 +59,15 @@ class TokenEvent:
 class EmbeddingEvent:
     """A request for an embedding: its prompt's final hidden state (last-token pooling, after
     the final norm), float32 [hidden]; a DoneEvent follows."""
-    embedding: Any
+    embedding: np.ndarray
+
+
+@dataclass
+class Embedding:
+    """A request for an embedding (no token sampled), kept on `Request.embedding`: its
+    pooling, and for mean pooling the prompt's final states by position as steps compute them."""
+    pool: str = "last"                    # "last" (its last token's state) or "mean"
+    states: np.ndarray | None = None
 
 
 @dataclass
@@ -97,44 +116,32 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: dict[str, str] | None = None
-    detok: Any = None              # IncrementalDetokenizer
-    matcher: Any = None            # llguidance matcher of a constrained output (constrain/grammar.py), else None
-    lazy: Any = None               # tools.LazyCall: constrains a call the model starts (auto tool choice)
+    detok: IncrementalDetokenizer | None = None
     # parallel samples (n > 1): the parent's `children` wait, outside the scheduler, until the
     # step that ends the parent's prompt; then each is forked from it (copy-on-write blocks)
     # and samples its first token from the same logits
-    children: list = field(default_factory=list)
-    fork_of: Any = None            # the parent of a child sample
-    send: Any = None               # the engine's side of the event channel
+    children: list[Request] = field(default_factory=list)
+    fork_of: Request | None = None     # the parent of a child sample
+    send: trio.MemorySendChannel | None = None   # the engine's side of the event channel
     reserve_tokens: int = 0        # contiguous mode: tokens reserved at admission
-    cost_hold: "CostHold | None" = field(default=None, repr=False)   # its tokens held from the front end's check
+    cost_hold: CostHold | None = field(default=None, repr=False)   # its tokens held from the front end's check
     # where it runs: the engine of the model the front end picked (what the doors need to
     # answer it, its model's name, tool calls, thinking, is the front end's `Ticket`'s)
-    engine: Any = field(default=None, repr=False)
+    engine: EngineView | None = field(default=None, repr=False)
     # the window policy: (sink, window) tokens kept, the blocks between given back as the
     # sequence grows (it may then generate past the context); None: full attention
     context_window: tuple[int, int] | None = None
     released_upto: int = 0         # blocks before this index were checked for release
-    embed: bool = False            # an embedding: the prompt's final hidden state, no token sampled
-    pool: str = "last"             # an embedding's pooling: "last" (its last token's state) or "mean"
-    # speculative decoding (speculate.py): None follows the server; this step's drafted tokens;
-    # the request's k (most drafts a step) and its counts
-    speculative: bool | None = None
-    drafts: list = field(default_factory=list)
-    spec_k: int | None = None
-    spec_drafted: int = 0
-    spec_accepted: int = 0
-    proposal: Any = None           # a draft model's guesses: (num_tokens when made, [tokens]) (draft.py)
-    # its format's drafts for the next step: (num_tokens they follow, [tokens], lead, certain):
-    # the first `lead` forced, then guesses and what they force (speculate.chain_drafts)
-    forced: Any = None
-    disk: Any = None               # its prompt's blocks found on disk: (first block index, [payloads])
-    loads: Any = None              # this step: the payloads its first planned tokens are loaded from
-    disk_saved: bool = False       # its prompt's blocks were offered to the disk tier
-    drafts_forced: int = 0         # how many of this step's drafts are forced ones
-    drafts_certain: list = field(default_factory=list)   # per draft: forced after the ones before it
-    spec_have: list = field(default_factory=list)        # the draft rows (1..) whose logits the step computes
-    pooled: Any = None             # mean pooling: the prompt's final states by position, as steps compute them
+    # each feature's own part, typed and kept by its module
+    constraint: Constraint = field(default_factory=Constraint)  # a constrained output (constrain/grammar.py)
+    embedding: Embedding | None = None      # an embedding request: its pooling (None: a generation)
+    drafting: DraftState = field(default_factory=DraftState)    # speculation (speculate.py, draft.py)
+    disk_tier: DiskState = field(default_factory=DiskState)     # the prefix cache's disk tier (disk_cache.py)
+
+    @property
+    def embed(self) -> bool:
+        """An embedding: the prompt's final hidden state is the answer, no token sampled."""
+        return self.embedding is not None
 
     @property
     def all_ids(self) -> list[int]:

@@ -20,6 +20,7 @@ another client's single request to the back.
 """
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -103,6 +104,14 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.query_start_loc[-1])
+
+
+class Row(enum.Enum):
+    """What a request's rows in a step are (`Scheduler._build`)."""
+    CHUNK = "chunk"                  # prompt tokens (a prefill chunk, or tokens computed again)
+    DECODE = "decode"                # the last sampled token
+    DRAFTS = "drafts"                # the last sampled token, then its drafts (speculation)
+    PROMPT_DRAFTS = "prompt_drafts"  # the prompt's last chunk, then what its format forces first
 
 
 class _Queue:
@@ -299,7 +308,7 @@ class Scheduler:
         return False
 
     def _preempt(self, req: Request) -> None:
-        req.loads = None
+        req.disk_tier.loads = None
         self.running.remove(req)
         self.alloc.free_sequence(req.id, tail=True)      # it starts again from what it computed
         if self.drafter is not None:
@@ -480,15 +489,15 @@ class Scheduler:
                 # drafts ride behind the last sampled token as it enters the sequence; a recomputed
                 # request's last token is in it already (its prefill put every token there): no
                 # drafts, one row (`_build` would otherwise plan rows the sequence has no tokens for)
-                req.drafts = self._drafts(step, req) if decoding and req.num_known == req.num_tokens - 1 else []
-                if req.drafts:
-                    k = self.blocks_needed(req, 1 + len(req.drafts))
+                req.drafting.drafts = self._drafts(step, req) if decoding and req.num_known == req.num_tokens - 1 else []
+                if req.drafting.drafts:
+                    k = self.blocks_needed(req, 1 + len(req.drafting.drafts))
                     if k <= self._free(step) - self.watermark:
-                        n = 1 + len(req.drafts)
+                        n = 1 + len(req.drafting.drafts)
                         step.plan[req], step.need[req] = n, k
                         self._planned(step, req, n)
                         continue
-                    req.drafts = []                   # no room for them: a plain decode
+                    req.drafting.drafts = []                   # no room for them: a plain decode
                 k = self.blocks_needed(req, n)
                 while k > self._free(step):
                     if self._reclaim_drafts():
@@ -504,11 +513,11 @@ class Scheduler:
 
     def _prefill_drafts(self, step: _Step, req: Request, n: int) -> list[int]:
         """The tokens its format forces first, when this chunk of `n` ends `req`'s prompt
-        (`req.forced`, from its grammar's compile off the loop: the forced lead certain to be
+        (`req.drafting.chain`, from its grammar's compile off the loop: the forced lead certain to be
         kept, then the chain's guesses), drafts of the chunk as the pool allows; also when the
         step reads the prompt's blocks from the disk tier (`_build` drops the loaded tokens'
         rows first: the drafts follow the computed ones)."""
-        spec, f = self.spec, req.forced
+        spec, f = self.spec, req.drafting.chain
         if (f is None or spec is None or f[0] != req.num_tokens or req.num_known != req.num_tokens
                 or req.num_slots + n != req.num_tokens or not spec.eligible(req)
                 or len(self.running) > spec.config.max_running):
@@ -522,8 +531,8 @@ class Scheduler:
         if k - step.need.get(req, 0) > self._free(step) - self.watermark:
             return []
         step.need[req] = k
-        req.drafts_forced = min(left, lead)
-        req.drafts_certain = list(certain[:left])
+        req.drafting.forced = min(left, lead)
+        req.drafting.certain = list(certain[:left])
         return list(chain[:left])
 
     @staticmethod
@@ -531,10 +540,10 @@ class Scheduler:
         """The positions whose logits check `r`'s drafts (its draft i's row at `at + i - 1`
         checks draft i, the last one draws the token after them): all but those of drafts its
         format forces after the ones before them (`drafts_certain`: no row, no lm_head).
-        `r.spec_have` says which (1-based) rows are there."""
-        k, certain = len(r.drafts), r.drafts_certain
-        r.spec_have = [i for i in range(1, k + 1) if not (i < k and i < len(certain) and certain[i])]
-        return [at + i - 1 for i in r.spec_have]
+        `r.drafting.have` says which (1-based) rows are there."""
+        k, certain = len(r.drafting.drafts), r.drafting.certain
+        r.drafting.have = [i for i in range(1, k + 1) if not (i < k and i < len(certain) and certain[i])]
+        return [at + i - 1 for i in r.drafting.have]
 
     def _drafts(self, step: _Step, req: Request) -> list[int]:
         """Speculation's drafts for a decode: only while few sequences run, within the step's
@@ -596,13 +605,13 @@ class Scheduler:
         shares with it (a Home Assistant command's template tokens before the spoken words:
         2,181 of 2,195 tokens shared, 2,176 in whole blocks). Not with blocks the disk tier
         read (they start at a block boundary)."""
-        return req.disk is None
+        return req.disk_tier.found is None
 
     def _disk_tokens(self, req: Request, cached: int) -> int:
         """Tokens of `req`'s prompt past the RAM cache's `cached` that the disk tier found."""
-        if req.disk is None or cached % self.block_size:
+        if req.disk_tier.found is None or cached % self.block_size:
             return 0
-        start, blocks = req.disk
+        start, blocks = req.disk_tier.found
         first = cached // self.block_size
         if not start <= first < start + len(blocks):
             return 0
@@ -617,9 +626,9 @@ class Scheduler:
         self._free_blocks = None
         loaded = self._disk_tokens(req, cached) if reserve is None else 0
         if loaded:       # the disk tier's blocks: their K/V is read into the step's new blocks
-            start, blocks = req.disk
-            req.loads = blocks[cached // self.block_size - start:]
-        req.disk = None
+            start, blocks = req.disk_tier.found
+            req.disk_tier.loads = blocks[cached // self.block_size - start:]
+        req.disk_tier.found = None
         if not req.admitted:
             req.num_cached = cached + loaded
             req.admitted = True
@@ -720,46 +729,49 @@ class Scheduler:
             if self.alloc.has_sequence(r.id):
                 self.alloc.undo_step(r.id, known, slots)
             r.num_known, r.num_slots = known, slots
-            r.drafts, r.drafts_forced, r.drafts_certain = [], 0, []
+            r.drafting.drafts, r.drafting.forced, r.drafting.certain = [], 0, []
         self._free_blocks = None
 
     def _build(self, step: _Step) -> Batch:
         reqs = list(step.plan)
         before = [(r.num_known, r.num_slots) for r in reqs]
         num_new = [step.plan[r] for r in reqs]
-        new_tokens = [r.output_ids[-1] if r.num_known == r.num_tokens - 1 else -1 for r in reqs]
+        last = [r.output_ids[-1] if r.num_known == r.num_tokens - 1 else None for r in reqs]
+        kinds = [Row.CHUNK if t is None else Row.DECODE for t in last]
         for i, r in enumerate(reqs):
-            if r.drafts and new_tokens[i] >= 0 and num_new[i] == 1 + len(r.drafts):
+            if r.drafting.drafts and kinds[i] is Row.DECODE and num_new[i] == 1 + len(r.drafting.drafts):
                 # the last token and the drafts enter the sequence; the rejected ones leave it after
                 # the step (the allocator's truncate), never reaching the prefix cache
-                self.alloc.append_tokens(r.id, [new_tokens[i]] + r.drafts)
-                new_tokens[i] = -2
-            elif new_tokens[i] < 0 and (forced := self._prefill_drafts(step, r, num_new[i])):
+                self.alloc.append_tokens(r.id, [last[i]] + r.drafting.drafts)
+                kinds[i] = Row.DRAFTS
+            elif kinds[i] is Row.CHUNK and (forced := self._prefill_drafts(step, r, num_new[i])):
                 # the chunk that ends the prompt: what the format forces first (`{"` of a JSON
                 # answer) rides along as drafts, so its last row draws the format's first choice
                 self.alloc.append_tokens(r.id, forced)
-                r.drafts = forced
+                r.drafting.drafts = forced
                 num_new[i] += len(forced)
-                new_tokens[i] = -3
+                kinds[i] = Row.PROMPT_DRAFTS
             else:
-                r.drafts = []
+                r.drafting.drafts = []
+        # the allocator appends a decode's last token itself (-1: none to append)
+        appended = [last[i] if kinds[i] is Row.DECODE else -1 for i in range(len(reqs))]
         slot_mapping, block_tables, seq_lens, copies, self._free_blocks = self.alloc.prepare_step(
             np.array([r.id for r in reqs], dtype=np.int64), np.array(num_new, dtype=np.int64),
-            np.maximum(np.array(new_tokens, dtype=np.int64), -1))
+            np.array(appended, dtype=np.int64))
         loads = []
-        if any(r.loads for r in reqs):
+        if any(r.disk_tier.loads for r in reqs):
             # tokens whose K/V the disk tier read: slots and context, no rows of the forward
             keep = np.ones(len(slot_mapping), dtype=bool)
             at = 0
             for i, r in enumerate(reqs):
                 n = num_new[i]
-                if r.loads:
-                    k = len(r.loads) * self.block_size
+                if r.disk_tier.loads:
+                    k = len(r.disk_tier.loads) * self.block_size
                     loads += [(int(slot_mapping[at + j * self.block_size]) // self.block_size, data)
-                              for j, data in enumerate(r.loads)]
+                              for j, data in enumerate(r.disk_tier.loads)]
                     keep[at:at + k] = False
                     r.num_slots += k
-                    r.loads = None
+                    r.disk_tier.loads = None
                     num_new[i] = n - k
                 at += n
             slot_mapping = slot_mapping[keep]
@@ -769,36 +781,36 @@ class Scheduler:
         qsl = np.zeros(len(reqs) + 1, dtype=np.int32)
         logits_indices, sampled, spec = [], [], {}
         t = 0
-        for i, (r, n, tok) in enumerate(zip(reqs, num_new, new_tokens)):
+        for i, (r, n, kind) in enumerate(zip(reqs, num_new, kinds)):
             start = r.num_slots
-            if tok == -2:                     # a decode with drafts: the last token, then the drafts
+            if kind is Row.DRAFTS:            # a decode with drafts: the last token, then the drafts
                 r.num_known += 1
-                input_ids[t:t + n] = [r.output_ids[-1]] + r.drafts
+                input_ids[t:t + n] = [r.output_ids[-1]] + r.drafting.drafts
                 logits_indices.append(t)
                 sampled.append(r)
                 spec[r] = self._draft_rows(r, t + 1)
-            elif tok == -3:                   # the prompt's last chunk, then the forced drafts
-                p = n - len(r.drafts)
+            elif kind is Row.PROMPT_DRAFTS:   # the prompt's last chunk, then the forced drafts
+                p = n - len(r.drafting.drafts)
                 input_ids[t:t + p] = r.all_ids[start:start + p]
-                input_ids[t + p:t + n] = r.drafts
+                input_ids[t + p:t + n] = r.drafting.drafts
                 logits_indices.append(t + p - 1)
                 sampled.append(r)
                 spec[r] = self._draft_rows(r, t + p)
-            elif tok >= 0:
+            elif kind is Row.DECODE:
                 r.num_known += 1
-            if tok in (-2, -3):
+            if kind in (Row.DRAFTS, Row.PROMPT_DRAFTS):
                 pass
-            elif n == 1 and tok >= 0:
-                input_ids[t] = tok
+            elif n == 1 and kind is Row.DECODE:
+                input_ids[t] = last[i]
             else:
                 input_ids[t:t + n] = r.all_ids[start:start + n]
             positions[t:t + n] = np.arange(start, start + n)
             r.num_slots += n
             t += n
             qsl[i + 1] = t
-            if tok not in (-2, -3) and r.num_slots == r.num_tokens:
+            if kind not in (Row.DRAFTS, Row.PROMPT_DRAFTS) and r.num_slots == r.num_tokens:
                 logits_indices.append(t - 1)
                 sampled.append(r)
-        prompt = np.array([tok in (-1, -3) for tok in new_tokens], dtype=bool)
+        prompt = np.array([kind in (Row.CHUNK, Row.PROMPT_DRAFTS) for kind in kinds], dtype=bool)
         return Batch(reqs, num_new, input_ids, positions, qsl, seq_lens, block_tables, slot_mapping, copies,
                      np.array(logits_indices, dtype=np.int64), sampled, step.preempted, spec, loads, before, prompt)

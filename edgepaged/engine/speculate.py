@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -215,6 +215,23 @@ class AnswerHistory:
 
 
 @dataclass
+class DraftState:
+    """A request's speculation, kept by this module (and draft.py) on `Request.drafting`."""
+    allowed: bool | None = None           # the request's own say (False: no drafts; None: the server's)
+    drafts: list[int] = field(default_factory=list)       # this step's drafted tokens
+    k: int | None = None                  # the most drafts a step (adapts as they are kept or not)
+    drafted: int = 0
+    accepted: int = 0
+    proposal: tuple[int, list[int]] | None = None   # a draft model's guesses: (num_tokens when made, tokens)
+    # its format's drafts for the next step: (num_tokens they follow, tokens, lead, certain):
+    # the first `lead` forced, then guesses and what they force (`chain_drafts`)
+    chain: tuple[int, list[int], int, list[bool]] | None = None
+    forced: int = 0                       # how many of this step's drafts are forced ones
+    certain: list[bool] = field(default_factory=list)   # per draft: forced after the ones before it
+    have: list[int] = field(default_factory=list)       # the draft rows (1..) whose logits the step computes
+
+
+@dataclass
 class SpecConfig:
     mode: str = "lookup"           # "lookup" | "draft" (a draft model's guesses: draft.py) | "off"
     max_k: int = 8                 # the most drafted tokens per request and step
@@ -242,38 +259,38 @@ class Speculation:
         masks each draft's row); logprobs, tool calls not yet started, parallel samples not yet
         forked, embeddings and the window policy do not."""
         p = req.params
-        return (self.on and req.speculative is not False and not req.embed
-                and req.lazy is None and not req.children and p.logprobs is None and req.context_window is None)
+        return (self.on and req.drafting.allowed is not False and not req.embed
+                and req.constraint.lazy is None and not req.children and p.logprobs is None and req.context_window is None)
 
     def drafts_for(self, req, room: int) -> list[int]:
         """Drafts for `req` this step, at most `room` (budget, context and max_tokens left):
         prompt lookup's, or the draft model's guesses made for the tokens it has now."""
-        if req.spec_k is None:
-            req.spec_k = self.config.max_k
+        if req.drafting.k is None:
+            req.drafting.k = self.config.max_k
         left = min(room, req.params.max_tokens - len(req.output_ids) - 1)
-        f = req.forced
+        f = req.drafting.chain
         if f is not None and f[0] == req.num_tokens and left > 0:
             # what the format forces next (certain, whatever k is: a grammar allows nothing
             # else), then the chain's guesses and what they force (k guesses at most when the
             # chain was made, after the step before)
             _, chain, lead, certain = f
-            req.drafts_forced = min(left, lead)
-            req.drafts_certain = list(certain[:left])
+            req.drafting.forced = min(left, lead)
+            req.drafting.certain = list(certain[:left])
             return list(chain[:left])
-        req.drafts_forced, req.drafts_certain = 0, []
-        k = min(req.spec_k, left)
+        req.drafting.forced, req.drafting.certain = 0, []
+        k = min(req.drafting.k, left)
         if k <= 0:
             return []
         if self.config.mode == "draft":
-            p = req.proposal
+            p = req.drafting.proposal
             return list(p[1][:k]) if p is not None and p[0] == req.num_tokens else []
         return propose(req.all_ids, k, corpus=self.history.corpus(req.salt))
 
     def want_k(self, req, max_model_len: int) -> int:
         """How many guesses a draft model makes for `req` in its next round."""
-        if req.spec_k is None:
-            req.spec_k = self.config.max_k
-        return max(0, min(req.spec_k, req.params.max_tokens - len(req.output_ids) - 1,
+        if req.drafting.k is None:
+            req.drafting.k = self.config.max_k
+        return max(0, min(req.drafting.k, req.params.max_tokens - len(req.output_ids) - 1,
                           max_model_len - req.num_tokens - 1))
 
     def k_after(self, k: int | None, drafted: int, accepted: int, forced: int = 0) -> int:
@@ -293,7 +310,7 @@ class Speculation:
         """A step's drafts of `req`: `forced` of them (the first) were its format's forced
         tokens, counted apart (they say nothing of guessing) and leaving k as it is."""
         cls = req.priority
-        req.spec_k = self.k_after(req.spec_k, drafted, accepted, forced)
+        req.drafting.k = self.k_after(req.drafting.k, drafted, accepted, forced)
         if forced:
             kept = min(accepted, forced)
             self.forced[cls] = self.forced.get(cls, 0) + kept
@@ -303,8 +320,8 @@ class Speculation:
         self.drafted[cls] = self.drafted.get(cls, 0) + drafted
         self.accepted[cls] = self.accepted.get(cls, 0) + accepted
         self.steps[cls] = self.steps.get(cls, 0) + 1
-        req.spec_drafted += drafted
-        req.spec_accepted += accepted
+        req.drafting.drafted += drafted
+        req.drafting.accepted += accepted
 
     def stats(self) -> dict:
         out = {}

@@ -33,6 +33,9 @@ from typing import Any
 import trio
 
 from ..common.brief import first_line
+from ..constrain.grammar import Constraint
+from ..engine.request import Embedding
+from ..engine.speculate import DraftState
 from ..engine.view import EngineView
 from ..engine.request import BACKGROUND, INTERACTIVE, PRIORITIES, Request, RequestRejected
 from ..model.params import SamplingParams
@@ -485,10 +488,12 @@ class FrontEnd(Box):
             seed = None if params.seed is None else (params.seed + k) % (1 << 63)
             p = params if k == 0 else replace(params, seed=seed)
             return Request(prompt_ids=ids, params=p, priority=item.priority, client=caller.client,
-                           salt=salt, owner=caller.identity, speculative=item.speculative,
-                           matcher=None if matchers is None else matchers[k], forced=forced,
-                           lazy=None if lazy is None else tl.LazyCall(lazy[0], lazy[1].grammar, self.grammars, tok,
-                                                                       matcher=lazy[1].matchers[k]),
+                           salt=salt, owner=caller.identity,
+                           drafting=DraftState(allowed=item.speculative, chain=forced),
+                           constraint=Constraint(
+                               matcher=None if matchers is None else matchers[k],
+                               lazy=None if lazy is None else tl.LazyCall(lazy[0], lazy[1].grammar, self.grammars, tok,
+                                                                           matcher=lazy[1].matchers[k])),
                            fork_of=parent, engine=self.engine, context_window=window, cost_hold=hold)
         req = one(0)
         req.children = [one(k, req) for k in range(1, n)]
@@ -609,7 +614,7 @@ class FrontEnd(Box):
                                priority=INTERACTIVE if self.embedding_only else BACKGROUND,
                                salt=cache_salt(caller.identity, False, caller.namespace) if pool == "last" else
                                secrets.randbits(62) | 1, owner=caller.identity,
-                               engine=self.engine, embed=True, pool=pool))
+                               engine=self.engine, embedding=Embedding(pool)))
         return out
 
     def _template_kwargs(self, item: GenerateRequest, offered) -> dict:
