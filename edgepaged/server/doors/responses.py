@@ -1,7 +1,7 @@
 """OpenAI's Responses API (`POST /v1/responses`) as a door over the chat path.
 
 A Responses body is mapped onto a chat-completions body and validated by that door's parser
-(`openai_api.parse_chat`: one set of rules): `instructions` becomes the system message, `input`
+(`openai.parse_chat`: one set of rules): `instructions` becomes the system message, `input`
 (a string, or items: messages, `function_call`, `function_call_output`) the conversation,
 `tools` (flat function tools) OpenAI's chat tools, `text.format` the response format,
 `max_output_tokens` the answer's limit. `previous_response_id` continues a stored response of
