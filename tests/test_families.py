@@ -87,17 +87,55 @@ def test_logits_match_transformers(name, source, path, built):
     _check_40_tokens(r, hf)
 
 
+@pytest.mark.parametrize("source", ["gguf", "safetensors"])
 @pytest.mark.parametrize("attention", ["rows", "tiles"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_cpu_runtime_logits_match_transformers(name, attention, built):
+def test_cpu_runtime_logits_match_transformers(name, attention, source, built):
     """The torch-free CPU runtime (numpy + Rust, every prefill row attending in Rust over the
-    paged cache, row by row or in paged_prefill's tiles of rows) on each family's GGUF file:
-    the same 40 tokens as above; and against the torch runner's logits."""
+    paged cache, row by row or in paged_prefill's tiles of rows) on each family's GGUF file
+    and on its safetensors folder (read without torch): the same 40 tokens as above; and
+    against the torch runner's logits."""
     folder, gguf, hf = built(name)
     settings = CpuConfig(rust_attention_max=0 if attention == "tiles" else CpuConfig().rust_attention_max)
-    got = _check_40_tokens(CpuRunner(gguf, num_blocks=32, kv_dtype="f32", settings=settings), hf)
+    got = _check_40_tokens(CpuRunner(gguf if source == "gguf" else folder, num_blocks=32, kv_dtype="f32",
+                                     settings=settings), hf)
     torch_path = _paged_logits(_runner(gguf, "rust"), _prompt(hf), 30)
     assert (got - torch_path).abs().max().item() <= 1e-4
+
+
+def test_cpu_runtime_reads_a_bf16_checkpoint_and_refuses_what_it_cannot(built, tmp_path):
+    """A bf16 safetensors folder is widened to float32 exactly (the logits of transformers with
+    the same bf16-rounded weights); a tensor type it does not read and a truncated file are
+    refused, naming the file, before anything runs."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from edgepaged.model.loader import ModelFileError
+    folder, _, hf = built("qwen3")
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(folder, bf16, ignore=shutil.ignore_patterns("*.safetensors"))
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(bf16 / "model.safetensors"))
+    import copy
+    rounded = copy.deepcopy(hf)
+    with torch.no_grad():
+        for p in rounded.parameters():          # the same weights as the file holds them
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    _check_40_tokens(CpuRunner(bf16, num_blocks=32, kv_dtype="f32"), rounded)
+    ints = tmp_path / "ints"
+    shutil.copytree(folder, ints, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({k: (v * 0).to(torch.int8) for k, v in hf.state_dict().items()}, str(ints / "model.safetensors"))
+    with pytest.raises(ModelFileError, match="is I8: the CPU runtime reads F32, F16, BF16"):
+        CpuRunner(ints, num_blocks=32)
+    cut = tmp_path / "cut"
+    shutil.copytree(bf16, cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ModelFileError, match="do not match its shape"):
+        CpuRunner(cut, num_blocks=32)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma2", "gemma3"])
@@ -319,19 +357,21 @@ def test_unsupported_architecture_and_tensor_type_are_refused(tmp_path, built):
 STOP_CHAT = [{"role": "user", "content": "hello world"}]
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_serve_answers_and_stops_on_the_family_turn_token(name, tmp_path):
+@pytest.mark.parametrize("name,source", [(n, "gguf") for n in FAMILIES] + [("qwen3", "safetensors")])
+def test_serve_answers_and_stops_on_the_family_turn_token(name, source, tmp_path):
     """`edgepaged serve --model` on a tiny F16 GGUF of the family (kept as it is, on the CPU's
-    block kernels), whose end-of-turn token ends
+    block kernels), or on its safetensors folder (the CPU runtime too, widened to float32),
+    whose end-of-turn token ends
     a greedy answer after a few tokens: the protocol's answer and the OpenAI API's stop there
     (finish_reason "stop"), without the token's text."""
     folder = tmp_path / name
     hf = make_family_model(folder, name, seed=1, stop_prompt=STOP_CHAT)
-    path = write_family_gguf(folder, tmp_path / f"{name}.gguf", hf, qtype=1)
-    env = {k: v for k, v in os.environ.items() if k != "EDGEPAGED_TOKEN"}
+    path = write_family_gguf(folder, tmp_path / f"{name}.gguf", hf, qtype=1) if source == "gguf" else folder
+    env = {k: v for k, v in os.environ.items() if k not in ("EDGEPAGED_TOKEN", "EDGEPAGED_RUNTIME")}
     s = ServeProcess([*CLI, "serve", "--model", str(path), *SERVE_ARGS], env=env)
     try:
         m = s.wait_for(r"ready on ([\d.]+):(\d+)", timeout=120)
+        assert any("numpy + Rust" in line for line in s.lines), "".join(s.lines)   # the CPU runtime, both formats
         http = s.wait_for(r"HTTP \(OpenAI API, chat page\) (http://127\.0\.0\.1:\d+)/", timeout=10).group(1)
         eot = family(name).end_of_turn
         r = subprocess.run([*CLI, "ask", "--server", f"{m.group(1)}:{m.group(2)}", "--json", "--max-tokens", "64",

@@ -490,10 +490,7 @@ class CpuRunner(RunnerBase):
         self.kv_np_dtype = kv_numpy_dtype(kv_dtype)
         self.kv_dtype_name = KV_NAMES[np.dtype(self.kv_np_dtype)]
         self.block_size = block_size
-        files = ModelFiles(model_path)
-        if files.reader is None:
-            from .loader import NEEDS_TORCH, ModelFileError
-            raise ModelFileError(f"{files.path}: a safetensors checkpoint runs on the torch runtime: {NEEDS_TORCH}")
+        files = ModelFiles(model_path)       # a GGUF file, or a safetensors folder (widened to float32)
         self.model_path, self.config = files.path, files.config
         self.file_info = files.info()
         self._init_stats()

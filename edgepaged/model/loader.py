@@ -219,9 +219,8 @@ class ModelFiles:
                                    borrow or lazy, lazy)
             skip = self.config.family.config_tensors
             total = sum(t.name not in skip for t in self.reader.tensors)
-        elif dtype is None:
-            raise ModelFileError(f"{self.path}: a safetensors checkpoint is read with torch: "
-                                 f"{NEEDS_TORCH}")
+        elif dtype is None:      # float32 numpy arrays, no torch: the CPU runtime's
+            source, total = _hf_weights_numpy(self.path), _hf_count_numpy(self.path)
         else:
             source, total = _hf_weights(self.path), _hf_count(self.path)
         for i, (name, t) in enumerate(source, 1):
@@ -492,6 +491,57 @@ def _safetensors(path: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     return files
+
+
+# safetensors' element types this reader widens to float32 (a checkpoint in another is refused)
+ST_TYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+
+
+def _st_header(file: Path) -> tuple[dict, int]:
+    """A safetensors file's header (its JSON: name -> dtype, shape, data_offsets) and where its
+    data starts; ModelFileError for a file that is not one."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= n <= min(size - 8, 100 << 20):
+            raise ModelFileError(f"{file}: not a safetensors file (header length {n}, file {size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ModelFileError(f"{file}: not a safetensors file ({e})") from None
+    header.pop("__metadata__", None)
+    for name, t in header.items():
+        a, b = t["data_offsets"]
+        if t["dtype"] not in ST_TYPES:
+            raise ModelFileError(f"{file}: tensor {name} is {t['dtype']}: the CPU runtime reads "
+                                 f"{', '.join(ST_TYPES)} safetensors (or a GGUF file)")
+        if not 0 <= a <= b <= size - 8 - n or b - a != int(np.prod(t["shape"], dtype=np.int64)) * (
+                4 if t["dtype"] == "F32" else 2):
+            raise ModelFileError(f"{file}: tensor {name}'s bytes do not match its shape (a truncated file?)")
+    return header, 8 + n
+
+
+def _hf_count_numpy(path: Path) -> int:
+    return sum(len(_st_header(f)[0]) for f in _safetensors(path))
+
+
+def _hf_weights_numpy(path: Path):
+    """A Hugging Face folder's tensors as float32 numpy arrays, without torch or the
+    safetensors package: the header parsed, F16 and BF16 widened (bf16: the 16 high bits of
+    a float32)."""
+    for file in _safetensors(path):
+        header, start = _st_header(file)
+        data = np.memmap(file, dtype=np.uint8, mode="r")
+        for name, t in header.items():
+            a, b = t["data_offsets"]
+            raw = data[start + a:start + b].view(ST_TYPES[t["dtype"]])
+            if t["dtype"] == "BF16":
+                out = (raw.astype(np.uint32) << 16).view(np.float32)
+            else:
+                out = raw.astype(np.float32)      # (a copy: the file's pages are not kept)
+            yield name, out.reshape(t["shape"])
+        del data
 
 
 def _hf_count(path: Path) -> int:

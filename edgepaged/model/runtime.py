@@ -340,23 +340,23 @@ def resolve_device(device: str) -> str:
 
 
 def choose_runtime(runtime: str | None, device: str, model_path, settings=None) -> str:
-    """Which runner serves: "cpu" (numpy + Rust: a GGUF file on the CPU; the default there)
-    or "torch" (a GPU, a safetensors checkpoint, or asked for). runtime None: the settings'
-    (EDGEPAGED_RUNTIME, read at assembly and passed down), else "auto"."""
-    from .loader import NEEDS_TORCH, default_model_path, is_gguf
+    """Which runner serves: "cpu" (numpy + Rust: a GGUF file or a safetensors folder on the
+    CPU; the default there) or "torch" (a GPU, or asked for: the GPU path and the tests'
+    reference). runtime None: the settings' (EDGEPAGED_RUNTIME, read at assembly and passed
+    down), else "auto"."""
+    from .loader import NEEDS_TORCH
     if settings is None:
         from .settings import CpuConfig
         settings = CpuConfig.from_env()
     runtime = (runtime or settings.runtime or "auto").strip().lower()
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime {runtime!r}: one of {', '.join(RUNTIMES)}")
-    gguf = is_gguf(model_path if model_path is not None else default_model_path())
-    if runtime == "cpu" and (device != "cpu" or not gguf):
-        raise ValueError("the cpu runtime runs GGUF files on the CPU" + ("" if gguf else f" ({model_path} is not one)"))
+    if runtime == "cpu" and device != "cpu":
+        raise ValueError(f"the cpu runtime runs on the CPU, not --device {device}")
     if runtime == "auto":
-        runtime = "cpu" if device == "cpu" and gguf else "torch"
+        runtime = "cpu" if device == "cpu" else "torch"
     if runtime == "torch" and not has_torch():
-        what = "a safetensors checkpoint" if not gguf else f"--device {device}" if device != "cpu" else "the torch runtime"
+        what = f"--device {device}" if device != "cpu" else "the torch runtime"
         raise ValueError(f"{what} needs torch: {NEEDS_TORCH}")
     return runtime
 
