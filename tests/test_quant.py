@@ -392,6 +392,28 @@ def test_one_table_of_the_runtime_knobs():
             assert not stray, (f, stray)
 
 
+def test_every_variable_read_is_in_the_readme_table():
+    """Every EDGEPAGED_ variable the package or its Rust kernels read (the runtime's knobs and
+    the rest: the store, the token, the registry, ...) has a row in the README's table of them,
+    and the table names none that nothing reads."""
+    import re
+    from pathlib import Path
+
+    import edgepaged
+    root = Path(edgepaged.__file__).parent
+    read = set()
+    for f in root.rglob("*.py"):
+        read |= set(re.findall(r'"(EDGEPAGED_[A-Z0-9_]+)"', f.read_text()))
+    for f in (root.parent / "rust_alloc").rglob("*.rs"):
+        read |= set(re.findall(r'"(EDGEPAGED_[A-Z0-9_]+)"', f.read_text()))
+    readme = (root.parent / "README.md").read_text()
+    start = readme.index("- **Knobs**")
+    table = readme[start:readme.index("\n- **", start + 1)]
+    rows = set(re.findall(r"`(EDGEPAGED_[A-Z0-9_]+)`", table))
+    assert read - rows == set(), f"read but not in the README's table: {sorted(read - rows)}"
+    assert rows - read == set(), f"in the README's table but read nowhere: {sorted(rows - read)}"
+
+
 @pytest.mark.parametrize("qtype", [8, 12, 14])
 def test_fused_parts_are_repacked_where_they_lie(qtype):
     """A fused Q/K/V (or gate/up) for the integer kernels: repacked straight from its parts
