@@ -203,7 +203,7 @@ def main() -> None:
     path = (synthetic("q4_k_m", args.cache_dir) if args.model == "1b"
             else Path(default_model_path()) if args.model == "embedded" else Path(args.model))
     res["model"] = path.name
-    from edgepaged.model.runtime import open_runner
+    from edgepaged.model.open import open_runner
     runners = {}
     for b in builds.mods:
         builds.use(b)

@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     from bench.family_bench import cpu_flags
     from edgepaged.model.loader import default_model_path
-    from edgepaged.model.runtime import open_runner
+    from edgepaged.model.open import open_runner
     from edgepaged.testing.decode import make_allocator, run_batch, step
     path = default_model_path() if args.model == "embedded" else Path(args.model)
     n, k = args.context, args.streams

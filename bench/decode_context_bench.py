@@ -35,7 +35,7 @@ def kv_layer(nb: int, bs: int, nkv: int, d: int, kv_dtype: str, rng) -> tuple[np
     random values written through `ops.rope_write_kv` (the model's own writer: q8_0's scales
     too), the rotary an identity."""
     from edgepaged._native import ops
-    from edgepaged.model.cpu_runtime import kv_numpy_dtype, kv_row_units
+    from edgepaged.model.cpu.runner import kv_numpy_dtype, kv_row_units
     shape = (nb, bs, nkv, kv_row_units(kv_dtype, d))
     k, v = np.zeros(shape, kv_numpy_dtype(kv_dtype)), np.zeros(shape, kv_numpy_dtype(kv_dtype))
     t = nb * bs
@@ -80,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     from bench.family_bench import cpu_flags, mem_read_gbs
     from edgepaged.model.loader import default_model_path
-    from edgepaged.model.runtime import open_runner
+    from edgepaged.model.open import open_runner
     from edgepaged.testing.decode import make_allocator, run_batch
     path = default_model_path() if args.model == "embedded" else Path(args.model)
     contexts = [int(x) for x in args.contexts.split(",") if x]
@@ -111,7 +111,7 @@ def main() -> None:
                 best[s] = max(best[s], (args.tokens - 1) / td)
         ops.decode_seg(seg)
         ms = attention(cfg, n, rng, segs, args.kv_dtype)
-        from edgepaged.model.cpu_runtime import kv_bytes_per_value
+        from edgepaged.model.cpu.runner import kv_bytes_per_value
         gbs = (cfg.num_layers * 2 * n * cfg.num_kv_heads * cfg.head_dim * kv_bytes_per_value(args.kv_dtype)
                / (ms[seg] / 1e3) / 1e9)
         out["results"].append({"context": n, "tok_s": round(best[seg], 1), "attention_ms": round(ms[seg], 2),

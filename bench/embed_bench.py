@@ -112,7 +112,7 @@ def int8_error(path: Path, items: list[str]) -> float:
     Q8_0, activations per block of 32) and the exact f32 ones, over 32 of the texts."""
     import numpy as np
 
-    from edgepaged.model.encoder import load_encoder
+    from edgepaged.model.cpu.encoder import load_encoder
     exact, tok = load_encoder(path, "exact")
     int8, _ = load_encoder(path, "int8")
     seqs = [np.array(tok.encode(t)) for t in items[:32]]

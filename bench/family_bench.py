@@ -164,7 +164,7 @@ def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
-from edgepaged.model.cpu_runtime import CpuRunner
+from edgepaged.model.cpu.runner import CpuRunner
 from edgepaged.testing.decode import make_allocator, prompt_logits
 CpuRunner(num_blocks=4, progress=lambda *a, **k: None)    # the loader's own code paged in first
 gc.collect()
@@ -216,7 +216,7 @@ def attention_products(runner) -> str:
 
 
 def ours(path: Path, new_tokens: int, reps: int, runtime: str = "cpu") -> dict:
-    from edgepaged.model.runtime import open_runner
+    from edgepaged.model.open import open_runner
     runner = open_runner(path, "cpu", runtime=runtime, num_blocks=(32 * (32 + new_tokens) + PREFILL) // 16 + 64)
     alloc = make_allocator(runner)
     vocab = runner.config.vocab_size
@@ -242,7 +242,7 @@ def ours(path: Path, new_tokens: int, reps: int, runtime: str = "cpu") -> dict:
 def prefill_only(path: Path, reps: int = 2) -> float:
     """`prefill_tok_s` alone, measured as `ours` measures it (its warm-up, then the best of
     `reps` PREFILL-token prompts): other benchmarks compare with it in their own run."""
-    from edgepaged.model.runtime import open_runner
+    from edgepaged.model.open import open_runner
     runner = open_runner(path, "cpu", num_blocks=PREFILL // 16 + 64)
     alloc = make_allocator(runner)
     vocab = runner.config.vocab_size
@@ -255,7 +255,7 @@ def prefill_chunked(path: Path, tokens: int, chunk: int = 512, reps: int = 1) ->
     """The prefill rate of one `tokens`-token prompt computed in `chunk`-token steps, as the
     server's scheduler cuts a long prompt alone (`--max-batched-tokens`): each chunk attends
     over everything before it. The same warm-up as `prefill_only`; the best of `reps`."""
-    from edgepaged.model.runtime import open_runner
+    from edgepaged.model.open import open_runner
     from edgepaged.testing.decode import step
     runner = open_runner(path, "cpu", num_blocks=tokens // 16 + 64)
     alloc = make_allocator(runner)

@@ -77,11 +77,11 @@ def speed(reps: int, new_tokens: int) -> dict:
     """Greedy decode tok/s of both runners at batch 1 and 32, their steps alternating one by one
     (a prefill each, then cpu step, torch step, cpu step, ...) so a slow spell of the shared
     machine hits both; per rep, decode time summed per runner; the best rep counts."""
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     runners = {"cpu": CpuRunner(num_blocks=1024)}
     out: dict = {}
     try:
-        from edgepaged.model.runner import ModelRunner
+        from edgepaged.model.torch.runner import ModelRunner
         runners["torch"] = ModelRunner(num_blocks=1024)
     except ImportError as e:
         out["torch_absent"] = f"torch is not installed here ({e})"
@@ -127,8 +127,8 @@ def speed(reps: int, new_tokens: int) -> dict:
 
 
 def long_prefills(lengths: list[int], reps: int) -> dict:
-    from edgepaged.model.cpu_runtime import CpuRunner
-    from edgepaged.model.runner import ModelRunner
+    from edgepaged.model.cpu.runner import CpuRunner
+    from edgepaged.model.torch.runner import ModelRunner
     blocks = max(lengths) // 16 + 2
     runners = {"": CpuRunner(num_blocks=blocks), "torch_": ModelRunner(num_blocks=blocks)}
     out = {}

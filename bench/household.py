@@ -447,7 +447,7 @@ def llama_server_run(exe: str, model: Path, items, kv_memory: int, kv: str, tok,
     types; each prompt as its token ids on /completion, each answer `answer_tokens` long
     (ignore_eos), streamed. tok/s, TTFT by class, slots."""
     from bench.soak import start_llama_server
-    from edgepaged.model.cpu_runtime import kv_bytes_per_value   # llama.cpp's f16 and q8_0 are the same sizes
+    from edgepaged.model.cpu.runner import kv_bytes_per_value   # llama.cpp's f16 and q8_0 are the same sizes
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_bytes_per_value(kv)
     longest = max(len(it.prompt_ids) + it.answer_tokens for it in items) + 32
     slots = max(1, int(kv_memory // per_token) // longest)

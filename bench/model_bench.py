@@ -156,7 +156,7 @@ def main():
     t = time.perf_counter()
     quantized = {"auto": None, "on": True, "off": False}[args.quantized]
     if args.runtime == "cpu":
-        from edgepaged.model.cpu_runtime import CpuRunner
+        from edgepaged.model.cpu.runner import CpuRunner
         runner = CpuRunner(quantized=quantized)
     else:
         runner = ModelRunner(quantized=quantized)

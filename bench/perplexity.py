@@ -112,7 +112,7 @@ def kv_dtypes(args) -> dict:
     from bench.family_bench import cpu_flags, synthetic
 
     from edgepaged._native import ops
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     from edgepaged.model.loader import default_model_path
     model = (synthetic("q4_k_m", args.cache_dir) if args.model == "1b"
              else Path(args.model) if args.model not in (None, "embedded") else default_model_path())
@@ -184,7 +184,7 @@ def main() -> None:
         if args.json:
             print(json.dumps(out))
         return
-    from edgepaged.model.runtime import open_runner
+    from edgepaged.model.open import open_runner
     runner = open_runner(None, num_blocks=512, block_size=16)
     ids = text_ids(runner.tokenizer, args.tokens)
     out = {"text": TEXT.name, "tokens": len(ids), "model": runner.model_path.name,

@@ -34,7 +34,7 @@ def main() -> None:
     from bench.family_bench import cpu_flags, mem_read_gbs, synthetic
 
     from edgepaged._native import quant
-    from edgepaged.model.runtime import open_runner
+    from edgepaged.model.open import open_runner
     from edgepaged.testing.decode import make_allocator, run_batch
     path = Path(args.model) if args.model else synthetic("q4_k_m", args.cache_dir, args.shape)
     runner = open_runner(path, "cpu", runtime="cpu", num_blocks=64)

@@ -40,7 +40,7 @@ import numpy as np
 
 def child(model: str, decode: bool) -> dict:
     from edgepaged._native import quant as kernels
-    from edgepaged.model.runtime import open_runner
+    from edgepaged.model.open import open_runner
     from edgepaged.testing.decode import make_allocator, run_batch
     runner = open_runner(model, "cpu", num_blocks=64)
     res = {}

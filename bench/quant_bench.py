@@ -57,7 +57,7 @@ def rss():
             return int(line.split()[1]) * 1024
 import torch
 from edgepaged.model import ModelRunner
-from edgepaged.model.llama import LlamaForCausalLM
+from edgepaged.model.torch.llama import LlamaForCausalLM
 from edgepaged.model.loader import ModelFiles
 from edgepaged.model.quant import weight_bytes
 from edgepaged.model.tokenizer import Tokenizer
@@ -127,7 +127,7 @@ def paired_tok_s(batch: int, new_tokens: int, reps: int, llama_once=None, cpu_ru
     keys = (True, False, "cpu") if cpu_runtime else (True, False)
     for quantized in keys:
         if quantized == "cpu":
-            from edgepaged.model.cpu_runtime import CpuRunner
+            from edgepaged.model.cpu.runner import CpuRunner
             runner = CpuRunner()
         else:
             runner = ModelRunner(quantized=quantized)

@@ -174,7 +174,7 @@ def test_the_kv_pool_is_resident_only_where_it_was_touched():
     In small pages what is resident is what was touched."""
     import re
 
-    from edgepaged.model.cpu_runtime import KV_PREFAULT_TOKENS, CpuRunner
+    from edgepaged.model.cpu.runner import KV_PREFAULT_TOKENS, CpuRunner
     r = CpuRunner(num_blocks=4096)
     r.kv_prefault.join(60)
     kv = r.kv_cache

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edgepaged._native import ops
-from edgepaged.model.cpu_runtime import CpuRunner
+from edgepaged.model.cpu.runner import CpuRunner
 from edgepaged.model.settings import CpuConfig
 
 from test_model import Paged
@@ -74,7 +74,7 @@ def _attend(dtype, window=0, cap=0.0, seed=0):
 
 def _q8(x: np.ndarray) -> np.ndarray:
     """A q8_0 cache of x's rows, written by the kernel that writes the cache (rope_write_kv)."""
-    from edgepaged.model.cpu_runtime import kv_row_units
+    from edgepaged.model.cpu.runner import kv_row_units
     nb, bs, nkv, d = x.shape
     cache = np.zeros((nb, bs, nkv, kv_row_units("q8_0", d)), np.int8)
     dummy = np.zeros_like(cache)

@@ -26,7 +26,7 @@ def prompt(seed: int, n: int = 150) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cpu_runner():
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     return CpuRunner(num_blocks=40)
 
 
@@ -113,7 +113,7 @@ async def test_a_corrupt_or_truncated_block_is_a_miss(cpu_runner, tmp_path):
 
 
 async def test_another_identity_or_model_never_hits(cpu_runner, tmp_path):
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     from edgepaged.testing.families import make_family_model, write_family_gguf
     a = prompt(4)
     async with engine_for(cpu_runner, tmp_path) as e:
@@ -142,7 +142,7 @@ class Keep(logging.Handler):
 logging.getLogger("edgepaged").addHandler(Keep())
 from edgepaged.engine import Engine, EngineConfig, Request, TokenEvent
 from edgepaged.model import SamplingParams
-from edgepaged.model.cpu_runtime import CpuRunner
+from edgepaged.model.cpu.runner import CpuRunner
 runner = CpuRunner(num_blocks=40)
 async def main():
     out = []
@@ -253,7 +253,7 @@ def test_the_pool_s_first_blocks_are_faulted_in_off_the_critical_path():
     fault its K/V pages in (0.3-0.5 s of Home Assistant's first command on a 1 B model in a
     virtual machine); the rest of the pool stays committed as it fills."""
     import ctypes
-    from edgepaged.model.cpu_runtime import KV_PREFAULT_BYTES, KV_PREFAULT_TOKENS, CpuRunner
+    from edgepaged.model.cpu.runner import KV_PREFAULT_BYTES, KV_PREFAULT_TOKENS, CpuRunner
     r = CpuRunner(num_blocks=1200)          # ~430 MB: a mapping of its own, never touched before
     r.kv_prefault.join(60)
     libc = ctypes.CDLL(None, use_errno=True)

@@ -21,7 +21,7 @@ PROMPTS = [PROMPT, "the cat sat on the mat and the cat sat on the", "a b a b a b
 
 def _pair(tmp_path, family="llama", target_seed=11, draft_seed=11, num_blocks=64, runtime="cpu"):
     from edgepaged.model import ModelRunner
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     from edgepaged.testing.families import make_family_model, write_family_gguf
     files = {}
     for seed in {target_seed, draft_seed}:
@@ -83,7 +83,7 @@ async def test_draft_blocks_are_counted_and_go_first_when_the_pool_is_short(tmp_
     """Eight requests at once on a pool of about two: the draft's sequences are taken back,
     requests are preempted and resumed, every answer is its plain one and every block
     (the draft's too) comes back."""
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     plain_runner, _ = _pair(tmp_path)
     prompts = [f"{i} one two three one two three one two" for i in range(8)]
     plain, _ = await _answers(plain_runner, "off", prompts)

@@ -29,7 +29,7 @@ def cosine(a, b) -> float:
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 async def test_last_token_pooling_matches_transformers_on_both_runtimes(name, tmp_path):
     from edgepaged.model import ModelRunner
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     from edgepaged.testing.families import make_family_model, write_family_gguf
     hf = make_family_model(tmp_path / "m", name, seed=7)
     gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0)
@@ -129,7 +129,7 @@ async def test_mean_pooling_of_a_decoder_across_chunks(runtime, tmp_path):
     long prompt into several steps), matches transformers'; the same text twice (its prefix
     cached by the first) still gives every position's state."""
     from edgepaged.model import ModelRunner
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     from edgepaged.testing.families import make_family_model, write_family_gguf
     hf = make_family_model(tmp_path / "m", "qwen3", seed=5)
     gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0, pooling=1)

@@ -43,7 +43,7 @@ def encoders(tmp_path_factory):
 
 @pytest.mark.parametrize("key", [("bert", "mean"), ("nomic-bert", "mean"), ("bert", "cls")])
 def test_vectors_and_tokens_match_transformers(encoders, key):
-    from edgepaged.model.encoder import load_encoder
+    from edgepaged.model.cpu.encoder import load_encoder
     e = encoders[key]
     ref = reference_embeddings(e["model"], e["tok"], TEXTS, e["pooling"])
     for source in ("folder", "gguf", "f16"):
@@ -62,7 +62,7 @@ async def test_served_to_the_real_clients_and_a_langchain_retriever(encoders, tm
     from langchain_core.vectorstores import InMemoryVectorStore
     from langchain_ollama import OllamaEmbeddings
 
-    from edgepaged.model.encoder import EncoderRunner
+    from edgepaged.model.cpu.encoder import EncoderRunner
     e = encoders["nomic-bert", "mean"]
     ref = reference_embeddings(e["model"], e["tok"], TEXTS)
     runner = EncoderRunner(e["gguf"], block_size=16)

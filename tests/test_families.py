@@ -15,8 +15,8 @@ import torch
 
 from edgepaged.model import ModelRunner, families
 from edgepaged.model.families.llama import Llama
-from edgepaged.model.cpu_runtime import CpuRunner
-from edgepaged.model.forward import TorchForward
+from edgepaged.model.cpu.runner import CpuRunner
+from edgepaged.model.torch.forward import TorchForward
 from edgepaged.model.loader import ModelFileError, ModelFiles
 from edgepaged.model.settings import CpuConfig
 from edgepaged.model.tokenizer import Tokenizer
@@ -187,7 +187,7 @@ def test_triton_kernels_run_the_family(name, built):
     scale, gemma2's soft-capping, on a prefill batch and decode steps."""
     pytest.importorskip("triton")
     from edgepaged import kernels
-    from edgepaged.model.attention import backend_for
+    from edgepaged.model.torch.attention import backend_for
     if not kernels.is_available():
         pytest.skip("Triton has neither a GPU nor the interpreter here (conftest.py sets TRITON_INTERPRET=1)")
     folder, gguf, hf = built(name)
@@ -399,7 +399,7 @@ def test_explicit_attention_equals_sdpa():
     without a cap equals SDPA: GQA, a boolean mask, top-left causal, an additive bias."""
     import torch.nn.functional as F
 
-    from edgepaged.model.attention import explicit_attention
+    from edgepaged.model.torch.attention import explicit_attention
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(4, 70, 16, generator=g), torch.randn(2, 90, 16, generator=g), torch.randn(2, 90, 16, generator=g)
     mask = torch.rand(70, 90, generator=g) > 0.3

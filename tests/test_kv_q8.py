@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from edgepaged._native import ops
-from edgepaged.model.cpu_runtime import CpuRunner, kv_row_units
+from edgepaged.model.cpu.runner import CpuRunner, kv_row_units
 from edgepaged.model.settings import CpuConfig
 from edgepaged.testing.decode import make_allocator, run_batch
 from edgepaged.testing.families import make_family_model, write_family_gguf

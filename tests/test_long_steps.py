@@ -32,7 +32,7 @@ async def test_a_long_step_stops_for_a_short_prompt_and_loses_nothing(tmp_path, 
     the one computed without the stop, every block comes back, and the document's cached
     prefix is sound: asked again, the same answer from the cache."""
     from edgepaged.engine import engine as engine_mod
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     from edgepaged.testing.families import make_family_model, write_family_gguf
     hf = make_family_model(tmp_path / "m", "llama", seed=3)
     gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0)
@@ -90,7 +90,7 @@ def test_a_prefill_step_s_layers_share_one_workspace(tmp_path):
     logits are those of buffers of their own."""
     import numpy as np
 
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     from edgepaged.testing.decode import make_allocator, prompt_logits
     from edgepaged.testing.families import make_family_model, write_family_gguf
     hf = make_family_model(tmp_path / "m", "llama", seed=3, overrides={"num_hidden_layers": 4})
@@ -131,7 +131,7 @@ def test_the_workspace_is_kept_from_step_to_step(tmp_path, family):
     of a 36-layer Qwen3 shape), and Gemma 3's norms after o and down and its gelu."""
     import numpy as np
 
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     from edgepaged.testing.decode import make_allocator, prompt_logits
     from edgepaged.testing.families import make_family_model, write_family_gguf
     hf = make_family_model(tmp_path / "m", family, seed=4)

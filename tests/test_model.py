@@ -14,7 +14,7 @@ import torch
 from edgepaged.model import (AttentionMetadata, IncrementalDetokenizer, ModelFiles, ModelRunner, SamplingParams,
                              default_model_path, sample)
 from edgepaged.model.loader import unpermute_rope
-from edgepaged.model.forward import TorchForward
+from edgepaged.model.torch.forward import TorchForward
 from edgepaged.testing.tiny_models import randomize, tiny_tokenizer
 
 BLOCK = 16
@@ -415,7 +415,7 @@ def test_triton_backend_matches_torch_backend():
     EDGEPAGED_GPU_TESTS=1): a decode batch and a mixed prefill/decode batch."""
     pytest.importorskip("triton")
     from edgepaged import kernels
-    from edgepaged.model.attention import TorchAttention, TritonAttention
+    from edgepaged.model.torch.attention import TorchAttention, TritonAttention
     if not kernels.is_available():
         pytest.skip("Triton has neither a GPU nor the interpreter here (runs in CI: conftest.py sets TRITON_INTERPRET=1)")
     dev = "cuda" if torch.cuda.is_available() and not kernels.interpreting() else "cpu"
@@ -440,7 +440,7 @@ def test_forward_with_triton_kernels_equals_torch_path(tiny_model_dir):
     gives the logits of the torch path: a prefill batch, then decode steps."""
     pytest.importorskip("triton")
     from edgepaged import kernels
-    from edgepaged.model.attention import TritonAttention
+    from edgepaged.model.torch.attention import TritonAttention
     if not kernels.is_available():
         pytest.skip("Triton has neither a GPU nor the interpreter here (runs in CI: conftest.py sets TRITON_INTERPRET=1)")
     cfg_runner = ModelRunner(tiny_model_dir, num_blocks=16, kv_dtype="f32")
@@ -467,7 +467,7 @@ def test_cpu_runtime_equals_torch_runner(mode):
     ends the same."""
     import dataclasses
 
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     ref = ModelRunner(num_blocks=48, kv_dtype="f32")
     settings = ref.settings if mode == "one_call" else dataclasses.replace(
         ref.settings, fused_max_tokens=0, rust_attention_max=0 if mode == "tiles" else ref.settings.rust_attention_max)
@@ -495,13 +495,13 @@ def test_cpu_runtime_equals_torch_runner(mode):
 @pytest.mark.parametrize("rust_max", [131072, 50])
 @pytest.mark.parametrize("which", ["tiny", "embedded"])
 def test_fused_cpu_forward_equals_torch_path(which, rust_max, tiny_model_dir):
-    """The fused CPU forward (Rust operators, cpu_forward.py) gives the torch path's logits on
+    """The fused CPU forward (Rust operators, model/torch/cpu_forward.py) gives the torch path's logits on
     batches that mix prefill chunks and decodes in any order (a prefill ahead of decodes
     too), and every row equals the same sequence computed alone. rust_max=50 sends the
     longer prefill chunks to SDPA and keeps the short ones in Rust."""
     import dataclasses
 
-    from edgepaged.model.cpu_forward import FusedCpuForward
+    from edgepaged.model.torch.cpu_forward import FusedCpuForward
     # fp32 K/V: this compares the forward paths (test_kv_cache.py covers the f16 cache)
     runner = ModelRunner(None if which == "embedded" else tiny_model_dir, num_blocks=32, kv_dtype="f32")
     assert isinstance(runner.forward, FusedCpuForward), "the fused CPU forward should be the default on CPU float32"

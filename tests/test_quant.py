@@ -268,7 +268,7 @@ def test_embedded_model_quantized_logits_match_fp32_and_answer_paris(quant_f32kv
 def test_quantized_option_resolution():
     from types import SimpleNamespace as NS
 
-    from edgepaged.model.runner import keeps_quantized
+    from edgepaged.model.torch.runner import keeps_quantized
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     gguf = NS(reader=object(), has_quantized=True)
     assert keeps_quantized(gguf, cpu, torch.float32, None)
@@ -438,7 +438,7 @@ def test_repacking_as_weights_arrive_changes_no_logit(monkeypatch):
     """The CPU runtime under int8 math repacks each linear as it arrives (fused ones from their
     parts); laying them out after the whole load instead gives the same logits, bit for bit
     (on any CPU: without SIMD the portable integer kernels run)."""
-    from edgepaged.model import cpu_runtime
+    from edgepaged.model.cpu import runner as cpu_runtime
     from edgepaged.model.quant import formats
     from edgepaged.testing.decode import make_allocator, prompt_logits
 
@@ -459,7 +459,8 @@ def test_an_int8_load_reads_the_file_pages_and_keeps_no_view_of_them(tmp_path, m
     pages (no private copy first: the 8 B load's np.fromfile share); what it keeps as it is
     (an F16 linear, an untied embedding's rows) is copied, so no model array views the file.
     The logits are the ones of a load through private copies, bit for bit."""
-    from edgepaged.model import cpu_runtime, loader
+    from edgepaged.model.cpu import runner as cpu_runtime
+    from edgepaged.model import loader
     from edgepaged.testing.decode import make_allocator, prompt_logits
     path = write_random_gguf(tmp_path / "mix.gguf", hidden=256, layers=2, heads=4, kv_heads=2, inter=512, tied=False,
                              qtypes=dict(token_embd=8, output=14, attn_q=12, attn_k=12, attn_v=14, attn_output=1,
@@ -649,7 +650,7 @@ def test_interleaved_weights_stay_on_the_kernels_at_any_token_count():
     broadcast path: faster than decoding to fp32 + GEMM, on 16 lanes and on 8), giving the
     kernels' own bits; row-layout K-quant weights, and interleaved ones where the kernels are
     the portable ones, decode to GEMM from `dense_min_tokens` rows."""
-    from edgepaged.model.cpu_runtime import Linear
+    from edgepaged.model.cpu.runner import Linear
     from edgepaged.model.quant.formats import kernel_layouts
     vector = kernels.info()["exact_lanes"] > 1
     assert kernel_layouts() == (("r16", "x8") if vector else ("r16",))

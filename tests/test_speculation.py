@@ -109,7 +109,7 @@ async def _answers(runner, speculation: str, prompts, max_tokens=48, chat=False,
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 async def test_greedy_answers_are_the_plain_ones_on_every_family(name, runtime, tmp_path):
     from edgepaged.model import ModelRunner
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     from edgepaged.testing.families import make_family_model, write_family_gguf
     hf = make_family_model(tmp_path / "m", name, seed=11)
     gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0)
@@ -456,7 +456,7 @@ async def test_a_tight_pool_preempts_constrained_requests_with_forced_drafts_and
     chunk carries its format's forced tokens as drafts, drafting ones are preempted and
     resumed (their prompt and answer computed again, the forced drafts riding again); each
     answer is the one without speculation, every block comes back."""
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     from edgepaged.testing.families import make_family_model, write_family_gguf
     hf = make_family_model(tmp_path / "m", "llama", seed=3)
     gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0)
@@ -478,7 +478,7 @@ async def test_a_tight_pool_preempts_constrained_requests_with_forced_drafts_and
 async def test_a_tight_pool_preempts_drafting_requests_and_loses_nothing(tmp_path):
     """Eight requests at once on a pool that holds about two: drafting ones are preempted and
     resumed; each answer is its plain one, every block comes back."""
-    from edgepaged.model.cpu_runtime import CpuRunner
+    from edgepaged.model.cpu.runner import CpuRunner
     from edgepaged.testing.families import make_family_model, write_family_gguf
     hf = make_family_model(tmp_path / "m", "llama", seed=3)
     gguf = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=0)

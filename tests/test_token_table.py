@@ -162,7 +162,7 @@ async def test_a_padded_vocabulary_serves_formats_and_tool_calls(padded):
 
     import jsonschema
 
-    from edgepaged.model.runtime import open_runner
+    from edgepaged.model.open import open_runner
     from test_http import afetch, serving
     runner = open_runner(padded[0], "cpu", num_blocks=256)
     schema = {"type": "object", "properties": {"room": {"enum": ["kitchen", "hall"]},

@@ -9,7 +9,8 @@ import logging
 import numpy as np
 import pytest
 
-from edgepaged.model import cpu_runtime, weights_cache as wc
+from edgepaged.model.cpu import runner as cpu_runtime
+from edgepaged.model import weights_cache as wc
 from edgepaged.model.settings import CpuConfig
 from edgepaged.testing.decode import make_allocator, prompt_logits
 from edgepaged.testing.gguf_models import write_random_gguf

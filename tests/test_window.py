@@ -9,7 +9,7 @@ import trio
 
 from edgepaged.engine import Engine, EngineConfig, Request, RequestRejected, TokenEvent
 from edgepaged.model import SamplingParams
-from edgepaged.model.cpu_runtime import CpuRunner
+from edgepaged.model.cpu.runner import CpuRunner
 from edgepaged.testing.gguf_models import write_random_gguf
 
 BS, SINK, WINDOW, CONTEXT = 8, 4, 16, 64
@@ -74,8 +74,8 @@ async def test_generates_twice_the_context_with_flat_memory(gguf_two_layers, tmp
         if runtime == "triton":   # the GPU path's attention kernels (Triton's interpreter on a CPU)
             pytest.importorskip("triton")
             from edgepaged import kernels
-            from edgepaged.model.attention import backend_for
-            from edgepaged.model.forward import TorchForward
+            from edgepaged.model.torch.attention import backend_for
+            from edgepaged.model.torch.forward import TorchForward
             if not kernels.is_available():
                 pytest.skip("Triton has neither a GPU nor the interpreter here (conftest.py sets TRITON_INTERPRET=1)")
             runner.forward = TorchForward(runner.model, backend_for("cuda", runner.config, BS, runner.dtype),

@@ -96,7 +96,7 @@ def inspect(path: Path) -> dict:
     """architecture, quantization and context of a GGUF file the runtime can serve; StoreError
     saying why not (truncated, not GGUF, an architecture or tensor it does not run)."""
     from ..model.loader import ModelFiles
-    from ..model import encoder
+    from ..model.cpu import encoder
     try:
         regular_file(path)
         with open(path, "rb") as f:

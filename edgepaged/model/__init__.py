@@ -6,8 +6,8 @@ without torch.
 import importlib
 
 _NAMES = {
-    "AttentionMetadata": "attention", "ModelConfig": "loader", "ModelFiles": "loader",
-    "default_model_path": "loader", "ModelRunner": "runner", "SamplingParams": "params", "sample": "sampler",
+    "AttentionMetadata": "torch.attention", "ModelConfig": "loader", "ModelFiles": "loader",
+    "default_model_path": "loader", "ModelRunner": "torch.runner", "SamplingParams": "params", "sample": "sampler",
     "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer", "CpuConfig": "settings",
 }
 

@@ -1,5 +1,5 @@
 """Where each checkpoint weight goes: the one placement routine every model build uses (the
-torch modules of `llama.py` and the numpy model of `cpu_runtime.py`), torch-free.
+torch modules of `llama.py` and the numpy model of `model/cpu/runner.py`), torch-free.
 
 `place(cfg, weights, sink)` walks the loader's `(hf_name, weight)` stream, checks every name
 and shape, fuses Q/K/V and gate/up parts as soon as all of them arrived, and hands each

@@ -6,7 +6,7 @@ every EDGEPAGED_ variable that changes how the model runs is in this table (the 
 |-----------------------------------|---------|--------------------------------------------------------------|
 | `EDGEPAGED_NUM_THREADS`           | CPUs    | threads of the kernels' pool and of torch (read by Rust too) |
 | `EDGEPAGED_SPIN_US`               | 200     | µs an idle kernel thread spins before it sleeps (Rust)       |
-| `EDGEPAGED_RUNTIME`               | auto    | cpu (numpy + Rust, GGUF or safetensors on the CPU), torch, auto (read by `runtime.choose_runtime`) |
+| `EDGEPAGED_RUNTIME`               | auto    | cpu (numpy + Rust, GGUF or safetensors on the CPU), torch, auto (read by `open.choose_runtime`) |
 | `EDGEPAGED_FUSED`                 | 1       | torch runtime: 0 for the plain torch forward on CPU          |
 | `EDGEPAGED_QUANT_MATH`            | auto    | `int8`: activations quantized per block of 32 (per 256 for K-quants) and 8-bit dot products (llama.cpp's way); `exact`: fp32 activations, the weights decoded exactly; `auto`: int8 for models of 0.7 B parameters and more on a CPU with AVX2 or AVX-512 VNNI, exact otherwise (`serve --quant-math`) |
 | `EDGEPAGED_QUANT_INTERLEAVE`      | 1       | exact math: 0 keeps GGUF's row order for Q4_0/Q4_1/Q8_0      |

@@ -68,7 +68,8 @@ def build_id() -> str:
     global _build_id
     if _build_id is None:
         from .. import _native
-        from . import cpu_runtime, loader, placement
+        from .cpu import runner as cpu_runtime
+        from . import loader, placement
         from .quant import formats
         h = hashlib.blake2b(digest_size=16)
         for path in (_native.__file__, cpu_runtime.__file__, loader.__file__, placement.__file__, formats.__file__,
@@ -296,7 +297,7 @@ def write_in_background(directory: Path, key: str, identity: dict, slots: dict) 
 
 PREPARE = r"""
 import sys
-from edgepaged.model.cpu_runtime import CpuRunner
+from edgepaged.model.cpu.runner import CpuRunner
 r = CpuRunner(sys.argv[1], num_blocks=4, progress=lambda *a, **k: None)
 print(r.weights_cache)          # the process ends once the writer (not a daemon) is done
 """

@@ -317,7 +317,7 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
     lines go (default: stderr). Raises what the load raises (ValueError, KvBudgetError, ...)."""
     import dataclasses
 
-    from ..model.runtime import choose_runtime, open_runner, resolve_device
+    from ..model.open import choose_runtime, open_runner, resolve_device
     from ..model.settings import CpuConfig
     say = say or _stderr
     settings = CpuConfig.from_env()
@@ -370,8 +370,8 @@ AUTO_Q8_BELOW_TOKENS = 32768
 def auto_kv_dtype(model_path, kv_bytes, draft=None) -> tuple[str | None, str]:
     """What `--kv-dtype auto` picks on the CPU runtime: ("q8_0", why) when the KV memory is
     what limits and every model's heads split into q8_0's blocks, else (None, why): f16."""
-    from ..model.cpu_runtime import kv_bytes_per_value
-    from ..model.encoder import is_encoder
+    from ..model.cpu.runner import kv_bytes_per_value
+    from ..model.cpu.encoder import is_encoder
     from ..model.loader import ModelFiles
     from ..model.runtime import cpu_kv_default_bytes
     if model_path is not None and is_encoder(model_path):
@@ -396,7 +396,7 @@ def draft_share(model_path, draft_path, kv_dtype=None) -> float:
     def per_token(path) -> int:
         cfg = ModelFiles(path).config
         return cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-    from ..model.cpu_runtime import kv_bytes_per_value
+    from ..model.cpu.runner import kv_bytes_per_value
     width = kv_bytes_per_value(kv_dtype)
     t, d = per_token(model_path) * width, per_token(draft_path) * width
     return t / (t + d)

@@ -93,7 +93,7 @@ def write_encoder_gguf(folder, path, *, f16: bool = False) -> Path:
     """The model saved in `folder` (make_encoder) as a GGUF file, as llama.cpp's converter writes it."""
     from safetensors.numpy import load_file
 
-    from ..model.encoder import HF_TYPES, _hf_config, gguf_names
+    from ..model.cpu.encoder import HF_TYPES, _hf_config, gguf_names
     folder, path = Path(folder), Path(path)
     cfg = _hf_config(folder)
     kind = HF_TYPES[json.loads((folder / "config.json").read_text())["model_type"]]
@@ -106,7 +106,7 @@ def write_encoder_gguf(folder, path, *, f16: bool = False) -> Path:
 
 def synthetic_encoder_gguf(shape: str, path, *, seed: int = 0, f16: bool = True) -> Path:
     """A random model of a known shape (SHAPES), F16 as Ollama ships them, for benchmarks."""
-    from ..model.encoder import EncoderConfig
+    from ..model.cpu.encoder import EncoderConfig
     kind, layers, hidden, heads, inter, context, nvocab = SHAPES[shape]
     rng = np.random.default_rng(seed)
     vocab = vocabulary()

@@ -2,7 +2,7 @@
 sequence of named steps, written once (one small file per family) and executed by every
 runtime: the CPU runtime (`cpu_runtime.CpuModel._layers`, numpy and Rust), the torch
 modules (`llama.DecoderLayer`, the tests' reference and the GPU path) and the torch runner's
-fused CPU forward (`cpu_forward.py`).
+fused CPU forward (`model/torch/cpu_forward.py`).
 
 A layer is a tuple of steps over the residual stream h:
 

@@ -1,8 +1,8 @@
 """Quantized weights kept quantized on CPU: GGUF blocks in memory, Rust kernels on them.
 
 - `formats`: the block formats, `QuantWeight` (one weight's GGUF bytes), interleaving;
-- `modules`: `QuantLinear` and `QuantEmbedding`, the modules the model is built from;
-- `threads`: torch's thread count beside the kernels' own pool, the fp32 scratch + GEMM.
+- the torch runtime's `QuantLinear` and `QuantEmbedding` (model/torch/quant_modules.py, named
+  here too) and its threads beside the kernels' pool (model/torch/quant_threads.py).
 """
 import importlib
 
@@ -16,5 +16,5 @@ __all__ = ["BLOCK", "FORMATS", "QuantEmbedding", "QuantLinear", "QuantWeight", "
 
 def __getattr__(name):
     if name in _TORCH_NAMES:
-        return getattr(importlib.import_module(".modules", __name__), name)
+        return getattr(importlib.import_module("..torch.quant_modules", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

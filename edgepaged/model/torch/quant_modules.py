@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ..._native import quant as kernels
-from .formats import FORMATS, QuantWeight, kernel_layouts, lay_out, merge_segments
-from .threads import gemm, scratch
+from ..quant.formats import FORMATS, QuantWeight, kernel_layouts, lay_out, merge_segments
+from .quant_threads import gemm, scratch
 
 SCRATCH_BYTES = 16 << 20
 
@@ -127,7 +127,7 @@ def lay_out_weights(modules, math: str) -> int:
 def weight_bytes(model) -> dict[str, int]:
     """Bytes of the model's weights: GGUF blocks kept quantized, and dense tensors (fp32
     linears, packed or not, norms, a dense embedding table; rotary tables excluded)."""
-    from ..layers import Linear, RMSNorm
+    from .layers import Linear, RMSNorm
     seen, q, dense = set(), 0, 0
     for m in [model.embed_tokens, *model.modules()]:
         tensors = []

@@ -22,18 +22,18 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .._native import ops
-from ..common.memory import release_free_memory
-from .._native import quant as kernels
-from .families import base as steps
-from .families.base import llama_blocks
-from .loader import ModelFiles, terminal_progress
-from .placement import check_linear, place
-from .quant.formats import QuantWeight, kernel_layouts, lay_out, merge_segments, own_weights
-from .rope import rotary_tables
-from .runtime import KvBudgetError, RunnerBase, StepInterrupted, _Background, cpu_kv_default_bytes
-from .settings import CpuConfig
-from .tokenizer import Tokenizer
+from ..._native import ops
+from ...common.memory import release_free_memory
+from ..._native import quant as kernels
+from ..families import base as steps
+from ..families.base import llama_blocks
+from ..loader import ModelFiles, terminal_progress
+from ..placement import check_linear, place
+from ..quant.formats import QuantWeight, kernel_layouts, lay_out, merge_segments, own_weights
+from ..rope import rotary_tables
+from ..runtime import KvBudgetError, RunnerBase, StepInterrupted, _Background, cpu_kv_default_bytes
+from ..settings import CpuConfig
+from ..tokenizer import Tokenizer
 
 SCRATCH_BYTES = 16 << 20
 # the pool's first blocks (those the allocator hands out first: its free list starts at block
@@ -508,7 +508,7 @@ class CpuRunner(RunnerBase):
         tokenizer = _Background(lambda f=files: Tokenizer.load(f.path, reader=f.reader))   # (files is deleted below)
         keep = files.has_quantized and quantized is not False
         if quantized and not files.has_quantized:
-            from .quant.formats import FORMATS
+            from ..quant.formats import FORMATS
             raise ValueError(f"quantized=True but the file has no tensor in {'/'.join(FORMATS.values())}")
         self.quantized = keep
         self.quant_math = settings.math(cfg.num_params) if keep else None
@@ -530,7 +530,7 @@ class CpuRunner(RunnerBase):
         # small pages: the pool is resident as it fills. In numpy's huge pages each layer's K and V
         # came in 2 MB at a time: the prefault below made 209 MB resident for its 94 MB on the
         # embedded model (the idle server 462 MB, 351 in small pages)
-        from ..common.memory import small_pages
+        from ...common.memory import small_pages
         small_pages(self.kv_cache.ctypes.data, self.kv_cache.nbytes)
         self.max_model_len = min(cfg.context_length, num_blocks * block_size)
         if self.max_model_len != self.model.max_positions:
@@ -554,7 +554,7 @@ class CpuRunner(RunnerBase):
         of 0.8 (the 1 B file, 134 MB), and a first request sent as the server was ready waited
         for the pages it held (its first 512-token step 3.99-4.03 s, 3.72-3.81 at nice 0,
         3.42-3.48 the next)."""
-        from ..common.memory import populate
+        from ...common.memory import populate
         kv = self.kv_cache
         n = min(self.num_blocks, -(-KV_PREFAULT_TOKENS // self.block_size),
                 max(1, KV_PREFAULT_BYTES // (kv.shape[0] * 2 * kv.strides[2])))
@@ -575,7 +575,7 @@ class CpuRunner(RunnerBase):
         `weights_cache`); else from the file, and a large model's layout is then written to
         the cache in a thread. Returns "hit", "writing", or "off" (not cached: turned off, a
         file under `weights_cache_min_bytes`, a model not wholly quantized)."""
-        from . import weights_cache as wc
+        from .. import weights_cache as wc
         math_ = self.quant_math or "exact"
         directory = wc.cache_dir() if keep and files.path.stat().st_size >= settings.weights_cache_min_bytes else None
         key = entry = None

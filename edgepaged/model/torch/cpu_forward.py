@@ -20,13 +20,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .._native import ops
+from ..._native import ops
 from .attention import AttentionMetadata, TorchAttention
-from .families import base as steps
+from ..families import base as steps
 from .llama import act_mul
-from .quant import QuantLinear
-from .quant.threads import all_torch_threads, kernel_threads_only
-from .settings import CpuConfig
+from ..quant import QuantLinear
+from .quant_threads import all_torch_threads, kernel_threads_only
+from ..settings import CpuConfig
 
 
 def supports(model, backend) -> bool:

@@ -170,7 +170,7 @@ class Matrix:
         if math == "int8" and self.cols % 32 == 0:
             import gguf
 
-            from .quant.formats import QuantWeight
+            from ..quant.formats import QuantWeight
             raw = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
             self.q = QuantWeight(8, raw.view(np.uint8).reshape(self.rows, -1), self.rows, self.cols)
             self.q.repack()
@@ -185,7 +185,7 @@ class Matrix:
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
         if self.q is None:
             return x @ self.t
-        from .._native import quant as kernels
+        from ..._native import quant as kernels
         out = np.empty((x.shape[0], self.rows), np.float32)
         kernels.matmul(self.q.data, self.q.kind, np.ascontiguousarray(x, dtype=np.float32), out, col=0,
                        rows=self.rows)
@@ -245,7 +245,7 @@ class Encoder:
         """`--quant-math` for an encoder: "auto" is int8 where the CPU has integer kernels."""
         if quant_math != "auto":
             return quant_math
-        from .._native import quant
+        from ..._native import quant
         return "int8" if quant.info()["int8_isa"] != "scalar" else "exact"
 
     def _rope(self, x: np.ndarray, n: int) -> np.ndarray:
@@ -295,7 +295,7 @@ class Encoder:
                 a += L["o_b"]
             x = _layernorm(x + a, *L["n1"], cfg.eps)
             if "gate_up" in L:
-                from .._native import ops
+                from ..._native import ops
                 gu = x @ L["gate_up"]
                 f = np.empty((gu.shape[0], gu.shape[1] // 2), np.float32)
                 ops.silu_mul(gu, f)
@@ -327,7 +327,7 @@ class Encoder:
 
 def gguf_arch(path) -> str | None:
     """general.architecture of a GGUF file (None for anything else)."""
-    from .gguf_file import GgufFile
+    from ..gguf_file import GgufFile
     try:
         return GgufFile(path).fields.get("general.architecture")
     except (ValueError, OSError):
@@ -410,7 +410,7 @@ def _hf_config(path: Path) -> EncoderConfig:
 
 def load_encoder(path, math: str = "exact") -> tuple[Encoder, object]:
     """(Encoder, Tokenizer) from a GGUF file or a Hugging Face folder; `math` as Matrix."""
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
     path = Path(path)
     if path.is_dir():
         cfg = _hf_config(path)
@@ -423,7 +423,7 @@ def load_encoder(path, math: str = "exact") -> tuple[Encoder, object]:
         for f in sorted(path.glob("*.safetensors")):
             state.update(load_file(str(f)))
         return Encoder(cfg, gguf_names(state, cfg.arch), math), Tokenizer.load(path)
-    from .gguf_file import GgufFile
+    from ..gguf_file import GgufFile
     f = GgufFile(path)
     cfg = _gguf_config(f, path.stem)
     return Encoder(cfg, _gguf_weights(f), math), Tokenizer.load(path, f)
@@ -431,7 +431,7 @@ def load_encoder(path, math: str = "exact") -> tuple[Encoder, object]:
 
 def inspect(path) -> dict:
     """What store.inspect reports of an embedding model's file."""
-    from .gguf_file import GgufFile
+    from ..gguf_file import GgufFile
     f = GgufFile(path)
     cfg = _gguf_config(f, Path(path).stem)
     names = {t.name for t in f.tensors}
@@ -448,8 +448,8 @@ def encoder_file_info(path: Path) -> dict:
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
     quant = None
     if path.is_file():
-        from .gguf_file import GgufFile
-        from .loader import FILE_TYPES
+        from ..gguf_file import GgufFile
+        from ..loader import FILE_TYPES
         f = GgufFile(path)
         ftype = f.fields.get("general.file_type")
         quant = FILE_TYPES.get(ftype, f"type {ftype}") if ftype is not None else "F32"
@@ -478,7 +478,7 @@ class EncoderRunner:
         self.model_path = Path(path)
         self.served_name = served_name
         if math is None:
-            from .settings import CpuConfig
+            from ..settings import CpuConfig
             math = Encoder.pick_math((settings or CpuConfig.from_env()).quant_math)
         self.model, self.tokenizer = load_encoder(path, math)
         self.config = self.model.cfg

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rope import longrope_attention_factor, rope_inv_freq, rotary_tables  # noqa: F401 (re-exported)
+from ..rope import longrope_attention_factor, rope_inv_freq, rotary_tables  # noqa: F401 (re-exported)
 
 
 def _can_prepack(w: torch.Tensor) -> bool:

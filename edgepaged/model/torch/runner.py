@@ -8,11 +8,11 @@ import torch
 from . import forward
 from .attention import AttentionMetadata, backend_for
 from .llama import LlamaForCausalLM
-from .loader import ModelFiles, terminal_progress
-from .runtime import (CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, KvBudgetError, RunnerBase, _gib,  # noqa: F401
+from ..loader import ModelFiles, terminal_progress
+from ..runtime import (CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, KvBudgetError, RunnerBase, _gib,  # noqa: F401
                       available_ram, cpu_kv_default_bytes, rss_bytes)
-from .settings import CpuConfig
-from .tokenizer import Tokenizer
+from ..settings import CpuConfig
+from ..tokenizer import Tokenizer
 
 
 def _as_tensor(x, dtype, device) -> torch.Tensor:
@@ -53,7 +53,7 @@ def keeps_quantized(files: ModelFiles, device: torch.device, dtype: torch.dtype,
     if dtype != torch.float32:
         reasons.append("the dtype is not float32")
     if not reasons and not files.has_quantized:
-        from .quant.formats import FORMATS
+        from ..quant.formats import FORMATS
         reasons.append(f"the file has no tensor in {'/'.join(FORMATS.values())}")
     if quantized and reasons:
         raise ValueError("quantized=True but " + "; ".join(reasons))
@@ -152,7 +152,7 @@ class ModelRunner(RunnerBase):
         return torch.from_numpy(raw).view(self.kv_dtype).view(shape)
 
     def weight_bytes(self) -> int:
-        from .quant.modules import weight_bytes
+        from .quant_modules import weight_bytes
         w = weight_bytes(self.model)
         return w["quantized"] + w["dense"]
 

@@ -1,12 +1,12 @@
 """The torch runner's forward paths: how one flat batch becomes logits. The runner picks one
 at load, from the device, the weights' formats and the settings (`choose`); nothing is
 decided again per step. (GGUF files on the CPU run by default on the torch-free runtime,
-`cpu_runtime.py`, whose forward uses the same Rust operators.)
+`model/cpu/runner.py`, whose forward uses the same Rust operators.)
 
 | path               | where                          | what                                             |
 |--------------------|--------------------------------|--------------------------------------------------|
 | `TorchForward`     | GPU (Triton attention), or CPU | the model's torch forward; the reference in tests |
-| `FusedCpuForward`  | CPU, float32                   | Rust operators between the GEMMs; one Rust call per step when every linear kept its GGUF blocks (`cpu_forward.py`) |
+| `FusedCpuForward`  | CPU, float32                   | Rust operators between the GEMMs; one Rust call per step when every linear kept its GGUF blocks (`model/torch/cpu_forward.py`) |
 
 A path is called as `path(input_ids, positions, meta, logits_indices) -> logits` (float32,
 one row per index) and reads and writes the KV cache it was built with.
@@ -19,8 +19,8 @@ import torch
 
 from . import cpu_forward
 from .attention import AttentionMetadata
-from .quant.threads import kernel_threads_only
-from .settings import CpuConfig
+from .quant_threads import kernel_threads_only
+from ..settings import CpuConfig
 
 
 class ForwardPath(Protocol):

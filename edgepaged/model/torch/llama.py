@@ -3,7 +3,7 @@
 The module tree is built empty and filled by one placement routine, `load_weights`, from
 the loader's weight stream: each linear becomes a dense `Linear` or, when every part of it
 arrived as GGUF blocks, a `QuantLinear`. The forward is the torch reference; the CPU's
-fused forward (`cpu_forward.py`) runs the same modules with Rust operators around them.
+fused forward (`model/torch/cpu_forward.py`) runs the same modules with Rust operators around them.
 """
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata
-from .families import base as steps
+from ..families import base as steps
 from .layers import Linear, RMSNorm, Rotary
-from .loader import ModelConfig
-from ..common.memory import release_free_memory
-from .placement import FUSED, PARENT, check_linear, place
-from .quant import QuantEmbedding, QuantLinear, QuantWeight, lay_out_weights
+from ..loader import ModelConfig
+from ...common.memory import release_free_memory
+from ..placement import FUSED, PARENT, check_linear, place
+from ..quant import QuantEmbedding, QuantLinear, QuantWeight, lay_out_weights
 
 
 class Attention(nn.Module):
