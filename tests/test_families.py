@@ -136,6 +136,13 @@ def test_cpu_runtime_reads_a_bf16_checkpoint_and_refuses_what_it_cannot(built, t
     (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
     with pytest.raises(ModelFileError, match="do not match its shape"):
         CpuRunner(cut, num_blocks=32)
+    import json as _json
+    for header, says in (({"w": {"dtype": "F32"}}, "not a safetensors entry"), ([1, 2], "not a map"),
+                         ({"w": {"dtype": "F32", "shape": [-2, 2], "data_offsets": [0, 0]}}, "do not match its shape")):
+        text = _json.dumps(header).encode()
+        (cut / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text)
+        with pytest.raises(ModelFileError, match=says):
+            CpuRunner(cut, num_blocks=32)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma2", "gemma3"])

@@ -72,10 +72,21 @@ markup = st.sampled_from(["<|im_end|>\n", "<|im_end|>", "<|im_start|>assistant\n
 values = st.one_of(scalars, huge, deep, grammars,
                    st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
                                 | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8))
+# images, as each door takes them (a text-only model refuses them, one check for every door):
+# OpenAI's image_url parts, the Responses API's input_image, Ollama's base64 `images`
+image_parts = st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "input_text"]), "text": st.one_of(st.text(max_size=10), values)}),
+    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.one_of(values, st.fixed_dictionaries(
+        {"url": st.one_of(st.just("data:image/png;base64,iVBORw0KGgo="), values, huge)}))}),
+    st.fixed_dictionaries({"type": st.just("input_image"), "image_url": st.one_of(values, huge)}),
+    values), max_size=3)
+ollama_images = st.one_of(values, st.lists(st.one_of(st.just("iVBORw0KGgo="), st.text(max_size=8), values, huge),
+                                           max_size=3))
 messages = st.one_of(st.just(FRANCE), values,
                      st.lists(st.fixed_dictionaries({"role": st.one_of(st.sampled_from(
                          ["user", "assistant", "system", "tool", "developer", "x"]), values),
-                         "content": st.one_of(st.text(max_size=30), values, markup, near_cap)}), max_size=3),
+                         "content": st.one_of(st.text(max_size=30), values, markup, near_cap, image_parts)},
+                         optional={"images": ollama_images}), max_size=3),
                      st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]),
                                                      "content": markup}), min_size=1, max_size=3),
                      deep_text.map(lambda t: FRANCE + [
@@ -124,7 +135,7 @@ OLLAMA_CHAT = {"model": values, "messages": messages, "format": st.one_of(gramma
                "speculative": values}
 OLLAMA_GENERATE = {"model": values, "prompt": st.one_of(st.just("Hi"), values, near_cap), "format": st.one_of(grammars, values),
                    "options": OLLAMA_OPTIONS, "stream": values, "raw": values, "suffix": values, "system": values,
-                   "keep_alive": values, "template": values}
+                   "keep_alive": values, "template": values, "images": ollama_images}
 RESPONSES = {"input": messages, "instructions": values, "tools": st.one_of(values, st.lists(st.fixed_dictionaries(
     {"type": st.just("function"), "name": st.one_of(st.just("f"), values), "parameters": st.one_of(grammars, values)}),
     max_size=2)), "tool_choice": values, "text": st.one_of(values, grammars.map(lambda g: {"format": {

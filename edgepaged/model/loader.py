@@ -510,14 +510,20 @@ def _st_header(file: Path) -> tuple[dict, int]:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise ModelFileError(f"{file}: not a safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise ModelFileError(f"{file}: not a safetensors file (its header is not a map)")
     header.pop("__metadata__", None)
     for name, t in header.items():
-        a, b = t["data_offsets"]
-        if t["dtype"] not in ST_TYPES:
-            raise ModelFileError(f"{file}: tensor {name} is {t['dtype']}: the CPU runtime reads "
+        try:
+            kind, shape, (a, b) = t["dtype"], [int(x) for x in t["shape"]], t["data_offsets"]
+            a, b = int(a), int(b)
+        except (KeyError, TypeError, ValueError):
+            raise ModelFileError(f"{file}: tensor {name}: not a safetensors entry (dtype, shape, data_offsets)") from None
+        if kind not in ST_TYPES:
+            raise ModelFileError(f"{file}: tensor {name} is {kind}: the CPU runtime reads "
                                  f"{', '.join(ST_TYPES)} safetensors (or a GGUF file)")
-        if not 0 <= a <= b <= size - 8 - n or b - a != int(np.prod(t["shape"], dtype=np.int64)) * (
-                4 if t["dtype"] == "F32" else 2):
+        if min(shape, default=0) < 0 or not 0 <= a <= b <= size - 8 - n or \
+                b - a != int(np.prod(shape, dtype=np.int64)) * (4 if kind == "F32" else 2):
             raise ModelFileError(f"{file}: tensor {name}'s bytes do not match its shape (a truncated file?)")
     return header, 8 + n
 

@@ -73,15 +73,16 @@ class Message:
         return out
 
 
-def tool_calls(calls, where: str) -> tuple[ToolCall, ...]:
-    """OpenAI's (and Ollama's, and the msgpack protocol's) tool calls of an assistant turn:
-    [{"id"?, "function": {"name", "arguments"?}}]; a call without an id gets call_I_J."""
+def tool_calls(calls, i: int) -> tuple[ToolCall, ...]:
+    """OpenAI's (and Ollama's, and the msgpack protocol's) tool calls of message i, an
+    assistant turn: [{"id"?, "function": {"name", "arguments"?}}]; a call without an id gets
+    call_I_J."""
+    where = f"messages[{i}]"
     if calls is None:
         return ()
     if not isinstance(calls, list) or len(calls) > MAX_CALLS:
         raise MessageError(f"{where}.tool_calls must be a list, on an assistant message")
     out = []
-    i = where[where.find("[") + 1:where.find("]")] if "[" in where else "0"
     for j, c in enumerate(calls):
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
@@ -102,7 +103,7 @@ def from_map(m: dict, i: int, text: str | None = None, images: tuple[Image, ...]
         text = m.get("content")
         text = "" if text is None else text
     name = m.get("name") if m.get("tool_name") is None else m.get("tool_name")
-    return Message(m["role"], text, images, tool_calls(m.get("tool_calls"), where), m.get("tool_call_id"), name,
+    return Message(m["role"], text, images, tool_calls(m.get("tool_calls"), i), m.get("tool_call_id"), name,
                    m.get("thinking") if isinstance(m.get("thinking"), str) else None, where)
 
 
