@@ -23,10 +23,10 @@ import time
 
 import trio
 
-from edgepaged.testing.workloads import drive_arrivals, make_item, mix, parse_caps, poisson  # noqa: E402
-
-from edgepaged.engine import Engine, EngineConfig, Request, TokenEvent  # noqa: E402
-from edgepaged.model import ModelRunner, SamplingParams  # noqa: E402
+from edgepaged.engine import Engine, EngineConfig, Request, TokenEvent
+from edgepaged.model import SamplingParams
+from edgepaged.model.cpu.runner import CpuRunner
+from edgepaged.testing.workloads import drive_arrivals, make_item, mix, parse_caps, poisson
 
 
 def pct(values, q):
@@ -131,7 +131,7 @@ def main() -> None:
     args = ap.parse_args()
 
     t = time.monotonic()
-    runner = ModelRunner(num_blocks=args.kv_tokens // 16, block_size=16)
+    runner = CpuRunner(num_blocks=args.kv_tokens // 16, block_size=16)   # what serve runs on a CPU
     tok = runner.tokenizer
     print(f"model {runner.model_path.name} loaded in {time.monotonic() - t:.1f} s; KV pool {runner.num_blocks} "
           f"blocks x 16 = {runner.num_blocks * 16} tokens ({runner.kv_dtype_name}); context {runner.max_model_len}; "

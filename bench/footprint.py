@@ -10,7 +10,7 @@ the torch-free runtime's speed against the torch runner's in the same run.
                                <= 400), and rss_after_16_requests_mb after 16 concurrent
                                requests of 64 tokens
     tok_s_b1, tok_s_b32        greedy decode tok/s on the torch-free runner (cpu_runtime.CpuRunner),
-    torch_tok_s_b1/_b32        and on the torch runner (ModelRunner, fused CPU forward), their
+    torch_tok_s_b1/_b32        and on the torch runner (ModelRunner, the torch reference on a CPU), their
     ratio_b1, ratio_b32        decode steps alternating one by one in this process, best of
                                --reps (target ratio >= 1.0); prefill_s_b32 / torch_prefill_s_b32
                                the first step (the prompts' prefill)

@@ -1,4 +1,4 @@
-"""Model runtime benchmark: greedy decode throughput of ModelRunner on the embedded model
+"""Model runtime benchmark: greedy decode throughput of the CPU runtime (CpuRunner; --runtime torch: the torch runner) on the embedded model
 against transformers' `generate` (fp32, same GGUF, same prompts, left padding), plus the
 machine's fp32 GEMM rate, all in one run.
 
@@ -26,7 +26,7 @@ Each batch of B distinct chat prompts is prefilled in one flat batch, then decod
                       of any GEMM-based decode here
 
     python bench/model_bench.py [--json] [--batches 1,8,32] [--new-tokens 64] [--reps 2] [--no-hf] [--profile]
-                                [--quantized auto|on|off] [--runtime torch|cpu]
+                                [--quantized auto|on|off] [--runtime cpu|torch]
 """
 from __future__ import annotations
 
@@ -146,8 +146,9 @@ def main():
     ap.add_argument("--reps", type=int, default=2, help="runs per batch on each side; the best counts")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--profile", action="store_true", help="print a torch profile of decode at the largest batch")
-    ap.add_argument("--runtime", choices=["torch", "cpu"], default="torch",
-                    help="torch: ModelRunner (fused CPU forward); cpu: the torch-free CpuRunner")
+    ap.add_argument("--runtime", choices=["torch", "cpu"], default="cpu",
+                    help="cpu: the torch-free CpuRunner (what serve runs on a CPU); torch: ModelRunner (the torch "
+                         "reference on a CPU)")
     ap.add_argument("--quantized", choices=["auto", "on", "off"], default="auto",
                     help="weights kept quantized (Rust kernels) or fp32; auto = the runner's default")
     args = ap.parse_args()

@@ -33,7 +33,8 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def embedded_runner():
-    """The embedded SmolLM2-135M-Instruct, loaded once per session, with a small KV pool
-    (256 blocks of 16 tokens). Shared by the server tests: one engine at a time."""
-    from edgepaged.model import ModelRunner
-    return ModelRunner(num_blocks=256)
+    """The embedded SmolLM2-135M-Instruct on the CPU runtime (what `serve` runs on a CPU),
+    loaded once per session, with a small KV pool (256 blocks of 16 tokens). Shared by the
+    server tests: one engine at a time."""
+    from edgepaged.model.cpu.runner import CpuRunner
+    return CpuRunner(num_blocks=256)

@@ -99,17 +99,21 @@ async def test_every_door_with_the_real_clients_beside_a_chat(embedded_runner):
         assert status == 200                              # truncate (Ollama's default): cut to the context
         assert server.engine.stats()["kv_blocks_used"] == 0
     vecs = np.array(out["embed"].embeddings)
+    # the CPU runtime's exact quantized products give a one-row step's rows (a prompt's last
+    # token after a prefix-cache hit of the rest) the last bits of a GEMV, not of the many-row
+    # kernel: up to ~1.5e-5 here (cosine 1 - 1e-10); a wrong vector is off by 1e-2 and more
+    tol = 1e-4
     assert vecs.shape == (3, 576) and np.allclose(np.linalg.norm(vecs, axis=1), 1, atol=1e-5)
-    assert np.allclose(out["one"].embeddings[0], vecs[0], atol=1e-5)
+    assert np.allclose(out["one"].embeddings[0], vecs[0], atol=tol)
     assert len(out["dims"].embeddings[0]) == 8 and abs(np.linalg.norm(out["dims"].embeddings[0]) - 1) < 1e-5
     legacy = np.array(out["legacy"].embedding)
     assert cosine(legacy, vecs[0]) > 0.99999 and np.linalg.norm(legacy) > 2     # the raw state, not normed
     oa = np.array([d.embedding for d in out["openai"].data])
-    assert np.allclose(oa, vecs, atol=1e-5) and out["openai"].usage.prompt_tokens > 0
+    assert np.allclose(oa, vecs, atol=tol) and out["openai"].usage.prompt_tokens > 0
     assert len(out["openai_dims"].data[0].embedding) == 16
     assert out["tokens"].status_code == 400 and "check_embedding_ctx_length=False" in str(out["tokens"])
-    assert np.allclose(out["langchain_setting"].data[0].embedding, vecs[0], atol=1e-5)
-    assert np.allclose(b64, vecs[0], atol=1e-5)
+    assert np.allclose(out["langchain_setting"].data[0].embedding, vecs[0], atol=tol)
+    assert np.allclose(b64, vecs[0], atol=tol)
     assert cosine(vecs[1], vecs[2]) > cosine(vecs[0], vecs[2])     # "hello world…" is nearer "hello"
     assert "Paris" in chat["answer"]
 

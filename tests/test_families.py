@@ -45,9 +45,10 @@ def _prompt(hf, n=40, seed=1):
     return torch.randint(0, hf.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _runner(src, path: str, **kw) -> ModelRunner:
-    r = ModelRunner(src, num_blocks=32, kv_dtype="f32", settings=CpuConfig(fused=path == "rust"), **kw)
-    assert r.forward.name.startswith("fused-cpu" if path == "rust" else "torch")
+def _runner(src, **kw) -> ModelRunner:
+    """The torch runner (the GPU path and the reference) on the CPU, float32 K/V."""
+    r = ModelRunner(src, num_blocks=32, kv_dtype="f32", **kw)
+    assert r.forward.name.startswith("torch")
     return r
 
 
@@ -75,14 +76,13 @@ def _check_40_tokens(r, hf) -> torch.Tensor:
     return got
 
 
-@pytest.mark.parametrize("path", ["rust", "torch"])
 @pytest.mark.parametrize("source", ["safetensors", "gguf"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_logits_match_transformers(name, source, path, built):
+def test_logits_match_transformers(name, source, built):
     """40 tokens (a 30-token prefill, then 10 decode steps): past every sliding window (8)
     and, for phi3, past the original context (32), so LongRoPE runs its long factors."""
     folder, gguf, hf = built(name)
-    r = _runner(folder if source == "safetensors" else gguf, path)
+    r = _runner(folder if source == "safetensors" else gguf)
     assert r.config.arch == ("llama" if name == "mistral" and source == "gguf" else name)
     _check_40_tokens(r, hf)
 
@@ -99,7 +99,7 @@ def test_cpu_runtime_logits_match_transformers(name, attention, source, built):
     settings = CpuConfig(rust_attention_max=0 if attention == "tiles" else CpuConfig().rust_attention_max)
     got = _check_40_tokens(CpuRunner(gguf if source == "gguf" else folder, num_blocks=32, kv_dtype="f32",
                                      settings=settings), hf)
-    torch_path = _paged_logits(_runner(gguf, "rust"), _prompt(hf), 30)
+    torch_path = _paged_logits(_runner(gguf), _prompt(hf), 30)
     assert (got - torch_path).abs().max().item() <= 1e-4
 
 
@@ -154,7 +154,7 @@ def test_cpu_runtime_on_quantized_files_equals_the_torch_runner(name, built, tmp
     path = write_family_gguf(folder, tmp_path / f"{name}-q8.gguf", hf, qtype=8)
     cpu = CpuRunner(path, num_blocks=32, kv_dtype="f32")
     assert cpu.quantized and (cpu.model.decoder is not None) == (name == "qwen2")
-    ref = _runner(path, "rust")
+    ref = _runner(path)
     tokens = _prompt(hf)
     got, want = _paged_logits(cpu, tokens, 30), _paged_logits(ref, tokens, 30)
     assert (got - want).abs().max().item() <= 1e-4
@@ -198,7 +198,7 @@ def test_triton_kernels_run_the_family(name, built):
     if not kernels.is_available():
         pytest.skip("Triton has neither a GPU nor the interpreter here (conftest.py sets TRITON_INTERPRET=1)")
     folder, gguf, hf = built(name)
-    r = _runner(folder, "torch")
+    r = _runner(folder)
     r.forward = TorchForward(r.model, backend_for("cuda", r.config, r.block_size, r.dtype), r.kv_cache)
     assert "Triton" in r.forward.name
     tokens = _prompt(hf, 36)   # past phi3's original context: transformers' long factors, as ours
@@ -295,8 +295,8 @@ def tinycap():
 
 def test_a_family_defined_in_a_test_runs_on_the_cpu_runtime_and_the_torch_reference(tinycap, built, tmp_path):
     """Registered from this file, written as a GGUF file under its own architecture name: the
-    CPU runtime (numpy + Rust, layer by layer), the torch reference and the torch runner's
-    Rust forward give the same logits within 1e-4, and they are not llama's."""
+    CPU runtime (numpy + Rust, layer by layer) and the torch reference give the same
+    logits within 1e-4, and they are not llama's."""
     folder, llama_gguf, hf = built("llama")
     path = write_family_gguf(folder, tmp_path / "tinycap.gguf", hf, arch="tinycap")
     cpu = CpuRunner(path, num_blocks=32, kv_dtype="f32")
@@ -305,9 +305,8 @@ def test_a_family_defined_in_a_test_runs_on_the_cpu_runtime_and_the_torch_refere
     assert cpu.model.decoder is None          # not llama's block: the one-call decoder stays out
     tokens = _prompt(hf)
     got = _paged_logits(cpu, tokens, 30)
-    for path_name in ("torch", "rust"):
-        want = _paged_logits(_runner(path, path_name), tokens, 30)
-        assert (got - want).abs().max().item() <= 1e-4, path_name
+    want = _paged_logits(_runner(path), tokens, 30)
+    assert (got - want).abs().max().item() <= 1e-4
     assert got.abs().max().item() <= 3.0      # the family's logit cap
     llama = _paged_logits(CpuRunner(llama_gguf, num_blocks=32, kv_dtype="f32"), tokens, 30)
     assert (got - llama).abs().max().item() > 1e-2

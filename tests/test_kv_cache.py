@@ -14,7 +14,7 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_f16_is_the_cpu_default_and_holds_twice_the_tokens(embedded_runner):
-    assert embedded_runner.kv_dtype == torch.float16 and embedded_runner.kv_dtype_name == "f16"
+    assert embedded_runner.kv_dtype_name == "f16" and embedded_runner.kv_cache.dtype == np.float16
     f32 = ModelRunner(kv_memory_bytes=64 << 20, kv_dtype="f32")
     f16 = ModelRunner(kv_memory_bytes=64 << 20)
     assert f16.block_bytes * 2 == f32.block_bytes and f16.num_blocks == 2 * f32.num_blocks

@@ -494,22 +494,22 @@ def test_cpu_runtime_equals_torch_runner(mode):
 
 @pytest.mark.parametrize("rust_max", [131072, 50])
 @pytest.mark.parametrize("which", ["tiny", "embedded"])
-def test_fused_cpu_forward_equals_torch_path(which, rust_max, tiny_model_dir):
-    """The fused CPU forward (Rust operators, model/torch/cpu_forward.py) gives the torch path's logits on
-    batches that mix prefill chunks and decodes in any order (a prefill ahead of decodes
-    too), and every row equals the same sequence computed alone. rust_max=50 sends the
-    longer prefill chunks to SDPA and keeps the short ones in Rust."""
+def test_cpu_runtime_rows_equal_the_torch_reference_and_their_sequence_alone(which, rust_max, tiny_model_dir):
+    """The CPU runtime gives the torch reference's logits on batches that mix prefill chunks
+    and decodes in any order (a prefill ahead of decodes too), and every row equals the same
+    sequence computed alone. rust_max=50 sends the longer prefill chunks to paged_prefill's
+    tiles and keeps the short ones row by row."""
     import dataclasses
 
-    from edgepaged.model.torch.cpu_forward import FusedCpuForward
-    # fp32 K/V: this compares the forward paths (test_kv_cache.py covers the f16 cache)
-    runner = ModelRunner(None if which == "embedded" else tiny_model_dir, num_blocks=32, kv_dtype="f32")
-    assert isinstance(runner.forward, FusedCpuForward), "the fused CPU forward should be the default on CPU float32"
+    from edgepaged.model.cpu.runner import CpuRunner
+    src = None if which == "embedded" else tiny_model_dir
+    # fp32 K/V: this compares the forwards (test_kv_cache.py covers the f16 cache)
+    ref = ModelRunner(src, num_blocks=32, kv_dtype="f32")
+    assert ref.forward.name.startswith("torch")
+    cpu = CpuRunner(src, num_blocks=32, kv_dtype="f32",
+                    settings=dataclasses.replace(ref.settings, rust_attention_max=rust_max))
     if which == "embedded":   # quantized weights: the decode-only step runs in one Rust call
-        assert runner.quantized and runner.forward.decoder is not None
-    settings = dataclasses.replace(runner.settings, rust_attention_max=rust_max)
-    paths = {False: TorchForward(runner.model, runner.backend, runner.kv_cache, kernel_threads=runner.quantized),
-             True: FusedCpuForward(runner.model, runner.backend, runner.kv_cache, settings, runner.quantized)}
+        assert cpu.quantized and cpu.model.decoder is not None
     tol = 1e-3 if which == "embedded" else 1e-4
     toks = [list(range(40, 60)), list(range(70, 79)), list(range(90, 102))]
     steps = [[(0, toks[0]), (1, toks[1][:5])],
@@ -517,26 +517,20 @@ def test_fused_cpu_forward_equals_torch_path(which, rust_max, tiny_model_dir):
              [(1, [8]), (0, [9]), (2, [10])],                      # decodes only
              [(2, [11]), (0, [12]), (1, [13, 14, 15])]]            # decodes ahead of a prefill chunk
     results = {}
-    chosen = runner.forward
-    try:
-        for fused in (False, True):
-            runner.forward = paths[fused]
-            runner.kv_cache.zero_()
-            paged, outs = Paged(runner.num_blocks, runner.block_size, seed=3), []
-            for items in steps:
-                ids, pos, meta = paged.batch(items)
-                outs.append(runner.execute(ids, pos, meta))
-            results[fused] = outs
-    finally:
-        runner.forward = chosen
-    for a, b in zip(results[False], results[True]):
+    for name, runner in (("torch", ref), ("cpu", cpu)):
+        paged, outs = Paged(runner.num_blocks, runner.block_size, seed=3), []
+        for items in steps:
+            ids, pos, meta = paged.batch(items)
+            outs.append(torch.as_tensor(np.asarray(runner.execute(ids, pos, meta))))
+        results[name] = outs
+    for a, b in zip(results["torch"], results["cpu"]):
         assert (a - b).abs().max().item() <= tol
     # every row against its sequence computed alone, in one prefill
     seen = {0: [], 1: [], 2: []}
-    for items, out in zip(steps, results[True]):
+    for items, out in zip(steps, results["cpu"]):
         for row, (sid, new) in enumerate(items):
             seen[sid] += new
-            runner.kv_cache.zero_()
-            ids, pos, meta = Paged(runner.num_blocks, runner.block_size, seed=5).batch([(sid, seen[sid])])
-            alone = runner.execute(ids, pos, meta)[0]
+            cpu.kv_cache[...] = 0
+            ids, pos, meta = Paged(cpu.num_blocks, cpu.block_size, seed=5).batch([(sid, seen[sid])])
+            alone = torch.as_tensor(np.asarray(cpu.execute(ids, pos, meta)))[0]
             assert (alone - out[row]).abs().max().item() <= tol, (sid, row)

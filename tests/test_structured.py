@@ -637,7 +637,7 @@ async def test_logprobs_are_the_models_and_penalties_and_bias_apply(embedded_run
     ids, pos, meta = Paged(embedded_runner.num_blocks).batch([(0, prompt + answer)])
     with torch.inference_mode():
         logits = embedded_runner.execute(ids, pos, meta, list(range(len(prompt) - 1, len(prompt) + len(answer) - 1)))
-        want = torch.log_softmax(logits, -1)[torch.arange(len(answer)), torch.tensor(answer)]
+        want = torch.log_softmax(torch.as_tensor(logits), -1)[torch.arange(len(answer)), torch.tensor(answer)]
     got = [e.logprob for e in content][:len(answer)]
     assert len(got) == len(answer)
     assert abs(sum(got) - float(want.sum())) < 1e-2 and max(abs(a - b) for a, b in zip(got, want.tolist())) < 5e-3

@@ -7,13 +7,12 @@ every EDGEPAGED_ variable that changes how the model runs is in this table (the 
 | `EDGEPAGED_NUM_THREADS`           | CPUs    | threads of the kernels' pool and of torch (read by Rust too) |
 | `EDGEPAGED_SPIN_US`               | 200     | µs an idle kernel thread spins before it sleeps (Rust)       |
 | `EDGEPAGED_RUNTIME`               | auto    | cpu (numpy + Rust, GGUF or safetensors on the CPU), torch, auto (read by `open.choose_runtime`) |
-| `EDGEPAGED_FUSED`                 | 1       | torch runtime: 0 for the plain torch forward on CPU          |
 | `EDGEPAGED_QUANT_MATH`            | auto    | `int8`: activations quantized per block of 32 (per 256 for K-quants) and 8-bit dot products (llama.cpp's way); `exact`: fp32 activations, the weights decoded exactly; `auto`: int8 for models of 0.7 B parameters and more on a CPU with AVX2 or AVX-512 VNNI, exact otherwise (`serve --quant-math`) |
 | `EDGEPAGED_QUANT_INTERLEAVE`      | 1       | exact math: 0 keeps GGUF's row order for Q4_0/Q4_1/Q8_0      |
 | `EDGEPAGED_QUANT_DENSE_MIN_TOKENS`| 768     | token rows from which quantized products decode to fp32 + GEMM (not the integer kernels' weights, nor interleaved Q4_0/Q4_1/Q8_0 ones) |
 | `EDGEPAGED_QUANT_TORCH_THREADS`   | 1       | 0: let torch keep all its threads beside the kernels' pool   |
 | `EDGEPAGED_RUST_ATTENTION_MAX`    | 131072  | a prefill chunk of q rows over n positions attends in Rust while q * n is at most this |
-| `EDGEPAGED_FUSED_MAX_TOKENS`      | 256     | steps with fewer rows run all layers in one Rust call        |
+| `EDGEPAGED_FUSED_MAX_TOKENS`      | 256     | CPU runtime: steps with fewer rows run all layers in one Rust call |
 | `EDGEPAGED_TILE_ATTENTION_MIN`    | 8192    | CPU runtime: a prefill chunk of q rows over n positions attends in `paged_prefill`'s tiles (its step layer by layer) once q * n is above this |
 | `EDGEPAGED_NO_AVX512`             | 0       | 1: the kernels use AVX2 even on a CPU with AVX-512 (read by Rust, at the first kernel call) |
 | `EDGEPAGED_DECODE_PREFETCH`       | 8192    | bytes ahead of its reads the integer kernels prefetch a decode step's weights (0: the hardware's prefetch alone; read by Rust; `quant.decode_prefetch`) |
@@ -53,7 +52,6 @@ MATHS = ("auto", "int8", "exact")
 @dataclass(frozen=True)
 class CpuConfig:
     num_threads: int | None = None     # None: every CPU this process may use
-    fused: bool = True
     quant_math: str = "auto"           # how quantized weights are multiplied (MATHS)
     quant_interleave: bool = True
     dense_min_tokens: int = 768
@@ -75,7 +73,6 @@ class CpuConfig:
         return cls(
             quant_math=math,
             num_threads=threads if threads > 0 else None,
-            fused=_flag(env, "EDGEPAGED_FUSED", True),
             quant_interleave=_flag(env, "EDGEPAGED_QUANT_INTERLEAVE", True),
             dense_min_tokens=_int(env, "EDGEPAGED_QUANT_DENSE_MIN_TOKENS", 768),
             torch_single_thread=_flag(env, "EDGEPAGED_QUANT_TORCH_THREADS", True),

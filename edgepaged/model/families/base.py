@@ -1,8 +1,7 @@
 """What a model family is: its config keys, its tensor names and its decoder layer as a
 sequence of named steps, written once (one small file per family) and executed by every
-runtime: the CPU runtime (`cpu_runtime.CpuModel._layers`, numpy and Rust), the torch
-modules (`llama.DecoderLayer`, the tests' reference and the GPU path) and the torch runner's
-fused CPU forward (`model/torch/cpu_forward.py`).
+runtime: the CPU runtime (`model/cpu/runner.py`, numpy and Rust) and the torch modules
+(`model/torch/llama.py`, the GPU path and the tests' reference).
 
 A layer is a tuple of steps over the residual stream h:
 

@@ -2,8 +2,8 @@
 
 The module tree is built empty and filled by one placement routine, `load_weights`, from
 the loader's weight stream: each linear becomes a dense `Linear` or, when every part of it
-arrived as GGUF blocks, a `QuantLinear`. The forward is the torch reference; the CPU's
-fused forward (`model/torch/cpu_forward.py`) runs the same modules with Rust operators around them.
+arrived as GGUF blocks, a `QuantLinear`. The forward is the GPU path and, on a CPU, the tests'
+reference for the torch-free runtime (`model/cpu/`).
 """
 from __future__ import annotations
 

@@ -117,8 +117,7 @@ class ModelRunner(RunnerBase):
         self.max_model_len = min(cfg.context_length, num_blocks * block_size)
         if self.max_model_len != self.model.rotary.max_positions:
             self.model.build_rotary(self.max_model_len)
-        self.forward = forward.choose(self.model, self.backend, self.kv_cache, self.device, self.dtype, settings,
-                                      self.quantized)
+        self.forward = forward.choose(self.model, self.backend, self.kv_cache, settings, self.quantized)
 
     def _rotary_size(self) -> int:
         return self.model.rotary.max_positions
