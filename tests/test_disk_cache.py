@@ -87,7 +87,7 @@ async def test_an_evicted_prompt_is_read_back_instead_of_computed(cpu_runner, tm
         for o in others:                                      # 40 blocks: these push `a` out of RAM
             await answer(e, o)
         assert e.allocator.prefix_match(a)[0] < 64
-        e.disk.flush()
+        e.disk.tier.flush()
         again, cached = await answer(e, a)
         assert again == first and cached >= 144
         assert e.stats()["prefix_cache_disk"]["hits"] >= 1
@@ -99,8 +99,8 @@ async def test_a_corrupt_or_truncated_block_is_a_miss(cpu_runner, tmp_path):
         first, _ = await answer(e1, a)
     from edgepaged.engine.disk_cache import chain_keys
     async with engine_for(cpu_runner, tmp_path) as e2:
-        keys = chain_keys(a, 0, e2.disk.identity, BS, len(a) // BS)
-        files = [e2.disk._path(k) for k in keys]
+        keys = chain_keys(a, 0, e2.disk.tier.identity, BS, len(a) // BS)
+        files = [e2.disk.tier._path(k) for k in keys]
         raw = bytearray(files[4].read_bytes())
         raw[-7] ^= 0x40                                       # one bit of block 4's payload
         files[4].write_bytes(bytes(raw))
@@ -108,8 +108,8 @@ async def test_a_corrupt_or_truncated_block_is_a_miss(cpu_runner, tmp_path):
         again, cached = await answer(e2, a)
         assert again == first and cached == 4 * BS            # blocks 0-3 read, 4 on computed
         assert e2.stats()["prefix_cache_disk"]["corrupt"] == 1
-        e2.disk.flush()                                       # block 4 computed again, and written again
-        assert e2.disk._read(keys[4]) is not None
+        e2.disk.tier.flush()                                       # block 4 computed again, and written again
+        assert e2.disk.tier._read(keys[4]) is not None
 
 
 async def test_another_identity_or_model_never_hits(cpu_runner, tmp_path):
@@ -158,7 +158,7 @@ async def main():
                             ids += ev.token_ids
                 out.append(ids)
             await e.settle()
-            e.disk.flush()
+            e.disk.tier.flush()
             info = e.stats()["prefix_cache_disk"]
     print(json.dumps({"answers": out, "writing": info["writing"], "written": info["written"],
                       "warnings": [l for l in lines if "disk tier" in l]}))
@@ -204,7 +204,7 @@ async def test_the_writer_waits_while_steps_run(cpu_runner, tmp_path):
     Copied in one gather, the bytes are `read_block`'s."""
     written = []
     async with engine_for(cpu_runner, tmp_path) as e:
-        e.step_hook = lambda batch: written.append(e.disk.stats["written"])
+        e.step_hook = lambda batch: written.append(e.disk.tier.stats["written"])
         ids = prompt(21)
         req = Request(prompt_ids=ids, params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         async with e.stream(req) as events:
@@ -215,11 +215,11 @@ async def test_the_writer_waits_while_steps_run(cpu_runner, tmp_path):
         assert len(written) > 8 and set(written) == {0}, written
         import trio
         await e.settle()
-        await trio.to_thread.run_sync(e.disk.flush)
-        assert e.disk.quiet.is_set() and e.disk.stats["written"] == len(ids) // BS
-        stored = [e.disk._path(k).read_bytes()[-e.disk.block_bytes:] for k in
+        await trio.to_thread.run_sync(e.disk.tier.flush)
+        assert e.disk.quiet.is_set() and e.disk.tier.stats["written"] == len(ids) // BS
+        stored = [e.disk.tier._path(k).read_bytes()[-e.disk.tier.block_bytes:] for k in
                   __import__("edgepaged.engine.disk_cache", fromlist=["chain_keys"]).chain_keys(
-                      ids, 0, e.disk.identity, BS, len(ids) // BS)]
+                      ids, 0, e.disk.tier.identity, BS, len(ids) // BS)]
         assert stored == cached_blocks(e, ids)
     table = list(range(3, 9))
     got = cpu_runner.read_blocks(table)
@@ -318,10 +318,10 @@ async def test_a_prompt_s_blocks_are_copied_after_its_first_token_not_in_its_ste
         assert sum(n for _, n in calls) == len(ids) // BS
         assert e.allocator.num_sequences == 0 and e.stats()["kv_blocks_used"] == 0   # the pin went back
         e.allocator.check_invariants()
-        e.disk.flush()
+        e.disk.tier.flush()
         from edgepaged.engine.disk_cache import chain_keys
-        keys = chain_keys(ids, 0, e.disk.identity, BS, len(ids) // BS)
-        assert [e.disk._path(k).read_bytes()[-e.disk.block_bytes:] for k in keys] == cached_blocks(e, ids)
+        keys = chain_keys(ids, 0, e.disk.tier.identity, BS, len(ids) // BS)
+        assert [e.disk.tier._path(k).read_bytes()[-e.disk.tier.block_bytes:] for k in keys] == cached_blocks(e, ids)
 
 
 async def test_a_busy_engine_copies_pinned_blocks_between_steps(cpu_runner, tmp_path, monkeypatch):
@@ -329,8 +329,8 @@ async def test_a_busy_engine_copies_pinned_blocks_between_steps(cpu_runner, tmp_
     blocks are copied whole between two steps while another request keeps the engine busy (and
     the writer writes them when it rests, or BUSY_WAIT_S after)."""
     import trio
-    from edgepaged.engine import engine as engine_mod
-    monkeypatch.setattr(engine_mod, "DISK_COPY_WAIT_S", 0.0)
+    from edgepaged.engine import disk_cache
+    monkeypatch.setattr(disk_cache, "DISK_COPY_WAIT_S", 0.0)
     async with engine_for(cpu_runner, tmp_path) as e:
         long = Request(prompt_ids=prompt(40, 20), params=SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         done = trio.Event()
@@ -350,10 +350,10 @@ async def test_a_busy_engine_copies_pinned_blocks_between_steps(cpu_runner, tmp_
             async with e.stream(req) as events:
                 async for _ in events:
                     pass
-            while e._disk_pins and not done.is_set():
+            while e.disk.pins and not done.is_set():
                 await trio.sleep(0.01)
-            assert not done.is_set() and not e._disk_pins     # copied while the long one still ran
-            assert e.disk._queued and e.allocator.num_sequences == 1   # handed to the writer, the pin gone
+            assert not done.is_set() and not e.disk.pins     # copied while the long one still ran
+            assert e.disk.tier._queued and e.allocator.num_sequences == 1   # handed to the writer, the pin gone
             long_left = not long.finished
             n.cancel_scope.cancel()
         assert long_left
@@ -372,7 +372,7 @@ async def test_the_answers_lookup_drafts_from_come_back_after_a_restart(cpu_runn
     async with engine_for(cpu_runner, tmp_path) as e1:
         first, _ = await answer(e1, a, salt=3)
         kept = e1.spec.history.corpus(3).copy()
-        folder = e1.disk.dir
+        folder = e1.disk.tier.dir
     assert (folder / ANSWERS_FILE).exists()
     async with engine_for(cpu_runner, tmp_path) as e2:
         assert np.array_equal(e2.spec.history.corpus(3), kept) and e2.spec.history.corpus(4) is None

@@ -27,10 +27,17 @@ runs at the lowest priority, so it held that lock while descheduled). What waits
 by `PENDING_BYTES`; past it a prompt's blocks are dropped (a cache). Blocks handed over and
 not written yet are not wanted again (a warm command does not copy the whole shared prefix
 again while it waits).
+
+The engine's side of the tier is here too, `DiskPrefix` (the end of this file): a request's
+prompt looked up before it queues (`load`), a completed prompt's blocks pinned after its step
+(`pin`) and copied out of the pool when the engine rests (`flush`, `due`). The scheduler's
+part, loading the blocks found into the step that admits the request, reads the request's
+`DiskState` (`Request.disk_tier`), kept by this module.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import queue
@@ -41,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common import brief
 from ..model.weights_cache import lowest_priority
 
 
@@ -287,3 +295,149 @@ class DiskTier:
     def info(self) -> dict:
         return {**self.stats, "blocks": len(self.index), "bytes": self.size_bytes, "limit_bytes": self.limit,
                 "writing": self.writable}
+
+
+# ---------------------------------------------------------------- the engine's side
+
+# A completed prompt's blocks the disk tier lacks stay pinned (a sequence of their own shares
+# them) until the engine has no step to run, and are copied out of the pool then, a piece at a
+# time (a request that arrives waits one piece at most): copying ~70 MB of a 2 k-token prompt
+# inside the step that completed it held that prompt's first token back 0.05-0.17 s. A box
+# that never rests copies them whole between two steps this long after the pin.
+DISK_COPY_WAIT_S = 1.0
+DISK_COPY_PIECE = 32            # blocks a piece
+_pin_ids = itertools.count(1 << 62)   # the pins' sequence ids (requests count from 1)
+
+
+@dataclass
+class _Pin:
+    seq: int                           # the allocator sequence holding the blocks
+    items: list[tuple[bytes, int]]     # (disk key, block) still to copy
+    since: float
+
+
+def identity(runner) -> str:
+    """A model's identity for the tier: the file (name, size, time), the KV cache's type and
+    block size and how the weights multiply, so a block never serves another model or another
+    arithmetic."""
+    path = runner.model_path
+    try:
+        st = path.stat()
+        ident = f"{path.name}|{st.st_size}|{st.st_mtime_ns}"
+    except OSError:
+        ident = str(path)
+    return ident + f"|{runner.kv_dtype_name}|{runner.block_size}|{runner.quant_math}|{type(runner).__name__}"
+
+
+class DiskPrefix:
+    """The disk tier as the engine uses it, all of it here: a request's prompt blocks looked
+    up on disk before it queues (`load`; the scheduler reads `DiskState.found` at admission and
+    plans the loads), a completed prompt's blocks pinned after its step (`pin`) and copied out
+    of the pool when the engine rests or the pin has waited (`flush`, `due`)."""
+
+    def __init__(self, tier: DiskTier, runner, allocator, threads):
+        self.tier, self.runner, self.allocator, self.threads = tier, runner, allocator, threads
+        self.block_size = runner.block_size
+        self.pins: list[_Pin] = []        # completed prompts' blocks waiting to be copied to the tier
+        self._pinned: set[bytes] = set()  # their keys (not pinned twice)
+
+    @classmethod
+    def open(cls, runner, allocator, threads, limit_bytes: int, directory: Path | None = None) -> "DiskPrefix":
+        if directory is None:
+            from ..common.dirs import store_dir
+            directory = store_dir() / "kvcache"
+        return cls(DiskTier(directory, identity(runner), runner.block_bytes, runner.block_size, limit_bytes),
+                   runner, allocator, threads)
+
+    @property
+    def quiet(self) -> threading.Event:
+        return self.tier.quiet
+
+    def info(self) -> dict:
+        return self.tier.info()
+
+    async def load(self, req) -> None:
+        """The prompt's blocks the RAM cache lacks and the tier holds, read and checked in a
+        worker thread before the request queues (the scheduler loads them at admission)."""
+        import trio
+        bs = self.block_size
+        if req.embed or req.context_window is not None or len(req.prompt_ids) <= bs:
+            return
+        ram = self.allocator.prefix_match(req.prompt_ids, req.salt)[0]
+        if ram >= (len(req.prompt_ids) - 1) // bs * bs:
+            return
+        try:
+            start, blocks = await trio.to_thread.run_sync(self.tier.fetch, req.prompt_ids, req.salt, ram // bs,
+                                                         limiter=self.threads)
+        except Exception as e:     # noqa: BLE001 - a cache: computed instead
+            log.warning("the prefix cache's disk tier could not be read: %s", brief.of(e))
+            return
+        if blocks:
+            req.disk_tier.found = (start, blocks)
+
+    def pin(self, requests) -> None:
+        """After a step: the prompts it completed pin their full blocks the tier lacks (a
+        sequence of their own shares them), to be copied out when the engine rests."""
+        bs = self.block_size
+        for r in requests:
+            if (r.disk_tier.saved or r.embed or r.context_window is not None or r.num_slots < len(r.prompt_ids)
+                    or len(r.prompt_ids) < bs or r.finished or not self.allocator.has_sequence(r.id)):
+                continue
+            r.disk_tier.saved = True
+            try:
+                want = [(j, key) for j, key in self.tier.wanted(r.prompt_ids, r.salt) if key not in self._pinned]
+                if not want:
+                    continue
+                pin = next(_pin_ids)
+                self.allocator.fork(r.id, pin)
+                try:
+                    self.allocator.truncate(pin, (want[-1][0] + 1) * bs)
+                    table = self.allocator.block_table(pin)
+                except Exception:
+                    self.allocator.free_sequence(pin, cache=False)
+                    raise
+                items = [(key, int(table[j])) for j, key in want if j < len(table)]
+                self.pins.append(_Pin(pin, items, time.monotonic()))
+                self._pinned.update(key for key, _ in items)
+            except Exception as e:   # noqa: BLE001 - a cache: nothing else hurt
+                log.warning("the prefix cache's disk tier could not take a prompt: %s", brief.of(e))
+
+    def due(self) -> bool:
+        """Whether the pins are copied now, between two steps: the oldest waited
+        `DISK_COPY_WAIT_S` (a box that never rests), or the pool runs short of free blocks."""
+        return bool(self.pins) and (time.monotonic() - self.pins[0].since > DISK_COPY_WAIT_S
+                                    or self.allocator.num_free_blocks < sum(len(p.items) for p in self.pins))
+
+    async def flush(self, whole: bool, has_work=lambda: False) -> None:
+        """The pinned blocks copied out of the pool (one gather a piece, in a worker thread)
+        and handed to the tier's writer; a pin done is released. Not `whole`: a piece at a
+        time, returning when `has_work()` (a request waits)."""
+        import trio
+        while self.pins:
+            pin = self.pins[0]
+            n = len(pin.items) if whole else DISK_COPY_PIECE
+            piece, pin.items = pin.items[:n], pin.items[n:]
+            try:
+                data = await trio.to_thread.run_sync(self.runner.read_blocks, [b for _, b in piece],
+                                                     limiter=self.threads)
+                self.tier.put([(key, d) for (key, _), d in zip(piece, data)])
+            except Exception as e:   # noqa: BLE001 - a cache: nothing else hurt
+                log.warning("the prefix cache's disk tier could not take a prompt: %s", brief.of(e))
+            finally:
+                self._pinned.difference_update(key for key, _ in piece)
+                if not pin.items:
+                    self.pins.pop(0)
+                    try:
+                        self.allocator.free_sequence(pin.seq, cache=True)
+                    except Exception as e:   # noqa: BLE001 - cannot happen; the engine goes on
+                        log.error("a disk tier pin could not be released: %s", brief.of(e))
+            if not whole and has_work():
+                return
+
+    async def close(self) -> None:
+        """At the engine's end: every pin copied out, and what the tier was given on disk."""
+        import trio
+        if self.pins:
+            with trio.CancelScope(shield=True):
+                await self.flush(whole=True)
+        await trio.to_thread.run_sync(self.tier.close, limiter=self.threads)

@@ -15,7 +15,6 @@ uses them, right after that step, cached only if the step succeeded.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
@@ -32,31 +31,15 @@ from ..common import brief
 from .metrics import Metrics
 from ..common.memory import release_free_memory
 from .request import INTERACTIVE, CostHold, DoneEvent, EmbeddingEvent, Request, Status, TokenEvent
+from .disk_cache import DiskPrefix
 from .draft import Drafter, check_pair
-from .speculate import SpecConfig, Speculation, chain_drafts
+from .speculate import SpecConfig, Speculation
 from .scheduler import Batch, ScheduleError, Scheduler, SchedulerConfig
-from ..constrain.grammar import ForcedTooLong, GrammarRefused, forced_run, matcher_error
+from ..constrain.grammar import GrammarRefused, forced_run, matcher_error
 from ..model.runtime import StepInterrupted
 
 log = logging.getLogger("edgepaged.engine")
 ANSWERS_FILE = "answers.bin"    # AnswerHistory's (prompt lookup's earlier answers), in the disk tier's folder
-# A completed prompt's blocks the disk tier lacks stay pinned (a sequence of their own shares
-# them) until the engine has no step to run, and are copied out of the pool then, a piece at a
-# time (a request that arrives waits one piece at most): copying ~70 MB of a 2 k-token prompt
-# inside the step that completed it held that prompt's first token back 0.05-0.17 s. A box
-# that never rests copies them whole between two steps this long after the pin.
-DISK_COPY_WAIT_S = 1.0
-DISK_COPY_PIECE = 32            # blocks a piece
-_pin_ids = itertools.count(1 << 62)   # the pins' sequence ids (requests count from 1)
-
-
-@dataclass
-class _DiskPin:
-    seq: int                           # the allocator sequence holding the blocks
-    items: list[tuple[bytes, int]]     # (disk key, block) still to copy
-    since: float
-
-
 # what a client is told when the server failed on its behalf: never an exception's text (the
 # log has one line, and the traceback at debug level)
 INTERNAL = {"code": "internal_error", "message": "the server failed while answering this request (see its log)"}
@@ -149,12 +132,17 @@ class Engine:
                 self.drafter = self.scheduler.drafter = Drafter(runner.draft, self.allocator, self.max_model_len)
         else:
             self.spec = Speculation(SpecConfig(mode="off"))
-        self.disk = None
+        # the engine's own worker threads (steps, the disk tier, drafts): never shared with a door's
+        # or the model store's blocking work (41 creates from a FIFO once took trio's 40 and the
+        # engine never answered again while /health said ok)
+        self.threads = trio.CapacityLimiter(4)
+        self.disk: DiskPrefix | None = None
         if (cfg.prefix_cache_disk and cfg.enable_prefix_caching and not cfg.contiguous
                 and runner.keeps_kv):
-            self.disk = self._disk_tier(runner, cfg)
+            self.disk = DiskPrefix.open(runner, self.allocator, self.threads, cfg.prefix_cache_disk,
+                                        cfg.prefix_cache_dir)
             if self.spec.on and self.spec.config.mode == "lookup":   # the answers drafts came from, as they were
-                self.spec.history.load(self.disk.dir / ANSWERS_FILE, runner.config.vocab_size)
+                self.spec.history.load(self.disk.tier.dir / ANSWERS_FILE, runner.config.vocab_size)
         path = runner.model_path
         self.model_name = runner.model_name or (path.stem if hasattr(path, "stem") else "model")
         self.metrics = Metrics(self.model_name)
@@ -167,14 +155,8 @@ class Engine:
         self._idle = trio.Event()
         self._idle.set()
         self._steps_since_trim = 0
-        self._disk_pins: list[_DiskPin] = []     # completed prompts' blocks waiting to be copied to the disk tier
-        self._disk_pinned: set[bytes] = set()    # their keys (not pinned twice)
         self.step_started: float | None = None   # trio time the running model step began (None: no step)
         self._costs: dict[Request, tuple[str, int]] = {}   # unfinished requests: (owner, max_tokens)
-        # the engine's own worker threads (steps, the disk tier, drafts): never shared with a door's
-        # or the model store's blocking work (41 creates from a FIFO once took trio's 40 and the
-        # engine never answered again while /health said ok)
-        self.threads = trio.CapacityLimiter(4)
         self._holds: set[CostHold] = set()          # checked costs not streamed yet (hold_cost)
         self._pending: dict[Request, float] = {}   # built for this engine, not streamed yet (expect)
         self._owner_tokens: dict[str, int] = {}
@@ -182,26 +164,6 @@ class Engine:
         self._stoppable: tuple[float, float] | None = None
         self._may_stop = True      # the last long step ran to its end
         self.steps_interrupted = 0
-
-    @staticmethod
-    def _disk_tier(runner, cfg: "EngineConfig"):
-        """The disk tier of this model's prefix cache: keyed by the file (name, size, time),
-        the KV cache's type and block size and how the weights multiply, so a block never
-        serves another model or another arithmetic."""
-        from .disk_cache import DiskTier
-        path = runner.model_path
-        try:
-            st = path.stat()
-            ident = f"{path.name}|{st.st_size}|{st.st_mtime_ns}"
-        except OSError:
-            ident = str(path)
-        ident += f"|{runner.kv_dtype_name}|{runner.block_size}|{runner.quant_math}|{type(runner).__name__}"
-        if cfg.prefix_cache_dir is not None:
-            where = cfg.prefix_cache_dir
-        else:
-            from ..common.dirs import store_dir
-            where = store_dir() / "kvcache"
-        return DiskTier(where, ident, runner.block_bytes, runner.block_size, cfg.prefix_cache_disk)
 
     PENDING_S = 60.0   # a request built and never streamed stops holding its model after this
 
@@ -261,14 +223,11 @@ class Engine:
         for req in list(self.requests.values()):
             self._end(req, "cancelled", error={"code": "shutdown", "message": "the server is shutting down"})
         await self._stack.__aexit__(*exc)
-        if self._disk_pins:
-            with trio.CancelScope(shield=True):
-                await self._flush_disk(whole=True)
-        if self.disk is not None:     # what the tier was given reaches the disk
-            await trio.to_thread.run_sync(self.disk.close, limiter=self.threads)
-            if self.disk.writable and self.spec.history.corpus_count():
+        if self.disk is not None:     # every pin copied out, and what the tier was given on disk
+            await self.disk.close()
+            if self.disk.tier.writable and self.spec.history.corpus_count():
                 try:
-                    await trio.to_thread.run_sync(self.spec.history.save, self.disk.dir / ANSWERS_FILE,
+                    await trio.to_thread.run_sync(self.spec.history.save, self.disk.tier.dir / ANSWERS_FILE,
                                                  limiter=self.threads)
                 except OSError as e:
                     log.warning("the answers prompt lookup drafts from were not saved: %s", _short(e))
@@ -299,7 +258,7 @@ class Engine:
         if req.finished or req.send is not None:
             raise ValueError(f"request {req.id} was already submitted or has ended")
         if req.fork_of is None and self.disk is not None:
-            await self._from_disk(req)          # (still pending meanwhile: its model stays loaded)
+            await self.disk.load(req)          # (still pending meanwhile: its model stays loaded)
             if not self.accepting:
                 raise EngineClosed("the engine is not accepting requests (shutting down)")
         self._pending.pop(req, None)
@@ -327,24 +286,6 @@ class Engine:
             if not req.finished:
                 self._end(req, "cancelled")
             self.requests.pop(req.id, None)
-
-    async def _from_disk(self, req: Request) -> None:
-        """The prompt's blocks the RAM cache lacks and the disk tier holds, read and checked in
-        a worker thread before the request queues (the scheduler loads them at admission)."""
-        bs = self.block_size
-        if req.embed or req.context_window is not None or len(req.prompt_ids) <= bs:
-            return
-        ram = self.allocator.prefix_match(req.prompt_ids, req.salt)[0]
-        if ram >= (len(req.prompt_ids) - 1) // bs * bs:
-            return
-        try:
-            start, blocks = await trio.to_thread.run_sync(self.disk.fetch, req.prompt_ids, req.salt, ram // bs,
-                                                         limiter=self.threads)
-        except Exception as e:     # noqa: BLE001 - a cache: computed instead
-            log.warning("the prefix cache's disk tier could not be read: %s", _short(e))
-            return
-        if blocks:
-            req.disk_tier.found = (start, blocks)
 
     @asynccontextmanager
     async def stream_samples(self, req: Request) -> AsyncIterator[trio.MemoryReceiveChannel]:
@@ -436,8 +377,8 @@ class Engine:
                 continue
             if batch is None:
                 if not self.scheduler.has_work():
-                    if self._disk_pins:       # a piece at a time; a request that arrives goes first
-                        await self._flush_disk(whole=False)
+                    if self.disk is not None and self.disk.pins:   # a piece at a time; a request that arrives goes first
+                        await self.disk.flush(whole=False, has_work=self.scheduler.has_work)
                         continue
                     self._idle.set()
                     if self.disk is not None:
@@ -455,9 +396,8 @@ class Engine:
             if self.disk is not None:
                 self.disk.quiet.clear()       # its writer waits while steps run
             await self._run_step(batch)
-            if self._disk_pins and (time.monotonic() - self._disk_pins[0].since > DISK_COPY_WAIT_S
-                                    or self.allocator.num_free_blocks < sum(len(p.items) for p in self._disk_pins)):
-                await self._flush_disk(whole=True)    # a busy box, or its pool runs short
+            if self.disk is not None and self.disk.due():
+                await self.disk.flush(whole=True)    # a busy box, or its pool runs short
             if self.drafter is not None:
                 await self._draft_round()
             self._steps_since_trim += 1
@@ -467,14 +407,8 @@ class Engine:
         """The draft model guesses the next tokens of the requests that draft (few running,
         decoding, eligible), in a worker thread; the next step checks them. Its sequences of
         requests that stopped drafting go back to the pool."""
-        d, sched, spec = self.drafter, self.scheduler, self.spec
-        wanted = []
-        if len(sched.running) <= spec.config.max_running:
-            for r in sched.running:
-                if r.status is Status.RUNNING and not r.finished and r.is_decoding and spec.eligible(r):
-                    k = spec.want_k(r, self.max_model_len)
-                    if k > 0:
-                        wanted.append((r, k))
+        d, sched = self.drafter, self.scheduler
+        wanted = self.spec.wanted(sched.running, self.max_model_len)
         if d.holds() and d.drop_all(keep={r for r, _ in wanted}):
             sched._free_blocks = None
         if not wanted:
@@ -560,9 +494,10 @@ class Engine:
             if pool:
                 tokens = self._pooled(batch, pool, tokens)
             if spec:
-                self._settle_drafts(batch, tokens)
+                self.spec.settle(list(batch.spec), [tokens[batch.sampled.index(r)] for r in batch.spec],
+                                 self.allocator)
             if self.disk is not None:
-                self._pin_for_disk(batch)
+                self.disk.pin(batch.requests)
             self.scheduler.observe_step(batch.num_tokens, time.monotonic() - t0)
             log.debug("a step of %d tokens (%d requests) in %.3f s", batch.num_tokens, len(batch.requests),
                       time.monotonic() - t0)
@@ -648,26 +583,8 @@ class Engine:
         for req in batch.requests:
             if req.finished and req.status is Status.RUNNING:
                 self.scheduler.free(req, cache=cache)
-        if not self.scheduler.has_work() and not self._disk_pins:
+        if not self.scheduler.has_work() and not self._disk_busy():
             self._idle.set()
-
-    def _settle_drafts(self, batch: Batch, tokens: list) -> None:
-        """After a step with drafts: each drafting sequence keeps the drafts it accepted (the
-        allocator truncates it past them: the rejected ones' slots go, never cached), also when
-        the request ended while the step ran."""
-        for req in batch.spec:
-            i = batch.sampled.index(req)
-            got = tokens[i]
-            kept = len(got) - 1 if isinstance(got, list) else 0
-            drafted = len(req.drafting.drafts)
-            req.num_known += kept
-            if self.allocator.has_sequence(req.id):
-                self.allocator.truncate(req.id, req.num_known)
-                req.num_slots = self.allocator.seq_num_slots(req.id)
-            if isinstance(got, list):
-                forced, req.drafting.forced = req.drafting.forced, 0
-                self.spec.record(req, drafted, kept, forced)
-            req.drafting.drafts = []
 
     def _execute(self, batch: Batch, params, prev, matchers=None, outputs=None, rows=(),
                  embeds=None, spec=None) -> tuple[list, dict]:
@@ -688,58 +605,6 @@ class Engine:
             extra["spec"] = spec
         tokens = self.runner.step(batch, params, prev, **extra)
         return tokens, self._advance_grammars(rows, tokens)
-
-    def _pin_for_disk(self, batch: Batch) -> None:
-        """After a step: the prompts it completed pin their full blocks the disk tier lacks (a
-        sequence of their own shares them), to be copied out when the engine rests."""
-        bs = self.block_size
-        for r in batch.requests:
-            if (r.disk_tier.saved or r.embed or r.context_window is not None or r.num_slots < len(r.prompt_ids)
-                    or len(r.prompt_ids) < bs or r.finished or not self.allocator.has_sequence(r.id)):
-                continue
-            r.disk_tier.saved = True
-            try:
-                want = [(j, key) for j, key in self.disk.wanted(r.prompt_ids, r.salt) if key not in self._disk_pinned]
-                if not want:
-                    continue
-                pin = next(_pin_ids)
-                self.allocator.fork(r.id, pin)
-                try:
-                    self.allocator.truncate(pin, (want[-1][0] + 1) * bs)
-                    table = self.allocator.block_table(pin)
-                except Exception:
-                    self.allocator.free_sequence(pin, cache=False)
-                    raise
-                items = [(key, int(table[j])) for j, key in want if j < len(table)]
-                self._disk_pins.append(_DiskPin(pin, items, time.monotonic()))
-                self._disk_pinned.update(key for key, _ in items)
-            except Exception as e:   # noqa: BLE001 - a cache: nothing else hurt
-                log.warning("the prefix cache's disk tier could not take a prompt: %s", _short(e))
-
-    async def _flush_disk(self, whole: bool) -> None:
-        """The pinned blocks copied out of the pool (one gather a piece, in the worker thread)
-        and handed to the disk tier's writer; a pin done is released. At rest (`whole` False)
-        a piece at a time, returning when a request is waiting."""
-        while self._disk_pins:
-            pin = self._disk_pins[0]
-            n = len(pin.items) if whole else DISK_COPY_PIECE
-            piece, pin.items = pin.items[:n], pin.items[n:]
-            try:
-                data = await trio.to_thread.run_sync(self.runner.read_blocks, [b for _, b in piece],
-                                                     limiter=self.threads)
-                self.disk.put([(key, d) for (key, _), d in zip(piece, data)])
-            except Exception as e:   # noqa: BLE001 - a cache: nothing else hurt
-                log.warning("the prefix cache's disk tier could not take a prompt: %s", _short(e))
-            finally:
-                self._disk_pinned.difference_update(key for key, _ in piece)
-                if not pin.items:
-                    self._disk_pins.pop(0)
-                    try:
-                        self.allocator.free_sequence(pin.seq, cache=True)
-                    except Exception as e:   # noqa: BLE001 - cannot happen; the engine goes on
-                        log.error("a disk tier pin could not be released: %s", _short(e))
-            if not whole and self.scheduler.has_work():
-                return
 
     def _advance_grammars(self, rows, tokens) -> dict:
         out = {}
@@ -765,41 +630,8 @@ class Engine:
             except Exception as e:      # handed to the loop: that request alone ends
                 out[req] = ("failed", e)
         if self.scheduler.spec is not None:
-            self._forced_tokens(out, dict(zip(rows, tokens)))
+            self.spec.chain_next(out, dict(zip(rows, tokens)))
         return out
-
-    def _forced_tokens(self, took: dict, tokens: dict) -> None:
-        """In the worker thread, after the grammars took their tokens: the tokens each format
-        forces next (`{"response": "` of a JSON reply, a call's `{"name": "` ...) become the
-        request's drafts of the next step (`Speculation.drafts_for`), checked like any draft:
-        several forced tokens cost one forward instead of one each; with prompt lookup, its
-        guesses at the format's choices and what they force carry the chain on
-        (`speculate.chain_drafts`)."""
-        cfg = self.scheduler.spec.config
-        lookup = cfg.mode == "lookup"
-        for req, t in took.items():
-            m = (req.constraint.matcher if t[0] == "took" and t[1] and not t[2] or t[0] == "spec" and not t[1]
-                 else t[1] if t[0] == "lazy" and t[1] else None)
-            if m is None or req.drafting.allowed is False or req.params.logprobs is not None or req.children:
-                continue
-            tok = tokens.get(req)
-            new = list(tok) if isinstance(tok, list) else [tok[0] if isinstance(tok, tuple) else tok]
-            at = req.num_tokens + len(new)
-            # what the format forces, and at its choices (lookup only) prompt lookup's guesses
-            # over the answer's own tokens and its identity's earlier answers, cut where the
-            # grammar refuses them (a guess it forbids is a row computed for nothing)
-            k = req.drafting.k or cfg.max_k
-            if isinstance(tok, list) and req.drafting.drafts:    # k as this step's guesses leave it (recorded after)
-                k = self.spec.k_after(req.drafting.k, len(req.drafting.drafts), len(tok) - 1, req.drafting.forced)
-            try:
-                chain, lead, certain = chain_drafts(m, req.all_ids + new if lookup else None, k,
-                                                    self.spec.history.corpus(req.salt) if lookup else None)
-            except ForcedTooLong as e:   # (a call's lazy grammar: its request ends as a format's would)
-                took[req] = ("failed", e)
-                continue
-            except Exception:   # noqa: BLE001 - no drafts then
-                chain, lead, certain = [], 0, []
-            req.drafting.chain = (at, chain, lead, certain) if chain else None
 
     def _process(self, batch: Batch, tokens: list, forks=(), grammar: dict | None = None) -> None:
         now = time.monotonic()
@@ -852,21 +684,6 @@ class Engine:
             blocks_total=self.allocator.num_blocks, generated=generated, preemptions=len(batch.preempted),
             reserved_slots=blocks_used * self.block_size, unused_slots=self._unused_slots())
 
-    def _ahead(self, req: Request) -> list[int] | None:
-        """The tokens `req`'s format forces right after its last one (`req.drafting.chain`, from the
-        worker's `_forced_tokens`), within its max_tokens and before any stop token; None
-        with stop strings (the text might end sooner) or nothing forced."""
-        f, p = req.drafting.chain, req.params
-        if f is None or f[0] != req.num_tokens or p.stop:
-            return None
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.stop_token_ids))
-        ahead = []
-        for t in f[1][:min(f[2], max(0, p.max_tokens - len(req.output_ids)))]:   # the forced lead only
-            if t in stops:
-                break
-            ahead.append(t)
-        return ahead or None
-
     def _take(self, req: Request, tok, now: float, took=None) -> int:
         """One sampled token (or the row's failure) of `req`; how many tokens it generated.
         `took`: what its grammar made of the token, in the worker (_advance_grammars)."""
@@ -900,7 +717,8 @@ class Engine:
             req.stop_reason = tok
             self._end(req, "stop")
             return 1
-        self._send(req, TokenEvent([tok], req.detok.add(tok), None if info is None else [info], self._ahead(req)))
+        self._send(req, TokenEvent([tok], req.detok.add(tok), None if info is None else [info],
+                                  self.spec.ahead(req, self.tokenizer.stop_token_ids)))
         if req.finished:
             return 1
         if took is not None and took[0] == "failed":
@@ -969,8 +787,12 @@ class Engine:
         self._send_quiet(req, DoneEvent(reason, req.usage(), timings, req.stop_reason, error))
         if req.send is not None:
             req.send.close()
-        if not self.scheduler.has_work() and not self._disk_pins:
+        if not self.scheduler.has_work() and not self._disk_busy():
             self._idle.set()
+
+    def _disk_busy(self) -> bool:
+        """The disk tier still has pinned blocks to copy out (the engine does not rest yet)."""
+        return self.disk is not None and bool(self.disk.pins)
 
     @staticmethod
     def _send_quiet(req: Request, event) -> None:

@@ -157,6 +157,11 @@ class Request:
         return len(self.prompt_ids) + self.params.max_tokens
 
     @property
+    def is_running(self) -> bool:
+        """Admitted and holding blocks (not waiting, not preempted, not ended)."""
+        return self.status is Status.RUNNING
+
+    @property
     def is_decoding(self) -> bool:
         """All known tokens but the last sampled one have KV: one token to compute."""
         return bool(self.output_ids) and self.num_slots == self.num_tokens - 1

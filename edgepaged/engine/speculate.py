@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..constrain.grammar import forced_run, forces
+from ..constrain.grammar import ForcedTooLong, forced_run, forces
 from ..model.sampler import verify  # noqa: F401 (a speculation's draws: the sampler's)
 
 MIN_NGRAM, MAX_NGRAM = 1, 4
@@ -330,3 +330,85 @@ class Speculation:
             out[cls] = {"drafted": d, "accepted": a, "acceptance_rate": round(a / d, 3) if d else None,
                         "forced": self.forced.get(cls, 0)}
         return out
+
+    # -- the engine's side: all of a step's speculation is here, the engine only calls it
+
+    def wanted(self, running, max_model_len: int) -> list:
+        """(request, k) for a draft model's next round: the running requests that draft (few
+        running, decoding, eligible), each with the guesses it wants."""
+        if len(running) > self.config.max_running:
+            return []
+        out = []
+        for r in running:
+            if r.is_running and not r.finished and r.is_decoding and self.eligible(r):
+                k = self.want_k(r, max_model_len)
+                if k > 0:
+                    out.append((r, k))
+        return out
+
+    def settle(self, reqs, tokens: list, allocator) -> None:
+        """After a step with drafts (`reqs`: the drafting requests, `tokens`: each one's row
+        answer): each sequence keeps the drafts it accepted (the allocator truncates it past
+        them: the rejected ones' slots go, never cached), also when the request ended while
+        the step ran."""
+        for req, got in zip(reqs, tokens):
+            kept = len(got) - 1 if isinstance(got, list) else 0
+            drafted = len(req.drafting.drafts)
+            req.num_known += kept
+            if allocator.has_sequence(req.id):
+                allocator.truncate(req.id, req.num_known)
+                req.num_slots = allocator.seq_num_slots(req.id)
+            if isinstance(got, list):
+                forced, req.drafting.forced = req.drafting.forced, 0
+                self.record(req, drafted, kept, forced)
+            req.drafting.drafts = []
+
+    def chain_next(self, took: dict, tokens: dict) -> None:
+        """In the step's worker thread, after the grammars took their tokens (`took`: per
+        request, what its grammar made of its token; `tokens`: its row's answer): the tokens
+        each format forces next (`{"response": "` of a JSON reply, a call's `{"name": "` ...)
+        become the request's drafts of the next step (`drafts_for`), checked like any draft:
+        several forced tokens cost one forward instead of one each; with prompt lookup, its
+        guesses at the format's choices and what they force carry the chain on
+        (`chain_drafts`). A call's lazy grammar forcing too much ends its request as a
+        format's would (`took[req]` becomes ("failed", error))."""
+        lookup = self.config.mode == "lookup"
+        for req, t in took.items():
+            m = (req.constraint.matcher if t[0] == "took" and t[1] and not t[2] or t[0] == "spec" and not t[1]
+                 else t[1] if t[0] == "lazy" and t[1] else None)
+            if m is None or req.drafting.allowed is False or req.params.logprobs is not None or req.children:
+                continue
+            tok = tokens.get(req)
+            new = list(tok) if isinstance(tok, list) else [tok[0] if isinstance(tok, tuple) else tok]
+            at = req.num_tokens + len(new)
+            # what the format forces, and at its choices (lookup only) prompt lookup's guesses
+            # over the answer's own tokens and its identity's earlier answers, cut where the
+            # grammar refuses them (a guess it forbids is a row computed for nothing)
+            k = req.drafting.k or self.config.max_k
+            if isinstance(tok, list) and req.drafting.drafts:    # k as this step's guesses leave it (recorded after)
+                k = self.k_after(req.drafting.k, len(req.drafting.drafts), len(tok) - 1, req.drafting.forced)
+            try:
+                chain, lead, certain = chain_drafts(m, req.all_ids + new if lookup else None, k,
+                                                    self.history.corpus(req.salt) if lookup else None)
+            except ForcedTooLong as e:
+                took[req] = ("failed", e)
+                continue
+            except Exception:   # noqa: BLE001 - no drafts then
+                chain, lead, certain = [], 0, []
+            req.drafting.chain = (at, chain, lead, certain) if chain else None
+
+    @staticmethod
+    def ahead(req, stop_ids) -> list[int] | None:
+        """The tokens `req`'s format forces right after its last one (`req.drafting.chain`,
+        from `chain_next`), within its max_tokens and before any stop token; None with stop
+        strings (the text might end sooner) or nothing forced."""
+        f, p = req.drafting.chain, req.params
+        if f is None or f[0] != req.num_tokens or p.stop:
+            return None
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(stop_ids))
+        ahead = []
+        for t in f[1][:min(f[2], max(0, p.max_tokens - len(req.output_ids)))]:   # the forced lead only
+            if t in stops:
+                break
+            ahead.append(t)
+        return ahead or None
