@@ -16,9 +16,11 @@ from pathlib import Path
 import click
 
 from .client.markdown import ThinkingView, writer_for
-from .client import CACHE_ENV, DEFAULT_PORT, ServerError, SyncClient
+from .client import CACHE_ENV, ServerError, SyncClient
+from .common.ports import HTTP_PORT
+from .server import settings as serve_settings
 
-DEFAULT_HTTP_PORT = 7879   # edgepaged.server.httpd.DEFAULT_HTTP_PORT (not imported: client commands start fast)
+DEFAULT_HTTP_PORT = HTTP_PORT
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -148,237 +150,92 @@ def main(verbose):
 # ---------------------------------------------------------------- serve
 
 @main.command()
-@click.option("--model", "model_paths", multiple=True, metavar="MODEL",
-              help="A GGUF file, a Hugging Face folder, a name from `edgepaged models` (the store, the Hugging "
-                   "Face cache, Ollama's store: llama3.2:3b), or a hub repository OWNER/NAME[:FILE] (pulled "
-                   "into the store first). Repeat it to serve several models (the first is the default; each "
-                   "loads on its first request and unloads when idle); `all`: every model `edgepaged models` "
-                   "lists. Default: the embedded SmolLM2-135M-Instruct.")
-@click.option("--keep-alive", default="5m", show_default=True, metavar="DURATION",
-              help="Several models: how long an idle model stays loaded (30s, 5m, 1h; -1: always). A request's "
-                   "keep_alive sets it for its model, as Ollama's does.")
-@click.option("--memory-budget", default=None, metavar="BYTES",
-              help="Several models: memory for all loaded models' weights and KV caches together, e.g. 6G "
-                   "(default: 70% of the RAM available at start). A model that does not fit unloads the least "
-                   "recently used idle ones first.")
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
-@click.option("--host", default="0.0.0.0", show_default=True,
-              help="Address to listen on; 0.0.0.0 makes the server reachable from the local network.")
-@click.option("--port", type=int, default=DEFAULT_PORT, show_default=True, help="TCP port (0: any free port).")
-@click.option("--kv-memory", default=None, metavar="BYTES",
-              help="KV cache budget, e.g. 512M or 4G (default: min(1 GiB, 25% of free RAM) on CPU, "
-                   "90% of what the GPU has left).")
-@click.option("--prefix-cache-disk", "prefix_cache_disk", default="auto", show_default=True, metavar="SIZE",
-              help="The prefix cache's disk tier: the computed prompts' full KV blocks kept on disk (under the "
-                   "model store's kvcache/), found again after they leave RAM and after a restart (Home "
-                   "Assistant's long prompt answered at once). At most SIZE (e.g. 4G); auto: 5% of the free "
-                   "space, at most 8 GiB; 0: off.")
-@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block.")
-@click.option("--kv-dtype", type=click.Choice(["auto", "f16", "q8_0", "f32"]), default="auto", show_default=True,
-              help="The KV cache's element type. q8_0 (CPU runtime) holds 1.88 times f16's tokens in the same "
-                   "memory (blocks of 32 values with one scale, read by the attention kernels as they are; "
-                   "perplexity +0.03 %). auto: on the CPU runtime f16, or q8_0 when f16 would hold fewer than "
-                   "32,768 tokens in the KV memory (a 3-8 B model, or a small --kv-memory); the model's dtype on "
-                   "a GPU. f32: twice f16's bytes.")
-@click.option("--max-batched-tokens", type=int, default=512, show_default=True, help="Token budget of one step.")
-@click.option("--token", envvar=TOKEN_ENV, default=None,
-              help=f"Shared token clients must send (env {TOKEN_ENV}); none: open to the local network.")
-@click.option("--http-port", type=int, default=DEFAULT_HTTP_PORT, show_default=True,
-              help="HTTP port: the OpenAI-compatible API, /metrics and the chat page for phones (0: any free port).")
-@click.option("--no-http", is_flag=True, help="Do not serve HTTP (the msgpack port only).")
-@click.option("--no-mdns", is_flag=True, help="Do not advertise on the local network.")
-@click.option("--mdns-interface", default=None, metavar="ADDR", help="Advertise on this interface address only.")
-@click.option("--max-connections", type=int, default=64, show_default=True,
-              help="Most msgpack connections past hello. Connections still before hello have an allowance of their "
-                   "own (--max-unauthenticated), so clients without a token cannot take these places.")
-@click.option("--max-unauthenticated", type=int, default=16, show_default=True,
-              help="Most msgpack connections that have not finished hello, from all addresses together.")
-@click.option("--max-unauthenticated-per-address", type=int, default=4, show_default=True,
-              help="Most msgpack connections before hello from one address.")
-@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
-              help="A name the HTTP port may be reached by besides its addresses, its host name, localhost and "
-                   ".local names (repeatable; '*.example.org' for a domain). Other Host headers get 421.")
-@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
-              help="A web origin whose pages may call the HTTP API, e.g. http://tools.local:8080 (repeatable; "
-                   "'*' for any). None by default.")
-@click.option("--admin-from", "admin_from", multiple=True, metavar="CIDR",
-              help="A network whose callers may manage models (Ollama's /api/pull, delete, copy, create, blobs) on a "
-                   "box without tokens, e.g. 192.168.1.0/24 (repeatable). Default: only the box itself (loopback); "
-                   "with tokens, admins only.")
-@click.option("--max-inflight", type=int, default=16, show_default=True, help="Requests in flight per connection.")
-@click.option("--max-prompt-tokens", type=int, default=None, help="Longest prompt taken (default: the context).")
-@click.option("--max-tokens", type=int, default=None, help="Cap on a request's max_tokens (default: the context).")
-@click.option("--max-http-per-caller", type=click.IntRange(1), default=None,
-              help="Most HTTP generations one user (with tokens) or address may have in flight at once; past it a "
-                   "429 (default: half of the box's 64).")
-@click.option("--max-prompt-bytes", type=click.IntRange(1), default=None,
-              help="Most bytes of text one request's prompt may have (its messages, prompt and suffix, as UTF-8), "
-                   "checked before it is tokenized; past it a 400 (default: 16 x the context, at least 256 KiB).")
-@click.option("--max-request-tokens", type=click.IntRange(1), default=65536, show_default=True,
-              help="Most tokens one request may ask for: max_tokens x n (its parallel samples). Past it: a 400.")
-@click.option("--max-identity-tokens", type=click.IntRange(1), default=262144, show_default=True,
-              help="Most tokens one user, client name or address may have asked for at once (max_tokens x n "
-                   "of its unfinished requests). Past it: a 429 until one ends.")
-@click.option("--grammar-max-depth", type=click.IntRange(1, 4096), default=128, show_default=True,
-              help="Output formats (JSON schemas, Lark grammars, regexes, tool schemas): most levels of nesting, "
-                   "rule chains and $ref chains counted together. Deeper: a 400 before anything compiles.")
-@click.option("--grammar-max-bytes", type=click.IntRange(1), default=256 << 10, show_default=True,
-              help="Output formats: the largest schema, grammar or pattern taken (bytes).")
-@click.option("--grammar-timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
-              help="Output formats: seconds a format may take to compile (with its matchers); past it a 400, "
-                   "and the same format is refused at once from then on.")
-@click.option("--grace", type=float, default=10.0, show_default=True,
-              help="Seconds running requests get to finish at shutdown.")
-@click.option("--users", "users_file", default=None, metavar="FILE", type=click.Path(exists=True, dir_okay=False),
-              help="Per-user tokens, one 'name token' per line ('name token admin' for a user who may see "
-                   "everyone's figures in /stats and /metrics): each user gets a prefix cache of their own.")
-@click.option("--contiguous", is_flag=True,
-              help="Reserve prompt + max_tokens of KV up front (the naive scheme, for benchmarks).")
-@click.option("--quant-math", type=click.Choice(["auto", "int8", "exact"]), default=None,
-              help="How quantized weights multiply on CPU: int8 (activations quantized per block of 32, 256 for "
-                   "K-quants, 8-bit dot products: llama.cpp's math, 2-3x faster), exact (fp32 activations), auto (int8 "
-                   "from 0.7 B parameters on). Default: $EDGEPAGED_QUANT_MATH or auto.")
-@click.option("--runtime", type=click.Choice(["auto", "cpu", "torch"]), default=None,
-              help="What runs the model: cpu (numpy + the Rust kernels; GGUF files on the CPU, no torch needed), "
-                   "torch (a GPU, safetensors checkpoints), auto (cpu where it applies). Default: "
-                   "$EDGEPAGED_RUNTIME or auto.")
-@click.option("--step-time", "step_time", type=click.FloatRange(0), default=0.5, show_default=True,
-              help="Under load (more than one request in), a step takes about this long at most (seconds; its "
-                   "token budget follows the measured speed): a question that arrives waits for a short step. "
-                   "0: every step takes --max-batched-tokens.")
-@click.option("--speculate", "speculation", type=click.Choice(["lookup", "draft", "off"]), default=None,
-              help="Speculative decoding: a few next tokens guessed, checked in one forward of the model: the same "
-                   "answer, faster for one or a few streams. lookup: guessed from the request's own text (a summary "
-                   "quoting its document, an edit, a tool call echoing the prompt); draft: by the --draft model. "
-                   "It drafts only while few requests run (--spec-max-running) and backs off when guesses miss; a "
-                   "request may say speculative: false. Default: draft with --draft, else lookup.")
-@click.option("--draft", "draft_path", default=None, metavar="MODEL",
-              help="A small model with the same tokenizer that guesses the next tokens for the served model to "
-                   "check (e.g. SmolLM2-135M for a SmolLM2-1.7B, a 0.5 B Qwen for a larger Qwen): a path or a "
-                   "name in the store. Its KV cache shares the pool's blocks (--kv-memory covers both).")
-@click.option("--spec-tokens", type=click.IntRange(1, 32), default=None,
-              help="The most tokens one request drafts per step. Default: 8 by lookup, 4 by a draft model (each "
-                   "of its guesses costs a forward of the draft).")
-@click.option("--spec-max-running", type=click.IntRange(1), default=4, show_default=True,
-              help="Requests draft only while at most this many run (a full batch already reads the weights once "
-                   "for many tokens).")
-@click.option("--context-policy", type=click.Choice(["full", "window"]), default="full", show_default=True,
-              help="Attention of requests that do not choose one (their context_policy field): full (the whole "
-                   "context) or window (the first --sink tokens and the last --window: KV blocks between are "
-                   "given back as a sequence grows, and an answer may run past the context).")
-@click.option("--window", "window_tokens", type=click.IntRange(1), default=1024, show_default=True,
-              help="The window policy: tokens a query attends before it (itself included), at least this many.")
-@click.option("--sink", "window_sink", type=click.IntRange(0), default=4, show_default=True,
-              help="The window policy: first tokens every query keeps attending (attention sinks).")
-@click.option("--mdns-refresh", type=float, default=5.0, hidden=True)
+@serve_settings.options
 @click.option("--config", "config_file", default=None, metavar="FILE", envvar="EDGEPAGED_CONFIG", is_eager=True,
               expose_value=False, callback=lambda ctx, param, value: _load_config(ctx, value),
               help="A TOML file of serve's settings, one key per flag (`edgepaged config --example` writes one); "
                    "flags given here win over it. Env EDGEPAGED_CONFIG.")
-def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory, prefix_cache_disk, block_size, kv_dtype,
-          max_batched_tokens, token, http_port, no_http, no_mdns, mdns_interface, max_connections, max_unauthenticated,
-          max_unauthenticated_per_address, allowed_hosts, cors_origins, admin_from, max_inflight, max_prompt_tokens, max_tokens, max_prompt_bytes, max_http_per_caller,
-          max_request_tokens, max_identity_tokens, grammar_max_depth, grammar_max_bytes, grammar_timeout, grace, users_file, contiguous, quant_math, runtime, step_time, speculation, draft_path, spec_tokens,
-          spec_max_running, context_policy, window_tokens, window_sink,
-          mdns_refresh):
+def serve(**values):
     """Serve a model on the network (msgpack over TCP and HTTP, advertised by mDNS)."""
-    if context_policy == "window" and contiguous:
+    try:
+        s = serve_settings.ServeSettings.read(values)     # every knob, the environment's too: read once, here
+    except ValueError as e:
+        fail(str(e), 2)
+    if s.context_policy == "window" and s.contiguous:
         fail("--context-policy window needs the paged pool: not with --contiguous", 2)
     # the ports first: a port in use is said at once, not after imports and the model's load
     from .server.manage import parse_networks
     try:
-        parse_networks(admin_from)
+        parse_networks(s.admin_from)
     except ValueError as e:
         fail(str(e), 2)
-    server_sock = _bind(host, port, "--port")
-    http_sock = None if no_http else _bind(host, http_port, "HTTP, --http-port")
+    server_sock = _bind(s.host, s.port, "--port")
+    http_sock = None if s.no_http else _bind(s.host, s.http_port, "HTTP, --http-port")
     import trio
 
     from .server.app import tame_malloc
     tame_malloc()
 
-    from .engine import EngineConfig
-    from .request.frontend import FrontEndConfig, load_users
-    from .constrain.grammar import GrammarLimits
     from .server.app import AppConfig, run
-    from .server.httpd import HttpConfig
-    from .server.tcp import ServerConfig
+    from .request.frontend import load_users
     try:
-        users = load_users(users_file) if users_file else None
+        users = load_users(s.users) if s.users else None
     except (OSError, ValueError) as e:
         fail(f"--users: {e}")
     try:
-        kv_bytes = parse_bytes(kv_memory) if kv_memory else None
+        kv_bytes = parse_bytes(s.kv_memory) if s.kv_memory else None
     except ValueError as e:
-        fail(f"--kv-memory {kv_memory}: {e}", 2)
+        fail(f"--kv-memory {s.kv_memory}: {e}", 2)
     from .model.runtime import KvBudgetError
-    kv_kind = None if kv_dtype == "auto" else kv_dtype
+    kv_kind = None if s.kv_dtype == "auto" else s.kv_dtype
     try:
-        if prefix_cache_disk == "auto":
+        if s.prefix_cache_disk == "auto":
             from .box import store
             from .engine.disk_cache import default_limit
             disk_bytes = default_limit(store.store_dir() / "kvcache")
         else:
-            disk_bytes = parse_bytes(prefix_cache_disk) if prefix_cache_disk not in ("0", "off") else 0
+            disk_bytes = parse_bytes(s.prefix_cache_disk) if s.prefix_cache_disk not in ("0", "off") else 0
     except ValueError as e:
-        fail(f"--prefix-cache-disk {prefix_cache_disk}: {e}", 2)
-    if speculation is None:
-        speculation = "draft" if draft_path else "lookup"
-    if speculation == "draft" and not draft_path:
+        fail(f"--prefix-cache-disk {s.prefix_cache_disk}: {e}", 2)
+    speculation = s.speculate or ("draft" if s.draft else "lookup")
+    if speculation == "draft" and not s.draft:
         fail("--speculate draft needs a draft model: --draft MODEL", 2)
-    several = len(model_paths) > 1 or model_paths == ("all",)
-    if draft_path and (several or contiguous or speculation == "off"):
+    several = len(s.model) > 1 or s.model == ("all",)
+    if s.draft and (several or s.contiguous or speculation == "off"):
         fail("--draft drafts for one served model with speculation on and the paged pool "
-             f"(not with {'several models' if several else '--contiguous' if contiguous else '--speculate off'})", 2)
+             f"(not with {'several models' if several else '--contiguous' if s.contiguous else '--speculate off'})", 2)
     from .server.app import AssemblyError, load_runner, model_set, resolve_model
     if several:
         from .request.protocol import parse_keep_alive
         try:
-            keep_s = parse_keep_alive(keep_alive)
+            keep_s = parse_keep_alive(s.keep_alive)
         except ValueError as e:
-            fail(f"--keep-alive {keep_alive}: {e}", 2)
+            fail(f"--keep-alive {s.keep_alive}: {e}", 2)
         try:
-            budget = parse_bytes(memory_budget) if memory_budget else None
+            budget = parse_bytes(s.memory_budget) if s.memory_budget else None
         except ValueError as e:
-            fail(f"--memory-budget {memory_budget}: {e}", 2)
+            fail(f"--memory-budget {s.memory_budget}: {e}", 2)
         try:
-            runner = model_set(model_paths, keep_s, budget, kv_bytes, device, block_size, max_batched_tokens,
-                               kv_kind, quant_math, grace, runtime)
+            runner = model_set(s.model, keep_s, budget, kv_bytes, s.device, s.block_size, s.max_batched_tokens,
+                               kv_kind, s.grace, s.cpu)
         except AssemblyError as e:
             fail(str(e), e.code)
     else:
         try:
-            model_path, served_name = resolve_model(model_paths[0] if model_paths else None)
-            draft = resolve_model(draft_path)[0] if draft_path else None
-            runner = load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_kind, quant_math,
-                                 runtime, draft=draft, served_name=served_name)
+            model_path, served_name = resolve_model(s.model[0] if s.model else None)
+            draft = resolve_model(s.draft)[0] if s.draft else None
+            runner = load_runner(model_path, s.device, kv_bytes, s.block_size, s.max_batched_tokens, kv_kind, s.cpu,
+                                 draft=draft, served_name=served_name)
         except AssemblyError as e:
             fail(str(e), e.code)
         except KvBudgetError as e:
-            fail(f"--kv-memory {kv_memory}: {e}" if kv_memory else str(e))
+            fail(f"--kv-memory {s.kv_memory}: {e}" if s.kv_memory else str(e))
         except (FileNotFoundError, ValueError) as e:
             fail(str(e))
         except KeyboardInterrupt:
             fail("interrupted while loading the model", 130)
-    cfg = AppConfig(
-        server=ServerConfig(host=host, port=port, max_connections=max_connections, max_inflight=max_inflight,
-                            max_unauthenticated=max_unauthenticated,
-                            max_unauthenticated_per_address=max_unauthenticated_per_address, sock=server_sock),
-        front=FrontEndConfig(token=token or None, users=users, max_prompt_tokens=max_prompt_tokens,
-                             max_prompt_bytes=max_prompt_bytes,
-                             max_tokens=max_tokens, max_request_tokens=max_request_tokens,
-                             max_identity_tokens=max_identity_tokens,
-                             grammar=GrammarLimits(max_depth=grammar_max_depth, max_bytes=grammar_max_bytes,
-                                                   compile_timeout_s=grammar_timeout)),
-        engine=EngineConfig(max_num_batched_tokens=max_batched_tokens, contiguous=contiguous,
-                            context_policy=context_policy, window_tokens=window_tokens, window_sink=window_sink,
-                            step_time_target_s=step_time or None, speculation=speculation, spec_tokens=spec_tokens,
-                            spec_max_running=spec_max_running, prefix_cache_disk=disk_bytes),
-        http=None if no_http else HttpConfig(port=http_port, allowed_hosts=allowed_hosts, cors_origins=cors_origins,
-                                                 admin_from=admin_from, max_inflight_per_caller=max_http_per_caller),
-        mdns=not no_mdns, mdns_interface=mdns_interface, mdns_refresh_s=mdns_refresh, grace_s=grace)
-    if cfg.http is not None:
-        cfg.http.sock = http_sock
+    cfg = AppConfig.assemble(s, users=users, prefix_cache_disk=disk_bytes, speculation=speculation,
+                             server_sock=server_sock, http_sock=http_sock)
     try:
         trio.run(partial(run, runner, cfg, say=lambda line: click.echo(line) or sys.stdout.flush()))
     except BaseExceptionGroup as group:   # e.g. the port is taken: say so without a traceback
@@ -386,7 +243,7 @@ def serve(model_paths, keep_alive, memory_budget, device, host, port, kv_memory,
         if bind_errors is None or rest is not None:
             raise
         e = _leaves(bind_errors)[0]
-        fail(f"cannot serve on {e.filename or f'{host}:{port}'}: {e.strerror or e}")
+        fail(f"cannot serve on {e.filename or f'{s.host}:{s.port}'}: {e.strerror or e}")
 
 
 def _bind(host: str, port: int, what: str):
@@ -484,11 +341,16 @@ def _toml_value(value) -> str:
 
 @main.command(name="config")
 @click.option("--example", is_flag=True, help="Print a commented config file with every setting of serve.")
-def config_cmd(example):
+@click.option("--table", is_flag=True, help="Print every setting of serve (flag, config key, environment variable, "
+              "default) and the runtime's environment variables as Markdown tables (docs/SETTINGS.md).")
+def config_cmd(example, table):
     """The config file of `serve --config FILE`: TOML, one key per flag of serve."""
+    if table:
+        click.echo(serve_settings.table(), nl=False)
+        return
     if not example:
-        click.echo("edgepaged config --example prints a commented config file (serve --config FILE reads it)",
-                   err=True)
+        click.echo("edgepaged config --example prints a commented config file (serve --config FILE reads it); "
+                   "--table lists every setting", err=True)
         sys.exit(2)
     import textwrap
     lines = ["# edgepaged serve's settings: `edgepaged serve --config FILE` (or EDGEPAGED_CONFIG=FILE).",

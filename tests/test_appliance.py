@@ -43,7 +43,7 @@ def test_the_example_config_names_every_flag(tmp_path):
     ctx = click.Context(serve)
     _load_config(ctx, str(every))                             # each key is taken
     assert set(ctx.default_map) == {o.name for o in keys.values()}
-    assert ctx.default_map["model_paths"] == ["llama3.2:3b"] and ctx.default_map["http_port"] == 7879
+    assert ctx.default_map["model"] == ["llama3.2:3b"] and ctx.default_map["http_port"] == 7879
 
     bad = tmp_path / "bad.toml"
     bad.write_text('htp_port = 1\n')
@@ -189,3 +189,42 @@ def test_the_kv_pool_is_resident_only_where_it_was_touched():
             resident += int(line.split()[1]) * 1024
     touched = kv.shape[0] * 2 * (KV_PREFAULT_TOKENS // r.block_size) * kv.strides[2]
     assert touched <= resident <= touched * 1.1 + (4 << 20), (resident >> 20, touched >> 20)
+
+
+def test_every_setting_is_one_field_and_the_settings_page_is_current():
+    """serve's knobs are the fields of one typed object: each field a flag and a config key of
+    the same name, read once (the runtime's knobs from the environment, a flag winning over
+    them); docs/SETTINGS.md is `edgepaged config --table`, as generated now."""
+    import dataclasses
+
+    from edgepaged.model.settings import CpuConfig
+    from edgepaged.server import settings
+    fields = {f.name for f in settings.flag_fields()}
+    assert fields == set(config_keys(serve)) | {"mdns_refresh"}          # (the one hidden flag: no key)
+    assert {p.name for p in serve.params if p.expose_value} == fields
+    s = settings.ServeSettings.read({}, env={})
+    assert s == settings.ServeSettings() and s.cpu == CpuConfig()
+    env = {"EDGEPAGED_QUANT_MATH": "exact", "EDGEPAGED_RUNTIME": "cpu", "EDGEPAGED_FUSED_MAX_TOKENS": "7"}
+    s = settings.ServeSettings.read({"port": 1, "allowed_host": ["a.example"]}, env=env)
+    assert (s.port, s.allowed_host, s.cpu.quant_math, s.cpu.runtime, s.cpu.fused_max_tokens) == \
+        (1, ("a.example",), "exact", "cpu", 7)
+    s = settings.ServeSettings.read({"quant_math": "int8", "runtime": "auto"}, env=env)
+    assert (s.cpu.quant_math, s.cpu.runtime) == ("int8", "auto")          # the flag wins
+    with pytest.raises(TypeError, match="nope"):
+        settings.ServeSettings.read({"nope": 1}, env={})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.port = 2
+    table = subprocess.run([*CLI, "config", "--table"], capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0
+    page = (ROOT / "docs" / "SETTINGS.md").read_text()
+    assert page.endswith(table.stdout), "docs/SETTINGS.md is not `edgepaged config --table`: regenerate it"
+    for f in settings.flag_fields():
+        if not f.metadata["flag"].hidden:
+            assert f"`{settings.flag_of(f)}` | `{f.name}`" in page
+    # every EDGEPAGED_ variable the package reads has a row
+    import edgepaged
+    pkg = Path(edgepaged.__file__).parent
+    read = set()
+    for path in [*pkg.rglob("*.py"), *(pkg.parent / "rust_alloc").rglob("*.rs")]:
+        read |= set(re.findall(r'"(EDGEPAGED_[A-Z0-9_]+)"', path.read_text()))
+    assert {v for v in read if f"`{v}`" not in page} == set()

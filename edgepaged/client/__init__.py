@@ -26,12 +26,13 @@ from typing import Any, Iterator
 
 import trio
 
+from ..common.ports import PORT
 from ..request.protocol import PROTOCOL_VERSION, ConnectionClosed, FrameReader, ProtocolError, encode
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-DEFAULT_PORT = 7878
+DEFAULT_PORT = PORT
 CLIENT_MAX_FRAME_BYTES = 16 << 20
 
 

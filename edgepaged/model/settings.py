@@ -1,24 +1,7 @@
-"""The runtime's knobs, read once into one object (`CpuConfig.from_env()`), never at import:
-every EDGEPAGED_ variable that changes how the model runs is in this table (the README's
-"Knobs" lists the same ones, and a test checks it).
-
-| variable                          | default | what                                                         |
-|-----------------------------------|---------|--------------------------------------------------------------|
-| `EDGEPAGED_NUM_THREADS`           | CPUs    | threads of the kernels' pool and of torch (read by Rust too) |
-| `EDGEPAGED_SPIN_US`               | 200     | µs an idle kernel thread spins before it sleeps (Rust)       |
-| `EDGEPAGED_RUNTIME`               | auto    | cpu (numpy + Rust, GGUF or safetensors on the CPU), torch, auto (read by `open.choose_runtime`) |
-| `EDGEPAGED_QUANT_MATH`            | auto    | `int8`: activations quantized per block of 32 (per 256 for K-quants) and 8-bit dot products (llama.cpp's way); `exact`: fp32 activations, the weights decoded exactly; `auto`: int8 for models of 0.7 B parameters and more on a CPU with AVX2 or AVX-512 VNNI, exact otherwise (`serve --quant-math`) |
-| `EDGEPAGED_QUANT_INTERLEAVE`      | 1       | exact math: 0 keeps GGUF's row order for Q4_0/Q4_1/Q8_0      |
-| `EDGEPAGED_QUANT_DENSE_MIN_TOKENS`| 768     | token rows from which quantized products decode to fp32 + GEMM (not the integer kernels' weights, nor interleaved Q4_0/Q4_1/Q8_0 ones) |
-| `EDGEPAGED_QUANT_TORCH_THREADS`   | 1       | 0: let torch keep all its threads beside the kernels' pool   |
-| `EDGEPAGED_RUST_ATTENTION_MAX`    | 131072  | a prefill chunk of q rows over n positions attends in Rust while q * n is at most this |
-| `EDGEPAGED_FUSED_MAX_TOKENS`      | 256     | CPU runtime: steps with fewer rows run all layers in one Rust call |
-| `EDGEPAGED_TILE_ATTENTION_MIN`    | 8192    | CPU runtime: a prefill chunk of q rows over n positions attends in `paged_prefill`'s tiles (its step layer by layer) once q * n is above this |
-| `EDGEPAGED_NO_AVX512`             | 0       | 1: the kernels use AVX2 even on a CPU with AVX-512 (read by Rust, at the first kernel call) |
-| `EDGEPAGED_DECODE_PREFETCH`       | 8192    | bytes ahead of its reads the integer kernels prefetch a decode step's weights (0: the hardware's prefetch alone; read by Rust; `quant.decode_prefetch`) |
-| `EDGEPAGED_DECODE_SEG`            | 512     | positions per segment of a long context's decode attention, each segment one item on the kernel threads, joined after (0: split by KV heads only; read by Rust; `ops.decode_seg`) |
-| `EDGEPAGED_ATTENTION_BF16`        | on      | prefill attention's tiles over an f16 or q8_0 cache multiply in bf16 (f32 sums) on a CPU with AVX-512 BF16, every prompt row in the tiles; 0: f32 products (read by Rust, at the first prefill; `ops.bf16_attention`) |
-| `EDGEPAGED_WEIGHTS_CACHE_MIN`     | 512 MiB | the smallest model file (bytes) whose laid-out weights the weights cache keeps (`weights_cache`; `edgepaged pull` lays such a file out at once) |
+"""The runtime's knobs, read once into one object (`CpuConfig.from_env()`, which `serve`
+calls when it assembles the box: `server/settings.py`'s `ServeSettings.cpu`), never at
+import: every EDGEPAGED_ variable that changes how the model runs is a row of `ENV_KNOBS`
+below (the README's "Knobs" and docs/SETTINGS.md list the same ones, and tests check both).
 
 Why each default: bench/RESULTS.md.
 """
@@ -44,6 +27,47 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     if text is None or not text.strip():
         return default
     return text.strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class EnvKnob:
+    name: str          # the environment variable
+    default: str       # as a person reads it
+    what: str
+
+
+ENV_KNOBS: tuple[EnvKnob, ...] = (
+    EnvKnob('EDGEPAGED_NUM_THREADS', 'CPUs',
+            "threads of the kernels' pool and of torch (read by Rust too)"),
+    EnvKnob('EDGEPAGED_SPIN_US', '200',
+            'µs an idle kernel thread spins before it sleeps (Rust)'),
+    EnvKnob('EDGEPAGED_RUNTIME', 'auto',
+            'cpu (numpy + Rust, GGUF or safetensors on the CPU), torch, auto (read by `open.choose_runtime`)'),
+    EnvKnob('EDGEPAGED_QUANT_MATH', 'auto',
+            "`int8`: activations quantized per block of 32 (per 256 for K-quants) and 8-bit dot products (llama.cpp's way); `exact`: fp32 activations, the weights decoded exactly; `auto`: int8 for models of 0.7 B parameters and more on a CPU with AVX2 or AVX-512 VNNI, exact otherwise (`serve --quant-math`)"),
+    EnvKnob('EDGEPAGED_QUANT_INTERLEAVE', '1',
+            "exact math: 0 keeps GGUF's row order for Q4_0/Q4_1/Q8_0"),
+    EnvKnob('EDGEPAGED_QUANT_DENSE_MIN_TOKENS', '768',
+            "token rows from which quantized products decode to fp32 + GEMM (not the integer kernels' weights, nor interleaved Q4_0/Q4_1/Q8_0 ones)"),
+    EnvKnob('EDGEPAGED_QUANT_TORCH_THREADS', '1',
+            "0: let torch keep all its threads beside the kernels' pool"),
+    EnvKnob('EDGEPAGED_RUST_ATTENTION_MAX', '131072',
+            'a prefill chunk of q rows over n positions attends in Rust while q * n is at most this'),
+    EnvKnob('EDGEPAGED_FUSED_MAX_TOKENS', '256',
+            'CPU runtime: steps with fewer rows run all layers in one Rust call'),
+    EnvKnob('EDGEPAGED_TILE_ATTENTION_MIN', '8192',
+            "CPU runtime: a prefill chunk of q rows over n positions attends in `paged_prefill`'s tiles (its step layer by layer) once q * n is above this"),
+    EnvKnob('EDGEPAGED_NO_AVX512', '0',
+            '1: the kernels use AVX2 even on a CPU with AVX-512 (read by Rust, at the first kernel call)'),
+    EnvKnob('EDGEPAGED_DECODE_PREFETCH', '8192',
+            "bytes ahead of its reads the integer kernels prefetch a decode step's weights (0: the hardware's prefetch alone; read by Rust; `quant.decode_prefetch`)"),
+    EnvKnob('EDGEPAGED_DECODE_SEG', '512',
+            "positions per segment of a long context's decode attention, each segment one item on the kernel threads, joined after (0: split by KV heads only; read by Rust; `ops.decode_seg`)"),
+    EnvKnob('EDGEPAGED_ATTENTION_BF16', 'on',
+            "prefill attention's tiles over an f16 or q8_0 cache multiply in bf16 (f32 sums) on a CPU with AVX-512 BF16, every prompt row in the tiles; 0: f32 products (read by Rust, at the first prefill; `ops.bf16_attention`)"),
+    EnvKnob('EDGEPAGED_WEIGHTS_CACHE_MIN', '512 MiB',
+            'the smallest model file (bytes) whose laid-out weights the weights cache keeps (`weights_cache`; `edgepaged pull` lays such a file out at once)'),
+)
 
 
 MATHS = ("auto", "int8", "exact")

@@ -31,6 +31,7 @@ from ..request.protocol import PROTOCOL_VERSION
 from . import mdns, systemd
 from .httpd import HttpConfig, HttpServer
 from .manage import loopback
+from .settings import ServeSettings
 from .tcp import Server, ServerConfig
 
 log = logging.getLogger("edgepaged.server")
@@ -46,6 +47,35 @@ class AppConfig:
     mdns_interface: str | None = None
     mdns_refresh_s: float = 5.0      # the load in the TXT record is refreshed at most this often
     grace_s: float = 10.0
+
+    @classmethod
+    def assemble(cls, s: ServeSettings, *, users=None, prefix_cache_disk: int = 0, speculation: str = "lookup",
+                 server_sock=None, http_sock=None) -> "AppConfig":
+        """Each part's config from serve's settings (`s`, read once) and what the command
+        resolved from them (users read from their file, the disk tier's bytes, the
+        speculation mode, the listening sockets)."""
+        from ..constrain.grammar import GrammarLimits
+        http = None
+        if not s.no_http:
+            http = HttpConfig(port=s.http_port, allowed_hosts=s.allowed_host, cors_origins=s.cors_origin,
+                              admin_from=s.admin_from, max_inflight_per_caller=s.max_http_per_caller)
+            http.sock = http_sock
+        return cls(
+            server=ServerConfig(host=s.host, port=s.port, max_connections=s.max_connections,
+                                max_inflight=s.max_inflight, max_unauthenticated=s.max_unauthenticated,
+                                max_unauthenticated_per_address=s.max_unauthenticated_per_address, sock=server_sock),
+            front=FrontEndConfig(token=s.token or None, users=users, max_prompt_tokens=s.max_prompt_tokens,
+                                 max_prompt_bytes=s.max_prompt_bytes, max_tokens=s.max_tokens,
+                                 max_request_tokens=s.max_request_tokens, max_identity_tokens=s.max_identity_tokens,
+                                 grammar=GrammarLimits(max_depth=s.grammar_max_depth, max_bytes=s.grammar_max_bytes,
+                                                       compile_timeout_s=s.grammar_timeout)),
+            engine=EngineConfig(max_num_batched_tokens=s.max_batched_tokens, contiguous=s.contiguous,
+                                context_policy=s.context_policy, window_tokens=s.window, window_sink=s.sink,
+                                step_time_target_s=s.step_time or None, speculation=speculation,
+                                spec_tokens=s.spec_tokens, spec_max_running=s.spec_max_running,
+                                prefix_cache_disk=prefix_cache_disk),
+            http=http, mdns=not s.no_mdns, mdns_interface=s.mdns_interface, mdns_refresh_s=s.mdns_refresh,
+            grace_s=s.grace)
 
 
 def http_url(http: HttpServer) -> str:
@@ -266,11 +296,11 @@ def resolve_model(spec: str | None) -> tuple[str | None, str | None]:
     return entry.path, entry.name
 
 
-def model_set(specs, keep_s, budget, kv_bytes, device, block_size, max_batched_tokens, kv_dtype,
-              quant_math, grace, runtime=None):
+def model_set(specs, keep_s, budget, kv_bytes, device, block_size, max_batched_tokens, kv_dtype, grace,
+              settings=None):
     """serve --model A --model B ...: a models.ModelSet (nothing loaded yet). keep_s: the
     keep-alive in seconds; budget: the memory budget in bytes (None: 70 % of the available
-    memory)."""
+    memory); settings: the runtime's (CpuConfig), read once by serve."""
     from ..box import store
     from ..box.models import ModelSet, ModelSpec
     from ..model.runtime import CPU_KV_MAX_BYTES, available_ram
@@ -299,7 +329,7 @@ def model_set(specs, keep_s, budget, kv_bytes, device, block_size, max_batched_t
                                 info["quantization"], e.system, e.parameters))
 
     def load(spec, kv):
-        return load_runner(spec.path, device, kv, block_size, max_batched_tokens, kv_dtype, quant_math, runtime,
+        return load_runner(spec.path, device, kv, block_size, max_batched_tokens, kv_dtype, settings,
                            served_name=spec.name)
     from ..engine import EngineConfig
     try:
@@ -310,21 +340,19 @@ def model_set(specs, keep_s, budget, kv_bytes, device, block_size, max_batched_t
         raise AssemblyError(str(e)) from None
 
 
-def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_dtype=None, quant_math=None,
-                runtime=None, draft=None, say=None, served_name=None):
+def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_dtype=None, settings=None,
+                draft=None, say=None, served_name=None):
     """The served model's runner; with `draft` (a path), its draft model attached (`runner.draft`),
-    the KV budget shared between the two caches block for block. `say`: where the progress
-    lines go (default: stderr). Raises what the load raises (ValueError, KvBudgetError, ...)."""
-    import dataclasses
-
+    the KV budget shared between the two caches block for block. `settings`: the runtime's
+    (CpuConfig: the runtime, the quantized math, the kernels' bounds), read once by serve
+    (None: from the environment, here). `say`: where the progress lines go (default:
+    stderr). Raises what the load raises (ValueError, KvBudgetError, ...)."""
     from ..model.open import choose_runtime, open_runner, resolve_device
     from ..model.settings import CpuConfig
     say = say or _stderr
-    settings = CpuConfig.from_env()
-    if quant_math:
-        settings = dataclasses.replace(settings, quant_math=quant_math)
+    settings = settings or CpuConfig.from_env()
     device = resolve_device(device)
-    kind = choose_runtime(runtime, device, model_path, settings)
+    kind = choose_runtime(None, device, model_path, settings)
     if kv_dtype is None and kind == "cpu":
         kv_dtype, why = auto_kv_dtype(model_path, kv_bytes, draft)
         if kv_dtype:
@@ -351,7 +379,7 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
         t0 = time.monotonic()
         say(f"loading the draft model {draft}...")
         drafter = open_runner(draft, device, None, block_size, max_num_batched_tokens=max_batched_tokens,
-                              kv_dtype=kv_dtype, settings=settings, runtime=choose_runtime(runtime, device, draft, settings),
+                              kv_dtype=kv_dtype, settings=settings, runtime=choose_runtime(None, device, draft, settings),
                               num_blocks=runner.num_blocks)
         check_pair(runner, drafter)
         runner.attach_draft(drafter)

@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..common import brief
+from ..common.ports import HTTP_PORT
 from ..request import jsontext
 from ..common.lanes import PREPARE
 from ..request.answer import Answer, Call, End, Piece, answer_events
@@ -55,7 +56,7 @@ from .doors.openai import (ApiError, Generation, Logprobs, Shaper, done_error, e
 
 log = logging.getLogger("edgepaged.http")
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-DEFAULT_HTTP_PORT = 7879
+DEFAULT_HTTP_PORT = HTTP_PORT
 # A body over the limit is refused (413) without being kept; what the client goes on sending
 # of it is read and dropped, at most DROP_BYTES and while it keeps coming (DROP_IDLE_S without
 # a byte, DROP_S in all), so a client still sending hears the 413 instead of a broken pipe

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ..common.ports import PORT
 from ..request.frontend import FrontEnd
 from ..request.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, encode
 from .connection import Connection, close_gracefully
@@ -35,7 +36,7 @@ except importlib.metadata.PackageNotFoundError:
 @dataclass
 class ServerConfig:
     host: str = "0.0.0.0"
-    port: int = 7878
+    port: int = PORT
     max_connections: int = 64            # connections past hello (authenticated ones, with a token)
     # connections that have not finished hello, from all addresses and from one: past these
     # the one waiting longest for its hello gives its place up; they never take the places above
