@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels of the runtime's Python dependencies that a bare CUDA image lacks (trio, pydantic and
 # what they need), for Python 3.12 on x86-64 Linux, into .whl/ (ignored by git): gpu_check.sh
-# installs them from there when the engine check (step 3) needs them. Versions: the ones this
+# installs them from there when the engine check (step 3) and gpu_bench (step 4) need them. Versions: the ones this
 # project's own venv (.venv, made by ./run.sh) holds, so the GPU runs what the tests ran.
 #   bash bench/gpu_wheels.sh [PYTHON_VERSION]      # default 3.12
 set -eu
@@ -13,7 +13,9 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
 pins=$("$PY" - <<'PY'
 from importlib.metadata import version
 names = ["trio", "outcome", "sniffio", "pydantic", "pydantic_core", "annotated_types", "typing_inspection",
-         "typing_extensions"]
+         "typing_extensions",
+         # step 4 (gpu_bench: files written and read there): GGUF, the tokenizer, the chat template
+         "gguf", "tokenizers", "jinja2", "MarkupSafe", "PyYAML", "tqdm"]
 print(" ".join(f"{n}=={version(n)}" for n in names))
 PY
 )

@@ -145,6 +145,8 @@ class RunnerBase:
         interleaved formats' decode), "fp32" (dense)."""
         if not self.quantized:
             return self.dense_products
+        if self.quant_math == "triton":
+            return "GGUF blocks (triton)"
         from .._native import quant
         info = quant.info()
         if self.quant_math == "int8":

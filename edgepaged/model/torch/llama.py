@@ -20,6 +20,7 @@ from ..loader import ModelConfig
 from ...common.memory import release_free_memory
 from ..placement import FUSED, PARENT, check_linear, place
 from ..quant import QuantEmbedding, QuantLinear, QuantWeight, lay_out_weights
+from .gpu_quant import TritonQuantEmbedding, TritonQuantLinear
 
 
 class Attention(nn.Module):
@@ -105,9 +106,14 @@ def _dense(w, dtype, device) -> torch.Tensor:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, device="cpu", dtype=torch.float32):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, device="cpu", dtype=torch.float32,
+                 quant_kernels: str | None = None):
+        """quant_kernels: what multiplies GGUF blocks kept quantized: "rust" (the CPU's
+        kernels, `QuantLinear`) or "triton" (`gpu_quant.TritonQuantLinear`: a CUDA device, or
+        Triton's interpreter in the tests); None: triton on a CUDA device, else rust."""
         super().__init__()
         self.dd = dict(device=device, dtype=dtype)
+        self.quant_kernels = quant_kernels or ("triton" if torch.device(device).type == "cuda" else "rust")
         self.cfg = cfg
         self.embed_tokens: torch.Tensor | QuantEmbedding | None = None
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, **self.dd) for i in range(cfg.num_layers))
@@ -151,10 +157,11 @@ class LlamaForCausalLM(nn.Module):
     @property
     def quantized(self) -> bool:
         """Whether every linear of the decoder layers kept its GGUF blocks."""
-        return all(isinstance(getattr(getattr(layer, PARENT[f]), f), QuantLinear) for layer in self.layers for f in FUSED)
+        kept = (QuantLinear, TritonQuantLinear)
+        return all(isinstance(getattr(getattr(layer, PARENT[f]), f), kept) for layer in self.layers for f in FUSED)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.embed_tokens, QuantEmbedding):
+        if isinstance(self.embed_tokens, (QuantEmbedding, TritonQuantEmbedding)):
             h = self.embed_tokens(input_ids)
         else:
             h = F.embedding(input_ids, self.embed_tokens)
@@ -201,6 +208,8 @@ class _TorchSink:
     def _linear(self, parts: list, bias) -> nn.Module:
         dd = self.m.dd
         if all(isinstance(p, QuantWeight) for p in parts):
+            if self.m.quant_kernels == "triton":
+                return TritonQuantLinear(parts, bias, **dd)
             return QuantLinear(parts, None if bias is None else bias.float(), self.dense_min_tokens)
         return Linear(torch.cat([_dense(p, **dd) for p in parts]), bias)
 
@@ -208,7 +217,12 @@ class _TorchSink:
         self.m.rotary.build(freq_factors=w, **self.m.dd)
 
     def embedding(self, w):
-        self.m.embed_tokens = QuantEmbedding(w) if isinstance(w, QuantWeight) else _dense(w, **self.m.dd)
+        if not isinstance(w, QuantWeight):
+            self.m.embed_tokens = _dense(w, **self.m.dd)
+        elif self.m.quant_kernels == "triton":
+            self.m.embed_tokens = TritonQuantEmbedding(w, **self.m.dd)
+        else:
+            self.m.embed_tokens = QuantEmbedding(w)
 
     def final_norm(self, w):
         self.m.norm.weight.copy_(w)
@@ -225,6 +239,10 @@ class _TorchSink:
     def head(self, w):
         if w is None:
             e = self.m.embed_tokens
+            if isinstance(e, TritonQuantEmbedding):     # tied: the table's packed blocks, not a copy
+                check_linear(self.m.cfg, "lm_head", [e.seg])
+                self.m.lm_head = TritonQuantLinear([e.seg], None, **self.m.dd)
+                return
             w = e.weight if isinstance(e, QuantEmbedding) else e
             check_linear(self.m.cfg, "lm_head", [w])
         self.m.lm_head = self._linear([w], None)

@@ -28,19 +28,18 @@ def _f32_rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.contiguous()
 
 
-class QuantLinear(nn.Module):
-    """y = x W^T + b, W kept as GGUF blocks (row segments stacked along the output)."""
+class SegmentedLinear(nn.Module):
+    """A linear whose weight is row segments stacked along the output, each with `rows`,
+    `cols`, `qtype` and `nbytes` (the CPU's and the GPU's quantized linears)."""
+    where = ""
 
-    def __init__(self, segments: list[QuantWeight], bias: torch.Tensor | None = None, dense_min_tokens: int = 768):
+    def __init__(self, segments: list):
         super().__init__()
         if not segments or len({s.cols for s in segments}) != 1:
-            raise ValueError("QuantLinear needs segments with one input width")
-        merged = merge_segments(segments)
-        self.segments = merged
-        self.offsets = np.cumsum([0] + [s.rows for s in merged]).tolist()
+            raise ValueError(f"{type(self).__name__} needs segments with one input width")
+        self.segments = segments
+        self.offsets = np.cumsum([0] + [s.rows for s in segments]).tolist()
         self.in_features, self.out_features = segments[0].cols, self.offsets[-1]
-        self.bias = bias
-        self.dense_min_tokens = dense_min_tokens
 
     @property
     def nbytes(self) -> int:
@@ -48,7 +47,18 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         fmts = "+".join(f"{FORMATS[s.qtype]}[{s.rows}]" for s in self.segments)
-        return f"in_features={self.in_features}, out_features={self.out_features}, {fmts}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {fmts}{self.where}"
+
+
+class QuantLinear(SegmentedLinear):
+    """y = x W^T + b, W kept as GGUF blocks (row segments stacked along the output)."""
+
+    def __init__(self, segments: list[QuantWeight], bias: torch.Tensor | None = None, dense_min_tokens: int = 768):
+        if not segments:
+            raise ValueError("QuantLinear needs segments with one input width")
+        super().__init__(merge_segments(segments))
+        self.bias = bias
+        self.dense_min_tokens = dense_min_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
@@ -127,11 +137,19 @@ def lay_out_weights(modules, math: str) -> int:
 def weight_bytes(model) -> dict[str, int]:
     """Bytes of the model's weights: GGUF blocks kept quantized, and dense tensors (fp32
     linears, packed or not, norms, a dense embedding table; rotary tables excluded)."""
+    from .gpu_quant import TritonQuantEmbedding, TritonQuantLinear
     from .layers import Linear, RMSNorm
     seen, q, dense = set(), 0, 0
     for m in [model.embed_tokens, *model.modules()]:
         tensors = []
-        if isinstance(m, (QuantLinear, QuantEmbedding)):
+        if isinstance(m, (TritonQuantLinear, TritonQuantEmbedding)):
+            segs = m.segments if isinstance(m, TritonQuantLinear) else [m.seg]
+            for s in segs:
+                if id(s) not in seen:
+                    seen.add(id(s))
+                    q += s.nbytes
+            tensors = [getattr(m, "bias", None)]
+        elif isinstance(m, (QuantLinear, QuantEmbedding)):
             for s in quant_weights_of(m):
                 if id(s.data) not in seen:
                     seen.add(id(s.data))

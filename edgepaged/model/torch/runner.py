@@ -42,15 +42,21 @@ def kv_torch_dtype(name: str | None, device: torch.device, dtype: torch.dtype) -
     return kv
 
 
-def keeps_quantized(files: ModelFiles, device: torch.device, dtype: torch.dtype, quantized: bool | None) -> bool:
+def keeps_quantized(files: ModelFiles, device: torch.device, dtype: torch.dtype, quantized: bool | None,
+                    quant_kernels: str = "rust") -> bool:
     """Resolve the runner's `quantized` option: None = whenever it applies (a GGUF file with
-    a tensor in a kernel format, on the CPU in float32)."""
+    a tensor in a kernel format: on a CUDA device, Triton's kernels multiply its blocks; on
+    the CPU in float32, the Rust kernels)."""
     reasons = []
     if files.reader is None:
         reasons.append("the model is not a GGUF file")
-    if device.type != "cpu":
+    if quant_kernels == "triton":
+        from ... import kernels
+        if not kernels.is_available():
+            reasons.append("Triton has neither a GPU nor its interpreter here")
+    elif device.type != "cpu":
         reasons.append("the device is not the CPU")
-    if dtype != torch.float32:
+    elif dtype != torch.float32:
         reasons.append("the dtype is not float32")
     if not reasons and not files.has_quantized:
         from ..quant.formats import FORMATS
@@ -68,12 +74,18 @@ class ModelRunner(RunnerBase):
     def __init__(self, model_path=None, device="cpu", dtype=None, kv_memory_bytes=None, block_size=16,
                  num_blocks=None, *, gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
                  progress=None, quantized: bool | None = None, settings: CpuConfig | None = None,
-                 kv_dtype: str | None = None, served_name: str | None = None):
+                 kv_dtype: str | None = None, served_name: str | None = None, quant_kernels: str | None = None,
+                 decode_graphs: bool | None = None, max_num_seqs: int = 64):
         """served_name: the store's name for it. quantized: keep a GGUF file's quantized weights as they are and multiply with the
         Rust kernels; None = whenever it applies (`keeps_quantized`). settings: the CPU knobs,
         `CpuConfig.from_env()` by default. kv_dtype: the KV cache's element type, "f16" or
         "f32" (None: f16 on CPU, twice the tokens of f32 in the same memory; the model's dtype
-        on a GPU, which the Triton kernels need)."""
+        on a GPU, which the Triton kernels need). quant_kernels: what multiplies the GGUF blocks
+        kept: "triton" (the default on a CUDA device: `gpu_quant.py`; on a CPU, Triton's
+        interpreter, for the tests) or "rust" (the CPU's). decode_graphs: decode steps of up to
+        `max_num_seqs` sequences run through static buffers, one CUDA graph per batch-size
+        bucket (`graphs.DecodeGraphs`); None: on a CUDA device; True on a CPU runs the same
+        padded step eagerly (the tests)."""
         self.served_name = served_name
         self.settings = settings = settings or CpuConfig.from_env()
         if settings.num_threads:
@@ -93,13 +105,16 @@ class ModelRunner(RunnerBase):
         if num_blocks is None and kv_memory_bytes is not None:   # say so before loading gigabytes of weights
             self._check_budget(kv_memory_bytes, files.path)
         self.tokenizer = Tokenizer.load(files.path, reader=files.reader)
-        self.quantized = keeps_quantized(files, self.device, self.dtype, quantized)
+        self.quant_kernels = quant_kernels or ("triton" if on_gpu else "rust")
+        self.quantized = keeps_quantized(files, self.device, self.dtype, quantized, self.quant_kernels)
         with torch.inference_mode():
-            self.model = LlamaForCausalLM(cfg, device=self.device, dtype=self.dtype)
+            self.model = LlamaForCausalLM(cfg, device=self.device, dtype=self.dtype, quant_kernels=self.quant_kernels)
             progress = progress or terminal_progress(f"loading {files.path.name}")
-            self.quant_math = settings.math(cfg.num_params) if self.quantized else None
+            triton = self.quant_kernels == "triton"
+            self.quant_math = None if not self.quantized else "triton" if triton else settings.math(cfg.num_params)
             self.model.load_weights(files.weights(self.dtype, self.device, progress, keep_quantized=self.quantized),
-                                    math=self.quant_math or "exact", interleave=settings.quant_interleave,
+                                    math="exact" if triton else self.quant_math or "exact",
+                                    interleave=settings.quant_interleave and not triton,
                                     dense_min_tokens=settings.dense_min_tokens)
             self.model.pack()
         del files
@@ -118,9 +133,20 @@ class ModelRunner(RunnerBase):
         if self.max_model_len != self.model.rotary.max_positions:
             self.model.build_rotary(self.max_model_len)
         self.forward = forward.choose(self.model, self.backend, self.kv_cache, settings, self.quantized)
+        self.graphs = None
+        if decode_graphs or (decode_graphs is None and on_gpu):
+            from .graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self.model, self.backend, self.kv_cache, max_num_seqs,
+                                       -(-self.max_model_len // block_size), capture=on_gpu)
 
     def _rotary_size(self) -> int:
         return self.model.rotary.max_positions
+
+    def rotary_positions(self, positions) -> None:
+        have = self._rotary_size()
+        super().rotary_positions(positions)
+        if self.graphs is not None and self._rotary_size() != have:
+            self.graphs.forget()          # the graphs read the old tables: captured again when next used
 
     @property
     def dense_products(self) -> str:
@@ -213,5 +239,7 @@ class ModelRunner(RunnerBase):
             self.rotary_positions(positions)
             ids = _as_tensor(input_ids, torch.int64, dev)
             pos = _as_tensor(positions, torch.int64, dev)
+            if logits_indices is None and self.graphs is not None and self.graphs.takes(meta):
+                return self.graphs.run(ids, pos, meta)
             idx = None if logits_indices is None else _as_tensor(logits_indices, torch.int64, dev)
             return self.forward(ids, pos, meta, idx)

@@ -1,0 +1,50 @@
+"""The decode step with static shapes (`model/torch/graphs.py`): what a CUDA graph replays on
+a GPU, run eagerly here (the padded buckets, the static block tables) gives the dynamic step's
+logits and writes the same K/V, with the torch backend and with the Triton kernels (their
+interpreter: the GPU path's attention, padding rows included)."""
+import numpy as np
+import pytest
+import torch
+
+from edgepaged.model import ModelRunner
+from edgepaged.model.torch.forward import TorchForward
+
+from test_model import Paged
+
+
+def _decode_steps(r, steps, seed=3):
+    paged, outs = Paged(r.num_blocks, r.block_size, seed=seed), []
+    for items in steps:
+        ids, pos, meta = paged.batch(items)
+        outs.append(torch.as_tensor(np.asarray(r.execute(ids, pos, meta))).clone())
+    return outs
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_graph_ready_decode_step_gives_the_dynamic_steps_logits(backend, tiny_model_dir):
+    dynamic = ModelRunner(tiny_model_dir, num_blocks=32, kv_dtype="f32", decode_graphs=False)
+    static = ModelRunner(tiny_model_dir, num_blocks=32, kv_dtype="f32", decode_graphs=True, max_num_seqs=6)
+    assert dynamic.graphs is None and static.graphs is not None and not static.graphs.capture
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from edgepaged import kernels
+        from edgepaged.model.torch.attention import backend_for
+        if not kernels.is_available():
+            pytest.skip("Triton has neither a GPU nor the interpreter here")
+        for r in (dynamic, static):
+            r.backend = backend_for("cuda", r.config, r.block_size, r.dtype)
+            r.forward = TorchForward(r.model, r.backend, r.kv_cache)
+        static.graphs.backend = static.backend
+    assert static.graphs.buckets == [1, 2, 4, 8] and static.graphs.bucket(5) == 8
+    prompts = [list(range(10 + 7 * i, 10 + 7 * i + n)) for i, n in enumerate((5, 19, 33, 3, 12, 7, 2))]
+    steps = [[(i, p) for i, p in enumerate(prompts[:5])],          # prefills: the dynamic step
+             [(i, [40 + i]) for i in range(5)],                    # 5 decodes: bucket 8, 3 rows of padding
+             [(i, [50 + i]) for i in (4, 0, 2)],                   # 3: bucket 4
+             [(1, [60])],                                          # 1: bucket 1, no padding
+             [(5, prompts[5]), (6, prompts[6])],
+             [(i, [70 + i]) for i in range(7)]]                    # 7: bucket 8 (the first >= max_num_seqs)
+    want, got = _decode_steps(dynamic, steps), _decode_steps(static, steps)
+    for a, b in zip(want, got):
+        assert a.shape == b.shape and (a - b).abs().max().item() <= 1e-5
+    assert torch.equal(dynamic.kv_cache, static.kv_cache)      # the padding rows wrote nothing
+    assert static.graphs.steps == {8: 2, 4: 1, 1: 1}
