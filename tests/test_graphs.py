@@ -48,3 +48,53 @@ def test_the_graph_ready_decode_step_gives_the_dynamic_steps_logits(backend, tin
         assert a.shape == b.shape and (a - b).abs().max().item() <= 1e-5
     assert torch.equal(dynamic.kv_cache, static.kv_cache)      # the padding rows wrote nothing
     assert static.graphs.steps == {8: 2, 4: 1, 1: 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_residual_add_and_its_norm_in_one_kernel(dtype):
+    """kernels.norms.add_rms_norm: h += x in place, and the norm of the sum, as the two torch
+    calls it replaces give them (a width not a power of two: the row masked)."""
+    pytest.importorskip("triton")
+    from edgepaged import kernels
+    if not kernels.is_available():
+        pytest.skip("Triton has neither a GPU nor the interpreter here")
+    from edgepaged.kernels.norms import add_rms_norm
+    g = torch.Generator().manual_seed(0)
+    h, x = (torch.randn(5, 96, generator=g).to(dtype) for _ in range(2))
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    want_h = h + x
+    want = torch.nn.functional.rms_norm(want_h, (96,), w, 1e-6)
+    got = add_rms_norm(h, x, w, 1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert torch.equal(h, want_h)
+    assert (got.float() - want.float()).abs().max().item() <= tol
+
+
+def test_the_gpu_step_s_pieces_give_the_plain_steps_tokens(tiny_model_dir, monkeypatch):
+    """The pieces the torch runner turns on for a CUDA device, each on a CPU (the Triton
+    interpreter): the residual add and norm in one kernel, the decode step through the
+    static buffers, and greedy rows picked by an argmax where the logits are (B ids to the
+    host, not B x vocab logits): the same greedy tokens and logits as the plain step."""
+    pytest.importorskip("triton")
+    from edgepaged import kernels
+    if not kernels.is_available():
+        pytest.skip("Triton has neither a GPU nor the interpreter here")
+    from edgepaged.model.torch.attention import backend_for
+    from edgepaged.testing.decode import make_allocator, run_batch
+    plain = ModelRunner(tiny_model_dir, num_blocks=32, kv_dtype="f32", decode_graphs=False)
+    gpu_like = ModelRunner(tiny_model_dir, num_blocks=32, kv_dtype="f32", decode_graphs=True, max_num_seqs=4)
+    for r in (plain, gpu_like):
+        r.backend = backend_for("cuda", r.config, r.block_size, r.dtype)
+        r.forward = TorchForward(r.model, r.backend, r.kv_cache)
+    gpu_like.graphs.backend = gpu_like.backend
+    gpu_like.model.use_triton_norms()
+    gpu_like.device_greedy = True
+    prompts = [np.arange(5, 5 + n) for n in (9, 20, 4)]
+    want = run_batch(plain, make_allocator(plain), prompts, 6)[0]
+    from edgepaged.model import runtime
+    copied = []
+    monkeypatch.setattr(runtime, "as_array", lambda x: copied.append(x.shape) or np.asarray(x))
+    got = run_batch(gpu_like, make_allocator(gpu_like), prompts, 6)[0]
+    assert got == want
+    assert copied == []                                       # no step copied its logits to the host
+    assert gpu_like.graphs.steps == {4: 5}                     # 3 sequences in bucket 4, 5 decode steps

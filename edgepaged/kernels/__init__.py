@@ -6,6 +6,7 @@
     paged_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None,
                   softcap=None)
     quant.pack / quant.qmatmul / quant.qgather: GGUF weights kept quantized, products from their codes
+    norms.add_rms_norm(h, x, weight, eps): the residual add and the RMSNorm after it, one kernel
 
 The contract (shapes, dtypes, metadata) is in docs/INTERNALS.md. Triton is imported only when a
 kernel is first used, so `is_available()` can be asked on a machine without it.
@@ -38,6 +39,6 @@ def __getattr__(name):  # lazy import of the kernels (PEP 562)
     if name in ("paged_decode", "paged_prefill"):
         from . import attention
         return getattr(attention, name)
-    if name == "quant":
-        return importlib.import_module(".quant", __name__)
+    if name in ("quant", "norms"):
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

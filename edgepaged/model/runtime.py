@@ -124,6 +124,7 @@ class RunnerBase:
     draft = None          # a draft model's runner (speculation by a draft: engine/draft.py), or None
     embedding_only = False
     keeps_kv = True
+    device_greedy = False    # plain greedy rows picked by an argmax where the logits are (a GPU)
     model_name: str | None = None
     served_name: str | None = None     # the store's name for it (a constructor's `served_name`)
     weights_cache: str | None = None   # "hit" / "writing": its laid-out weights (CpuRunner)
@@ -235,7 +236,11 @@ class RunnerBase:
         if matchers is not None and any(m is not None for m in matchers):
             masks = _Background(self._masks, matchers)
         try:
-            every = as_array(self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices))
+            raw = self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices)
+            if (self.device_greedy and masks is None and not spec and not (embeds is not None and any(embeds))
+                    and not isinstance(raw, np.ndarray) and all(p.plain_greedy for p in params)):
+                return raw.argmax(-1).tolist()     # B token ids cross to the host, not B x vocab logits
+            every = as_array(raw)
         except StepInterrupted:
             if masks is not None:        # its matchers are the next step's again: let it finish
                 try:

@@ -83,13 +83,19 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, self.spec.attention, **dd)
         self.mlp = MLP(cfg, self.spec.mlp)
 
+    fused_norms = None     # kernels.norms.add_rms_norm: the residual add and the norm after it in one kernel
+
     def forward(self, h, ropes, backend, plan, k_cache, v_cache):
         x = None
         for step in self.spec.steps:
             if isinstance(step, steps.Norm):
+                norm = getattr(self, step.name)
+                if x is not None and self.fused_norms is not None:
+                    x = self.fused_norms(h, x, norm.weight, norm.eps)     # h += x in place
+                    continue
                 if x is not None:
                     h = h + x
-                x = getattr(self, step.name)(h)
+                x = norm(h)
             elif isinstance(step, steps.Attention):
                 x = self.self_attn(x, ropes, backend, plan, k_cache, v_cache)
             elif isinstance(step, steps.OutNorm):
@@ -124,6 +130,16 @@ class LlamaForCausalLM(nn.Module):
         # gemma3's sliding layers: their own base, unscaled
         self.rotary_local = None if cfg.rope_local is None else Rotary(
             cfg.head_dim, positions, cfg.rope_local["theta"], cfg.rope_local["scaling"], **self.dd)
+
+    def use_triton_norms(self, on: bool = True) -> None:
+        """Each residual add and the RMSNorm after it as one Triton kernel (the default on a
+        CUDA device; on a CPU, Triton's interpreter: the tests)."""
+        fused = None
+        if on:
+            from ...kernels.norms import add_rms_norm
+            fused = add_rms_norm
+        for layer in self.layers:
+            layer.fused_norms = fused
 
     @property
     def ropes(self) -> list[Rotary]:

@@ -117,6 +117,9 @@ class ModelRunner(RunnerBase):
                                     interleave=settings.quant_interleave and not triton,
                                     dense_min_tokens=settings.dense_min_tokens)
             self.model.pack()
+            if on_gpu:
+                self.model.use_triton_norms()
+                self.device_greedy = True
         del files
         self.backend = backend_for(self.device, cfg, block_size, self.dtype)
         if num_blocks is None:
