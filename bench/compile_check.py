@@ -19,6 +19,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from edgepaged.kernels import attention as A  # noqa: E402
 from edgepaged.kernels import kv_cache as W  # noqa: E402
+from edgepaged.kernels import norms as N  # noqa: E402
+from edgepaged.kernels import quant as Q  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
@@ -63,6 +65,15 @@ def main():
     build(A._merge_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", o_ptr=t), dict(NUM_SPLITS=5, S_PAD=8, D=128), target)
     build(W._write_kv_kernel, dict(k_ptr=t, v_ptr=t, kc_ptr=t, vc_ptr=t, slot_ptr="*i64"), dict(BS=16, H_PAD=8, D=128),
           target)
+    # GGUF weights kept quantized (kernels/quant.py): every format, the one-row and the tiled path
+    for qt in Q.KEPT:
+        wq = dict(codes_ptr="*i8" if qt == Q.Q8_0 else "*u8", scales_ptr="*fp16", mins_ptr="*fp16", sub_ptr="*u8",
+                  sub_mins_ptr="*u8", high_ptr="*u8")
+        for bm, bn in ((1, 32), (1, 128), (16, 64), (64, 64), (128, 128)):
+            build(Q._qmatmul_kernel, dict(x_ptr=t, out_ptr=t, **wq),
+                  dict(QT=qt, BLOCK_M=bm, BLOCK_N=bn, UNROLL=8 if bm == 1 else 1), target)
+        build(Q._qgather_kernel, dict(ids_ptr="*i64", out_ptr=t, **wq), dict(QT=qt, BLOCK_T=16), target)
+    build(N._add_rms_norm_kernel, dict(h_ptr=t, x_ptr=t, w_ptr=t, out_ptr=t, eps="fp32"), dict(BLOCK=4096), target)
 
 
 if __name__ == "__main__":

@@ -98,3 +98,32 @@ def test_the_gpu_step_s_pieces_give_the_plain_steps_tokens(tiny_model_dir, monke
     assert got == want
     assert copied == []                                       # no step copied its logits to the host
     assert gpu_like.graphs.steps == {4: 5}                     # 3 sequences in bucket 4, 5 decode steps
+
+
+def test_the_whole_gpu_configuration_interpreted_gives_the_cpu_runtime_s_tokens(tmp_path, monkeypatch):
+    """Everything the torch runner turns on for a CUDA device at once, on a Q8_0 file, run by
+    Triton's interpreter: the blocks kept and multiplied by the Triton kernels, Triton's paged
+    attention, the residual add and norm kernel, the decode step through the static buffers,
+    greedy picks on the device. Its greedy tokens are the CPU runtime's on the same file."""
+    pytest.importorskip("triton")
+    from edgepaged import kernels
+    if not kernels.is_available():
+        pytest.skip("Triton has neither a GPU nor the interpreter here")
+    from edgepaged.model.cpu.runner import CpuRunner
+    from edgepaged.model.torch.attention import backend_for
+    from edgepaged.testing.decode import make_allocator, run_batch
+    from edgepaged.testing.families import make_family_model, write_family_gguf
+    hf = make_family_model(tmp_path / "m", "llama")
+    path = write_family_gguf(tmp_path / "m", tmp_path / "m.gguf", hf, qtype=8)
+    gpu = ModelRunner(path, num_blocks=32, kv_dtype="f32", quant_kernels="triton", decode_graphs=True, max_num_seqs=4)
+    gpu.backend = backend_for("cuda", gpu.config, gpu.block_size, gpu.dtype)
+    gpu.forward = TorchForward(gpu.model, gpu.backend, gpu.kv_cache)
+    gpu.graphs.backend = gpu.backend
+    gpu.model.use_triton_norms()
+    gpu.device_greedy = True
+    cpu = CpuRunner(path, num_blocks=32, kv_dtype="f32")
+    prompts = [np.arange(3, 3 + n) for n in (11, 4, 17)]
+    want = run_batch(cpu, make_allocator(cpu), prompts, 5)[0]
+    got = run_batch(gpu, make_allocator(gpu), prompts, 5)[0]
+    assert got == want
+    assert gpu.graphs.steps == {4: 4} and gpu.products == "GGUF blocks (triton)"

@@ -8,8 +8,8 @@
 codes, the scales, the mins, the high bits), keeping every bit as GGUF stores it (the 6-bit
 scales of Q4_K/Q5_K unpacked to a byte each): 1.00-1.03 times the file's bytes. One kernel
 reads them for every format: each program computes a [BLOCK_M, BLOCK_N] tile of the output,
-walking K a group of 32 values at a time (each format's codes, scale and min for that group
-decoded in registers to the activations' dtype); with BLOCK_M >= 16 the group's product is a
+walking K a group of 32 values at a time, UNROLL groups a loop trip (each format's codes, scale
+and min for that group decoded in registers to the activations' dtype); with BLOCK_M >= 16 the group's product is a
 tensor-core `tl.dot` (prefill, large batches), with BLOCK_M == 1 a multiply-and-sum per row
 (one decode row: the step memory-bound).
 
@@ -155,7 +155,7 @@ def _group(codes_ptr, scales_ptr, mins_ptr, sub_ptr, sub_mins_ptr, high_ptr, n, 
 @triton.jit
 def _qmatmul_kernel(x_ptr, out_ptr, codes_ptr, scales_ptr, mins_ptr, sub_ptr, sub_mins_ptr, high_ptr,
                     M, N, K, s_xm, s_om, s_codes, s_scales, s_mins, s_sub, s_high,
-                    QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -165,20 +165,24 @@ def _qmatmul_kernel(x_ptr, out_ptr, codes_ptr, scales_ptr, mins_ptr, sub_ptr, su
     k32 = tl.arange(0, 32)
     if BLOCK_M == 1:   # decode rows: multiply and sum, the weights read once per program
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for g in range(0, K // 32):
-            w = _group(codes_ptr, scales_ptr, mins_ptr, sub_ptr, sub_mins_ptr, high_ptr, n, nmask, g,
-                       s_codes, s_scales, s_mins, s_sub, s_high, QT)
-            x = tl.load(x_ptr + pid_m.to(tl.int64) * s_xm + g * 32 + k32).to(tl.float32)
-            acc += tl.sum(w * x[None, :], axis=1)
+        for g0 in range(0, K // 32, UNROLL):       # UNROLL groups a trip: their loads in flight together
+            for u in tl.static_range(UNROLL):
+                g = g0 + u
+                w = _group(codes_ptr, scales_ptr, mins_ptr, sub_ptr, sub_mins_ptr, high_ptr, n, nmask, g,
+                           s_codes, s_scales, s_mins, s_sub, s_high, QT)
+                x = tl.load(x_ptr + pid_m.to(tl.int64) * s_xm + g * 32 + k32).to(tl.float32)
+                acc += tl.sum(w * x[None, :], axis=1)
         tl.store(out_ptr + pid_m.to(tl.int64) * s_om + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
     else:              # many rows: each group's product on the tensor cores
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         rows = m[:, None].to(tl.int64)
-        for g in range(0, K // 32):
-            w = _group(codes_ptr, scales_ptr, mins_ptr, sub_ptr, sub_mins_ptr, high_ptr, n, nmask, g,
-                       s_codes, s_scales, s_mins, s_sub, s_high, QT)
-            x = tl.load(x_ptr + rows * s_xm + g * 32 + k32[None, :], mask=mmask[:, None], other=0.0)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        for g0 in range(0, K // 32, UNROLL):
+            for u in tl.static_range(UNROLL):
+                g = g0 + u
+                w = _group(codes_ptr, scales_ptr, mins_ptr, sub_ptr, sub_mins_ptr, high_ptr, n, nmask, g,
+                           s_codes, s_scales, s_mins, s_sub, s_high, QT)
+                x = tl.load(x_ptr + rows * s_xm + g * 32 + k32[None, :], mask=mmask[:, None], other=0.0)
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         tl.store(out_ptr + rows * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
 
@@ -188,7 +192,7 @@ def _stride(t: torch.Tensor | None) -> int:
 
 
 def qmatmul(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, block_n: int | None = None,
-            block_m: int | None = None) -> torch.Tensor:
+            block_m: int | None = None, unroll: int | None = None) -> torch.Tensor:
     """x [M, cols] (f32, f16 or bf16; rows contiguous) @ w.T -> [M, rows] in x's dtype (sums in
     float32). One row (a decode step of one stream): the multiply-and-sum kernel, BLOCK_N
     outputs a program; more: tensor-core tiles of BLOCK_M rows (16 at least: the weights are
@@ -203,9 +207,12 @@ def qmatmul(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, block_n
         block_m = 1 if M == 1 else (16 if M <= 16 else 32 if M <= 32 else 64)
     if block_n is None:
         block_n = 32 if block_m == 1 else 64
+    if unroll is None:      # one row: groups of 32 a loop trip, a K-quant's super-block where K allows
+        # (the tiled path keeps 1: its shared memory grows with it, past a desktop card's 99 KB)
+        unroll = next(u for u in (8, 4, 2, 1) if (K // 32) % u == 0) if block_m == 1 else 1
     grid = (triton.cdiv(w.rows, block_n), M if block_m == 1 else triton.cdiv(M, block_m))
     _qmatmul_kernel[grid](x, out, *_args(w), M, w.rows, K, x.stride(0), out.stride(0), *_strides(w),
-                          QT=w.qtype, BLOCK_M=block_m, BLOCK_N=block_n)
+                          QT=w.qtype, BLOCK_M=block_m, BLOCK_N=block_n, UNROLL=unroll)
     return out
 
 
