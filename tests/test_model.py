@@ -534,3 +534,28 @@ def test_cpu_runtime_rows_equal_the_torch_reference_and_their_sequence_alone(whi
             ids, pos, meta = Paged(cpu.num_blocks, cpu.block_size, seed=5).batch([(sid, seen[sid])])
             alone = torch.as_tensor(np.asarray(cpu.execute(ids, pos, meta)))[0]
             assert (alone - out[row]).abs().max().item() <= tol, (sid, row)
+
+
+def test_a_prompt_s_last_token_alone_gives_the_whole_prompt_s_logits_to_the_bit():
+    """A prompt computed after a prefix-cache hit of all but its last token (the same request
+    sent again: its one row alone) gives the logits and the final hidden state of the prompt
+    computed whole, bit for bit (the one-row product kernel sums in another order: without the
+    padded step they were ~7e-4 apart), and its K/V land where the whole prompt's did."""
+    from edgepaged.model.cpu.runner import CpuRunner
+    r = CpuRunner(num_blocks=32, kv_dtype="f32")
+    tokens = r.tokenizer.encode("the quick brown fox jumps over the lazy dog")
+
+    def run(splits):
+        r.kv_cache[...] = 0
+        paged, at = Paged(r.num_blocks, r.block_size, seed=2), 0
+        for n in splits:
+            ids, pos, meta = paged.batch([(0, tokens[at:at + n])])
+            meta["prompt"] = [True]
+            at += n
+            out = np.asarray(r.execute(ids, pos, meta)).copy()
+        return out, r.last_hidden().copy(), r.kv_cache.copy()
+
+    whole, tail = run([len(tokens)]), run([len(tokens) - 1, 1])
+    assert whole[0].shape == tail[0].shape == (1, r.config.vocab_size)
+    assert np.array_equal(whole[0], tail[0]) and np.array_equal(whole[1], tail[1])
+    assert np.array_equal(whole[2], tail[2])

@@ -646,7 +646,18 @@ class CpuRunner(RunnerBase):
         self.rotary_positions(pos)
         slots = np.ascontiguousarray(m["slot_mapping"], dtype=np.int64)
         idx = None if logits_indices is None else np.asarray(logits_indices, dtype=np.int64)
-        return self.model.forward(ids, pos, qsl, seq_lens, tables, slots, self.kv_cache, idx, m.get("prompt"))
+        prompt = m.get("prompt")
+        if len(ids) == 1 and prompt is not None and bool(prompt[0]):
+            # A prompt's one row alone (its last token after a prefix-cache hit of the rest: a
+            # request sent again, an embedding asked again) runs beside a copy of itself that
+            # writes no K/V: the products then take the many-row kernels, whose sums for a row
+            # are the same bits however many rows come along (the one-row kernel's are not:
+            # ~3e-5 apart on the embedded model), so the logits are the whole prompt's.
+            ids, pos = np.repeat(ids, 2), np.repeat(pos, 2)
+            qsl, seq_lens, tables = np.array([0, 1, 2]), np.repeat(seq_lens, 2), np.repeat(tables, 2, axis=0)
+            slots, prompt = np.array([slots[0], -1], np.int64), np.array([True, True])
+            idx = np.array([0], np.int64) if idx is None else idx
+        return self.model.forward(ids, pos, qsl, seq_lens, tables, slots, self.kv_cache, idx, prompt)
 
 
 __all__ = ["CpuModel", "CpuRunner", "kv_bytes_per_value", "kv_numpy_dtype", "kv_row_units"]
