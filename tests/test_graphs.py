@@ -88,7 +88,7 @@ def test_the_gpu_step_s_pieces_give_the_plain_steps_tokens(tiny_model_dir, monke
         r.forward = TorchForward(r.model, r.backend, r.kv_cache)
     gpu_like.graphs.backend = gpu_like.backend
     gpu_like.model.use_triton_norms()
-    gpu_like.device_greedy = True
+    gpu_like.device_sampling = True
     prompts = [np.arange(5, 5 + n) for n in (9, 20, 4)]
     want = run_batch(plain, make_allocator(plain), prompts, 6)[0]
     from edgepaged.model import runtime
@@ -120,7 +120,7 @@ def test_the_whole_gpu_configuration_interpreted_gives_the_cpu_runtime_s_tokens(
     gpu.forward = TorchForward(gpu.model, gpu.backend, gpu.kv_cache)
     gpu.graphs.backend = gpu.backend
     gpu.model.use_triton_norms()
-    gpu.device_greedy = True
+    gpu.device_sampling = True
     cpu = CpuRunner(path, num_blocks=32, kv_dtype="f32")
     prompts = [np.arange(3, 3 + n) for n in (11, 4, 17)]
     want = run_batch(cpu, make_allocator(cpu), prompts, 5)[0]

@@ -49,13 +49,6 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def plain_greedy(self) -> bool:
-        """The most likely token of the model's own logits: no penalty, bias or logprobs
-        (what a device can pick with one argmax)."""
-        return (self.temperature == 0 and self.repetition_penalty == 1.0 and not self.logit_bias
-                and not self.counts_output and self.logprobs is None)
-
-    @property
     def needs_history(self) -> bool:
         """Whether sampling reads the sequence's tokens so far (penalties, seeded streams)."""
         return self.repetition_penalty != 1.0 or self.seed is not None or self.counts_output

@@ -124,7 +124,6 @@ class RunnerBase:
     draft = None          # a draft model's runner (speculation by a draft: engine/draft.py), or None
     embedding_only = False
     keeps_kv = True
-    device_greedy = False    # plain greedy rows picked by an argmax where the logits are (a GPU)
     model_name: str | None = None
     served_name: str | None = None     # the store's name for it (a constructor's `served_name`)
     weights_cache: str | None = None   # "hit" / "writing": its laid-out weights (CpuRunner)
@@ -237,9 +236,10 @@ class RunnerBase:
             masks = _Background(self._masks, matchers)
         try:
             raw = self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices)
-            if (self.device_greedy and masks is None and not spec and not (embeds is not None and any(embeds))
-                    and not isinstance(raw, np.ndarray) and all(p.plain_greedy for p in params)):
-                return raw.argmax(-1).tolist()     # B token ids cross to the host, not B x vocab logits
+            if masks is None and not spec and not (embeds is not None and any(embeds)):
+                tokens = self.sample_where_computed(raw, params, prev_tokens, outputs)
+                if tokens is not None:
+                    return tokens            # B token ids cross to the host, not B x vocab logits
             every = as_array(raw)
         except StepInterrupted:
             if masks is not None:        # its matchers are the next step's again: let it finish
@@ -272,6 +272,12 @@ class RunnerBase:
                 except Exception as e:     # that row alone fails
                     out[i] = e
         return out
+
+    def sample_where_computed(self, logits, params, prev_tokens, outputs) -> list | None:
+        """A step's tokens drawn where its logits are (a GPU runner's device), or None: the
+        host's sampler draws them (the default; a seeded row, logprobs, a format's mask, a
+        draft to check, an embedding)."""
+        return None
 
     def _step_embeds(self, logits, params, prev_tokens, matchers, outputs, embeds, masks) -> list:
         hidden = np.asarray(self.last_hidden(), dtype=np.float32)

@@ -119,7 +119,7 @@ class ModelRunner(RunnerBase):
             self.model.pack()
             if on_gpu:
                 self.model.use_triton_norms()
-                self.device_greedy = True
+        self.device_sampling = on_gpu      # the sampler on the device (sampling.py); the host's on a CPU
         del files
         self.backend = backend_for(self.device, cfg, block_size, self.dtype)
         if num_blocks is None:
@@ -144,6 +144,15 @@ class ModelRunner(RunnerBase):
 
     def _rotary_size(self) -> int:
         return self.model.rotary.max_positions
+
+    def sample_where_computed(self, logits, params, prev_tokens, outputs) -> list | None:
+        if not self.device_sampling or not isinstance(logits, torch.Tensor):
+            return None
+        from . import sampling
+        try:
+            return sampling.sample(logits, params, prev_tokens, outputs)
+        except Exception:  # noqa: BLE001 - the host's sampler then, which keeps a row's failure its own
+            return None
 
     def rotary_positions(self, positions) -> None:
         have = self._rotary_size()
