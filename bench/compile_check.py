@@ -21,6 +21,7 @@ from edgepaged.kernels import attention as A  # noqa: E402
 from edgepaged.kernels import kv_cache as W  # noqa: E402
 from edgepaged.kernels import norms as N  # noqa: E402
 from edgepaged.kernels import quant as Q  # noqa: E402
+from edgepaged.kernels import rope as R  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
@@ -73,6 +74,8 @@ def main():
             build(Q._qmatmul_kernel, dict(x_ptr=t, out_ptr=t, **wq),
                   dict(QT=qt, BLOCK_M=bm, BLOCK_N=bn, UNROLL=8 if bm == 1 else 1), target)
         build(Q._qgather_kernel, dict(ids_ptr="*i64", out_ptr=t, **wq), dict(QT=qt, BLOCK_T=16), target)
+    build(R._rope_write_kv_kernel, dict(qkv_ptr=t, cos_ptr=t, sin_ptr=t, slot_ptr="*i64", q_ptr=t, kc_ptr=t,
+                                        vc_ptr=t), dict(D=128, H_PAD=32, HKV_PAD=8, BS=16), target)
     build(N._add_rms_norm_kernel, dict(h_ptr=t, x_ptr=t, w_ptr=t, out_ptr=t, eps="fp32"), dict(BLOCK=4096), target)
 
 

@@ -127,3 +127,34 @@ def test_the_whole_gpu_configuration_interpreted_gives_the_cpu_runtime_s_tokens(
     got = run_batch(gpu, make_allocator(gpu), prompts, 5)[0]
     assert got == want
     assert gpu.graphs.steps == {4: 4} and gpu.products == "GGUF blocks (triton)"
+
+
+def test_rotary_and_the_cache_write_in_one_kernel():
+    """kernels.rope.rope_write_kv: the rotated queries, and the rotated keys and the values at
+    their slots (slot -1: nowhere), as `Rotary.apply` then the cache write give them, from a
+    strided fused QKV view."""
+    pytest.importorskip("triton")
+    from edgepaged import kernels
+    if not kernels.is_available():
+        pytest.skip("Triton has neither a GPU nor the interpreter here")
+    from edgepaged.kernels.rope import rope_write_kv
+    from edgepaged.model.torch.layers import Rotary
+    g = torch.Generator().manual_seed(0)
+    t, h, hkv, d, bs = 5, 6, 2, 32, 4
+    wide = torch.randn(t, (h + 2 * hkv) * d + 8, generator=g)
+    qkv = wide[:, 8:]                                       # a strided view, as a bias-free slice is
+    rot = Rotary(d, 64, 10000.0)
+    pos = torch.tensor([0, 3, 17, 40, 63])
+    cos, sin = rot.tables(pos)
+    slots = torch.tensor([5, -1, 0, 13, 22])
+    kc, vc = torch.zeros(6, bs, hkv, d), torch.zeros(6, bs, hkv, d)
+    q = rope_write_kv(qkv, cos[:, 0], sin[:, 0], slots, kc, vc, h, hkv)
+    x = qkv.reshape(t, h + 2 * hkv, d)
+    qk = Rotary.apply(x[:, : h + hkv], cos, sin)
+    want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want_k[s // bs, s % bs] = qk[i, h:]
+            want_v[s // bs, s % bs] = x[i, h + hkv:]
+    assert (q - qk[:, :h]).abs().max().item() <= 1e-6
+    assert (kc - want_k).abs().max().item() <= 1e-6 and torch.equal(vc, want_v)

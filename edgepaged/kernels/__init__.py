@@ -7,6 +7,7 @@
                   softcap=None)
     quant.pack / quant.qmatmul / quant.qgather: GGUF weights kept quantized, products from their codes
     norms.add_rms_norm(h, x, weight, eps): the residual add and the RMSNorm after it, one kernel
+    rope.rope_write_kv(qkv, cos, sin, slots, k_cache, v_cache, H, Hkv): rotary and the cache write, one kernel
 
 The contract (shapes, dtypes, metadata) is in docs/INTERNALS.md. Triton is imported only when a
 kernel is first used, so `is_available()` can be asked on a machine without it.
@@ -39,6 +40,6 @@ def __getattr__(name):  # lazy import of the kernels (PEP 562)
     if name in ("paged_decode", "paged_prefill"):
         from . import attention
         return getattr(attention, name)
-    if name in ("quant", "norms"):
+    if name in ("quant", "norms", "rope"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

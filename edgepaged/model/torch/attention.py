@@ -111,6 +111,8 @@ class TorchAttention:
     with a length mask, the query heads of each KV head folded into the query length.
     Prefill chunks: per sequence SDPA with the causal mask offset by the cached context."""
 
+    fuses_rope_write = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  sliding_window: int | None = None, dtype=torch.float32, *, scale: float | None = None,
                  softcap: float | None = None, windows: list | None = None):
@@ -234,12 +236,24 @@ class TritonAttention:
         self.window, self.softcap = sliding_window, softcap or None
         self.scale = head_dim ** -0.5 if scale is None else scale
 
+    fuses_rope_write = True     # `rope_write`: rotary and the cache write in one kernel (kernels/rope.py)
+
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         return meta
 
+    def rope_write(self, qkv, cos, sin, meta: AttentionMetadata, k_cache, v_cache, num_heads: int,
+                   num_kv_heads: int) -> torch.Tensor:
+        """The queries rotated; the keys rotated and the values written to their slots."""
+        from edgepaged.kernels.rope import rope_write_kv
+        return rope_write_kv(qkv, cos, sin, meta.slot_mapping, k_cache, v_cache, num_heads, num_kv_heads)
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, window=_SAME) -> torch.Tensor:
-        window = self.window if window is _SAME else window
         self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, window)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, window=_SAME) -> torch.Tensor:
+        """Attention over the caches, this step's K/V written already."""
+        window = self.window if window is _SAME else window
         if meta.is_decode:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
                                 sliding_window=window, softcap=self.softcap)

@@ -45,6 +45,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         cos, sin = ropes[self.rope]
         qkv = self.qkv_proj(x)
+        if backend.fuses_rope_write and self.q_norm is None:     # (the GPU's: one kernel, kernels/rope.py)
+            q = backend.rope_write(qkv, cos[:, 0], sin[:, 0], plan, k_cache, v_cache, self.h, self.hkv)
+            return self.o_proj(backend.attend(q, k_cache, v_cache, plan, self.window).reshape(t, self.q_size))
         qk = Rotary.apply(self.norm_qk(qkv[:, : self.q_size + self.kv_size].view(t, self.h + self.hkv, self.d)),
                           cos, sin)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.hkv, self.d)
