@@ -37,6 +37,14 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
 
 
+def kv_budget(text: str | None) -> int | None:
+    """--kv-memory: bytes, or None for auto (min(1 GiB, 25 % of free RAM) on a CPU, 90 % of what
+    a GPU has left after the weights); ValueError for anything else."""
+    if text is None or text.strip().lower() == "auto":
+        return None
+    return parse_bytes(text)
+
+
 def fail(message: str, code: int = 1):
     click.echo(f"edgepaged: {message}", err=True)
     sys.exit(code)
@@ -183,7 +191,7 @@ def serve(**values):
     except (OSError, ValueError) as e:
         fail(f"--users: {e}")
     try:
-        kv_bytes = parse_bytes(s.kv_memory) if s.kv_memory else None
+        kv_bytes = kv_budget(s.kv_memory)
     except ValueError as e:
         fail(f"--kv-memory {s.kv_memory}: {e}", 2)
     from .model.runtime import KvBudgetError

@@ -228,3 +228,14 @@ def test_every_setting_is_one_field_and_the_settings_page_is_current():
     for path in [*pkg.rglob("*.py"), *(pkg.parent / "rust_alloc").rglob("*.rs")]:
         read |= set(re.findall(r'"(EDGEPAGED_[A-Z0-9_]+)"', path.read_text()))
     assert {v for v in read if f"`{v}`" not in page} == set()
+
+
+def test_the_kv_memory_is_bytes_or_auto():
+    from edgepaged.cli import kv_budget
+    assert kv_budget("auto") is None and kv_budget(None) is None and kv_budget("AUTO ") is None
+    assert kv_budget("512M") == 512 << 20 and kv_budget("2G") == 2 << 30
+    with pytest.raises(ValueError, match="not a size"):
+        kv_budget("lots")
+    r = subprocess.run([*CLI, "serve", "--kv-memory", "lots", "--host", "127.0.0.1", "--port", "0", "--http-port",
+                        "0", "--no-mdns"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert r.returncode == 2 and "--kv-memory lots" in r.stderr, r.stderr

@@ -70,8 +70,8 @@ class ServeSettings:
     port: int = knob(PORT, "TCP port (0: any free port).")
     # -- the KV cache and the steps
     kv_memory: str | None = knob(
-        None, "KV cache budget, e.g. 512M or 4G (default: min(1 GiB, 25% of free RAM) on CPU, "
-        "90% of what the GPU has left).", metavar="BYTES")
+        None, "KV cache budget, e.g. 512M or 4G; auto (the default): min(1 GiB, 25% of free RAM) on CPU, "
+        "90% of what the GPU has left after the weights.", metavar="BYTES")
     prefix_cache_disk: str = knob(
         "auto", "The prefix cache's disk tier: the computed prompts' full KV blocks kept on disk (under the "
         "model store's kvcache/), found again after they leave RAM and after a restart (Home "
