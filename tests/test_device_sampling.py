@@ -63,3 +63,24 @@ def test_seeded_rows_and_logprobs_stay_on_the_host():
     assert device.sample(x, [SamplingParams(logprobs=2), SamplingParams()]) is None
     with pytest.raises(ValueError, match="past the vocabulary"):
         device.sample(x, [SamplingParams(temperature=1.0, top_k=V + 1)] * 2)
+
+
+def test_a_formats_mask_applies_on_the_device():
+    """A format's allowed-token bits (`Masks`) applied where the logits are: a constrained
+    greedy row picks the host's token among the allowed ones, a sampled row only allowed
+    ones, the other rows as if no mask."""
+    from edgepaged.constrain.grammar import Masks
+    x = _logits(3, seed=4)
+    allowed = np.zeros((2, 64), np.uint8)
+    allowed[0, [3, 17]] = 1
+    allowed[1, [5, 6, 40]] = 1
+    bits = np.packbits(allowed, axis=1, bitorder="little").view(np.int32)
+    masks = Masks([0, 2], bits, V)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(temperature=1.0)]
+    host_logits = x.copy()
+    masks.apply(host_logits)
+    want = host.sample(host_logits, params)
+    for seed in range(20):
+        got = device.sample(torch.from_numpy(x), params, masks=masks, generator=torch.Generator().manual_seed(seed))
+        assert got[0] == want[0] and got[0] in (3, 17) and got[1] == want[1] == int(x[1].argmax())
+        assert got[2] in (5, 6, 40)

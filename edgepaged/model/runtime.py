@@ -236,8 +236,8 @@ class RunnerBase:
             masks = _Background(self._masks, matchers)
         try:
             raw = self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices)
-            if masks is None and not spec and not (embeds is not None and any(embeds)):
-                tokens = self.sample_where_computed(raw, params, prev_tokens, outputs)
+            if not spec and not (embeds is not None and any(embeds)):
+                tokens = self.sample_where_computed(raw, params, prev_tokens, outputs, masks)
                 if tokens is not None:
                     return tokens            # B token ids cross to the host, not B x vocab logits
             every = as_array(raw)
@@ -273,10 +273,10 @@ class RunnerBase:
                     out[i] = e
         return out
 
-    def sample_where_computed(self, logits, params, prev_tokens, outputs) -> list | None:
-        """A step's tokens drawn where its logits are (a GPU runner's device), or None: the
-        host's sampler draws them (the default; a seeded row, logprobs, a format's mask, a
-        draft to check, an embedding)."""
+    def sample_where_computed(self, logits, params, prev_tokens, outputs, masks=None) -> list | None:
+        """A step's tokens drawn where its logits are (a GPU runner's device; `masks`: the
+        format masks being computed, `_Background`), or None: the host's sampler draws them
+        (the default; a seeded row, logprobs, a draft to check, an embedding)."""
         return None
 
     def _step_embeds(self, logits, params, prev_tokens, matchers, outputs, embeds, masks) -> list:

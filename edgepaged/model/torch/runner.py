@@ -145,12 +145,13 @@ class ModelRunner(RunnerBase):
     def _rotary_size(self) -> int:
         return self.model.rotary.max_positions
 
-    def sample_where_computed(self, logits, params, prev_tokens, outputs) -> list | None:
+    def sample_where_computed(self, logits, params, prev_tokens, outputs, masks=None) -> list | None:
         if not self.device_sampling or not isinstance(logits, torch.Tensor):
             return None
         from . import sampling
         try:
-            return sampling.sample(logits, params, prev_tokens, outputs)
+            return sampling.sample(logits, params, prev_tokens, outputs,
+                                   masks=None if masks is None else masks.result())
         except Exception:  # noqa: BLE001 - the host's sampler then, which keeps a row's failure its own
             return None
 

@@ -11,6 +11,7 @@ top-k, top-p (a token stays while the mass before it is under top_p), min-p (a f
 likeliest token's probability), the likeliest token always kept; a draw by the exponential
 race (argmax of p / E, E ~ Exp(1)), as the host's. What stays on the host: a seeded request
 (its tokens come from its own numpy stream, the same on any box: `None` here) and logprobs.
+A format's masks are applied here too (`apply_masks`: the allowed-token bits to the device).
 """
 from __future__ import annotations
 
@@ -96,12 +97,29 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return torch.softmax(logits, -1)
 
 
+def apply_masks(logits: torch.Tensor, masks) -> torch.Tensor:
+    """A step's format masks (`constrain.grammar.Masks`: allowed-token bits of its constrained
+    rows) applied on the device: a float32 copy with the disallowed tokens at -inf."""
+    import numpy as np
+    logits = logits.float().clone()
+    rows = torch.as_tensor(masks.rows, dtype=torch.int64, device=logits.device)
+    bits = np.unpackbits(masks.bits.view(np.uint8), axis=1, bitorder="little")[:, : masks.vocab]
+    allowed = torch.from_numpy(bits.astype(bool)).to(logits.device, non_blocking=True)
+    sub = logits.index_select(0, rows)
+    sub[:, : masks.vocab].masked_fill_(~allowed, float("-inf"))
+    sub[:, masks.vocab:] = float("-inf")
+    return logits.index_copy_(0, rows, sub)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None, outputs=None,
-           generator: torch.Generator | None = None) -> list[int] | None:
-    """One token per row, drawn on the logits' device; None when a row needs the host's
-    sampler (a seed, logprobs)."""
+           generator: torch.Generator | None = None, masks=None) -> list[int] | None:
+    """One token per row, drawn on the logits' device (`masks`: a format's allowed tokens of
+    its rows, `constrain.grammar.Masks`); None when a row needs the host's sampler (a seed,
+    logprobs)."""
     if not supported(params):
         return None
+    if masks is not None:
+        logits = apply_masks(logits, masks)
     logits = prepare(logits, params, prev_tokens, outputs)
     out = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
