@@ -1,0 +1,42 @@
+"""A vision model's pixels (`model/vision.py`) equal transformers' own image processors' for
+the same image: SmolVLM's (Idefics3: resize, tiles and the global view) and Gemma 3's, on a
+camera frame (1280 x 720), a small image (one tile), a portrait photo and an odd size."""
+import numpy as np
+import pytest
+from PIL import Image
+
+from edgepaged.model.vision import gemma3_pixels, idefics3_pixels
+
+SIZES = [(1280, 720), (300, 200), (500, 900), (777, 333)]
+
+
+def _photo(w, h, seed=0):
+    rng = np.random.default_rng(seed)
+    base = np.linspace(0, 255, w, dtype=np.float32)[None, :, None] * np.ones((h, 1, 3), np.float32)
+    return Image.fromarray(np.clip(base + rng.normal(0, 30, (h, w, 3)), 0, 255).astype(np.uint8))
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_smolvlm_tiles_equal_transformers(size):
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    img = _photo(*size)
+    # SmolVLM-256M-Instruct's preprocessor_config: longest edge 2048, tiles of 512, mean/std 0.5
+    hf = Idefics3ImageProcessorPil(size={"longest_edge": 2048}, max_image_size={"longest_edge": 512},
+                                   image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    want = hf(images=[[img]], return_tensors="np", return_row_col_info=True)
+    got, rows, cols = idefics3_pixels(img, 2048, 512)
+    assert got.shape == want["pixel_values"][0].shape
+    assert (rows, cols) == (want["rows"][0][0], want["cols"][0][0])
+    assert np.abs(got - want["pixel_values"][0]).max() <= 1e-6
+    assert want["pixel_attention_mask"].all()          # every tile whole: no padding to carry
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gemma3_pixels_equal_transformers(size):
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    img = _photo(*size, seed=1)
+    hf = Gemma3ImageProcessorPil(size={"height": 896, "width": 896}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    want = hf(images=[img], return_tensors="np")["pixel_values"]
+    got = gemma3_pixels(img, 896)
+    assert got.shape == want.shape == (1, 3, 896, 896)
+    assert np.abs(got - want).max() <= 1e-6
