@@ -40,3 +40,30 @@ def test_gemma3_pixels_equal_transformers(size):
     got = gemma3_pixels(img, 896)
     assert got.shape == want.shape == (1, 3, 896, 896)
     assert np.abs(got - want).max() <= 1e-6
+
+
+def test_smolvlm_s_tower_and_connector_give_transformers_image_features():
+    """A tiny Idefics3 (SmolVLM's architecture) from transformers' own classes, random
+    weights: the numpy SigLIP tower, pixel shuffle and projection over the processor's tiles
+    of a camera frame give its `get_image_features` within 1e-4."""
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    from edgepaged.model.vision import SiglipTower, idefics3_image_tokens
+    torch.manual_seed(0)
+    cfg = Idefics3Config(
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=64, patch_size=16),
+        text_config=dict(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2),
+        scale_factor=2, image_token_id=299)
+    hf = Idefics3ForConditionalGeneration(cfg).eval()
+    tiles, rows, cols = idefics3_pixels(_photo(1280, 720), longest_edge=256, tile=64)
+    assert (rows, cols) == (3, 4) and tiles.shape == (13, 3, 64, 64)
+    with torch.no_grad():
+        want = hf.model.get_image_features(torch.from_numpy(tiles)[None]).pooler_output[0].numpy()
+    state = {k: v.numpy() for k, v in hf.model.state_dict().items()}
+    tower = SiglipTower(state, layers=2, heads=4, patch=16, prefix="vision_model.")
+    got = idefics3_image_tokens(tower, state["connector.modality_projection.proj.weight"], tiles, scale=2)
+    assert got.shape == want.shape == (13 * 4, 48)
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())

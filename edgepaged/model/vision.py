@@ -1,7 +1,11 @@
-"""An image's pixels as a vision tower takes them (issue 68's first piece: the towers come next).
+"""An image's pixels as a vision tower takes them, and the tower (issue 68's first pieces).
 
     tiles, rows, cols = idefics3_pixels(img, longest_edge=2048, tile=512)   # SmolVLM / SmolVLM2
     pixels = gemma3_pixels(img, size=896)                                    # Gemma 3 (SigLIP at 896)
+    tokens = idefics3_image_tokens(SiglipTower(weights, ...), projection, tiles, scale)   # SmolVLM's
+
+The tower runs in numpy here (transformers' names; the mmproj GGUF layouts, the Rust kernels
+and the torch path are next).
 
 `img` is a PIL RGB image (`request/images.decode`); the result is float32, channels first,
 rescaled to 0..1 and normalised by the model's mean and std: the values transformers' own image
@@ -85,3 +89,74 @@ def gemma3_pixels(img, size: int = 896, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5
     """[1, 3, size, size]: one bilinear resize, rescaled and normalised."""
     from PIL import Image
     return _normalise(np.asarray(img.resize((size, size), Image.Resampling.BILINEAR)), mean, std)[None]
+
+
+# ---------------------------------------------------------------- the tower (numpy; the Rust kernels next)
+
+def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    return (x - m) / np.sqrt(v + eps) * w + b
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+
+
+class SiglipTower:
+    """A SigLIP vision transformer (SmolVLM's, Gemma 3's, ...): patches by a strided
+    convolution, learned positions, pre-norm encoder layers (attention with biases over every
+    patch, a GELU-tanh MLP), a final LayerNorm. `weights`: float32 arrays under Hugging Face's
+    names below `prefix` (`embeddings.patch_embedding.weight`, `encoder.layers.{i}.self_attn.q_proj.weight`,
+    ..., `post_layernorm.weight`)."""
+
+    def __init__(self, weights: dict, *, layers: int, heads: int, patch: int, eps: float = 1e-6, prefix: str = ""):
+        w = {k[len(prefix):]: np.asarray(v, np.float32) for k, v in weights.items() if k.startswith(prefix)}
+        self.w, self.layers, self.heads, self.patch, self.eps = w, layers, heads, patch, eps
+        conv = w["embeddings.patch_embedding.weight"]              # [hidden, 3, patch, patch]
+        self.hidden = conv.shape[0]
+        self.conv = conv.reshape(self.hidden, -1).T.copy()         # [3 * patch * patch, hidden]
+
+    def __call__(self, pixels: np.ndarray) -> np.ndarray:
+        """pixels float32 [N, 3, S, S] (whole tiles) -> last hidden states [N, (S / patch)^2, hidden]."""
+        n, c, s, _ = pixels.shape
+        p, g = self.patch, s // self.patch
+        w = self.w
+        # the strided convolution as one product: each patch's c x p x p values in the kernel's order
+        cols = pixels.reshape(n, c, g, p, g, p).transpose(0, 2, 4, 1, 3, 5).reshape(n, g * g, c * p * p)
+        x = cols @ self.conv + w["embeddings.patch_embedding.bias"]
+        x = x + w["embeddings.position_embedding.weight"][: g * g]
+        d = self.hidden // self.heads
+        for i in range(self.layers):
+            pre = f"encoder.layers.{i}."
+            h = _layer_norm(x, w[pre + "layer_norm1.weight"], w[pre + "layer_norm1.bias"], self.eps)
+
+            def proj(name):
+                return h @ w[pre + f"self_attn.{name}.weight"].T + w[pre + f"self_attn.{name}.bias"]
+            q, k, v = (proj(t).reshape(n, -1, self.heads, d).transpose(0, 2, 1, 3) for t in ("q_proj", "k_proj", "v_proj"))
+            scores = (q @ k.transpose(0, 1, 3, 2)) * d ** -0.5
+            scores = np.exp(scores - scores.max(-1, keepdims=True))
+            att = (scores / scores.sum(-1, keepdims=True)) @ v
+            att = att.transpose(0, 2, 1, 3).reshape(n, -1, self.hidden)
+            x = x + att @ w[pre + "self_attn.out_proj.weight"].T + w[pre + "self_attn.out_proj.bias"]
+            h = _layer_norm(x, w[pre + "layer_norm2.weight"], w[pre + "layer_norm2.bias"], self.eps)
+            h = _gelu_tanh(h @ w[pre + "mlp.fc1.weight"].T + w[pre + "mlp.fc1.bias"])
+            x = x + h @ w[pre + "mlp.fc2.weight"].T + w[pre + "mlp.fc2.bias"]
+        return _layer_norm(x, w["post_layernorm.weight"], w["post_layernorm.bias"], self.eps).astype(np.float32)
+
+
+def pixel_shuffle(x: np.ndarray, scale: int) -> np.ndarray:
+    """Idefics3's connector: each scale x scale block of patches into one token of scale^2
+    times the width ([N, P, D] -> [N, P / scale^2, D * scale^2], transformers' order)."""
+    n, seq, dim = x.shape
+    side = int(round(seq ** 0.5))
+    x = x.reshape(n, side, side // scale, dim * scale).transpose(0, 2, 1, 3)
+    x = x.reshape(n, side // scale, side // scale, dim * scale * scale).transpose(0, 2, 1, 3)
+    return x.reshape(n, seq // (scale * scale), dim * scale * scale)
+
+
+def idefics3_image_tokens(tower: SiglipTower, projection: np.ndarray, pixels: np.ndarray, scale: int) -> np.ndarray:
+    """SmolVLM's image embeddings: the tower over the tiles, pixel shuffle, the connector's
+    projection (`projection` [text hidden, D * scale^2], no bias) -> [N * tokens a tile, text hidden]."""
+    x = pixel_shuffle(tower(pixels), scale) @ np.asarray(projection, np.float32).T
+    return x.reshape(-1, x.shape[-1])
