@@ -67,3 +67,34 @@ def test_smolvlm_s_tower_and_connector_give_transformers_image_features():
     got = idefics3_image_tokens(tower, state["connector.modality_projection.proj.weight"], tiles, scale=2)
     assert got.shape == want.shape == (13 * 4, 48)
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+
+
+def test_gemma3_s_tower_and_projector_give_transformers_image_features():
+    """A tiny Gemma 3 (transformers' own classes, random weights): the numpy SigLIP tower,
+    the average pool, the soft-embedding norm and the projection over the processor's pixels
+    give its `get_image_features` within 1e-4."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from edgepaged.model.vision import SiglipTower, gemma3_image_tokens
+    torch.manual_seed(0)
+    cfg = Gemma3Config(
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=64, patch_size=8),
+        text_config=dict(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+        mm_tokens_per_image=16, image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    hf = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():       # a projector that is not all zeros, and a norm not all ones
+        hf.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.05)
+        hf.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0, 0.1)
+    pixels = gemma3_pixels(_photo(1280, 720, seed=2), size=64)
+    with torch.no_grad():
+        want = hf.model.get_image_features(torch.from_numpy(pixels)).pooler_output.reshape(-1, 48).numpy()
+    state = {k: v.numpy() for k, v in hf.model.state_dict().items()}
+    tower = SiglipTower(state, layers=2, heads=4, patch=8, prefix="vision_tower.")
+    mm = "multi_modal_projector."
+    got = gemma3_image_tokens(tower, state[mm + "mm_soft_emb_norm.weight"], state[mm + "mm_input_projection_weight"],
+                              pixels, tokens_per_image=16)
+    assert got.shape == want.shape == (16, 48)
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())

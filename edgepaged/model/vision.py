@@ -160,3 +160,20 @@ def idefics3_image_tokens(tower: SiglipTower, projection: np.ndarray, pixels: np
     projection (`projection` [text hidden, D * scale^2], no bias) -> [N * tokens a tile, text hidden]."""
     x = pixel_shuffle(tower(pixels), scale) @ np.asarray(projection, np.float32).T
     return x.reshape(-1, x.shape[-1])
+
+
+def gemma3_image_tokens(tower: SiglipTower, norm_weight: np.ndarray, projection: np.ndarray, pixels: np.ndarray,
+                        tokens_per_image: int = 256, eps: float = 1e-6) -> np.ndarray:
+    """Gemma 3's image embeddings: the tower, an average pool of its patch grid down to
+    `tokens_per_image` (16 x 16), Gemma's RMSNorm (weight 1 + w), the projection
+    (`projection` [vision hidden, text hidden]) -> [N * tokens_per_image, text hidden]."""
+    x = tower(pixels)
+    n, p, d = x.shape
+    g, t = int(round(p ** 0.5)), int(round(tokens_per_image ** 0.5))
+    k = g // t
+    grid = x.reshape(n, g, g, d)
+    pooled = grid.reshape(n, t, k, t, k, d).mean(axis=(2, 4), dtype=np.float32).reshape(n, t * t, d)
+    normed = pooled / np.sqrt((pooled * pooled).mean(-1, keepdims=True) + eps) * (1.0 + np.asarray(norm_weight,
+                                                                                                 np.float32))
+    out = normed.astype(np.float32) @ np.asarray(projection, np.float32)
+    return out.reshape(-1, out.shape[-1])
