@@ -98,3 +98,63 @@ def test_gemma3_s_tower_and_projector_give_transformers_image_features():
                               pixels, tokens_per_image=16)
     assert got.shape == want.shape == (16, 48)
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+
+
+def _round_to_f16(model, keep_f32=(".embeddings.",)):
+    """The 2-D weights an mmproj stores in F16, rounded so in the model too (the reference)."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and not any(k in name for k in keep_f32):
+                p.copy_(p.half().float())
+
+
+@pytest.mark.parametrize("family", ["idefics3", "gemma3"])
+def test_an_mmproj_file_as_llama_cpp_writes_it_gives_the_same_image_features(family, tmp_path):
+    """The tower and projector written as llama.cpp's converter writes an mmproj GGUF (names
+    from gguf-py's own map, F16 weights, Gemma's norm + 1), read back by `read_mmproj`: the
+    image features of transformers' model (its weights rounded to F16 as the file keeps them)."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Idefics3Config, \
+        Idefics3ForConditionalGeneration
+
+    from edgepaged.model.vision import gemma3_image_tokens, idefics3_image_tokens, read_mmproj, tower_from_mmproj
+    from edgepaged.testing.vision_models import write_mmproj
+    torch.manual_seed(1)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64,
+                  patch_size=16 if family == "idefics3" else 8)
+    text = dict(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2)
+    if family == "idefics3":
+        hf = Idefics3ForConditionalGeneration(Idefics3Config(vision_config=vision, text_config=text, scale_factor=2,
+                                                             image_token_id=299)).eval()
+        pixels, _, _ = idefics3_pixels(_photo(640, 480, seed=3), longest_edge=128, tile=64)
+    else:
+        hf = Gemma3ForConditionalGeneration(Gemma3Config(
+            vision_config=vision, text_config={**text, "head_dim": 16}, mm_tokens_per_image=16, image_token_index=299,
+            boi_token_index=297, eoi_token_index=298)).eval()
+        with torch.no_grad():
+            hf.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.05)
+            hf.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0, 0.1)
+        pixels = gemma3_pixels(_photo(640, 480, seed=3), size=64)
+    _round_to_f16(hf)
+    path = write_mmproj(hf, tmp_path / f"mmproj-{family}.gguf", family, longest_edge=128)
+    kind, hp, weights = read_mmproj(path)
+    assert kind == family and hp["image_size"] == 64 and hp["block_count"] == 2
+    assert hp["image_mean"] == pytest.approx([0.5] * 3)
+    _, _, tower, proj = tower_from_mmproj(path)
+    with torch.no_grad():
+        x = torch.from_numpy(pixels)
+        want = hf.model.get_image_features(x[None] if family == "idefics3" else x).pooler_output
+        want = (want[0] if family == "idefics3" else want).reshape(-1, 48).numpy()
+    if family == "idefics3":
+        got = idefics3_image_tokens(tower, proj["connector.proj.weight"], pixels, scale=2)
+    else:      # the file keeps Gemma's norm as 1 + w: the function adds the 1 itself
+        got = gemma3_image_tokens(tower, proj["projector.norm.weight"] - 1.0, proj["projector.input.weight"], pixels,
+                                  tokens_per_image=16, eps=float(hp["attention.layer_norm_epsilon"]))
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    with pytest.raises(ValueError, match="not a vision projector"):
+        from edgepaged.testing.families import make_family_model, write_family_gguf
+        m = make_family_model(tmp_path / "t", "llama")
+        read_mmproj(write_family_gguf(tmp_path / "t", tmp_path / "t.gguf", m))

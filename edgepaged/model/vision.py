@@ -21,6 +21,7 @@ size x size.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -177,3 +178,46 @@ def gemma3_image_tokens(tower: SiglipTower, norm_weight: np.ndarray, projection:
                                                                                                  np.float32))
     out = normed.astype(np.float32) @ np.asarray(projection, np.float32)
     return out.reshape(-1, out.shape[-1])
+
+
+# ---------------------------------------------------------------- llama.cpp's mmproj files
+
+_LAYER = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
+_TOP = {"v.patch_embd": "embeddings.patch_embedding", "v.position_embd": "embeddings.position_embedding",
+        "v.post_ln": "post_layernorm", "mm.model.fc": "connector.proj", "mm.input_projection": "projector.input",
+        "mm.soft_emb_norm": "projector.norm"}
+
+
+def read_mmproj(path) -> tuple[str, dict, dict]:
+    """A llama.cpp `mmproj` GGUF -> (projector type, hyperparameters, float32 weights under the
+    tower's names: `embeddings.patch_embedding.weight`, `encoder.layers.N.self_attn.q_proj.weight`,
+    ..., and the projector's `connector.proj.weight` (Idefics3) or `projector.input.weight` /
+    `projector.norm.weight` (Gemma 3: the norm as stored, 1 + w))."""
+    from .gguf_file import GgufFile
+    from .loader import gguf_field
+    f = GgufFile(path)
+    if gguf_field(f, "general.architecture") != "clip":
+        raise ValueError(f"{Path(path).name}: not a vision projector (mmproj) file")
+    kind = gguf_field(f, "clip.projector_type")
+    hp = {k.removeprefix("clip.vision."): gguf_field(f, k) for k in f.fields if k.startswith("clip.vision.")}
+    weights = {}
+    for t in f.tensors:
+        stem, _, suffix = t.name.rpartition(".")
+        if stem.startswith("v.blk."):
+            _, _, i, part = stem.split(".", 3)
+            name = f"encoder.layers.{i}.{_LAYER[part]}"
+        else:
+            name = _TOP[stem]
+        weights[f"{name}.{suffix}"] = np.asarray(t.data, np.float32)
+    return kind, hp, weights
+
+
+def tower_from_mmproj(path) -> tuple[str, dict, SiglipTower, dict]:
+    """The projector type, hyperparameters, the SigLIP tower and the projector's weights of an
+    mmproj file."""
+    kind, hp, w = read_mmproj(path)
+    tower = SiglipTower(w, layers=int(hp["block_count"]), heads=int(hp["attention.head_count"]),
+                        patch=int(hp["patch_size"]), eps=float(hp["attention.layer_norm_epsilon"]))
+    proj = {k: v for k, v in w.items() if k.startswith(("connector.", "projector."))}
+    return kind, hp, tower, proj
