@@ -39,7 +39,7 @@ def _ids(rows: list, device) -> tuple[torch.Tensor, torch.Tensor]:
 def prepare(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None, outputs=None) -> torch.Tensor:
     """Penalties and biases applied (a float32 copy when any applies)."""
     logits = logits.float()
-    b, v = logits.shape
+    v = logits.shape[1]
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 and prev_tokens is not None
            and len(prev_tokens[i])]
     bias = [i for i, p in enumerate(params) if p.logit_bias]
@@ -69,7 +69,7 @@ def prepare(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k / top-p / min-p as -inf masks -> probabilities (`sampler._filter`)."""
-    b, v = logits.shape
+    v = logits.shape[1]
     dev = logits.device
     for p in params:
         if p.top_k and p.top_k > v:
