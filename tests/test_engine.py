@@ -266,3 +266,58 @@ async def test_a_cancel_during_a_failing_step_leaves_no_garbage_in_the_prefix_ca
         again, done = await collect(eng, request(prompt, 8))
         assert done.usage["cached_tokens"] == 0, "nothing of the failed step may come from the prefix cache"
         assert again == fresh
+
+
+async def test_sending_overlapped_with_the_next_step_changes_no_event(tiny_model_dir):
+    """The plain rows' tokens are detokenized and sent while the next step's forward runs
+    (EngineConfig.overlap_host_work): every request's events (ids, text, logprobs, the end,
+    its usage) are those of the engine that sends at once, stop strings, stop tokens, lengths
+    and cancels included, and every block comes back."""
+    rng = random.Random(11)
+    ps = prompts(14, seed=3)
+    rounded = lambda lps: lps and [(round(x["logprob"], 4), [(t, round(v, 4)) for t, v in x["top"]])   # noqa: E731
+                                   for x in lps]      # (a batch's make-up moves the float sums' last bits)
+    kinds = []
+    for i in range(len(ps)):
+        kw = dict(max_tokens=rng.randrange(1, 24), seed=i, temperature=rng.choice([0, 0.9]), ignore_eos=False)
+        if i % 4 == 1 or i == 11:
+            kw["stop"] = ["laz", "KK"]       # decided by the text: sent at once, never deferred
+        if i % 5 == 2:
+            kw["logprobs"] = 2
+        if i % 6 == 3:
+            kw["stop_token_ids"] = [rng.randrange(3, 300) for _ in range(16)]
+        kinds.append(kw)
+
+    async def run(overlap: bool):
+        out = [None] * len(ps)
+        async with make_engine(tiny_model_dir, num_blocks=40, max_num_seqs=8, overlap_host_work=overlap) as eng:
+            async def one(i):
+                kw = dict(kinds[i])
+                r = Request(prompt_ids=list(ps[i]), params=SamplingParams(**kw))
+                events = []
+                async with eng.stream(r) as chan:
+                    async for ev in chan:
+                        events.append(("tok", ev.token_ids, ev.text, rounded(ev.logprobs)) if isinstance(ev, TokenEvent)
+                                      else ("done", ev.finish_reason, ev.stop,     # (cached_tokens hang on timing)
+                                             {k: v for k, v in ev.usage.items() if k != "cached_tokens"}))
+                        if i == 13 and len(events) == 3:
+                            break                  # a client that leaves mid-answer
+                out[i] = events
+
+            async with trio.open_nursery() as n:
+                for i in range(len(ps)):
+                    n.start_soon(one, i)
+            await trio.sleep(0.05)
+            a = eng.allocator.stats()
+            assert a["used_blocks"] == 0 and a["num_sequences"] == 0 and not eng._unsent
+            return out, eng.stats()["tokens_sent_during_steps"]
+
+    on, sent_during = await run(True)
+    off, none_during = await run(False)
+    for i, (a, b) in enumerate(zip(on, off)):
+        assert a == b, (i, kinds[i], a, b)
+    assert none_during == 0 and sent_during > 20       # it did overlap
+    for events in on[:13]:
+        assert events[-1][0] == "done" and all(e[0] == "tok" for e in events[:-1])
+        assert sum(len(e[1]) for e in events[:-1]) == events[-1][3]["completion_tokens"] or events[-1][1] == "stop"
+    assert any(e[-1][1] == "stop" and isinstance(e[-1][2], str) for e in on)    # a stop string ended one

@@ -80,6 +80,9 @@ class EngineConfig:
     # interactive prompt arrives while little of it has run, and is planned again with that
     # prompt first (Engine._maybe_interrupt); the runner must support it (CpuRunner)
     interrupt_long_steps: bool = True
+    # the host's share of a step's output (detokenizing and streaming the plain rows' tokens)
+    # done while the next step's forward runs, not between two steps (Engine._emit)
+    overlap_host_work: bool = True
 
 # a step expected to take INTERRUPT_MIN_S or more may be stopped for a new short prompt, if it
 # has INTERRUPT_LEFT_S or more to run and has run at most INTERRUPT_MAX_DONE of its expected
@@ -164,6 +167,11 @@ class Engine:
         self._stoppable: tuple[float, float] | None = None
         self._may_stop = True      # the last long step ran to its end
         self.steps_interrupted = 0
+        # tokens taken (appended, counted, stop tokens and lengths checked) but not yet
+        # detokenized and sent: sent while the next step's forward runs (_emit, _flush)
+        self._unsent: dict[Request, list] = {}
+        self.overlapped_s = 0.0     # host seconds spent sending while a step ran
+        self.tokens_overlapped = 0  # tokens sent while a step ran
 
     PENDING_S = 60.0   # a request built and never streamed stops holding its model after this
 
@@ -355,6 +363,7 @@ class Engine:
                  kv_dtype=self.runner.kv_dtype_name,
                  mode="contiguous" if self.config.contiguous else "paged", context_policy=self.config.context_policy,
                  speculation=self.spec.stats(), steps_interrupted=self.steps_interrupted,
+                 tokens_sent_during_steps=self.tokens_overlapped,
                  **self.scheduler.kv_bound_stats())
         if self.drafter is not None:
             s["draft_model"] = self.drafter.stats()
@@ -373,9 +382,11 @@ class Engine:
                 log.debug("planning failed", exc_info=e.cause)
                 for req in e.requests:
                     self._end(req, "error", error=INTERNAL)
+                self._flush()
                 await trio.lowlevel.checkpoint()
                 continue
             if batch is None:
+                self._flush()
                 if not self.scheduler.has_work():
                     if self.disk is not None and self.disk.pins:   # a piece at a time; a request that arrives goes first
                         await self.disk.flush(whole=False, has_work=self.scheduler.has_work)
@@ -489,8 +500,8 @@ class Engine:
                 self._may_stop = True
         try:
             t0 = time.monotonic()
-            tokens, grammar = await trio.to_thread.run_sync(self._execute, batch, params, prev, matchers, outputs,
-                                                            rows, embeds, spec, limiter=self.threads)
+            tokens, grammar = await self._in_worker(self._execute, batch, params, prev, matchers, outputs,
+                                                    rows, embeds, spec, meanwhile=self._flush)
             if pool:
                 tokens = self._pooled(batch, pool, tokens)
             if spec:
@@ -531,6 +542,32 @@ class Engine:
             self._free_after_step(batch, cache=ok or stopped)
         if ok:
             self._process(batch, tokens, forks, grammar)
+        if self.drafter is not None or not self.scheduler.has_work():
+            self._flush()     # nothing to overlap with (the engine may rest now)
+
+    async def _in_worker(self, fn, *args, meanwhile: Callable[[], None] | None = None):
+        """fn(*args) in one of the engine's worker threads, as trio.to_thread.run_sync would
+        (not abandoned on cancellation); `meanwhile()` runs on the event loop once the thread
+        has started, so the host's work of the last step overlaps this one's forward."""
+        async with self.threads:
+            token = trio.lowlevel.current_trio_token()
+            done, box = trio.Event(), []
+
+            def deliver(result) -> None:     # (in the thread) an outcome.Value or .Error
+                box.append(result)
+                try:
+                    token.run_sync_soon(done.set)
+                except trio.RunFinishedError:   # noqa: PERF203 - cannot happen: the loop awaits it
+                    pass
+
+            trio.lowlevel.start_thread_soon(lambda: fn(*args), deliver)   # deliver gets its outcome
+            if meanwhile is not None:
+                t0 = time.perf_counter()
+                self.tokens_overlapped += meanwhile()
+                self.overlapped_s += time.perf_counter() - t0
+            with trio.CancelScope(shield=True):
+                await done.wait()
+        return box[0].unwrap()
 
     def _stoppable_for(self, batch: Batch, forks, pool, embeds) -> float:
         """The seconds `batch` is expected to take if it may be stopped between layers (0 if
@@ -717,8 +754,7 @@ class Engine:
             req.stop_reason = tok
             self._end(req, "stop")
             return 1
-        self._send(req, TokenEvent([tok], req.detok.add(tok), None if info is None else [info],
-                                  self.spec.ahead(req, self.tokenizer.stop_token_ids)))
+        self._emit(req, tok, info, took)
         if req.finished:
             return 1
         if took is not None and took[0] == "failed":
@@ -743,6 +779,45 @@ class Engine:
             self._end(req, "length")
         return 1
 
+    def _emit(self, req: Request, tok: int, info, took) -> None:
+        """Send `req`'s token now, or, for a plain row, when the next step's forward runs
+        (`_flush`). A plain row: no stop strings (its text can end nothing), no format (its
+        grammar's verdict is read right after), and not its last token (a request's ending
+        flushes its tokens first, `_end`): what ends a request is decided as before, only
+        the detokenizing and sending move."""
+        ahead = self.spec.ahead(req, self.tokenizer.stop_token_ids)
+        p = req.params
+        if (self.config.overlap_host_work and took is None and not p.stop and req.constraint.matcher is None
+                and req.constraint.lazy is None and len(req.output_ids) < p.max_tokens
+                and (req.num_tokens < self.max_model_len or req.context_window is not None)):
+            self._unsent.setdefault(req, []).append((tok, info, ahead))
+            return
+        self._flush_one(req)
+        self._send(req, TokenEvent([tok], req.detok.add(tok), None if info is None else [info], ahead))
+
+    def _flush_one(self, req: Request) -> int:
+        sent = 0
+        for tok, info, ahead in self._unsent.pop(req, ()):
+            if req.send is None or (req.finished and req.finish_reason == "cancelled"):
+                break
+            self._send(req, TokenEvent([tok], req.detok.add(tok), None if info is None else [info], ahead))
+            sent += 1
+        return sent
+
+    def _flush(self) -> int:
+        """Detokenize and send the tokens taken but not sent (each request's in order); how many."""
+        sent = 0
+        while self._unsent:
+            req = next(iter(self._unsent))
+            try:
+                sent += self._flush_one(req)
+            except Exception as e:   # noqa: BLE001 - one request's failure ends that request only
+                log.error("request %s failed while sending its token: %s", req.id, _short(e))
+                log.debug("sending a token failed", exc_info=True)
+                self._unsent.pop(req, None)
+                self._end(req, "error", error=INTERNAL)
+        return sent
+
     def _unused_slots(self) -> int:
         """KV slots reserved but holding nothing: the empty tail of each sequence's own last
         block (shared blocks are always full), or its whole up-front reservation beyond what
@@ -762,6 +837,15 @@ class Engine:
         back to the pool now, or after the running step if that step uses them."""
         if req.finished:
             return
+        if req in self._unsent:         # its tokens go out before its end
+            try:
+                self._flush_one(req)
+            except Exception as e:      # noqa: BLE001 - it ends anyway
+                self._unsent.pop(req, None)
+                log.error("request %s failed while sending its token: %s", req.id, _short(e))
+                reason, error = "error", INTERNAL
+            if req.finished:            # its client was gone: sending ended it
+                return
         for child in req.children:      # samples not forked yet end with their parent
             self._end(child, reason, error)
         req.children = []
