@@ -233,7 +233,7 @@ def serve(**values):
             model_path, served_name = resolve_model(s.model[0] if s.model else None)
             draft = resolve_model(s.draft)[0] if s.draft else None
             runner = load_runner(model_path, s.device, kv_bytes, s.block_size, s.max_batched_tokens, kv_kind, s.cpu,
-                                 draft=draft, served_name=served_name)
+                                 draft=draft, served_name=served_name, mmproj=s.mmproj)
         except AssemblyError as e:
             fail(str(e), e.code)
         except KvBudgetError as e:
@@ -339,7 +339,8 @@ EXAMPLE_VALUES = {"model": ["llama3.2:3b"], "kv_memory": "1G", "memory_budget": 
                   "max_prompt_bytes": 262144, "max_http_per_caller": 32,
                   "users": "/etc/edgepaged/users", "allowed_host": ["box.example.org"],
                   "cors_origin": ["http://tools.local:8080"], "admin_from": ["192.168.1.0/24"], "quant_math": "auto",
-                  "runtime": "auto", "speculate": "lookup", "draft": "smollm2:135m", "spec_tokens": 8,
+                  "runtime": "auto", "speculate": "lookup", "draft": "smollm2:135m",
+                  "mmproj": "mmproj-model.gguf", "spec_tokens": 8,
                   "prefix_cache_disk": "4G"}
 
 

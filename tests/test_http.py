@@ -241,7 +241,7 @@ async def test_without_the_page(embedded_runner):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
      "only text parts"),
     ({"messages": FRANCE, "presence_penalty": "high"}, "presence_penalty must be a number"),
     ({"messages": FRANCE, "stream": "yes"}, "stream must be a boolean"),

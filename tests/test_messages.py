@@ -38,8 +38,9 @@ def test_a_message_checks_itself_and_renders_for_a_template():
 
 async def test_every_door_maps_images_onto_the_model_and_refuses_them_alike(embedded_runner):
     """OpenAI's image_url part, Ollama's chat and generate `images`, the Responses API's
-    input_image: the same refusal, from the same place (text_only), in each door's error shape;
-    a text part beside them was parsed (the refusal names images, not the part)."""
+    input_image: the same refusal, from the same place (the front end, once the model is known:
+    it names the model, as Ollama does), in each door's error shape; a text part beside them
+    was parsed (the refusal names images, not the part)."""
 
     model = "SmolLM2-135M-Instruct.Q4_1"
     async with serving(embedded_runner) as http:
@@ -59,7 +60,8 @@ async def test_every_door_maps_images_onto_the_model_and_refuses_them_alike(embe
         for path, body, error in cases:
             status, _, raw = await afetch(http.base + path, body)
             assert status == 400, (path, raw)
-            assert "images are not supported: this server runs text-only models" in error(json.loads(raw)), (path, raw)
+            msg = error(json.loads(raw))
+            assert f"{model} does not take images: it is a text-only model" in msg, (path, raw)
         # a part that is neither text nor an image is the door's own refusal
         status, _, raw = await afetch(http.base + "/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]})

@@ -1,6 +1,8 @@
 """A vision model's pixels (`model/vision.py`) equal transformers' own image processors' for
 the same image: SmolVLM's (Idefics3: resize, tiles and the global view) and Gemma 3's, on a
 camera frame (1280 x 720), a small image (one tile), a portrait photo and an odd size."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -158,3 +160,53 @@ def test_an_mmproj_file_as_llama_cpp_writes_it_gives_the_same_image_features(fam
         from edgepaged.testing.families import make_family_model, write_family_gguf
         m = make_family_model(tmp_path / "t", "llama")
         read_mmproj(write_family_gguf(tmp_path / "t", tmp_path / "t.gguf", m))
+
+
+@pytest.fixture(scope="module")
+def smolvlm(tmp_path_factory):
+    """A tiny SmolVLM written as a GGUF repository ships one (model + mmproj)."""
+    from edgepaged.testing.vision_models import make_smolvlm
+    return make_smolvlm(tmp_path_factory.mktemp("smolvlm"))
+
+
+def _image_prompt(runner, hf, img):
+    """(our ids: the image's rows as its ids past the vocabulary; transformers' ids, the
+    processor's image token there; the tiles), for "User:<image>What is it?"."""
+    from edgepaged.model.image_table import digest
+    from edgepaged.model.vision import IMAGE
+    enc, tok = runner.vision, runner.tokenizer
+    pixels, layout = enc.pixels(img)
+    base = runner.images.put(digest(img.tobytes()), enc.encode(pixels), layout)
+    ours, theirs, k = [], [], 0
+    for t in enc.prompt_tokens(layout, tok):
+        ours.append(t if t != IMAGE else base + k)
+        theirs.append(t if t != IMAGE else hf.config.image_token_id)
+        k += t == IMAGE
+    head, tail = tok.encode_plain("User:"), tok.encode_plain("What is it?")
+    return head + ours + tail, head + theirs + tail, pixels
+
+
+@pytest.mark.parametrize("runtime", ["cpu", "torch"])
+def test_smolvlm_s_logits_for_an_image_and_a_question_equal_transformers(smolvlm, runtime):
+    """The model file and mmproj as a Hugging Face GGUF repository ships them, served by the
+    CPU runtime (Rust kernels) and by the torch reference: the logits after an image (its
+    tiles, wrapped in SmolVLM's own tokens) and a question are transformers'
+    Idefics3ForConditionalGeneration's within 1e-3."""
+    import torch
+
+    from edgepaged.model import ModelRunner
+    from edgepaged.model.cpu.runner import CpuRunner
+    from edgepaged.testing.decode import make_allocator, prompt_logits
+    hf, model, mmproj = smolvlm
+    runner = CpuRunner(model, num_blocks=64) if runtime == "cpu" else ModelRunner(model, num_blocks=64)
+    runner.attach_vision(mmproj)
+    ours, theirs, pixels = _image_prompt(runner, hf, _photo(640, 480, seed=4))
+    assert pixels.shape == (5, 3, 64, 64) and sum(t >= runner.images.first for t in ours) == 20
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([theirs]), pixel_values=torch.from_numpy(pixels)[None]).logits[0, -1].numpy()
+    got = np.asarray(prompt_logits(runner, make_allocator(runner), ours))[-1]
+    assert np.abs(got - want).max() <= 1e-3 * max(1.0, np.abs(want).max())
+    # a text-only model's file with a projector of another width is refused, naming both
+    with pytest.raises(ValueError, match="not a pair"):
+        from edgepaged.testing.vision_models import make_smolvlm
+        ModelRunner(make_smolvlm(Path(model).parent / "wide", hidden=96)[1], num_blocks=8).attach_vision(mmproj)

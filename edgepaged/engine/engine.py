@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -150,6 +151,7 @@ class Engine:
         self.model_name = runner.model_name or (path.stem if hasattr(path, "stem") else "model")
         self.metrics = Metrics(self.model_name)
         self.requests: dict[int, Request] = {}
+        self._vocab = getattr(getattr(runner, "config", None), "vocab_size", None) or 1 << 32   # ids past it: an image's rows (model/image_table.py)
         self.accepting = False
         self.step_hook: Callable[[Batch], None] | None = None   # called in the worker before each forward (tests)
         self._in_step: frozenset[Request] = frozenset()          # requests whose blocks the running step uses
@@ -172,6 +174,11 @@ class Engine:
         self._unsent: dict[Request, list] = {}
         self.overlapped_s = 0.0     # host seconds spent sending while a step ran
         self.tokens_overlapped = 0  # tokens sent while a step ran
+        # a vision model's image encoders (request/vision_prompt.py) run while this is set: no
+        # interactive request waits for its first token (a voice command beside a camera burst)
+        self.encoder_gate = threading.Event()
+        self.encoder_gate.set()
+        self._awaiting_first: set[Request] = set()
 
     PENDING_S = 60.0   # a request built and never streamed stops holding its model after this
 
@@ -274,7 +281,8 @@ class Engine:
             self.scheduler.add(req)
         send, recv = trio.open_memory_channel(math.inf)
         req.send = send
-        req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, stop=req.params.stop)
+        context = req.prompt_ids if req.images is None else [t for t in req.prompt_ids[-8:] if t < self._vocab]
+        req.detok = IncrementalDetokenizer(self.tokenizer, context, stop=req.params.stop)
         self.requests[req.id] = req
         self._costs[req] = (req.owner, req.params.max_tokens)
         hold = req.cost_hold
@@ -286,6 +294,9 @@ class Engine:
         self._owner_tokens[req.owner] = self._owner_tokens.get(req.owner, 0) + req.params.max_tokens
         self._idle = trio.Event()
         self._wake.set()
+        if req.priority == INTERACTIVE and not req.embed and req.fork_of is None:
+            self._awaiting_first.add(req)
+            self.encoder_gate.clear()
         self._maybe_interrupt(req)
         try:
             async with recv:
@@ -748,6 +759,7 @@ class Engine:
             tok, info = tok
         if req.first_token is None:
             req.first_token = now
+            self._answered(req)
         req.output_ids.append(tok)
         p = req.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.stop_token_ids):
@@ -846,6 +858,7 @@ class Engine:
                 reason, error = "error", INTERNAL
             if req.finished:            # its client was gone: sending ended it
                 return
+        self._answered(req)
         for child in req.children:      # samples not forked yet end with their parent
             self._end(child, reason, error)
         req.children = []
@@ -861,7 +874,8 @@ class Engine:
         if req not in self._in_step:
             self.scheduler.free(req, cache=reason != "error")
         if reason in ("stop", "length") and not req.embed and self.spec.on and self.spec.config.mode == "lookup":
-            self.spec.history.add(req.salt, req.prompt_ids, req.output_ids)   # lookup's guesses for its next ones
+            prompt = req.prompt_ids if req.images is None else [t for t in req.prompt_ids if t < self._vocab]
+            self.spec.history.add(req.salt, prompt, req.output_ids)   # lookup's guesses for its next ones
         tail = req.detok.finish() if req.detok is not None and reason != "error" else ""
         if tail:
             self._send_quiet(req, TokenEvent([], tail))
@@ -873,6 +887,13 @@ class Engine:
             req.send.close()
         if not self.scheduler.has_work() and not self._disk_busy():
             self._idle.set()
+
+    def _answered(self, req: Request) -> None:
+        """`req` has its first token (or ended): image encoders may run once none waits."""
+        if self._awaiting_first:
+            self._awaiting_first.discard(req)
+            if not self._awaiting_first:
+                self.encoder_gate.set()
 
     def _disk_busy(self) -> bool:
         """The disk tier still has pinned blocks to copy out (the engine does not rest yet)."""

@@ -137,6 +137,8 @@ class Request:
     embedding: Embedding | None = None      # an embedding request: its pooling (None: a generation)
     drafting: DraftState = field(default_factory=DraftState)    # speculation (speculate.py, draft.py)
     disk_tier: DiskState = field(default_factory=DiskState)     # the prefix cache's disk tier (disk_cache.py)
+    # a vision model's images in prompt_ids (request/vision_prompt.ImagesHeld): kept until it ends
+    images: object | None = field(default=None, repr=False)
 
     @property
     def embed(self) -> bool:

@@ -129,6 +129,26 @@ class RunnerBase:
     weights_cache: str | None = None   # "hit" / "writing": its laid-out weights (CpuRunner)
     file_info: dict | None = None
     interrupt = None      # a threading.Event where a step can stop between layers (CpuRunner)
+    # a vision model's image side (model/vision.VisionEncoder, from its mmproj file) and the
+    # images its prompts hold (model/image_table.ImageTable); None for a text-only model
+    vision = None
+    images = None
+
+    def attach_vision(self, mmproj) -> None:
+        """Take images: `mmproj`, the model's vision projector file (llama.cpp's layout)."""
+        from .image_table import ImageTable
+        from .vision import VisionEncoder
+        enc = VisionEncoder(mmproj)
+        if enc.width != self.config.hidden_size:
+            raise ValueError(f"{enc.path.name} projects images to {enc.width} values, but "
+                             f"{getattr(self.model_path, 'name', 'the model')} is {self.config.hidden_size} wide: "
+                             "they are not a pair")
+        self.vision, self.images = enc, ImageTable(self.config.vocab_size)
+        self._take_images(self.images)
+
+    def _take_images(self, table) -> None:
+        """The forward's embedding takes image ids (>= table.first) from `table`."""
+        raise NotImplementedError(f"{type(self).__name__} takes no images")
 
     def attach_draft(self, draft) -> None:
         """Speculation by a draft model: `draft`, a runner sharing this one's block numbers

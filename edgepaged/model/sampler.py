@@ -29,6 +29,7 @@ def apply_repetition_penalty(logits: np.ndarray, params, prev_tokens) -> None:
     for i, p in enumerate(params):
         if p.repetition_penalty != 1.0 and prev_tokens is not None and len(prev_tokens[i]):
             ids = np.unique(np.asarray(list(prev_tokens[i]), dtype=np.int64))
+            ids = ids[:np.searchsorted(ids, logits.shape[1])]    # (an image's ids are past the vocabulary)
             row = logits[i, ids]
             logits[i, ids] = np.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
 

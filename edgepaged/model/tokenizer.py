@@ -281,18 +281,32 @@ class Tokenizer:
         matched a user's copy of the template's markup (the text that ends the system turn) to
         the template's own, turning the template's end-of-turn into text and the user's copy
         into the control token."""
-        risky = [isinstance(m.get("content"), str) and self.control_in(m["content"]) is not None
-                 for m in messages]
+        def risky_text(t) -> bool:
+            return isinstance(t, str) and self.control_in(t) is not None
+
+        def risky_part(p) -> bool:    # a typed content part's text (a vision model's template reads parts)
+            return isinstance(p, dict) and p.get("type") == "text" and risky_text(p.get("text"))
+        risky = [risky_text(c) or (isinstance(c, list) and any(risky_part(p) for p in c))
+                 for c in (m.get("content") for m in messages)]
         if not any(risky):
             return self.encode(text, add_special_tokens=False)
         import secrets
         nonce = secrets.token_hex(8)
         marks, shown = {}, []         # placeholder -> the message text it stands for
         for i, (m, r) in enumerate(zip(messages, risky)):
-            if r:
+            if r and isinstance(m["content"], str):
                 mark = f"\u2063edgepaged:{nonce}:{i}\u2063"
                 marks[mark] = m["content"]
                 m = {**m, "content": mark}
+            elif r:
+                parts = []
+                for j, p in enumerate(m["content"]):
+                    if risky_part(p):
+                        mark = f"\u2063edgepaged:{nonce}:{i}:{j}\u2063"
+                        marks[mark] = p["text"]
+                        p = {**p, "text": mark}
+                    parts.append(p)
+                m = {**m, "content": parts}
             shown.append(m)
         marked = render(shown)
         pattern = re.compile("|".join(re.escape(k) for k in marks))

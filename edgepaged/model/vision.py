@@ -118,8 +118,9 @@ class SiglipTower:
         self.hidden = conv.shape[0]
         self.conv = conv.reshape(self.hidden, -1).T.copy()         # [3 * patch * patch, hidden]
 
-    def __call__(self, pixels: np.ndarray) -> np.ndarray:
-        """pixels float32 [N, 3, S, S] (whole tiles) -> last hidden states [N, (S / patch)^2, hidden]."""
+    def __call__(self, pixels: np.ndarray, pause=None) -> np.ndarray:
+        """pixels float32 [N, 3, S, S] (whole tiles) -> last hidden states [N, (S / patch)^2, hidden].
+        `pause()`, when given, is called between layers (it may wait: the encoder's work in pieces)."""
         n, c, s, _ = pixels.shape
         p, g = self.patch, s // self.patch
         w = self.w
@@ -129,6 +130,8 @@ class SiglipTower:
         x = x + w["embeddings.position_embedding.weight"][: g * g]
         d = self.hidden // self.heads
         for i in range(self.layers):
+            if pause is not None:
+                pause()
             pre = f"encoder.layers.{i}."
             h = _layer_norm(x, w[pre + "layer_norm1.weight"], w[pre + "layer_norm1.bias"], self.eps)
 
@@ -156,10 +159,11 @@ def pixel_shuffle(x: np.ndarray, scale: int) -> np.ndarray:
     return x.reshape(n, seq // (scale * scale), dim * scale * scale)
 
 
-def idefics3_image_tokens(tower: SiglipTower, projection: np.ndarray, pixels: np.ndarray, scale: int) -> np.ndarray:
+def idefics3_image_tokens(tower: SiglipTower, projection: np.ndarray, pixels: np.ndarray, scale: int,
+                          pause=None) -> np.ndarray:
     """SmolVLM's image embeddings: the tower over the tiles, pixel shuffle, the connector's
     projection (`projection` [text hidden, D * scale^2], no bias) -> [N * tokens a tile, text hidden]."""
-    x = pixel_shuffle(tower(pixels), scale) @ np.asarray(projection, np.float32).T
+    x = pixel_shuffle(tower(pixels, pause), scale) @ np.asarray(projection, np.float32).T
     return x.reshape(-1, x.shape[-1])
 
 
@@ -221,3 +225,88 @@ def tower_from_mmproj(path) -> tuple[str, dict, SiglipTower, dict]:
                         patch=int(hp["patch_size"]), eps=float(hp["attention.layer_norm_epsilon"]))
     proj = {k: v for k, v in w.items() if k.startswith(("connector.", "projector."))}
     return kind, hp, tower, proj
+
+
+# ---------------------------------------------------------------- a served model's images
+
+IMAGE = -1     # in `VisionEncoder.prompt_tokens`: a position the image's next feature row takes
+
+
+class VisionEncoder:
+    """A vision model's image side, from its llama.cpp `mmproj` file: the pixels its tower
+    takes, the tower and projector (image -> feature rows of the text model's width), and the
+    tokens that stand for an image in the prompt (the family's own wrapping, each IMAGE one
+    feature row, in order).
+
+    Idefics3 (SmolVLM / SmolVLM2): the image cut into tiles (`idefics3_pixels`), each tile's
+    rows after `<fake_token_around_image><row_R_col_C>`, a newline after each row of tiles,
+    then the whole image after `\\n<fake_token_around_image><global-img>`, closed by
+    `<fake_token_around_image>` (transformers' Idefics3Processor). The chat template marks
+    where an image goes with `<image>` (`marker`)."""
+
+    FAMILIES = ("idefics3",)
+
+    def __init__(self, path):
+        kind, hp, tower, proj = tower_from_mmproj(path)
+        if kind not in self.FAMILIES:
+            raise ValueError(f"{Path(path).name}: vision projector {kind!r} is not supported yet (supported: "
+                             f"{', '.join(self.FAMILIES)}; Gemma 3's image tokens attend both ways, which the "
+                             "paged kernels do not do yet)")
+        self.path, self.kind, self.hp, self.tower, self.proj = Path(path), kind, hp, tower, proj
+        self.tile = int(hp["image_size"])
+        self.mean = tuple(float(x) for x in hp.get("image_mean", (0.5, 0.5, 0.5)))
+        self.std = tuple(float(x) for x in hp.get("image_std", (0.5, 0.5, 0.5)))
+        self.scale = int(hp.get("projector.scale_factor", 2))
+        self.longest_edge = int(hp.get("preproc_image_size", self.tile))
+        grid = self.tile // int(hp["patch_size"])
+        self.tokens_per_tile = grid * grid // (self.scale * self.scale)
+        self.width = int(proj["connector.proj.weight"].shape[0])       # the text model's hidden size
+        self.marker = "<image>"
+
+    def pixels(self, img) -> tuple[np.ndarray, tuple]:
+        """A decoded RGB image -> (the tower's input, its layout for `prompt_tokens`)."""
+        tiles, rows, cols = idefics3_pixels(img, longest_edge=self.longest_edge, tile=self.tile, mean=self.mean,
+                                            std=self.std)
+        return tiles, (rows, cols)
+
+    def encode(self, pixels: np.ndarray, pause=None) -> np.ndarray:
+        """The tower and projector: float32 [feature rows, text hidden], rows in prompt order.
+        `pause()`: called between the tower's layers (SiglipTower)."""
+        return np.ascontiguousarray(idefics3_image_tokens(self.tower, self.proj["connector.proj.weight"], pixels,
+                                                          self.scale, pause), dtype=np.float32)
+
+    def rows_for(self, layout: tuple) -> int:
+        rows, cols = layout
+        return self.tokens_per_tile * (rows * cols + 1)
+
+    def prompt_tokens(self, layout: tuple, tokenizer) -> list[int]:
+        """The ids standing for one image (IMAGE where a feature row goes)."""
+        def special(name: str) -> int:
+            i = tokenizer.tok.token_to_id(name)
+            if i is None:
+                raise ValueError(f"this model's tokenizer has no {name} token: it does not go with "
+                                 f"{self.path.name}")
+            return i
+        fake, glob = special("<fake_token_around_image>"), special("<global-img>")
+        image = [IMAGE] * self.tokens_per_tile
+        rows, cols = layout
+        pieces: list = []
+        for r in range(rows):
+            for c in range(cols):
+                pieces += [fake, special(f"<row_{r + 1}_col_{c + 1}>"), *image]
+            pieces.append("\n")
+        if rows:
+            pieces.append("\n")
+        pieces += [fake, glob, *image, fake]
+        out: list[int] = []
+        text = ""
+        for p in pieces + [None]:
+            if isinstance(p, str):
+                text += p          # ("\n" + "\n" is one piece: a tokenizer may merge it)
+                continue
+            if text:
+                out += tokenizer.encode_plain(text)
+                text = ""
+            if p is not None:
+                out.append(p)
+        return out

@@ -39,7 +39,9 @@ from ..engine.speculate import DraftState
 from ..engine.view import EngineView
 from ..engine.request import BACKGROUND, INTERACTIVE, PRIORITIES, Request, RequestRejected
 from ..model.params import SamplingParams
+from .images import ImageError, ImageLimits
 from .protocol import GenerateRequest
+from . import vision_prompt as vp
 from .schema import MAX_SAMPLES
 
 log = logging.getLogger("edgepaged.request.frontend")
@@ -72,6 +74,7 @@ class FrontEndConfig:
     max_request_tokens: int | None = 65536   # max_tokens x n of one request (None: no cap)
     max_identity_tokens: int | None = 262144  # what one user/client/address has in flight, max_tokens x n summed
     grammar: "object | None" = None      # model.grammar.GrammarLimits (None: the defaults)
+    images: ImageLimits = field(default_factory=ImageLimits)   # a vision model's image bounds (images.py)
 
 
 @dataclass(frozen=True)
@@ -381,11 +384,15 @@ class FrontEnd(Box):
             raise RequestRejected("invalid_params", f"n must be in 1..{MAX_SAMPLES}, got {n!r}")
         fmt, calls, job, lazy = item.format, None, None, None
         from . import tools as tl
+        held = None           # a vision model's images of this prompt (vision_prompt.ImagesHeld)
         if item.messages is not None:
             offered = item.tools if item.tool_choice != "none" else None
             messages = tl.prepare_messages(item.messages, offered, tok.chat_template, tok)
             kwargs = self._template_kwargs(item, offered)
             job = partial(tok.apply_chat_template, messages, **kwargs)
+            if vp.has_images(messages):
+                held = await self._images(messages)
+                job = partial(vp.render, tok, messages, held, self.engine.runner.vision, **kwargs)
             if offered:     # tool schemas are grammars too: measured before the prompt is even rendered
                 await trio.to_thread.run_sync(self._check_tool_limits, offered, limiter=PREPARE)
                 syntax = tl.syntax_for(tok.chat_template, tok)
@@ -424,12 +431,17 @@ class FrontEnd(Box):
         limit = max(1, min(self.max_prompt_tokens, self.engine.max_model_len - room,
                            (item.context_limit or self.engine.max_model_len) - room))
         try:
-            if item.truncate == "auto" and item.messages is not None:
+            if item.truncate == "auto" and item.messages is not None and held is None:
                 ids, dropped = await trio.to_thread.run_sync(self._fit, item, offered, limit, limiter=PREPARE)
             else:
                 ids = await trio.to_thread.run_sync(job, limiter=PREPARE)
+        except ImageError as e:
+            raise RequestRejected("bad_request", str(e)) from None
         except Exception as e:  # a chat template may refuse a conversation (e.g. roles out of order)
             raise RequestRejected("bad_request", f"cannot render the prompt: {_short(e)}") from None
+        if held is not None and len(ids) > limit:
+            raise RequestRejected("prompt_too_long", f"the prompt has {len(ids)} tokens with its images; this "
+                                  f"server takes at most {limit} here (an image is not cut)")
         if item.truncate == "auto" and len(ids) > limit:
             # still too long (one message, or a prompt): as Ollama's runner, the first NUM_KEEP
             # tokens and the last ones stay, the middle goes (X-Edgepaged-Truncated-Tokens says how many)
@@ -464,6 +476,8 @@ class FrontEnd(Box):
         try:
             ticket = await self._finish(item, caller, tok, ids, params, n, fmt, calls, lazy, dropped, window, hold)
             ticket.truncated_tokens = cut
+            for r in (ticket.req, *ticket.req.children):
+                r.images = held          # (released when the last of them is gone)
             return ticket
         except BaseException:
             self.engine.release(hold)       # (refused or cancelled while its format compiled)
@@ -500,6 +514,21 @@ class FrontEnd(Box):
         return Ticket(req, self.model, dropped,
                       [None if calls is None else tl.ToolStream(calls.syntax, tok) for _ in range(n)],
                       thinks, think_open)
+
+    async def _images(self, messages: list[dict]):
+        """The prompt's images read, found or encoded, and held (vision_prompt.py); a model
+        without vision refuses them, naming itself."""
+        runner = self.engine.runner
+        if runner.vision is None:
+            raise RequestRejected("invalid_params", f"{self.model} does not take images: it is a text-only model "
+                                  "(send text only, or ask a vision model: one served with its projector, "
+                                  "serve --mmproj FILE)")
+        try:
+            return await vp.prepare_images(messages, runner, self.config.images,
+                                           getattr(self.engine, "encoder_gate", None))
+        except ImageError as e:
+            code = {413: "image_too_large", 415: "unsupported_image"}.get(e.status, "bad_request")
+            raise RequestRejected(code, str(e)) from None
 
     def _first_drafts(self, item, ids: list[int], salt: int, n: int, syntax=None):
         """With prompt lookup on, how the prompt's last chunk drafts past what the format

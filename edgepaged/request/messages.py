@@ -3,9 +3,11 @@ assistant's tool calls, a tool result's call id and tool name, an assistant's th
 
 Each door parses its own shapes (OpenAI's content parts, Ollama's `images` and `tool_name`,
 the Responses API's items, the msgpack protocol's maps) into `Message`s; what a conversation
-may hold is checked once, here, and `template()` gives the map a chat template renders. A
-model that takes text only refuses images in one place (`text_only`), whichever door they
-came through.
+may hold is checked once, here, and `template()` gives the map a chat template renders
+(`template_maps`: a message's images ride along under "images", for the front end: a
+vision model's prompt takes them, request/vision_prompt.py; a text-only model refuses them
+there, naming itself). Where no image can go (a raw prompt, fill in the middle),
+`text_only` refuses them at the door.
 """
 from __future__ import annotations
 
@@ -61,8 +63,10 @@ class Message:
 
     def template(self) -> dict:
         """The map a chat template renders: role, content, OpenAI-shaped tool_calls, a tool
-        result's tool_call_id and name (images are not text: `text_only` first)."""
+        result's tool_call_id and name; its images under "images" (`Image`s, read later)."""
         out: dict = {"role": self.role, "content": self.text}
+        if self.images:
+            out["images"] = tuple(self.images)
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                                  for c in self.tool_calls]
@@ -105,6 +109,12 @@ def from_map(m: dict, i: int, text: str | None = None, images: tuple[Image, ...]
     name = m.get("name") if m.get("tool_name") is None else m.get("tool_name")
     return Message(m["role"], text, images, tool_calls(m.get("tool_calls"), i), m.get("tool_call_id"), name,
                    m.get("thinking") if isinstance(m.get("thinking"), str) else None, where)
+
+
+def template_maps(messages: list[Message]) -> list[dict]:
+    """The template maps of a conversation, images included (the front end checks them
+    against the model: request/vision_prompt.py)."""
+    return [m.template() for m in messages]
 
 
 def text_only(messages: list[Message]) -> list[dict]:

@@ -52,6 +52,8 @@ CODES = {
     "context_exceeded": "prompt + max_tokens exceed the context length",
     "kv_capacity": "prompt + max_tokens could never fit in the KV cache",
     "bad_token": "a token id outside the vocabulary",
+    "image_too_large": "an image past the server's bounds (its bytes, its pixels, images per request)",
+    "unsupported_image": "an image in a format the server does not take, or not an image",
     "shutdown": "the server is shutting down",
     "model_not_found": "the request names a model this box does not serve",
     "model_unavailable": "the model cannot be loaded now: the box's model memory is held by models in use",

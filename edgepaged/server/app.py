@@ -340,8 +340,24 @@ def model_set(specs, keep_s, budget, kv_bytes, device, block_size, max_batched_t
         raise AssemblyError(str(e)) from None
 
 
+def projector_for(model_path, mmproj: str | None = None) -> Path | None:
+    """The vision projector to attach: `mmproj` (a path; "none": no projector), else the one
+    mmproj*.gguf beside a model file (two or more: none, say which with --mmproj)."""
+    if mmproj is not None:
+        if mmproj.lower() == "none":
+            return None
+        p = Path(mmproj).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"--mmproj {mmproj}: no such file")
+        return p
+    if model_path is None or not Path(model_path).is_file():
+        return None
+    found = sorted(Path(model_path).parent.glob("mmproj*.gguf"))
+    return found[0] if len(found) == 1 else None
+
+
 def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv_dtype=None, settings=None,
-                draft=None, say=None, served_name=None):
+                draft=None, say=None, served_name=None, mmproj: str | None = None):
     """The served model's runner; with `draft` (a path), its draft model attached (`runner.draft`),
     the KV budget shared between the two caches block for block. `settings`: the runtime's
     (CpuConfig: the runtime, the quantized math, the kernels' bounds), read once by serve
@@ -374,6 +390,15 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
            "writing": "; writing its laid-out weights to the weights cache in the background, for a faster next load"
            }.get(runner.weights_cache, "")
     say(f"loaded {runner.model_path.name} in {time.monotonic() - t0:.1f} s ({runner.products} products{how})")
+    projector = projector_for(model_path, mmproj)
+    if projector is not None:
+        try:
+            runner.attach_vision(projector)
+            say(f"images: {projector.name} ({runner.vision.kind}, {runner.vision.tokens_per_tile} tokens a tile)")
+        except (ValueError, KeyError) as e:
+            if mmproj is not None:         # asked for: its failure is the load's
+                raise ValueError(f"--mmproj {mmproj}: {e}") from None
+            say(f"text only: {projector.name} beside the model is not its projector ({e})")
     if draft is not None:
         from ..engine.draft import check_pair
         t0 = time.monotonic()

@@ -168,6 +168,10 @@ class ServeSettings:
         None, "A small model with the same tokenizer that guesses the next tokens for the served model to "
         "check (e.g. SmolLM2-135M for a SmolLM2-1.7B, a 0.5 B Qwen for a larger Qwen): a path or a "
         "name in the store. Its KV cache shares the pool's blocks (--kv-memory covers both).", metavar="MODEL")
+    mmproj: str | None = knob(
+        None, "A vision model's projector (llama.cpp's mmproj GGUF, as Hugging Face GGUF repositories ship it "
+        "beside the model): the model then takes images. Default: the one mmproj*.gguf beside the model "
+        "file, if there is exactly one; none: text only.", metavar="FILE")
     spec_tokens: int | None = knob(
         None, "The most tokens one request drafts per step. Default: 8 by lookup, 4 by a draft model (each "
         "of its guesses costs a forward of the draft).", type=_range(1, 32))

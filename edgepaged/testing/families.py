@@ -329,13 +329,15 @@ def gguf_tensor_name(hf: str, arch: str) -> str:
 
 
 def write_family_gguf(folder, path, model=None, *, qtype: int = 0, user_defined: tuple = (),
-                      pooling: int | None = None, arch: str | None = None) -> Path:
+                      pooling: int | None = None, arch: str | None = None, template: str | None = None,
+                      control: tuple = ()) -> Path:
     """Write the Hugging Face folder's model (or `model`) as a llama.cpp GGUF file at `path`:
     `qtype` 0 (F32), 1 (F16) or 8 (Q8_0) for the 2-D weights; `user_defined`: tokens written
     as text tokens (GGUF's USER_DEFINED), not control tokens (Qwen3's <think> in its files);
     `pooling`: an embedding model's `{arch}.pooling_type` (1 mean, 3 last); `arch`: the
     file's general.architecture (and its keys' prefix) when not the family's own (a family
-    a test registers, laid out as the one it varies)."""
+    a test registers, laid out as the one it varies); `template`: its chat template when not
+    the family's; `control`: tokens written as control tokens besides the family's own."""
     import gguf
     import transformers
     folder = Path(folder)
@@ -395,7 +397,7 @@ def write_family_gguf(folder, path, model=None, *, qtype: int = 0, user_defined:
             w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(s) / np.log(orig))))
             longrope = (rope["long_factor"], rope["short_factor"])
     tf = tokenizer_gguf_fields(folder, fam)
-    tf["types"] = [4 if t in user_defined else ty for t, ty in zip(tf["tokens"], tf["types"])]
+    tf["types"] = [4 if t in user_defined else 3 if t in control else ty for t, ty in zip(tf["tokens"], tf["types"])]
     w.add_tokenizer_model(tf["model"])
     w.add_token_list(tf["tokens"])
     w.add_token_types(tf["types"])
@@ -410,7 +412,7 @@ def write_family_gguf(folder, path, model=None, *, qtype: int = 0, user_defined:
         w.add_bos_token_id(tf["bos"])
     w.add_eos_token_id(tf["eos"])
     w.add_add_bos_token(tf["add_bos"])
-    w.add_chat_template(tf["template"])
+    w.add_chat_template(template or tf["template"])
     fim = [tf["tokens"].index(t) if t in tf["tokens"] else None for t in ("<|fim_prefix|>", "<|fim_suffix|>",
                                                                              "<|fim_middle|>")]
     if None not in fim:          # as llama.cpp's converter writes a Qwen2.5(-Coder)'s

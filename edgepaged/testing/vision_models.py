@@ -72,3 +72,138 @@ def write_mmproj(model, path, family: str, *, mean=(0.5, 0.5, 0.5), std=(0.5, 0.
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+# SmolVLM's chat template (its content parts: text, and an image as <image>)
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+SMOLVLM_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+                  *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)))
+
+
+def make_smolvlm(folder, *, seed: int = 0, image_size: int = 64, patch: int = 16, scale: int = 2,
+                 longest_edge: int = 128, hidden: int = 64, layers: int = 2):
+    """A tiny random SmolVLM (transformers' Idefics3ForConditionalGeneration) written as a
+    Hugging Face GGUF repository ships one: the text model (llama) as `model.gguf`, its
+    tokenizer with SmolVLM's image tokens and chat template, and the tower and connector as
+    `mmproj-model.gguf` (F16 weights: the transformers model's are rounded so, to be the
+    reference). Returns (the transformers model, model.gguf, mmproj-model.gguf)."""
+    import json
+
+    import torch
+    import transformers
+    from tokenizers import AddedToken, Tokenizer
+
+    from .families import make_family_model, write_family_gguf
+    from .tiny_models import randomize
+    folder = Path(folder)
+    make_family_model(folder, "llama", seed)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SMOLVLM_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": SMOLVLM_TEMPLATE,
+                                                              "eos_token": "<end_of_utterance>"}))
+    text = transformers.AutoConfig.from_pretrained(str(folder))
+    text.vocab_size, text.tie_word_embeddings = tok.get_vocab_size(), False
+    text.hidden_size, text.intermediate_size = hidden, hidden * 2
+    text.eos_token_id = tok.token_to_id("<end_of_utterance>")
+    cfg = transformers.Idefics3Config(
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                           image_size=image_size, patch_size=patch),
+        text_config=text.to_dict(), scale_factor=scale, image_token_id=tok.token_to_id("<image>"),
+        tie_word_embeddings=False)
+    hf = transformers.Idefics3ForConditionalGeneration(cfg).eval()
+    randomize(hf, seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2 and ".embeddings." not in name and "text_model" not in name and "lm_head" not in name:
+                p.copy_(p.half().float())            # as the mmproj keeps them
+    llama = transformers.LlamaForCausalLM(text).eval()
+    state = {k.removeprefix("model.text_model."): v for k, v in hf.state_dict().items()
+             if k.startswith("model.text_model.")}
+    llama.model.load_state_dict(state)
+    llama.lm_head.load_state_dict(hf.lm_head.state_dict())
+    llama.save_pretrained(folder)
+    model = write_family_gguf(folder, folder / "model.gguf", llama, template=SMOLVLM_TEMPLATE,
+                              control=SMOLVLM_TOKENS)
+    mmproj = write_mmproj(hf, folder / "mmproj-model.gguf", "idefics3", longest_edge=longest_edge)
+    return hf, model, mmproj
+
+
+# ---------------------------------------------------------------- benchmark-sized files
+
+def _copy_gguf(src, dst, *, extra_tokens: tuple = (), template: str | None = None) -> Path:
+    """`src` rewritten at `dst` with `extra_tokens` appended to its vocabulary (control
+    tokens; the embedding and output tables grow by zero rows) and its chat template
+    replaced: a text model that takes a vision family's image tokens, its weights as they were."""
+    import gguf
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    V = gguf.GGUFValueType
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        value = f.contents()
+        if f.name == "tokenizer.ggml.tokens":
+            value = list(value) + list(extra_tokens)
+        elif f.name == "tokenizer.ggml.token_type":
+            value = list(value) + [3] * len(extra_tokens)
+        elif f.name == "tokenizer.ggml.scores":
+            value = list(value) + [0.0] * len(extra_tokens)
+        elif f.name == "tokenizer.chat_template" and template is not None:
+            value = template
+        elif f.name.endswith(".vocab_size"):
+            value = int(value) + len(extra_tokens)
+        vtype = f.types[0]
+        w.add_key_value(f.name, value, vtype, sub_type=f.types[-1] if vtype == V.ARRAY else None)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        if t.name in ("token_embd.weight", "output.weight") and extra_tokens:
+            data = np.concatenate([data, np.zeros((len(extra_tokens),) + data.shape[1:], data.dtype)])
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(dst)
+
+
+VISION_SHAPES = {
+    # SmolVLM-256M-Instruct: SmolLM2-135M's text model, SigLIP-B/16 at 512 px, pixel shuffle 4 (64 tokens a tile)
+    "smolvlm-256m": dict(hidden=768, inter=3072, layers=12, heads=12, image=512, patch=16, scale=4,
+                         longest_edge=2048),
+}
+
+
+def synthetic_smolvlm(folder, shape: str = "smolvlm-256m", seed: int = 0) -> tuple[Path, Path]:
+    """A SmolVLM of `shape`'s sizes as a GGUF repository ships it: the embedded SmolLM2-135M
+    (its Q4_1 weights; SmolVLM-256M's text model has that shape) with SmolVLM's image tokens
+    and chat template, and a random tower + connector of the shape as an mmproj (F16).
+    Written once per folder. Returns (model, mmproj)."""
+    import torch
+    import transformers
+
+    from ..model.loader import default_model_path
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model, mmproj = folder / f"{shape}-text.gguf", folder / f"mmproj-{shape}.gguf"
+    if model.exists() and mmproj.exists():
+        return model, mmproj
+    _copy_gguf(default_model_path(), model, extra_tokens=SMOLVLM_TOKENS, template=SMOLVLM_TEMPLATE)
+    s = VISION_SHAPES[shape]
+    torch.manual_seed(seed)
+    cfg = transformers.Idefics3Config(
+        vision_config=dict(hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+                           num_attention_heads=s["heads"], image_size=s["image"], patch_size=s["patch"]),
+        text_config=dict(vocab_size=64, hidden_size=576, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=9, num_key_value_heads=3),
+        scale_factor=s["scale"], image_token_id=63)
+    hf = transformers.Idefics3ForConditionalGeneration(cfg).eval()
+    write_mmproj(hf, mmproj, "idefics3", longest_edge=s["longest_edge"])
+    return model, mmproj

@@ -160,6 +160,8 @@ class Layer:
 class CpuModel:
     """A decoder's weights as numpy arrays and GGUF blocks, and its forward over the paged cache."""
 
+    images = None     # an ImageTable: ids past the vocabulary are its images' feature rows
+
     def __init__(self, cfg, settings: CpuConfig, max_positions: int):
         self.cfg, self.settings = cfg, settings
         self.layers = [Layer(cfg.layer(i)) for i in range(cfg.num_layers)]
@@ -324,6 +326,15 @@ class CpuModel:
         return out
 
     def embed(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        if self.images is not None:
+            pic = self.images.is_image(ids)
+            if pic.any():        # an image's rows, as they are (a family's embedding scale is the text's)
+                h = self._embed(np.where(pic, 0, ids), out)
+                h[pic] = self.images.rows(ids[pic])
+                return h
+        return self._embed(ids, out)
+
+    def _embed(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if self.embed_q is not None:
             h = np.empty((len(ids), self.cfg.hidden_size), np.float32) if out is None else out
             kernels.gather_rows(self.embed_q.data, self.embed_q.kind, ids, h)
@@ -546,6 +557,9 @@ class CpuRunner(RunnerBase):
         self.forward_name = "cpu (numpy + rust" + (", one-call decoder)" if self.model.decoder else ")")
 
     dense_products = "fp32"
+
+    def _take_images(self, table) -> None:
+        self.model.images = table
 
     def _prefault_kv(self) -> None:
         """In a thread of its own: the first KV_PREFAULT_TOKENS tokens' blocks of every layer's

@@ -179,7 +179,19 @@ class LlamaForCausalLM(nn.Module):
         kept = (QuantLinear, TritonQuantLinear)
         return all(isinstance(getattr(getattr(layer, PARENT[f]), f), kept) for layer in self.layers for f in FUSED)
 
+    images = None     # an ImageTable: ids past the vocabulary are its images' feature rows
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.images is not None:
+            pic = input_ids >= self.images.first
+            if bool(pic.any()):      # an image's rows, as they are (the embedding scale is the text's)
+                h = self._embed(torch.where(pic, 0, input_ids))
+                rows = self.images.rows(input_ids[pic].cpu().numpy())
+                h[pic] = torch.from_numpy(rows).to(device=h.device, dtype=h.dtype)
+                return h
+        return self._embed(input_ids)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed_tokens, (QuantEmbedding, TritonQuantEmbedding)):
             h = self.embed_tokens(input_ids)
         else:

@@ -234,6 +234,9 @@ class ModelRunner(RunnerBase):
         """The last forward's final-norm rows (one per logits row), float32 numpy."""
         return self.model.last_normed.float().cpu().numpy()
 
+    def _take_images(self, table) -> None:
+        self.model.images = table
+
     def execute(self, input_ids, positions, attn_metadata, logits_indices=None) -> torch.Tensor:
         """One forward over a flat batch -> float32 logits [len(logits_indices), vocab].
 
@@ -252,7 +255,8 @@ class ModelRunner(RunnerBase):
             self.rotary_positions(positions)
             ids = _as_tensor(input_ids, torch.int64, dev)
             pos = _as_tensor(positions, torch.int64, dev)
-            if logits_indices is None and self.graphs is not None and self.graphs.takes(meta):
+            if (logits_indices is None and self.graphs is not None and self.graphs.takes(meta)
+                    and (self.images is None or not bool((ids >= self.images.first).any()))):
                 return self.graphs.run(ids, pos, meta)
             idx = None if logits_indices is None else _as_tensor(logits_indices, torch.int64, dev)
             return self.forward(ids, pos, meta, idx)

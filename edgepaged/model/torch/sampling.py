@@ -50,6 +50,8 @@ def prepare(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None
     dev = logits.device
     if rep:
         ids, valid = _ids([prev_tokens[i] for i in rep], dev)
+        valid &= ids < v                   # (an image's ids are past the vocabulary)
+        ids = ids.clamp(max=v - 1)
         seen = torch.zeros(len(rep), v, dtype=torch.bool, device=dev).scatter_(1, ids, valid)
         pen = torch.tensor([params[i].repetition_penalty for i in rep], dtype=torch.float32, device=dev)[:, None]
         rows = logits[rep]

@@ -14,10 +14,10 @@ STATUS = {
     "bad_request": 400, "invalid_params": 400, "empty_prompt": 400, "prompt_too_long": 400,
     "context_exceeded": 400, "kv_capacity": 400, "bad_token": 400,
     "too_many_requests": 429, "shutdown": 503, "internal_error": 500, "model_not_found": 404,
-    "model_unavailable": 503, "busy": 503,
+    "model_unavailable": 503, "busy": 503, "image_too_large": 413, "unsupported_image": 415,
 }
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+               405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error"}
 
 class ApiError(Exception):
     """An error to answer with an OpenAI-style body and an HTTP status."""

@@ -20,7 +20,7 @@ from ...request import jsontext, schema
 from ...request.protocol import MAX_MESSAGES, GenerateRequest
 from ...request.schema import FieldError
 from ...request.thinking import thinks
-from ...request.messages import Image, Message, from_map, text_only
+from ...request.messages import Image, Message, from_map, template_maps
 from .base import ApiError, Generation
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -158,10 +158,7 @@ def parse_chat(body: dict, rid: str) -> OllamaGeneration:
             msgs.append(from_map(m, i, _text(i, m), tuple(Image(b64=x) for x in images)))
         except ValueError as e:
             raise bad(str(e)) from None
-    try:
-        out = text_only(msgs)
-    except ValueError as e:
-        raise bad(str(e)) from None
+    out = template_maps(msgs)
     gen = OllamaGeneration(None, chat=True, item_id=rid)
     # Ollama's way: a conversation past num_ctx loses its oldest turns (the system message
     # stays), and X-Edgepaged-Truncated-Messages says how many; Ollama has no tool_choice:
@@ -196,10 +193,9 @@ def parse_generate(body: dict, rid: str, template: str | None = None) -> OllamaG
     gen = OllamaGeneration(None, chat=False, item_id=rid)
     turn = [Message("system", system, where="system")] if system else []
     turn.append(Message("user", prompt, tuple(Image(b64=x) for x in images), where="prompt"))
-    try:
-        messages = text_only(turn)    # (images refused here for raw prompts and fill in the middle too)
-    except ValueError as e:
-        raise bad(str(e)) from None
+    if images and (suffix or body.get("raw")):
+        raise bad("images go into the model's chat template: not with raw: true or a suffix")
+    messages = template_maps(turn)
     # as Ollama: a prompt past num_ctx loses its middle (the first tokens and the last stay)
     cut = {"truncate": "auto" if body.get("truncate") is None else body["truncate"]}
     if suffix:      # fill in the middle (Continue's autocomplete): the model's FIM tokens around the two
@@ -374,7 +370,8 @@ def show(name: str, runner, context: int, spec=None) -> dict:
     # an embedding model embeds only (as Ollama says of one); tools on every other model (a template
     # without them: the generic syntax); thinking where the template has it
     caps = ["embedding"] if runner.embedding_only else \
-        ["completion", "tools"] + (["thinking"] if thinks(template) else [])
+        ["completion", "tools"] + (["thinking"] if thinks(template) else []) + \
+        (["vision"] if runner.vision is not None else [])
     system, params = getattr(spec, "system", None), getattr(spec, "parameters", None)
     modelfile = f"# served by edgepaged\nFROM {name}\n" + (f'SYSTEM """{system}"""\n' if system else "") + \
         "".join(f"PARAMETER {line}\n" for line in _parameter_lines(params).splitlines())

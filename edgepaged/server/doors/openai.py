@@ -20,7 +20,7 @@ import uuid
 from ...request import jsontext, schema
 from ...request.protocol import MAX_MESSAGES, MAX_NAME_LEN, GenerateRequest
 from ...request.schema import FieldError
-from ...request.messages import Image, from_map, text_only
+from ...request.messages import Image, from_map, template_maps
 from .base import ERROR_TYPES, STATUS, ApiError, Generation, bad, error_body  # noqa: F401 (the doors' shared shapes)
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -175,10 +175,7 @@ def parse_chat(body: dict, rid: str) -> Generation:
             msgs.append(from_map({**m, "role": ROLES[m["role"]]}, i, text, images))
         except ValueError as e:
             raise bad(str(e), f"messages[{i}]") from None
-    try:
-        out = text_only(msgs)
-    except ValueError as e:
-        raise bad(str(e), "messages") from None
+    out = template_maps(msgs)
     _refuse_unsupported(body)
     fields = _fields(body, None)
     lp, top = body.get("logprobs"), body.get("top_logprobs")

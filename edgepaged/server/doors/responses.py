@@ -21,7 +21,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ...request.messages import Image, Message, MessageError, ToolCall, text_only
+from ...request.messages import Image, Message, MessageError, ToolCall, template_maps
 from .base import ApiError, Generation, bad
 from .openai import parse_chat
 
@@ -58,11 +58,22 @@ def _content(content, where: str) -> tuple[str, tuple[Image, ...]]:
     return "".join(out), tuple(images)
 
 
+def _as_chat(m: dict) -> dict:
+    """A template map with images as the chat door's message (its image_url parts)."""
+    if not m.get("images"):
+        return m
+    m = dict(m)
+    parts = [{"type": "text", "text": m.get("content") or ""}]
+    parts += [{"type": "image_url", "image_url": {"url": i.url or f"data:image/png;base64,{i.b64}"}}
+              for i in m.pop("images")]
+    return {**m, "content": parts}
+
+
 def input_messages(items) -> list[dict]:
     """`input` -> chat messages (consecutive function calls become one assistant turn), each
     through the one message model (request/messages.py)."""
     try:
-        return text_only(_messages(items))
+        return template_maps(_messages(items))
     except MessageError as e:
         raise bad(str(e), "input") from None
 
@@ -160,7 +171,7 @@ def parse_responses(body: dict, rid: str, history: list | None = None) -> Respon
     store = body.get("store", True)
     if not isinstance(store, bool):
         raise bad("store must be a boolean", "store")
-    chat = {"messages": messages, "stream": body.get("stream", False)}
+    chat = {"messages": [_as_chat(m) for m in messages], "stream": body.get("stream", False)}
     for theirs, ours in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                          ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"), ("seed", "seed"),
                          ("top_logprobs", None), ("speculative", "speculative")):
@@ -211,7 +222,8 @@ class ResponseStore:
 
     def put(self, who, response_id: str, messages: list) -> None:
         self._expire()
-        size = len(json.dumps(messages, ensure_ascii=False))
+        size = len(json.dumps(messages, ensure_ascii=False,      # (an image counts its text)
+                              default=lambda o: (o.b64 or o.url or "") if isinstance(o, Image) else str(o)))
         if size > self.max_bytes // 8:       # one conversation may take an eighth of the room at most
             return
         self.items[(who, response_id)] = (time.monotonic() + self.ttl_s, messages, size)

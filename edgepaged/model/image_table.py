@@ -1,0 +1,137 @@
+"""The images a runner's prompts hold, as token ids past the vocabulary.
+
+An image's feature rows (`VisionEncoder.encode`) enter the prompt as ids of their own: row k
+of an image is `base + k`, `base` (>= the vocabulary size, a multiple of STRIDE above it)
+drawn from the image's content hash and never given to another image while the process
+runs. Everything that keys on token ids then keys on the image's content: the prefix cache
+finds a conversation's image again when the client sends it again (a second turn about the
+same photo computes no image token), and two different images never share a block. The
+runner's embedding takes these ids from here (`rows`), the vocabulary's from its table.
+
+The features of images in use stay (`hold` / `release`, per request); those of recent
+images stay too, within `keep_bytes`, so a prompt that differs before the image (a new
+system prompt, an edited earlier turn) runs no encoder either (`get`).
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+STRIDE = 1 << 12          # the most feature rows one image may have
+ID_LIMIT = 1 << 32        # token ids are 32-bit in the block allocator
+
+
+def digest(data: bytes) -> bytes:
+    """An image's content hash (of its file's bytes: the same photo sent again is the same)."""
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+class ImageTable:
+    def __init__(self, vocab_size: int, keep_bytes: int = 256 << 20):
+        self.first = -(-vocab_size // STRIDE) * STRIDE
+        self.slots = (ID_LIMIT - self.first) // STRIDE
+        self.keep_bytes = keep_bytes
+        self._lock = threading.Lock()
+        self._base: dict[bytes, int] = {}              # digest -> base, for the process's life
+        self._taken: set[int] = set()
+        self._feats: OrderedDict[int, np.ndarray] = OrderedDict()   # base -> features (recent last)
+        self._holds: dict[int, int] = {}
+        self._meta: dict[int, object] = {}            # base -> its layout (VisionEncoder.pixels)
+        self._bytes = 0
+        self.encoded = 0          # images encoded (`put`), for stats and tests
+        self.reused = 0           # images found here instead (`get` hits)
+
+    def is_image(self, ids: np.ndarray) -> np.ndarray:
+        return np.asarray(ids) >= self.first
+
+    def base_of(self, key: bytes) -> int:
+        """The image's base id (drawn from its hash; the next free slot if another image has it)."""
+        with self._lock:
+            base = self._base.get(key)
+            if base is None:
+                slot = int.from_bytes(key[:8], "little") % self.slots
+                while (base := self.first + slot * STRIDE) in self._taken:
+                    slot = (slot + 1) % self.slots
+                self._base[key] = base
+                self._taken.add(base)
+            return base
+
+    def get(self, key: bytes, hold: bool = False) -> tuple[int, np.ndarray, object] | None:
+        """(base, features, layout) of an image encoded before and still kept, else None;
+        `hold`: held at once (`hold`), so nothing evicts it before its request holds it."""
+        with self._lock:
+            base = self._base.get(key)
+            f = self._feats.get(base) if base is not None else None
+            if f is None:
+                return None
+            self._feats.move_to_end(base)
+            self.reused += 1
+            if hold:
+                self._holds[base] = self._holds.get(base, 0) + 1
+            return base, f, self._meta.get(base)
+
+    def put(self, key: bytes, features: np.ndarray, layout=None, hold: bool = False) -> int:
+        if len(features) > STRIDE:
+            raise ValueError(f"an image of {len(features)} feature rows (at most {STRIDE})")
+        base = self.base_of(key)
+        with self._lock:
+            if base not in self._feats:
+                self._bytes += features.nbytes
+                self.encoded += 1
+            self._feats[base] = features
+            self._meta[base] = layout
+            self._feats.move_to_end(base)
+            if hold:
+                self._holds[base] = self._holds.get(base, 0) + 1
+            self._trim()
+        return base
+
+    def hold(self, bases) -> None:
+        with self._lock:
+            for b in bases:
+                self._holds[b] = self._holds.get(b, 0) + 1
+
+    def release(self, bases) -> None:
+        with self._lock:
+            for b in bases:
+                n = self._holds.get(b, 0) - 1
+                if n > 0:
+                    self._holds[b] = n
+                else:
+                    self._holds.pop(b, None)
+            self._trim()
+
+    def _trim(self) -> None:
+        for base in list(self._feats):
+            if self._bytes <= self.keep_bytes:
+                break
+            if base not in self._holds:
+                self._bytes -= self._feats.pop(base).nbytes
+                self._meta.pop(base, None)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """The feature rows of image ids (in the step's worker thread)."""
+        ids = np.asarray(ids, np.int64)
+        bases = self.first + (ids - self.first) // STRIDE * STRIDE
+        with self._lock:
+            out = None
+            for b in np.unique(bases):
+                f = self._feats.get(int(b))
+                if f is None:
+                    raise RuntimeError("an image of this prompt is no longer kept (its request ended?)")
+                sel = bases == b
+                k = ids[sel] - b
+                if int(k.max()) >= len(f):
+                    raise RuntimeError("an image token past its image's rows")
+                if out is None:
+                    out = np.empty((len(ids), f.shape[1]), np.float32)
+                out[sel] = f[k]
+        return out
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"images_kept": len(self._feats), "images_held": len(self._holds), "bytes_kept": self._bytes,
+                    "images_encoded": self.encoded, "images_reused": self.reused}

@@ -1,0 +1,167 @@
+"""A vision model served (issue 68): a tiny SmolVLM (transformers' Idefics3 classes, written
+as a GGUF repository ships it: model + mmproj) on the CPU runtime, the real clients sending
+a camera frame (a 1280 x 720 JPEG) through every door, the second turn of a conversation
+about the photo found in the prefix cache, and the bounds."""
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import trio
+from PIL import Image
+
+from edgepaged.testing import serving as box
+
+from test_http import afetch
+
+
+def _jpeg(w=1280, h=720, seed=0) -> bytes:
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 255, (h // 40 + 1, w // 40 + 1, 3), dtype=np.uint8)
+    img = Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
+    out = io.BytesIO()
+    img.save(out, "JPEG", quality=85)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vision_runner(tmp_path_factory):
+    from edgepaged.model.cpu.runner import CpuRunner
+    from edgepaged.testing.vision_models import make_smolvlm
+    _, model, mmproj = make_smolvlm(tmp_path_factory.mktemp("smolvlm-served"))
+    runner = CpuRunner(model, num_blocks=256)
+    runner.attach_vision(mmproj)
+    return runner
+
+
+async def test_the_real_clients_send_a_camera_frame_through_every_door(vision_runner, tmp_path):
+    """openai (a data-URL image_url part), ollama.chat(images=[path]), ollama.generate
+    (Frigate's call), LangChain's ChatOllama with an image content block, the Responses API's
+    input_image: each answers about the photo, and the doors that render the same
+    conversation give the same greedy answer (one encoder run: the image found again)."""
+    import ollama
+    import openai
+    from langchain_core.messages import HumanMessage
+    from langchain_ollama import ChatOllama
+    photo = _jpeg()
+    path = tmp_path / "frigate-event.jpg"
+    path.write_bytes(photo)
+    url = "data:image/jpeg;base64," + base64.b64encode(photo).decode()
+    q = "What is in the picture?"
+    table = vision_runner.images
+    before = table.stats()["images_encoded"]
+    async with box.serving(vision_runner, http=True) as server:
+        base, model = server.http_base, server.front.model
+
+        def scenario():
+            out = {}
+            c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+            r = c.chat.completions.create(model=model, temperature=0, max_tokens=8, messages=[{"role": "user", "content": [
+                {"type": "text", "text": q}, {"type": "image_url", "image_url": {"url": url}}]}])
+            out["openai"] = (r.choices[0].message.content, r.usage.prompt_tokens)
+            o = ollama.Client(host=base, timeout=120)
+            r = o.chat(model=model, messages=[{"role": "user", "content": q, "images": [str(path)]}],
+                       options={"temperature": 0, "num_predict": 8})
+            out["ollama_chat"] = (r.message.content, r.prompt_eval_count)
+            r = o.generate(model=model, prompt=q, images=[str(path)], options={"temperature": 0, "num_predict": 8})
+            out["ollama_generate"] = (r.response, r.prompt_eval_count)
+            lc = ChatOllama(model=model, base_url=base, temperature=0, num_predict=8)
+            r = lc.invoke([HumanMessage(content=[{"type": "text", "text": q},
+                                                 {"type": "image_url", "image_url": url}])])
+            out["langchain"] = (r.content, r.response_metadata.get("prompt_eval_count"))
+            r = c.responses.create(model=model, temperature=0, max_output_tokens=8, input=[{"role": "user", "content": [
+                {"type": "input_text", "text": q}, {"type": "input_image", "image_url": url}]}])
+            out["responses"] = (r.output_text, r.usage.input_tokens)
+            return out
+
+        out = await trio.to_thread.run_sync(scenario)
+    assert all(isinstance(a, str) and a for a, _ in out.values()), out
+    # LangChain's ChatOllama sends its text parts each after a newline: its own prompt
+    lc = out.pop("langchain")
+    assert len({a for a, _ in out.values()}) == 1, out       # one conversation, one greedy answer
+    prompts = {n for _, n in out.values()}
+    assert len(prompts) == 1 and prompts.pop() > 20 + 10     # the image's 20 rows and its wrapping, the question
+    assert lc[1] > 30
+    assert table.stats()["images_encoded"] - before == 1      # encoded once, found again by every other door
+
+
+async def test_the_second_turn_about_a_photo_runs_no_encoder_and_hits_the_prefix_cache(vision_runner):
+    """Open WebUI's way: the whole conversation resent, image included. The second turn
+    encodes nothing and its cached_tokens cover the image's tokens (the prefix cache keys
+    them by the image's content); a different photo in the same place is computed anew."""
+    photo, other = _jpeg(seed=1), _jpeg(seed=2)
+    table = vision_runner.images
+
+    def turn(img, history=()):
+        url = "data:image/jpeg;base64," + base64.b64encode(img).decode()
+        first = {"role": "user", "content": [{"type": "text", "text": "Describe it."},
+                                             {"type": "image_url", "image_url": {"url": url}}]}
+        return {"messages": [first, *history], "temperature": 0, "max_tokens": 6}
+
+    async with box.serving(vision_runner, http=True) as server:
+        chat = server.http_base + "/v1/chat/completions"
+        enc0 = table.stats()["images_encoded"]
+        status, _, raw = await afetch(chat, turn(photo))
+        assert status == 200, raw
+        one = json.loads(raw)
+        assert table.stats()["images_encoded"] == enc0 + 1
+        answer = one["choices"][0]["message"]["content"]
+        status, _, raw = await afetch(chat, turn(photo, [{"role": "assistant", "content": answer},
+                                                         {"role": "user", "content": "And the colours?"}]))
+        assert status == 200, raw
+        two = json.loads(raw)
+        assert table.stats()["images_encoded"] == enc0 + 1            # no encoder work
+        cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
+        first_len = one["usage"]["prompt_tokens"]
+        assert cached >= (first_len - 1) // 16 * 16 and cached > 20     # the first turn's blocks, image included
+        status, _, raw = await afetch(chat, turn(other))
+        three = json.loads(raw)
+        assert status == 200 and table.stats()["images_encoded"] == enc0 + 2
+        # the same text before it, but another image: only the blocks before the image are shared
+        # (the template's "<|im_start|>User:", the tile's wrapping: text here, a block of it)
+        vocab = vision_runner.config.vocab_size
+        ids = vision_runner.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}])
+        before = ids.index(vision_runner.tokenizer.tok.token_to_id("<image>")) + 2   # + <fake><row_1_col_1>
+        assert before < 32 and all(t < vocab for t in ids)
+        assert three["usage"]["prompt_tokens_details"]["cached_tokens"] == before // 16 * 16
+        await trio.sleep(0.1)
+        a = server.front.engine.allocator.stats()
+        assert a["used_blocks"] == 0 and a["num_sequences"] == 0
+
+
+async def test_image_bounds_are_refused_before_any_decoding_and_name_the_image(vision_runner):
+    """A decompression bomb's header, a file past the byte cap, a text file as an image, a
+    truncated JPEG, a remote URL, too many images: each a 4xx naming the image, nothing
+    encoded, and the box answers the next request."""
+    table = vision_runner.images
+    bomb = io.BytesIO()
+    Image.new("L", (12000, 12000)).save(bomb, "PNG")     # 144 MP: refused at its header
+    good = _jpeg(320, 240, seed=5)
+
+    def body(*images, text="What is it?"):
+        parts = [{"type": "text", "text": text}]
+        parts += [{"type": "image_url", "image_url": {"url": u}} for u in images]
+        return {"messages": [{"role": "user", "content": parts}], "max_tokens": 4}
+
+    def data(b: bytes, mime="image/png") -> str:
+        return f"data:{mime};base64," + base64.b64encode(b).decode()
+
+    async with box.serving(vision_runner, http=True) as server:
+        chat = server.http_base + "/v1/chat/completions"
+        enc0 = table.stats()["images_encoded"]
+        cases = [
+            (body(data(bomb.getvalue())), 413, "pixels"),
+            (body(data(b"not an image at all" * 10)), 415, "not an image"),
+            (body(data(good[: len(good) // 2], "image/jpeg")), 400, "truncated"),
+            (body("https://camera.invalid/snapshot.jpg"), 400, "remote image URLs are not fetched"),
+            (body(*[data(good, "image/jpeg")] * 9), 413, "at most 8"),
+            (body(data(good, "text/plain")), 415, "not an image type"),
+        ]
+        for b, status, words in cases:
+            got, _, raw = await afetch(chat, b)
+            assert got == status and words in json.loads(raw)["error"]["message"], (status, raw[:300])
+        assert table.stats()["images_encoded"] == enc0
+        got, _, raw = await afetch(chat, body(data(good, "image/jpeg")))
+        assert got == 200, raw
