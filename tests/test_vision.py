@@ -199,13 +199,20 @@ def test_smolvlm_s_logits_for_an_image_and_a_question_equal_transformers(smolvlm
     from edgepaged.testing.decode import make_allocator, prompt_logits
     hf, model, mmproj = smolvlm
     runner = CpuRunner(model, num_blocks=64) if runtime == "cpu" else ModelRunner(model, num_blocks=64)
-    runner.attach_vision(mmproj)
+    runner.attach_vision(mmproj, math="exact")
     ours, theirs, pixels = _image_prompt(runner, hf, _photo(640, 480, seed=4))
     assert pixels.shape == (5, 3, 64, 64) and sum(t >= runner.images.first for t in ours) == 20
     with torch.no_grad():
         want = hf(input_ids=torch.tensor([theirs]), pixel_values=torch.from_numpy(pixels)[None]).logits[0, -1].numpy()
     got = np.asarray(prompt_logits(runner, make_allocator(runner), ours))[-1]
     assert np.abs(got - want).max() <= 1e-3 * max(1.0, np.abs(want).max())
+    if runtime == "cpu":     # the tower on the integer kernels (what --quant-math auto picks): close, not exact
+        fast = CpuRunner(model, num_blocks=64)
+        fast.attach_vision(mmproj, math="int8")
+        assert fast.vision.tower.math == "int8"
+        ids, _, _ = _image_prompt(fast, hf, _photo(640, 480, seed=4))
+        got8 = np.asarray(prompt_logits(fast, make_allocator(fast), ids))[-1]
+        assert 0 < np.abs(got8 - want).max() <= 5e-2 * max(1.0, np.abs(want).max())
     # a text-only model's file with a projector of another width is refused, naming both
     with pytest.raises(ValueError, match="not a pair"):
         from edgepaged.testing.vision_models import make_smolvlm

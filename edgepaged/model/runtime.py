@@ -134,17 +134,26 @@ class RunnerBase:
     vision = None
     images = None
 
-    def attach_vision(self, mmproj) -> None:
-        """Take images: `mmproj`, the model's vision projector file (llama.cpp's layout)."""
+    def attach_vision(self, mmproj, math: str | None = None) -> None:
+        """Take images: `mmproj`, the model's vision projector file (llama.cpp's layout).
+        `math`: its tower's products, "exact" or "int8" (None: the encoders' choice under
+        `--quant-math`: int8 where the CPU has integer kernels, on the CPU runtime)."""
         from .image_table import ImageTable
         from .vision import VisionEncoder
-        enc = VisionEncoder(mmproj)
+        enc = VisionEncoder(mmproj, math or self._tower_math())
         if enc.width != self.config.hidden_size:
             raise ValueError(f"{enc.path.name} projects images to {enc.width} values, but "
                              f"{getattr(self.model_path, 'name', 'the model')} is {self.config.hidden_size} wide: "
                              "they are not a pair")
         self.vision, self.images = enc, ImageTable(self.config.vocab_size)
         self._take_images(self.images)
+
+    def _tower_math(self) -> str:
+        settings = getattr(self, "settings", None)
+        if settings is None:
+            return "exact"
+        from .cpu.encoder import Encoder
+        return Encoder.pick_math(settings.quant_math)
 
     def _take_images(self, table) -> None:
         """The forward's embedding takes image ids (>= table.first) from `table`."""

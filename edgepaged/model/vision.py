@@ -96,12 +96,30 @@ def gemma3_pixels(img, size: int = 896, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5
 
 def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
     m = x.mean(-1, keepdims=True)
-    v = ((x - m) ** 2).mean(-1, keepdims=True)
-    return (x - m) / np.sqrt(v + eps) * w + b
+    xc = x - m
+    v = np.mean(xc * xc, -1, keepdims=True)
+    xc /= np.sqrt(v + np.float32(eps))
+    xc *= w
+    xc += b
+    return xc
 
 
-def _gelu_tanh(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+def _gelu_tanh(x: np.ndarray, rows: int = 64) -> np.ndarray:
+    """GELU's tanh form, x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2, in place of x, a
+    few rows at a time (small temporaries that stay in the cache)."""
+    f32 = np.float32
+    c = f32(0.7978845608028654)
+    for r in range(0, len(x), rows):
+        v = x[r:r + rows]
+        t = v * v
+        t *= f32(0.044715) * c
+        t += c
+        t *= v
+        np.tanh(t, out=t)
+        t += f32(1.0)
+        t *= f32(0.5)
+        v *= t
+    return x
 
 
 class SiglipTower:
@@ -109,44 +127,78 @@ class SiglipTower:
     convolution, learned positions, pre-norm encoder layers (attention with biases over every
     patch, a GELU-tanh MLP), a final LayerNorm. `weights`: float32 arrays under Hugging Face's
     names below `prefix` (`embeddings.patch_embedding.weight`, `encoder.layers.{i}.self_attn.q_proj.weight`,
-    ..., `post_layernorm.weight`)."""
+    ..., `post_layernorm.weight`). `math`: the products' (`cpu.encoder.Matrix`): "exact" (f32
+    BLAS) or "int8" (weights requantized to Q8_0, the integer kernels: the encoders' math)."""
 
-    def __init__(self, weights: dict, *, layers: int, heads: int, patch: int, eps: float = 1e-6, prefix: str = ""):
+    def __init__(self, weights: dict, *, layers: int, heads: int, patch: int, eps: float = 1e-6, prefix: str = "",
+                 math: str = "exact"):
+        from .cpu.encoder import Matrix
         w = {k[len(prefix):]: np.asarray(v, np.float32) for k, v in weights.items() if k.startswith(prefix)}
-        self.w, self.layers, self.heads, self.patch, self.eps = w, layers, heads, patch, eps
+        self.layers, self.heads, self.patch, self.eps, self.math = layers, heads, patch, eps, math
         conv = w["embeddings.patch_embedding.weight"]              # [hidden, 3, patch, patch]
         self.hidden = conv.shape[0]
-        self.conv = conv.reshape(self.hidden, -1).T.copy()         # [3 * patch * patch, hidden]
+        self.conv = Matrix(conv.reshape(self.hidden, -1), math)    # each patch's 3 x p x p values -> hidden
+        self.conv_b = w["embeddings.patch_embedding.bias"]
+        self.positions = w["embeddings.position_embedding.weight"]
+        self.post = (w["post_layernorm.weight"], w["post_layernorm.bias"])
+        self.blocks = []
+        for i in range(layers):
+            p = f"encoder.layers.{i}."
+            a = p + "self_attn."
+            self.blocks.append({
+                "ln1": (w[p + "layer_norm1.weight"], w[p + "layer_norm1.bias"]),
+                "qkv": Matrix(np.concatenate([w[a + f"{t}_proj.weight"] for t in "qkv"]), math),
+                "qkv_b": np.concatenate([w[a + f"{t}_proj.bias"] for t in "qkv"]),
+                "o": Matrix(w[a + "out_proj.weight"], math), "o_b": w[a + "out_proj.bias"],
+                "ln2": (w[p + "layer_norm2.weight"], w[p + "layer_norm2.bias"]),
+                "fc1": Matrix(w[p + "mlp.fc1.weight"], math), "fc1_b": w[p + "mlp.fc1.bias"],
+                "fc2": Matrix(w[p + "mlp.fc2.weight"], math), "fc2_b": w[p + "mlp.fc2.bias"]})
 
     def __call__(self, pixels: np.ndarray, pause=None) -> np.ndarray:
         """pixels float32 [N, 3, S, S] (whole tiles) -> last hidden states [N, (S / patch)^2, hidden].
-        `pause()`, when given, is called between layers (it may wait: the encoder's work in pieces)."""
+        A tile at a time; `pause()`, when given, is called before each layer of each tile (it
+        may wait: the encoder's work in pieces)."""
         n, c, s, _ = pixels.shape
         p, g = self.patch, s // self.patch
-        w = self.w
-        # the strided convolution as one product: each patch's c x p x p values in the kernel's order
-        cols = pixels.reshape(n, c, g, p, g, p).transpose(0, 2, 4, 1, 3, 5).reshape(n, g * g, c * p * p)
-        x = cols @ self.conv + w["embeddings.patch_embedding.bias"]
-        x = x + w["embeddings.position_embedding.weight"][: g * g]
-        d = self.hidden // self.heads
-        for i in range(self.layers):
-            if pause is not None:
-                pause()
-            pre = f"encoder.layers.{i}."
-            h = _layer_norm(x, w[pre + "layer_norm1.weight"], w[pre + "layer_norm1.bias"], self.eps)
+        out = np.empty((n, g * g, self.hidden), np.float32)
+        for i in range(n):
+            # the strided convolution as one product: each patch's c x p x p values in the kernel's order
+            cols = np.ascontiguousarray(pixels[i].reshape(c, g, p, g, p).transpose(1, 3, 0, 2, 4).reshape(g * g, -1))
+            x = cols @ self.conv
+            x += self.conv_b
+            x += self.positions[: g * g]
+            for blk in self.blocks:
+                if pause is not None:
+                    pause()
+                x = self._layer(x, blk)
+            out[i] = _layer_norm(x, *self.post, self.eps)
+        return out
 
-            def proj(name):
-                return h @ w[pre + f"self_attn.{name}.weight"].T + w[pre + f"self_attn.{name}.bias"]
-            q, k, v = (proj(t).reshape(n, -1, self.heads, d).transpose(0, 2, 1, 3) for t in ("q_proj", "k_proj", "v_proj"))
-            scores = (q @ k.transpose(0, 1, 3, 2)) * d ** -0.5
-            scores = np.exp(scores - scores.max(-1, keepdims=True))
-            att = (scores / scores.sum(-1, keepdims=True)) @ v
-            att = att.transpose(0, 2, 1, 3).reshape(n, -1, self.hidden)
-            x = x + att @ w[pre + "self_attn.out_proj.weight"].T + w[pre + "self_attn.out_proj.bias"]
-            h = _layer_norm(x, w[pre + "layer_norm2.weight"], w[pre + "layer_norm2.bias"], self.eps)
-            h = _gelu_tanh(h @ w[pre + "mlp.fc1.weight"].T + w[pre + "mlp.fc1.bias"])
-            x = x + h @ w[pre + "mlp.fc2.weight"].T + w[pre + "mlp.fc2.bias"]
-        return _layer_norm(x, w["post_layernorm.weight"], w["post_layernorm.bias"], self.eps).astype(np.float32)
+    def _layer(self, x: np.ndarray, blk: dict) -> np.ndarray:
+        h, nh = self.hidden, self.heads
+        d = h // nh
+        t = len(x)
+        qkv = _layer_norm(x, *blk["ln1"], self.eps) @ blk["qkv"]
+        qkv += blk["qkv_b"]
+        q = qkv[:, :h].reshape(t, nh, d).transpose(1, 0, 2)
+        k = qkv[:, h:2 * h].reshape(t, nh, d).transpose(1, 2, 0)
+        v = qkv[:, 2 * h:].reshape(t, nh, d).transpose(1, 0, 2)
+        scores = np.matmul(q, k)                                  # [heads, t, t]
+        scores *= np.float32(d ** -0.5)
+        scores -= scores.max(-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(-1, keepdims=True)
+        att = np.ascontiguousarray(np.matmul(scores, v).transpose(1, 0, 2).reshape(t, h))
+        del scores
+        a = att @ blk["o"]
+        a += blk["o_b"]
+        x = x + a
+        f = _layer_norm(x, *blk["ln2"], self.eps) @ blk["fc1"]
+        f += blk["fc1_b"]
+        f = _gelu_tanh(f) @ blk["fc2"]
+        f += blk["fc2_b"]
+        x += f
+        return x
 
 
 def pixel_shuffle(x: np.ndarray, scale: int) -> np.ndarray:
@@ -217,12 +269,12 @@ def read_mmproj(path) -> tuple[str, dict, dict]:
     return kind, hp, weights
 
 
-def tower_from_mmproj(path) -> tuple[str, dict, SiglipTower, dict]:
+def tower_from_mmproj(path, math: str = "exact") -> tuple[str, dict, SiglipTower, dict]:
     """The projector type, hyperparameters, the SigLIP tower and the projector's weights of an
-    mmproj file."""
+    mmproj file (`math`: the tower's products, SiglipTower)."""
     kind, hp, w = read_mmproj(path)
     tower = SiglipTower(w, layers=int(hp["block_count"]), heads=int(hp["attention.head_count"]),
-                        patch=int(hp["patch_size"]), eps=float(hp["attention.layer_norm_epsilon"]))
+                        patch=int(hp["patch_size"]), eps=float(hp["attention.layer_norm_epsilon"]), math=math)
     proj = {k: v for k, v in w.items() if k.startswith(("connector.", "projector."))}
     return kind, hp, tower, proj
 
@@ -246,8 +298,8 @@ class VisionEncoder:
 
     FAMILIES = ("idefics3",)
 
-    def __init__(self, path):
-        kind, hp, tower, proj = tower_from_mmproj(path)
+    def __init__(self, path, math: str = "exact"):
+        kind, hp, tower, proj = tower_from_mmproj(path, math)
         if kind not in self.FAMILIES:
             raise ValueError(f"{Path(path).name}: vision projector {kind!r} is not supported yet (supported: "
                              f"{', '.join(self.FAMILIES)}; Gemma 3's image tokens attend both ways, which the "
