@@ -522,9 +522,12 @@ def rm(name):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, usage, timings.")
 @click.option("--plain", is_flag=True, help="Print the answer as the model wrote it, not rendered as Markdown "
               "(it is plain anyway when stdout is not a terminal).")
+@click.option("--image", "images", multiple=True, metavar="FILE", type=click.Path(exists=True, dir_okay=False),
+              help="An image for a vision model (JPEG, PNG, WebP, GIF); repeat it for several. A large photo is "
+              "sent at 2048 pixels at most.")
 @click.argument("prompt", nargs=-1)
 def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens, repeat_penalty, top_p, seed, model,
-        think, hide_thinking, system, as_json, plain, prompt):
+        think, hide_thinking, system, as_json, plain, images, prompt):
     """Ask one question (PROMPT, or stdin when none) and stream the answer. An answer cut at
     --max-tokens says so on stderr (--json: finish_reason "length"); errors exit 1 (--json:
     one JSON object with "error": {"code", "message"})."""
@@ -537,7 +540,14 @@ def ask(server, token, mdns_interface, discover_timeout, temperature, max_tokens
     text = " ".join(prompt) if prompt else sys.stdin.read()
     if not text.strip():
         failed("empty_prompt", "nothing to ask: give a PROMPT or pipe one on stdin", 2)
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    user = {"role": "user", "content": text}
+    if images:
+        from .client.images import image_for_frame
+        try:
+            user["images"] = [image_for_frame(p) for p in images]
+        except (OSError, ValueError) as e:
+            failed("bad_image", str(e), 2)
+    messages = ([{"role": "system", "content": system}] if system else []) + [user]
     try:
         c = SyncClient(server, token=token or None, name=client_name(), mdns_interface=mdns_interface,
                        discover_timeout_s=discover_timeout)

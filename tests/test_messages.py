@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from edgepaged.request.messages import Image, Message, MessageError, ToolCall, from_map, text_only
+from edgepaged.request.messages import Image, Message, MessageError, ToolCall, from_map, template_maps
 
 from test_http import afetch, serving
 
@@ -31,9 +31,9 @@ def test_a_message_checks_itself_and_renders_for_a_template():
         from_map({"role": "tool", "content": "x", "tool_call_id": 5}, 4)
     with pytest.raises(MessageError, match="role must be a string"):
         Message("", "x")
-    assert text_only([Message("user", "hi")]) == [{"role": "user", "content": "hi"}]
-    with pytest.raises(MessageError, match=r"messages\[1\]: images are not supported"):
-        text_only([Message("user", "a"), Message("user", "b", (Image(b64=PNG),), where="messages[1]")])
+    assert template_maps([Message("user", "hi")]) == [{"role": "user", "content": "hi"}]
+    assert template_maps([Message("user", "b", (Image(b64=PNG),))]) == [
+        {"role": "user", "content": "b", "images": (Image(b64=PNG),)}]     # for the front end to check
 
 
 async def test_every_door_maps_images_onto_the_model_and_refuses_them_alike(embedded_runner):

@@ -165,3 +165,63 @@ async def test_image_bounds_are_refused_before_any_decoding_and_name_the_image(v
         assert table.stats()["images_encoded"] == enc0
         got, _, raw = await afetch(chat, body(data(good, "image/jpeg")))
         assert got == 200, raw
+
+
+def test_serve_pairs_the_projector_beside_the_model_and_the_cli_sends_photos(tmp_path):
+    """`edgepaged serve --model model.gguf` finds mmproj-model.gguf beside it (as a Hugging
+    Face GGUF repository ships them) and says so; /api/show lists the vision capability; a
+    3 MB photo goes through HTTP (the body bound grows for a vision model); `edgepaged ask
+    --image FILE` and `/image FILE` in `edgepaged chat` send a photo over the msgpack protocol
+    (a large one re-encoded to fit a frame)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import urllib.request
+
+    from edgepaged.client import SyncClient
+    from edgepaged.client.chat import ChatSession
+    from edgepaged.testing.vision_models import make_smolvlm
+    from test_cli import CLI, ServeProcess, SERVE_ARGS, cli
+    _, model, mmproj = make_smolvlm(tmp_path / "repo")
+    env = {**os.environ}
+    env.pop("EDGEPAGED_TOKEN", None)
+    s = ServeProcess([sys.executable, "-m", "edgepaged.cli", "serve", "--model", str(model), *SERVE_ARGS], env)
+    try:
+        m = s.wait_for(r"ready on ([\d.]+):(\d+)", timeout=180)
+        address = f"{m.group(1)}:{m.group(2)}"
+        assert any("images: mmproj-model.gguf (idefics3" in line for line in s.lines), "".join(s.lines)
+        http = re.search(r"(http://127\.0\.0\.1:\d+/)", next(x for x in s.lines if "ready on" in x)).group(1)
+        req = urllib.request.Request(http + "api/show", data=json.dumps({"model": "model"}).encode())
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert "vision" in json.loads(r.read())["capabilities"]
+        rng = np.random.default_rng(7)
+        big = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (900, 1200, 3), dtype=np.uint8)).save(big, "PNG")
+        assert big.tell() > 3 << 20                       # past the text-only body bound (1 MiB) as base64
+        body = {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is it?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(big.getvalue()).decode()}}]}],
+            "max_tokens": 4}
+        req = urllib.request.Request(http + "v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200 and json.loads(r.read())["usage"]["prompt_tokens"] > 20
+        photo = tmp_path / "photo.png"
+        photo.write_bytes(big.getvalue())                  # over a frame: re-encoded by the client
+        r = cli("ask", "--server", address, "--image", str(photo), "--json", "--max-tokens", "4", "What is it?")
+        out = json.loads(r.stdout)
+        assert r.returncode == 0 and out["text"] and out["usage"]["prompt_tokens"] > 20, r.stdout + r.stderr
+        r = cli("ask", "--server", address, "--image", str(tmp_path / "repo" / "config.json"), "What is it?")
+        assert r.returncode == 2 and "not an image" in r.stderr
+        said = io.StringIO()
+        with SyncClient(address) as c:
+            chat = ChatSession(c, max_tokens=4, out=said, err=said)
+            assert chat.command(f"/image {photo}")
+            chat.turn("What is it?")
+            chat.turn("And the colours?")                 # the conversation resent, its image with it
+        assert len(chat.history) == 4 and chat.history[0]["images"] and chat.history[1]["content"]
+        assert "[error]" not in said.getvalue(), said.getvalue()
+    finally:
+        s.proc.kill()
+        s.proc.wait()

@@ -13,7 +13,7 @@ from .markdown import ThinkingView, writer_for
 from . import ServerError, SyncClient
 
 HELP = ('/reset clears the conversation, /system TEXT sets the system prompt, """ opens a multi-line message, '
-        "/show, /set parameter NAME VALUE, /set think, /set nothink, /save FILE, /load FILE, Ctrl-C stops an answer, "
+        "/image FILE attaches an image to your next message (a vision model), /show, /set parameter NAME VALUE, /set think, /set nothink, /save FILE, /load FILE, Ctrl-C stops an answer, "
         "Ctrl-D leaves")
 # /set parameter NAME: the request field it sets, and its type (Ollama's names too)
 PARAMETERS = {"temperature": ("temperature", float), "top_p": ("top_p", float), "top_k": ("top_k", int),
@@ -58,6 +58,7 @@ class ChatSession:
         self.told_truncated = False       # "the oldest messages no longer fit" is said once
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.prompt = "> " if sys.stdin.isatty() else ""
+        self.images: list[bytes] = []     # attached by /image FILE, sent with the next message
 
     def say(self, text: str) -> None:
         self.err.write(text + "\n")
@@ -122,6 +123,18 @@ class ChatSession:
         elif name == "/system":
             self.system = arg.strip() or None
             self.say(f"(system prompt: {self.system!r})" if self.system else "(system prompt: the model's default)")
+        elif name == "/image":
+            path = arg.strip()
+            if not path:
+                self.say("[/image FILE: an image for your next message]")
+                return True
+            from .images import image_for_frame
+            try:
+                self.images.append(image_for_frame(path))
+            except (OSError, ValueError) as e:
+                self.say(f"[cannot attach {path}: {getattr(e, 'strerror', None) or e}]")
+                return True
+            self.say(f"(image attached: {len(self.images)} for your next message)")
         elif name in ("/help", "/?"):
             self.say(HELP)
         elif name == "/show":
@@ -164,7 +177,10 @@ class ChatSession:
         self.say(f"(set {field} {value})")
 
     def save(self, path: str) -> None:
-        data = {"system": self.system, "messages": self.history, "params": self.params,
+        import base64
+        messages = [{**m, "images": [base64.b64encode(x).decode() for x in m["images"]]} if m.get("images") else m
+                    for m in self.history]       # (images as base64, as Ollama's API has them)
+        data = {"system": self.system, "messages": messages, "params": self.params,
                 "model": self.client.info.get("model")}
         try:
             with open(path, "w", encoding="utf-8") as f:
@@ -185,6 +201,14 @@ class ChatSession:
         except (OSError, ValueError, KeyError, TypeError) as e:
             self.say(f"[cannot load {path}: {getattr(e, 'strerror', None) or e}]")
             return
+        import base64
+        import binascii
+        try:
+            messages = [{**m, "images": [base64.b64decode(x, validate=True) for x in m["images"]]}
+                        if m.get("images") else m for m in messages]
+        except (binascii.Error, TypeError, ValueError):
+            self.say(f"[cannot load {path}: an image is not base64]")
+            return
         self.history = messages
         self.system = data.get("system") or self.system
         if isinstance(data.get("params"), dict):
@@ -193,6 +217,8 @@ class ChatSession:
 
     def turn(self, text: str) -> None:
         user = {"role": "user", "content": text}
+        if self.images:         # (they stay in the conversation: the box finds them again by their content)
+            user["images"], self.images = self.images, []
         system = [{"role": "system", "content": self.system}] if self.system else []
         stream = None
         writer = writer_for(self.out, self.plain)

@@ -72,6 +72,10 @@ def image_bytes(part, limits: ImageLimits, where: str = "the image") -> bytes:
     """The bytes of a message's `Image` part (request/messages.py): its `b64` text, or its
     `url` as a data: URL (base64). A remote URL is refused unless `limits.allow_remote`;
     even then this module does not fetch it (ImageError says so)."""
+    if getattr(part, "data", None) is not None:
+        if len(part.data) > limits.max_bytes:
+            raise ImageError(f"{where}: the image is over {limits.max_bytes >> 20} MiB", 413)
+        return bytes(part.data)
     if getattr(part, "b64", None) is not None:
         return _b64(part.b64, limits, where)
     url = part.url or ""

@@ -6,8 +6,8 @@ the Responses API's items, the msgpack protocol's maps) into `Message`s; what a 
 may hold is checked once, here, and `template()` gives the map a chat template renders
 (`template_maps`: a message's images ride along under "images", for the front end: a
 vision model's prompt takes them, request/vision_prompt.py; a text-only model refuses them
-there, naming itself). Where no image can go (a raw prompt, fill in the middle),
-`text_only` refuses them at the door.
+there, naming itself). Where no image can go (a raw prompt, fill in the middle), the door
+refuses them.
 """
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ class ToolCall:
 @dataclass(frozen=True)
 class Image:
     """An image as a door gave it, not yet decoded or fetched: `b64` (base64 text: Ollama's
-    `images`) or `url` (a data: URL or a link: OpenAI's image_url, the Responses API's
-    input_image)."""
+    `images`), `url` (a data: URL or a link: OpenAI's image_url, the Responses API's
+    input_image) or `data` (the file's bytes: the msgpack protocol's)."""
     b64: str | None = None
     url: str | None = None
+    data: bytes | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -114,14 +115,4 @@ def from_map(m: dict, i: int, text: str | None = None, images: tuple[Image, ...]
 def template_maps(messages: list[Message]) -> list[dict]:
     """The template maps of a conversation, images included (the front end checks them
     against the model: request/vision_prompt.py)."""
-    return [m.template() for m in messages]
-
-
-def text_only(messages: list[Message]) -> list[dict]:
-    """The template maps of a conversation for a model that takes text only; MessageError at
-    the first image (one refusal, whichever door it came through)."""
-    for m in messages:
-        if m.images:
-            raise MessageError(f"{m.where or 'a message'}: images are not supported: this server runs text-only "
-                               "models (only text parts are supported)")
     return [m.template() for m in messages]

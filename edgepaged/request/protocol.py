@@ -222,15 +222,20 @@ def _parse_messages(value, rid) -> list[dict]:
         raise ProtocolError("bad_request", f"messages must be a list of 1..{MAX_MESSAGES} maps", rid)
     from .messages import from_map
     out = []
+    from .messages import Image
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or set(m) - {"role", "content", "tool_calls", "tool_call_id", "name"} \
+        if not isinstance(m, dict) or set(m) - {"role", "content", "tool_calls", "tool_call_id", "name", "images"} \
                 or not isinstance(m.get("role"), str) or not 0 < len(m["role"]) <= 32 \
                 or not isinstance(m.get("content"), str) and not (m.get("tool_calls") and m.get("content") is None):
             raise ProtocolError("bad_request", f"messages[{i}] must be a map with a string role and a string "
-                                "content (an assistant's tool_calls, a tool result's tool_call_id and name; nothing "
-                                "else)", rid)
+                                "content (an assistant's tool_calls, a tool result's tool_call_id and name, a "
+                                "user's images; nothing else)", rid)
+        images = m.get("images") or []
+        if not isinstance(images, list) or not all(isinstance(x, bytes) for x in images):
+            raise ProtocolError("bad_request", f"messages[{i}].images must be a list of binary values (the "
+                                "image files' bytes)", rid)
         try:
-            out.append(from_map(m, i).template())      # (text only: a frame's content is a string)
+            out.append(from_map(m, i, images=tuple(Image(data=x) for x in images)).template())
         except ValueError as e:
             raise ProtocolError("bad_request", str(e), rid) from None
     return out

@@ -71,6 +71,11 @@ PAGE_CSP = ("default-src 'none'; script-src 'self' 'unsafe-inline'; style-src 'u
             "frame-ancestors 'none'")
 
 
+# the request body's bound when a served model takes images: one phone photo (a 12 MP JPEG is
+# 3-6 MB, 4-8 MB as base64) or a camera burst's few snapshots (request/images.py bounds each image)
+IMAGE_BODY_BYTES = 32 << 20
+
+
 class HttpConfig:
     """Settings of the HTTP side (the token and the request limits are the front end's)."""
 
@@ -89,6 +94,8 @@ class HttpConfig:
         self.sock = None                    # a socket already bound (serve binds before loading the model)
         self.port = port
         self.max_body_bytes = max_body_bytes
+        # ... and when a served model takes images (a phone's photo, base64 in the JSON)
+        self.image_body_bytes = IMAGE_BODY_BYTES
         self.max_inflight = max_inflight    # generations in flight over HTTP, all clients together
         # ... and of one caller (a user, else an address): half of them by default
         self.max_inflight_per_caller = max_inflight_per_caller or max(1, max_inflight // 2)
@@ -350,8 +357,16 @@ class HttpServer:
                 if idle.cancelled_caught:
                     return
 
+    def _takes_images(self) -> bool:
+        """A served model takes images (of several models: one loaded now)."""
+        engine = self.front.engine
+        engines = engine._engines() if hasattr(engine, "_engines") else [engine]
+        return any(getattr(e.runner, "vision", None) is not None for e in engines if e is not None)
+
     async def _json_body(self, request: HttpRequest) -> dict:
         limit = self.config.max_body_bytes
+        if self._takes_images():
+            limit = max(limit, self.config.image_body_bytes)
         length = request.headers.get("content-length")
         too_large = ApiError(413, f"the request body is over {limit} bytes", "frame_too_large")
         if length is not None and length.isdigit() and int(length) > limit:
