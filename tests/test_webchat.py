@@ -541,3 +541,63 @@ async def test_the_page_folds_a_thinking_models_thinking(tmp_path):
             out = await trio.to_thread.run_sync(thinking_scenario, http.base, chromium, driver_path)
     assert out["thought"] == "<think>" * 5 and out["open"] is False, out
     assert "&lt;think&gt;" in out["html"] and "<think>" not in out["text"], out
+
+
+def photo_scenario(base: str, chromium: str, driver_path: str, photo: Path) -> dict:
+    """On the phone: attach a photo (the 📷 button's file picker: the camera or the gallery),
+    ask about it, then ask again in the same conversation."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    out = {}
+    driver = open_phone_browser(chromium, driver_path)
+    try:
+        driver.get(base + "/")
+        _set(driver, temperature=0, maxTokens=6)
+        driver.refresh()
+        wait(driver, lambda d: "running" in d.find_element(By.ID, "load-text").text)
+        picker = driver.find_element(By.ID, "photo")
+        driver.execute_script("arguments[0].hidden = false", picker)     # (what the button opens)
+        picker.send_keys(str(photo))
+        wait(driver, lambda d: d.find_element(By.ID, "attach").get_attribute("class") == "on")
+        driver.find_element(By.ID, "input").send_keys("What is in this photo?", Keys.ENTER)
+        out["first"] = wait(driver, lambda d: (a := last_answer(d)) and a["done"] and a)
+        out["attach_after"] = driver.find_element(By.ID, "attach").get_attribute("class")
+        wait(driver, lambda d: d.find_element(By.ID, "send").text == "Send")
+        driver.find_element(By.ID, "input").send_keys("And the colours?", Keys.ENTER)
+        wait(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == 2 and last_answer(d)["done"])
+        out["second"] = last_answer(driver)
+        out["bubbles"] = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".msg.user")]
+        out["stored"] = driver.execute_script("return JSON.parse(localStorage.getItem('edgepaged.conversations'))"
+                                              "[0].messages[0].content")
+        out["console"] = [e["message"] for e in driver.get_log("browser")]
+    finally:
+        driver.quit()
+    return out
+
+
+async def test_the_phone_page_sends_a_photo(tmp_path):
+    """A vision model served: the page's photo button attaches a picture (sent as an
+    image_url, scaled to 1536 pixels at most), the answer comes, the photo stays in the
+    conversation (the second turn sends it again and the box finds it: no new encoding)."""
+    chromium, driver_path, why = browser_problem()
+    if why:
+        pytest.skip(why)
+    import numpy as np
+    from PIL import Image
+
+    from edgepaged.model.cpu.runner import CpuRunner
+    from edgepaged.testing.vision_models import make_smolvlm
+    _, model, mmproj = make_smolvlm(tmp_path / "repo")
+    runner = CpuRunner(model, num_blocks=256)
+    runner.attach_vision(mmproj)
+    photo = tmp_path / "kitchen.jpg"
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (1500, 2000, 3), dtype=np.uint8)).save(photo, "JPEG")
+    async with serving(runner) as http:
+        out = await trio.to_thread.run_sync(photo_scenario, http.base, chromium, driver_path, photo)
+    assert out["first"]["done"] == "1" and out["second"]["done"] == "1", out
+    assert out["attach_after"] == "" and out["bubbles"][0].startswith("📷 What is in this photo?")
+    parts = out["stored"]
+    assert parts[0] == {"type": "text", "text": "What is in this photo?"}
+    assert parts[1]["image_url"]["url"].startswith("data:image/jpeg;base64,")
+    assert runner.images.stats()["images_encoded"] == 1 and runner.images.stats()["images_reused"] >= 1
+    assert not [m for m in out["console"] if "SEVERE" in m], out["console"]
