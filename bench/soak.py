@@ -25,6 +25,9 @@ Each client loops until the deadline, picking a behaviour each round:
                    more than three admitted counts in `attacks_succeeded`
   noread_http  1%  HTTP streams from 127.0.0.3 that read nothing (they held all 64 slots): the
                    household's HTTP chats must still be answered
+  image        1%  an image in every door's shape (a decompression bomb's header, truncated, not an image,
+                   a remote URL, nine of them, a good one): the text-only model refuses each with a 400
+                   naming itself, nothing decoded
 `health_worst_ms`: the slowest /health of the run, polled at 10 Hz from a process of its own.
 At the end: every normal request completed, zero blocks leaked (nothing used once idle),
 the server's RSS back near where it started after warm-up, and its task count back. `failed`
@@ -113,7 +116,8 @@ class Tally:
     def __init__(self):
         self.counts = {k: 0 for k in ("normal", "cancel", "vanish", "noread", "garbage", "reconnect", "badparams",
                                       "pest", "upload", "deep_grammar", "wide_grammar", "bad_tools", "borrow",
-                                      "http_normal", "forced", "big_prompt", "compile", "costly", "noread_http")}
+                                      "http_normal", "forced", "big_prompt", "compile", "costly", "noread_http",
+                                      "image")}
         self.attacks_succeeded: list[str] = []
         self.completed = 0
         self.failed: list[str] = []
@@ -344,9 +348,45 @@ async def noread_http(base: str, rng: random.Random, t: Tally) -> None:
         s.close()
 
 
+def _image_payloads() -> list[str]:
+    """base64 image files a client might send: a bomb's header, truncated, not an image, a good PNG."""
+    import base64
+    import struct
+    import zlib
+    ihdr = b"IHDR" + struct.pack(">IIBBBBB", 60000, 60000, 8, 2, 0, 0, 0)
+    bomb = b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + ihdr + struct.pack(">I", zlib.crc32(ihdr))
+    png = (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x02\x00\x00\x00\x90wS\xde"
+           b"\x00\x00\x00\x0cIDATx\x9cc\xf8\xff\xff?\x00\x05\xfe\x02\xfe\xa7V\xbd\xfa\x00\x00\x00\x00IEND\xaeB`\x82")
+    return [base64.b64encode(b).decode() for b in (bomb, png[:30], b"hello, not an image", png)]
+
+
+IMAGES = _image_payloads()
+MODEL = "SmolLM2-135M-Instruct.Q4_1"     # the embedded model's name (Ollama's door needs one)
+
+
+async def image(base: str, rng: random.Random, t: Tally) -> None:
+    """An image through one of the doors: the text-only model refuses it (400), naming itself."""
+    b64s = [rng.choice(IMAGES) for _ in range(rng.choice([1, 1, 2, 9]))]
+    door = rng.choice(["openai", "ollama", "generate", "remote"])
+    if door == "ollama":
+        body, path = {"model": MODEL, "messages": [{"role": "user", "content": "What is it?", "images": b64s}],
+                      "stream": False}, "/api/chat"
+    elif door == "generate":
+        body, path = {"model": MODEL, "prompt": "What is it?", "images": b64s, "stream": False}, "/api/generate"
+    else:
+        urls = ["https://camera.invalid/snapshot.jpg"] if door == "remote" else \
+            ["data:image/png;base64," + b for b in b64s]
+        body, path = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}] + [
+            {"type": "image_url", "image_url": {"url": u}} for u in urls]}], "max_tokens": 4}, "/v1/chat/completions"
+    status, out = await attack(base, body, t, "image", path=path, source=ATTACKER)
+    msg = out.get("error") if isinstance(out.get("error"), str) else (out.get("error") or {}).get("message", "")
+    if status == 400 and "does not take images" not in (msg or ""):
+        t.attacks_succeeded.append(f"image: a 400 that does not say the model takes no images: {msg!r}")
+
+
 ATTACKS = {"deep_grammar": deep_grammar, "wide_grammar": wide_grammar, "bad_tools": bad_tools, "borrow": borrow,
            "http_normal": http_normal, "forced": forced, "big_prompt": big_prompt, "compile": compile_attack,
-           "costly": costly, "noread_http": noread_http}
+           "costly": costly, "noread_http": noread_http, "image": image}
 
 
 HEALTH_POLL = r"""
@@ -370,7 +410,7 @@ print(round(worst, 1), polls)
 
 async def soak(addr: str, http_port: int, clients: int, seconds: float, seed: int, t: Tally) -> None:
     host, port = addr.rsplit(":", 1)
-    kinds, weights = list(t.counts), [44, 18, 9, 7, 5, 5, 5, 4, 3, 2, 1, 1, 1, 5, 1, 1, 1, 1, 1]
+    kinds, weights = list(t.counts), [44, 18, 9, 7, 5, 5, 5, 4, 3, 2, 1, 1, 1, 5, 1, 1, 1, 1, 1, 1]
     deadline = trio.current_time() + seconds
 
     async def client(i: int) -> None:

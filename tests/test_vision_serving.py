@@ -225,3 +225,126 @@ def test_serve_pairs_the_projector_beside_the_model_and_the_cli_sends_photos(tmp
     finally:
         s.proc.kill()
         s.proc.wait()
+
+
+def _payloads() -> list[bytes]:
+    """Image files as a fuzzer sends them: good ones of each format and size, and the bad:
+    truncated, a decompression bomb's header, a corrupt body, not an image, an EXIF-rotated one."""
+    import struct
+    import zlib
+    rng = np.random.default_rng(11)
+    out = []
+    for fmt, size in (("JPEG", (64, 48)), ("PNG", (300, 20)), ("WEBP", (90, 90)), ("GIF", (33, 77)),
+                      ("PNG", (1, 1)), ("JPEG", (700, 500))):
+        b = io.BytesIO()
+        img = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+        if fmt == "GIF":
+            img.save(b, "GIF", save_all=True, append_images=[img.rotate(90)])
+        else:
+            img.save(b, fmt)
+        out.append(b.getvalue())
+    ex = Image.new("RGB", (40, 20))
+    exif = ex.getexif()
+    exif[0x0112] = 6                       # rotated: EXIF orientation applied
+    b = io.BytesIO()
+    ex.save(b, "JPEG", exif=exif)
+    out.append(b.getvalue())
+    out += [out[0][: len(out[0]) // 3], out[1][:40], b"\x89PNG\r\n\x1a\n" + b"\0" * 64, b"GIF89a" + bytes(200),
+            b"BM" + bytes(100), b"<svg xmlns='http://www.w3.org/2000/svg'/>", bytes(rng.integers(0, 255, 500,
+                                                                                             dtype=np.uint8))]
+    ihdr = struct.pack(">IIBBBBB", 60000, 60000, 8, 2, 0, 0, 0)       # 3.6 G pixels, in 60 bytes
+    chunk = b"IHDR" + ihdr
+    out.append(b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + chunk + struct.pack(">I", zlib.crc32(chunk))
+               + struct.pack(">I", 0) + b"IEND" + struct.pack(">I", zlib.crc32(b"IEND")))
+    return out
+
+
+async def test_image_inputs_fuzzed_through_every_door_beside_a_canary(vision_runner, caplog):
+    """Hypothesis draws images (good ones of each format, truncated, bombs, corrupt, not an
+    image, wrong media types, remote URLs, too many, not base64) into every door's image
+    field while a greedy canary asks about one photo: the canary's answer never changes,
+    every answer is 2xx or a 4xx (400/413/415) in the door's shape, no traceback is logged,
+    and every KV block and image hold comes back."""
+    import gc
+    import logging
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from test_fuzz_doors import check_http, http, msgpack_request
+    caplog.set_level(logging.INFO)
+    files = _payloads()
+    canary_photo = _jpeg(200, 150, seed=9)
+    b64 = st.one_of(st.sampled_from(files).map(lambda b: base64.b64encode(b).decode()), st.just("not base64 !"),
+                    st.just(""), st.text(max_size=12))
+    url = st.one_of(b64.map(lambda t: "data:image/jpeg;base64," + t),
+                    st.sampled_from(files).map(lambda b: "data:text/plain;base64," + base64.b64encode(b).decode()),
+                    st.sampled_from(["https://camera.invalid/a.jpg", "http://10.0.0.1/snap.png", "file:///etc/passwd",
+                                     "data:image/png,raw", "data:;base64,AAAA", "ftp://x/y.gif"]))
+    many = st.integers(0, 10)
+
+    def openai_body(urls, q):
+        return {"messages": [{"role": "user", "content": [{"type": "text", "text": q}] + [
+            {"type": "image_url", "image_url": {"url": u}} for u in urls]}], "max_tokens": 3}
+
+    async with box.serving(vision_runner, http=True, max_tokens=32, max_inflight=32) as server:
+        base, port = server.http_base, server.port
+        from edgepaged.client import open_client
+        canary_msgs = [{"role": "user", "content": "What is it?", "images": [canary_photo]}]
+        async with open_client(server.address, name="canary") as c:
+            alone = await c.chat(canary_msgs, max_tokens=8, temperature=0).collect()
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(door=st.sampled_from(["openai", "ollama_chat", "ollama_generate", "responses", "msgpack"]),
+               urls=st.lists(url, max_size=10), b64s=st.lists(b64, max_size=10), raws=st.lists(
+                   st.sampled_from(files), max_size=10), n=many)
+        def one(door, urls, b64s, raws, n):
+            if door == "openai":
+                status, raw = http(base, "/v1/chat/completions", openai_body(urls, "Hi?"))
+                check_http("/v1/chat/completions", status, raw)
+            elif door == "responses":
+                body = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi?"}] + [
+                    {"type": "input_image", "image_url": u} for u in urls]}], "max_output_tokens": 3}
+                status, raw = http(base, "/v1/responses", body)
+                check_http("/v1/responses", status, raw)
+            elif door == "ollama_chat":
+                status, raw = http(base, "/api/chat", {"messages": [{"role": "user", "content": "Hi?", "images": b64s}],
+                                                       "stream": False, "options": {"num_predict": 3}})
+                check_http("/api/chat", status, raw)
+            elif door == "ollama_generate":
+                status, raw = http(base, "/api/generate", {"prompt": "Hi?", "images": b64s, "stream": False,
+                                                           "raw": n == 7, "options": {"num_predict": 3}})
+                check_http("/api/generate", status, raw)
+            else:
+                frames = msgpack_request(port, "chat", {"messages": [{"role": "user", "content": "Hi?",
+                                                                      "images": raws}], "max_tokens": 3})
+                assert frames and frames[-1]["type"] in ("done", "error"), frames
+                if frames[-1]["type"] == "error":
+                    assert frames[-1]["code"] in ("bad_request", "image_too_large", "unsupported_image",
+                                                  "frame_too_large"), frames[-1]
+            assert status in (200, 400, 413, 415) if door != "msgpack" else True
+
+        async def canary_loop(done):
+            answers = []
+            async with open_client(server.address, name="canary") as c:
+                while not done.is_set():
+                    answers.append(await c.chat(canary_msgs, max_tokens=8, temperature=0).collect())
+            return answers
+
+        done = trio.Event()
+        got = []
+
+        async def run_canary():
+            got.extend(await canary_loop(done))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_canary)
+            await trio.to_thread.run_sync(one)
+            done.set()
+        assert got and all(a[0] == alone[0] for a in got), (alone[0], [a[0] for a in got])
+        await trio.sleep(0.2)
+        a = server.front.engine.allocator.stats()
+        assert a["used_blocks"] == 0 and a["num_sequences"] == 0
+    gc.collect()
+    assert vision_runner.images.stats()["images_held"] == 0
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()], \
+        [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR][:5]
