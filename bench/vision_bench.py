@@ -6,8 +6,9 @@ SmolVLM's image tokens, a random SigLIP-B/16-512 tower + connector as llama.cpp'
 Gemma 3 4B: null, saying why) with a 1280 x 720 JPEG:
 
 - `encode_s`: the image decoded, cut into tiles and encoded (tower + connector), in process,
-  with the math `serve` uses (`--quant-math auto`: the integer kernels); `encode_exact_s` with
-  f32 products, and `int8_cos_min_vs_exact` (the smallest cosine between the two's feature rows).
+  with the math `serve` uses (`--quant-math auto`: f32 products, or the integer kernels on a
+  CPU with VNNI); then `encode_exact_s` with f32 products and `int8_cos_min_vs_exact` (the
+  smallest cosine between the two's feature rows) when they differ.
 - `ttft_first_s`: a chat with the image and a question, streamed: its first token.
 - `ttft_second_turn_s`: the conversation resent whole (image, answer, a new question), as
   Open WebUI and Home Assistant do: the image is found again (no encoder), its KV in the
@@ -15,7 +16,7 @@ Gemma 3 4B: null, saying why) with a 1280 x 720 JPEG:
 - `images_per_min`: `--burst` different snapshots sent at once, each described (8 tokens).
 - `home_ttft_alone_s` / `home_ttft_beside_burst_s`: a smart-home command's first token (a
   system prompt and "Turn off the kitchen lights."), alone and while a burst encodes (median of 3).
-- `llama_cpp_encode_s` (llama-mtmd-cli's "image slice encoded" times, summed),
+- `llama_cpp_encode_s` (llama-mtmd-cli's "mtmd batch encoding done" times, one per tile, summed),
   `llama_cpp_ttft_first_s` / `llama_cpp_ttft_second_turn_s` (llama-server, its prompt cache on)
   on the same files, when `--llama-bin DIR` holds them (or they are on the PATH); null with the
   reason otherwise.
@@ -119,11 +120,13 @@ def burst(base: str, seeds: list[int]) -> tuple[float, list, list]:
 
 def encode_times(model: Path, mmproj: Path, jpeg: bytes) -> dict:
     """In process: decode + tiles + the tower and connector, with the serve math and exact."""
-    from edgepaged.model.cpu.encoder import Encoder
+    from edgepaged.model.runtime import RunnerBase
     from edgepaged.model.settings import CpuConfig
     from edgepaged.model.vision import VisionEncoder
     from edgepaged.request.images import ImageLimits, decode
-    math = Encoder.pick_math(CpuConfig.from_env().quant_math)
+    probe = RunnerBase.__new__(RunnerBase)
+    probe.settings = CpuConfig.from_env()
+    math = probe._tower_math()                 # what serve's tower multiplies with
     res, feats = {"encode_math": math}, {}
     for name, m in (("encode_s", math), ("encode_exact_s", "exact")):
         enc = VisionEncoder(mmproj, m)
@@ -163,9 +166,7 @@ def llama_cpp(bin_dir, model: Path, mmproj: Path, jpeg: bytes, work: Path) -> di
     r = subprocess.run([cli, "-m", str(model), "--mmproj", str(mmproj), "--image", str(img), "-p", QUESTION,
                         "-n", "1", "-t", threads, "--temp", "0"], capture_output=True, text=True, timeout=3600)
     log = r.stdout + r.stderr
-    slices = [float(x) for x in re.findall(r"image slice encoded in (\d+) ms", log)]
-    if not slices:
-        slices = [float(x) for x in re.findall(r"image encoded in (\d+) ms", log)]
+    slices = [float(x) for x in re.findall(r"(?:mtmd batch encoding done|image slice encoded) in (\d+) ms", log)]
     if slices:
         out["llama_cpp_encode_s"] = round(sum(slices) / 1000, 3)
         out["llama_cpp_tiles"] = len(slices)

@@ -187,3 +187,46 @@ def test_prefill_attention_keeps_its_scratch_from_call_to_call():
     faults, same = got.stdout.split()
     assert same == "True"
     assert int(faults) < 64, faults       # per call made: 4 calls x 8 chunks x 1.2 MB of scores
+
+
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+def test_rows_that_see_past_their_causal_limit(cache):
+    """`see`: a vision tower's patches attend to every patch (each row sees the whole
+    sequence), Gemma 3's image tokens to their whole image (rows of a span see its end), the
+    rest causally; against a masked softmax in float64, over two sequences in one call; a
+    `see` past the context or shrinking for a later row is refused."""
+    rng = np.random.default_rng(5)
+    nh, nkv, d, bs = 4, 2, 32, 16
+    lens, qs = [70, 37], [70, 20]          # the second: 20 new rows after 17 cached
+    blocks = [list(range(0, 5)), list(range(5, 8))]
+    k = rng.standard_normal((8, bs, nkv, d)).astype(np.float32)
+    v = rng.standard_normal((8, bs, nkv, d)).astype(np.float32)
+    kc, vc = (k.astype(np.float16), v.astype(np.float16)) if cache == "f16" else (k, v)
+    q = rng.standard_normal((sum(qs), nh * d)).astype(np.float32)
+    starts = np.array([0, qs[0], sum(qs)], np.int64)
+    tables = np.full((2, 5), 0, np.int32)
+    for b, bl in enumerate(blocks):
+        tables[b, :len(bl)] = bl
+    see = np.concatenate([np.full(qs[0], lens[0]), np.arange(lens[1] - qs[1] + 1, lens[1] + 1)]).astype(np.int32)
+    see[qs[0] + 3: qs[0] + 9] = lens[1] - qs[1] + 9      # an image span: rows 3..8 of the chunk see its end
+    out = np.empty_like(q)
+    ops.paged_prefill(q, out, starts, np.array(lens, np.int32), tables, kc, vc, nh, nkv, 0.125, see=see)
+    kk, vv = kc.astype(np.float64), vc.astype(np.float64)
+    for b in range(2):
+        K = np.concatenate([kk[x] for x in blocks[b]])[:lens[b]]
+        V = np.concatenate([vv[x] for x in blocks[b]])[:lens[b]]
+        for j in range(qs[b]):
+            r = starts[b] + j
+            hi = max(lens[b] - qs[b] + j + 1, see[r])
+            for h in range(nh):
+                s = K[:hi, h // (nh // nkv)] @ q[r, h * d:(h + 1) * d].astype(np.float64) * 0.125
+                p = np.exp(s - s.max())
+                want = (p / p.sum()) @ V[:hi, h // (nh // nkv)]
+                got = out[r, h * d:(h + 1) * d]
+                assert np.abs(got - want).max() <= (1e-5 if cache == "f32" else KERNEL_BOUND), (b, j, h)
+    for bad in (np.where(np.arange(len(see)) == 5, 999, see), np.where(np.arange(len(see)) == 2, 1, see)):
+        with pytest.raises(ValueError, match="past its context of .* or decreasing"):
+            ops.paged_prefill(q, out, starts, np.array(lens, np.int32), tables, kc, vc, nh, nkv, 0.125,
+                              see=bad.astype(np.int32))
+    with pytest.raises(ValueError, match="one entry per row"):
+        ops.paged_prefill(q, out, starts, np.array(lens, np.int32), tables, kc, vc, nh, nkv, 0.125, see=see[:-1])

@@ -32,12 +32,15 @@ def paged_decode(
 
 def paged_prefill(
     q: F32, out: F32, starts: I64, seq_lens: I32, block_tables: I32, k_cache: F32, v_cache: F32, num_heads: int,
-    num_kv_heads: int, scale: float, window: int = 0, softcap: float = 0.0,
+    num_kv_heads: int, scale: float, window: int = 0, softcap: float = 0.0, see: I32 | None = None,
 ) -> None:
     """Attention of rows starts[b] .. starts[b + 1] of q (a prefill chunk of sequence b) over
     the sequence's paged context of seq_lens[b] positions: row j of a chunk of q rows sees the
-    first seq_lens[b] - q + j + 1 (their last `window` when window > 0) -> out[row]. Tiles
-    of rows share each K/V row read (rust_alloc/cpu_kernels/src/prefill.rs)."""
+    first seq_lens[b] - q + j + 1 (their last `window` when window > 0) -> out[row]; with
+    `see` (int32, one per row from starts[0], within the context, never smaller for a later
+    row of a sequence) at least its first see[row]: rows that attend both ways (a vision
+    tower's patches, Gemma 3's image tokens). Tiles of rows share each K/V row read
+    (rust_alloc/cpu_kernels/src/prefill.rs)."""
 
 def bf16_attention(on: bool | None = None) -> bool:
     """Whether paged_prefill's tiles over an f16 or q8_0 cache multiply in bf16 (f32 sums):

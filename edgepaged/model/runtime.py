@@ -149,11 +149,16 @@ class RunnerBase:
         self._take_images(self.images)
 
     def _tower_math(self) -> str:
+        """The vision tower's products under `--quant-math`: "auto" is int8 where the integer
+        kernels have VNNI; with AVX2 alone they are slower than f32 BLAS on its 1024-row
+        products (140-150 against 175-188 GFLOP/s on a Zen 3: bench/RESULTS.md), so exact."""
         settings = getattr(self, "settings", None)
-        if settings is None:
+        if settings is None or settings.quant_math == "exact":
             return "exact"
-        from .cpu.encoder import Encoder
-        return Encoder.pick_math(settings.quant_math)
+        if settings.quant_math != "auto":
+            return settings.quant_math
+        from .._native import quant
+        return "int8" if quant.info()["int8_isa"] == "avx512-vnni" else "exact"
 
     def _take_images(self, table) -> None:
         """The forward's embedding takes image ids (>= table.first) from `table`."""

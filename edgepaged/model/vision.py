@@ -122,6 +122,9 @@ def _gelu_tanh(x: np.ndarray, rows: int = 64) -> np.ndarray:
     return x
 
 
+KV_BLOCK = 16       # the tower's attention: K and V in blocks of this many patches (ops.paged_prefill)
+
+
 class SiglipTower:
     """A SigLIP vision transformer (SmolVLM's, Gemma 3's, ...): patches by a strided
     convolution, learned positions, pre-norm encoder layers (attention with biases over every
@@ -174,22 +177,30 @@ class SiglipTower:
             out[i] = _layer_norm(x, *self.post, self.eps)
         return out
 
+    @staticmethod
+    def _attention(qkv: np.ndarray, t: int, nh: int, d: int) -> np.ndarray:
+        """Every patch attends to every patch: the CPU runtime's prefill tiles (Rust), each row
+        seeing all t positions (`see`), over K and V laid out as one sequence's blocks."""
+        from .._native import ops
+        h = nh * d
+        nb = -(-t // KV_BLOCK)
+        k = np.zeros((nb * KV_BLOCK, h), np.float32)
+        v = np.zeros((nb * KV_BLOCK, h), np.float32)
+        k[:t], v[:t] = qkv[:, h:2 * h], qkv[:, 2 * h:]
+        q = np.ascontiguousarray(qkv[:, :h])
+        out = np.empty((t, h), np.float32)
+        ops.paged_prefill(q, out, np.array([0, t], np.int64), np.array([t], np.int32),
+                          np.arange(nb, dtype=np.int32)[None], k.reshape(nb, KV_BLOCK, nh, d),
+                          v.reshape(nb, KV_BLOCK, nh, d), nh, nh, d ** -0.5, see=np.full(t, t, np.int32))
+        return out
+
     def _layer(self, x: np.ndarray, blk: dict) -> np.ndarray:
         h, nh = self.hidden, self.heads
         d = h // nh
         t = len(x)
         qkv = _layer_norm(x, *blk["ln1"], self.eps) @ blk["qkv"]
         qkv += blk["qkv_b"]
-        q = qkv[:, :h].reshape(t, nh, d).transpose(1, 0, 2)
-        k = qkv[:, h:2 * h].reshape(t, nh, d).transpose(1, 2, 0)
-        v = qkv[:, 2 * h:].reshape(t, nh, d).transpose(1, 0, 2)
-        scores = np.matmul(q, k)                                  # [heads, t, t]
-        scores *= np.float32(d ** -0.5)
-        scores -= scores.max(-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(-1, keepdims=True)
-        att = np.ascontiguousarray(np.matmul(scores, v).transpose(1, 0, 2).reshape(t, h))
-        del scores
+        att = self._attention(qkv, t, nh, d)
         a = att @ blk["o"]
         a += blk["o_b"]
         x = x + a

@@ -32,7 +32,7 @@ pub mod threads;
 mod testing;
 
 pub use attention::paged_decode;
-pub use prefill::paged_prefill;
+pub use prefill::{paged_prefill, paged_prefill_see};
 pub use decoder::{decode_layers, DecodeStep, QLayer, QLinear};
 pub use ops::{add_rms_norm, rope_write_kv, silu_mul, Heads, OpError};
 pub use isa::Isa;

@@ -45,6 +45,10 @@ struct PrefillArgs<'a, E> {
     scale: f32,
     window: usize,
     softcap: f32,
+    /// Per row of the call (from its first), the positions it sees at least: past its causal
+    /// limit (`paged_prefill_see`); None: causal.
+    see: Option<&'a [i32]>,
+    first: usize,
 }
 
 impl<E> PrefillArgs<'_, E> {
@@ -56,7 +60,11 @@ impl<E> PrefillArgs<'_, E> {
 
     /// Positions row j (of q) of sequence b sees: lo..hi.
     fn span(&self, b: usize, q: usize, j: usize) -> (usize, usize) {
-        let hi = self.lens[b] as usize - q + j + 1;
+        let causal = self.lens[b] as usize - q + j + 1;
+        let hi = match self.see {
+            Some(see) => causal.max(see[self.starts[b] as usize + j - self.first] as usize),
+            None => causal,
+        };
         (if self.window > 0 { hi.saturating_sub(self.window) } else { 0 }, hi)
     }
 }
@@ -788,6 +796,21 @@ pub fn paged_prefill<E: KvElem>(
     prefill(q, q_stride, out, out_stride, starts, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap, true, bf16)
 }
 
+/// `paged_prefill` where rows may see past their causal limit: row r of the call (counted
+/// from `starts[0]`) sees positions `0 .. max(its causal limit, see[r])`, `see` within the
+/// sequence's context and never smaller for a later row of it. A vision tower's patches
+/// (every row sees the whole image: `see` = its length) and Gemma 3's image tokens (each sees
+/// its image's last token) attend both ways.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_prefill_see<E: KvElem>(
+    q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, starts: &[i64], lens: &[i32], tables: &[i32],
+    k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32, see: Option<&[i32]>,
+) -> Result<(), OpError> {
+    let bf16 = std::mem::size_of::<E>() < 4 && crate::isa::bf16_attention();
+    prefill_see(q, q_stride, out, out_stride, starts, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap, true,
+                bf16, see)
+}
+
 /// `prefill` in the model's space: over a rotated cache (`KvElem::ROTATED`, q8_0) the query
 /// rows are turned first and the output rows turned back (see `paged_decode`).
 #[allow(clippy::too_many_arguments)]
@@ -796,9 +819,19 @@ fn prefill<E: KvElem>(
     k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32, allow512: bool,
     bf16: bool,
 ) -> Result<(), OpError> {
+    prefill_see(q, q_stride, out, out_stride, starts, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap,
+                allow512, bf16, None)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn prefill_see<E: KvElem>(
+    q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, starts: &[i64], lens: &[i32], tables: &[i32],
+    k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32, allow512: bool,
+    bf16: bool, see: Option<&[i32]>,
+) -> Result<(), OpError> {
     if !E::ROTATED {
         return prefill_rows(q, q_stride, out, out_stride, starts, lens, tables, k_cache, v_cache, bs, hs, scale, window,
-                            softcap, allow512, bf16);
+                            softcap, allow512, bf16, see);
     }
     let w = hs.nh * hs.d;
     if !E::supports(hs.d) || hs.d > 512 {
@@ -814,7 +847,7 @@ fn prefill<E: KvElem>(
     let mut ot = vec![0f32; qt.len()];
     let shifted: Vec<i64> = starts.iter().map(|&s| s - first as i64).collect();
     prefill_rows(&qt, w, &mut ot, w, &shifted, lens, tables, k_cache, v_cache, bs, hs, scale, window, softcap, allow512,
-                 bf16)?;
+                 bf16, see)?;
     crate::kv::turn_back_rows(&ot, out, out_stride, first..last, hs.nh, hs.d);
     Ok(())
 }
@@ -825,11 +858,17 @@ fn prefill<E: KvElem>(
 fn prefill_rows<E: KvElem>(
     q: &[f32], q_stride: usize, out: &mut [f32], out_stride: usize, starts: &[i64], lens: &[i32], tables: &[i32],
     k_cache: &[E], v_cache: &[E], bs: usize, hs: Heads, scale: f32, window: usize, softcap: f32, allow512: bool,
-    bf16: bool,
+    bf16: bool, see: Option<&[i32]>,
 ) -> Result<(), OpError> {
     let nseq = lens.len();
     if starts.len() != nseq + 1 || (nseq > 0 && tables.len() % nseq != 0) {
         return bad("paged_prefill: starts, lens and tables disagree on the number of sequences");
+    }
+    let first = starts.first().copied().unwrap_or(0).max(0) as usize;
+    if let Some(see) = see {
+        if see.len() as i64 != starts.last().copied().unwrap_or(0) - first as i64 {
+            return bad("paged_prefill: `see` must have one entry per row");
+        }
     }
     let mut rows = Vec::new();
     let mut row_lens = Vec::new();
@@ -838,9 +877,19 @@ fn prefill_rows<E: KvElem>(
         if s < 0 || e < s || e - s > n {
             return bad(format!("paged_prefill: sequence {b}: rows {s}..{e} over a context of {n}"));
         }
+        let mut last = 0i64;
         for (j, r) in (s..e).enumerate() {
             rows.push(r);
-            row_lens.push((n - (e - s) + j as i64 + 1) as i32);
+            let mut hi = n - (e - s) + j as i64 + 1;
+            if let Some(see) = see {
+                let x = see[r as usize - first] as i64;
+                if x > n || x < last {
+                    return bad(format!("paged_prefill: sequence {b}: `see` past its context of {n} or decreasing"));
+                }
+                last = x;
+                hi = hi.max(x);
+            }
+            row_lens.push(hi as i32);
         }
     }
     let max_blocks = if nseq > 0 { tables.len() / nseq } else { 0 };
@@ -885,7 +934,7 @@ fn prefill_rows<E: KvElem>(
     }
     let args = PrefillArgs {
         q: P(q.as_ptr() as *mut f32), q_stride, out: P(out.as_mut_ptr()), out_stride, starts, lens, tables, max_blocks,
-        k: k_cache, v: v_cache, bs, hs, scale, window, softcap,
+        k: k_cache, v: v_cache, bs, hs, scale, window, softcap, see, first,
     };
     #[cfg(target_arch = "x86_64")]
     if bf16 && window == 0 && SHARE_KV.load(std::sync::atomic::Ordering::Relaxed) {

@@ -170,8 +170,8 @@ fn rope_write_kv<'py>(
 /// Paged attention of one query token per sequence (scores soft-capped when softcap > 0). q [T, >= H D] (the first H D values of
 /// row rows[b] are sequence b's query heads, e.g. a fused QKV batch), out [T, H D];
 /// The attention kernels' common signature (paged_decode's and paged_prefill's).
-type AttnKernel<E> = fn(&[f32], usize, &mut [f32], usize, &[i64], &[i32], &[i32], &[E], &[E], usize, Heads, f32, usize, f32)
-    -> Result<(), OpError>;
+type AttnKernel<E> = fn(&[f32], usize, &mut [f32], usize, &[i64], &[i32], &[i32], &[E], &[E], usize, Heads, f32, usize, f32,
+                        Option<&[i32]>) -> Result<(), OpError>;
 
 /// Checks the caches and runs `f32k` or `f16k` on them, the GIL released. `rows`: decode's
 /// row per sequence, or prefill's row starts.
@@ -181,8 +181,13 @@ fn attend<'py>(
     rows: PyReadonlyArrayDyn<'py, i64>, seq_lens: PyReadonlyArrayDyn<'py, i32>, block_tables: PyReadonlyArrayDyn<'py, i32>,
     k_cache: Bound<'py, PyAny>, v_cache: Bound<'py, PyAny>, num_heads: usize, num_kv_heads: usize,
     scale: f32, window: usize, softcap: f32, kernels: (AttnKernel<f32>, AttnKernel<F16>, AttnKernel<i8>),
+    see: Option<PyReadonlyArrayDyn<'py, i32>>,
 ) -> PyResult<()> {
     let (f32k, f16k, q8k) = kernels;
+    let see = match &see {
+        Some(a) => Some(contiguous(a, "see")?),
+        None => None,
+    };
     let (k_cache, v_cache) = (cache_ref(&k_cache, "k_cache")?, cache_ref(&v_cache, "v_cache")?);
     let kshape = k_cache.shape();
     if kshape.len() != 4 || v_cache.shape() != kshape || kshape[2] != num_kv_heads {
@@ -197,15 +202,15 @@ fn attend<'py>(
     match (&k_cache, &v_cache) {
         (CacheRef::F32(k), CacheRef::F32(v)) => {
             let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
-            py.detach(|| f32k(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap))
+            py.detach(|| f32k(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap, see))
         }
         (CacheRef::F16(k), CacheRef::F16(v)) => {
             let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
-            py.detach(|| f16k(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap))
+            py.detach(|| f16k(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap, see))
         }
         (CacheRef::Q8(k), CacheRef::Q8(v)) => {
             let (kc, vc) = (contiguous(k, "k_cache")?, contiguous(v, "v_cache")?);
-            py.detach(|| q8k(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap))
+            py.detach(|| q8k(qs, q_stride, os, out_stride, r, l, t, kc, vc, bs, hs, scale, window, softcap, see))
         }
         _ => return Err(PyValueError::new_err(MIXED)),
     }
@@ -223,23 +228,29 @@ fn paged_decode<'py>(
     scale: f32, window: usize, softcap: f32,
 ) -> PyResult<()> {
     attend(py, "paged_decode", q, out, rows, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads, scale,
-           window, softcap, (attention::paged_decode::<f32>, attention::paged_decode::<F16>, attention::paged_decode::<i8>))
+           window, softcap, (|q, qs, o, os, r, l, t, k, v, bs, hs, sc, w, sf, _| attention::paged_decode::<f32>(
+               q, qs, o, os, r, l, t, k, v, bs, hs, sc, w, sf),
+           |q, qs, o, os, r, l, t, k, v, bs, hs, sc, w, sf, _| attention::paged_decode::<F16>(
+               q, qs, o, os, r, l, t, k, v, bs, hs, sc, w, sf),
+           |q, qs, o, os, r, l, t, k, v, bs, hs, sc, w, sf, _| attention::paged_decode::<i8>(
+               q, qs, o, os, r, l, t, k, v, bs, hs, sc, w, sf)), None)
 }
 
 /// Prefill attention: rows starts[b]..starts[b + 1] of q (a chunk of sequence b) over the
 /// sequence's paged context of seq_lens[b] positions, causal within the chunk.
 /// starts int64 [B + 1], seq_lens int32 [B], block_tables int32 [B, M]; caches as above.
 #[pyfunction]
-#[pyo3(signature = (q, out, starts, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads, scale, window = 0, softcap = 0.0))]
+#[pyo3(signature = (q, out, starts, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads, scale, window = 0, softcap = 0.0, see = None))]
 #[allow(clippy::too_many_arguments)]
 fn paged_prefill<'py>(
     py: Python<'py>, q: PyReadonlyArrayDyn<'py, f32>, out: PyReadwriteArrayDyn<'py, f32>,
     starts: PyReadonlyArrayDyn<'py, i64>, seq_lens: PyReadonlyArrayDyn<'py, i32>, block_tables: PyReadonlyArrayDyn<'py, i32>,
     k_cache: Bound<'py, PyAny>, v_cache: Bound<'py, PyAny>, num_heads: usize, num_kv_heads: usize,
-    scale: f32, window: usize, softcap: f32,
+    scale: f32, window: usize, softcap: f32, see: Option<PyReadonlyArrayDyn<'py, i32>>,
 ) -> PyResult<()> {
     attend(py, "paged_prefill", q, out, starts, seq_lens, block_tables, k_cache, v_cache, num_heads, num_kv_heads,
-           scale, window, softcap, (prefill::paged_prefill::<f32>, prefill::paged_prefill::<F16>, prefill::paged_prefill::<i8>))
+           scale, window, softcap, (prefill::paged_prefill_see::<f32>, prefill::paged_prefill_see::<F16>,
+                                    prefill::paged_prefill_see::<i8>), see)
 }
 
 /// One linear layer of the decoder: its weight segments (format, interleaved, blocks, rows,
