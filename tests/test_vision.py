@@ -217,3 +217,60 @@ def test_smolvlm_s_logits_for_an_image_and_a_question_equal_transformers(smolvlm
     with pytest.raises(ValueError, match="not a pair"):
         from edgepaged.testing.vision_models import make_smolvlm
         ModelRunner(make_smolvlm(Path(model).parent / "wide", hidden=96)[1], num_blocks=8).attach_vision(mmproj)
+
+
+@pytest.fixture(scope="module")
+def gemma3vlm(tmp_path_factory):
+    """A tiny Gemma 3 in both layouts (model + mmproj; Ollama's single file)."""
+    from edgepaged.testing.vision_models import make_gemma3_vlm
+    return make_gemma3_vlm(tmp_path_factory.mktemp("gemma3vlm"))
+
+
+def _gemma3_prompt(runner, hf, img):
+    """(our ids, transformers' ids, its token_type_ids, the pixels) for
+    "<bos><start_of_turn>user\\n" + the image + "What is it?<end_of_turn>\\n<start_of_turn>model\\n"."""
+    from edgepaged.model.image_table import digest
+    from edgepaged.model.vision import IMAGE
+    enc, tok = runner.vision, runner.tokenizer
+    pixels, layout = enc.pixels(img)
+    base = runner.images.put(digest(img.tobytes()), enc.encode(pixels), layout)
+    head = [tok.bos_token_id] + tok.encode("<start_of_turn>user\n", add_special_tokens=False)
+    tail = tok.encode("What is it?<end_of_turn>\n<start_of_turn>model\n", add_special_tokens=False)
+    ours, theirs, k = [], [], 0
+    for t in enc.prompt_tokens(layout, tok):
+        ours.append(t if t != IMAGE else base + k)
+        theirs.append(t if t != IMAGE else hf.config.image_token_index)
+        k += t == IMAGE
+    types = [0] * len(head) + [int(t == IMAGE) for t in enc.prompt_tokens(layout, tok)] + [0] * len(tail)
+    return head + ours + tail, head + theirs + tail, types, pixels
+
+
+@pytest.mark.parametrize("runtime, layout", [("cpu", "llama.cpp"), ("cpu", "ollama"), ("torch", "llama.cpp"),
+                                             ("torch", "ollama")])
+def test_gemma3_s_logits_for_an_image_equal_transformers_with_its_image_tokens_both_ways(gemma3vlm, runtime, layout):
+    """Gemma 3 as a Hugging Face GGUF repository ships it (model + mmproj) and as Ollama's
+    single file (the tower inside the model's GGUF), on the CPU runtime and the torch
+    reference: the logits after an image and a question are transformers' within 1e-3, its
+    image tokens attending to their whole image (transformers' token_type_ids mask: without
+    it the logits differ, so the test sees the difference)."""
+    import torch
+
+    from edgepaged.model import ModelRunner
+    from edgepaged.model.cpu.runner import CpuRunner
+    from edgepaged.testing.decode import make_allocator, prompt_logits
+    hf, model, mmproj, ollama = gemma3vlm
+    path = ollama if layout == "ollama" else model
+    # (an f32 KV cache: f16's rounding alone moves these logits ~2e-3, the text model's as much)
+    runner = (CpuRunner(path, num_blocks=64, kv_dtype="f32") if runtime == "cpu"
+              else ModelRunner(path, num_blocks=64, kv_dtype="f32"))
+    runner.attach_vision(ollama if layout == "ollama" else mmproj, math="exact")
+    assert runner.vision.kind == "gemma3" and runner.images.both_ways and runner.vision.tokens_per_tile == 16
+    ours, theirs, types, pixels = _gemma3_prompt(runner, hf, _photo(640, 480, seed=6))
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([theirs]), pixel_values=torch.from_numpy(pixels),
+                  token_type_ids=torch.tensor([types])).logits[0, -1].numpy()
+        causal = hf(input_ids=torch.tensor([theirs]), pixel_values=torch.from_numpy(pixels)).logits[0, -1].numpy()
+    got = np.asarray(prompt_logits(runner, make_allocator(runner), ours))[-1]
+    scale = max(1.0, np.abs(want).max())
+    assert np.abs(got - want).max() <= 1e-3 * scale
+    assert np.abs(causal - want).max() > 1e-2 * scale       # (both ways matters here)

@@ -348,3 +348,47 @@ async def test_image_inputs_fuzzed_through_every_door_beside_a_canary(vision_run
     assert vision_runner.images.stats()["images_held"] == 0
     assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()], \
         [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR][:5]
+
+
+async def test_gemma3_from_ollamas_single_file_answers_as_transformers_however_the_prompt_is_cut(tmp_path):
+    """Gemma 3 as `ollama pull gemma3:4b` brings it (the tower inside the model's GGUF), found
+    by `serve` itself: a photo and a question through the OpenAI door give transformers'
+    greedy answer (its image tokens attending both ways), whether the prompt runs in one step
+    or in chunks of 8 tokens (the scheduler never cuts an image: its 16 tokens go in one step)."""
+    import torch
+
+    from edgepaged.model.cpu.runner import CpuRunner
+    from edgepaged.model.vision import IMAGE
+    from edgepaged.request import vision_prompt as vp
+    from edgepaged.request.messages import Image as Img
+    from edgepaged.server.app import projector_for
+    from edgepaged.testing.vision_models import make_gemma3_vlm
+    hf, model, mmproj, ollama = make_gemma3_vlm(tmp_path / "g")
+    assert projector_for(ollama) == ollama and projector_for(model) == mmproj
+    runner = CpuRunner(ollama, num_blocks=256, kv_dtype="f32")
+    runner.attach_vision(projector_for(ollama), math="exact")
+    photo = _jpeg(320, 240, seed=12)
+    url = "data:image/jpeg;base64," + base64.b64encode(photo).decode()
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                                      {"type": "image_url", "image_url": {"url": url}}]}],
+            "temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    answers = []
+    for budget in (512, 8):
+        async with box.serving(runner, http=True, engine={"max_num_batched_tokens": budget}) as server:
+            status, _, raw = await afetch(server.http_base + "/v1/chat/completions", body)
+            assert status == 200, raw
+            answers.append(json.loads(raw)["choices"][0]["message"]["content"])
+    assert answers[0] == answers[1]
+    # transformers on the same ids (the front end's rendering), the image's rows its image token
+    messages = [{"role": "user", "content": "What is it?", "images": (Img(url=url),)}]
+    held = await vp.prepare_images(messages, runner, vp.ImageLimits())
+    ids = vp.render(runner.tokenizer, messages, held, runner.vision)
+    first = runner.images.first
+    theirs = [hf.config.image_token_index if t >= first else t for t in ids]
+    types = [int(t >= first) for t in ids]
+    pixels, _ = runner.vision.pixels(Image.open(io.BytesIO(photo)).convert("RGB"))
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor([theirs]), pixel_values=torch.from_numpy(pixels),
+                          token_type_ids=torch.tensor([types]), max_new_tokens=6, do_sample=False)
+    want = runner.tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    assert answers[0] == want and sum(t == IMAGE for t in runner.vision.prompt_tokens((0, 0), runner.tokenizer)) == 16

@@ -151,6 +151,9 @@ class Engine:
         self.model_name = runner.model_name or (path.stem if hasattr(path, "stem") else "model")
         self.metrics = Metrics(self.model_name)
         self.requests: dict[int, Request] = {}
+        images = getattr(runner, "images", None)
+        if images is not None and images.both_ways:
+            self.scheduler.images = images
         self._vocab = getattr(getattr(runner, "config", None), "vocab_size", None) or 1 << 32   # ids past it: an image's rows (model/image_table.py)
         self.accepting = False
         self.step_hook: Callable[[Batch], None] | None = None   # called in the worker before each forward (tests)

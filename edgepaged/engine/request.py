@@ -139,6 +139,7 @@ class Request:
     disk_tier: DiskState = field(default_factory=DiskState)     # the prefix cache's disk tier (disk_cache.py)
     # a vision model's images in prompt_ids (request/vision_prompt.ImagesHeld): kept until it ends
     images: object | None = field(default=None, repr=False)
+    image_spans: list | None = field(default=None, repr=False)   # [(start, end)] of its images' tokens (scheduler)
 
     @property
     def embed(self) -> bool:

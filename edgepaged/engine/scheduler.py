@@ -211,6 +211,9 @@ class Scheduler:
         self._short_run = 0                       # short steps planned in a row (_short_extra)
         self.spec = None                          # speculate.Speculation: drafts for decodes (the engine's)
         self.drafter = None                       # draft.Drafter: a draft model's sequences in this pool
+        # the runner's ImageTable when its images attend both ways (Gemma 3): a prefill chunk
+        # never ends inside an image (its tokens see their whole image: `_whole_images`)
+        self.images = None
 
     # -- queue state ------------------------------------------------------------------------
     @property
@@ -451,6 +454,7 @@ class Scheduler:
                 continue
             n = step.plan[req]
             extra = min(req.num_known - req.num_slots - n, self._chunk_budget(step, prio))
+            extra = self._whole_images(req, req.num_slots, n + extra) - n
             if extra <= 0:
                 continue
             k = self.blocks_needed(req, n + extra)
@@ -458,6 +462,28 @@ class Scheduler:
                 continue
             step.plan[req], step.need[req] = n + extra, k
             self._planned(step, req, extra)
+
+    def _whole_images(self, req: Request, start: int, n: int) -> int:
+        """A prefill chunk of `n` tokens from `start`, cut before an image it would end inside
+        of (or, starting at one, taken to that image's end): an image whose tokens attend both
+        ways is computed in one step."""
+        if self.images is None or req.images is None or n <= 0:
+            return n
+        if req.image_spans is None:
+            ids = np.asarray(req.prompt_ids, np.int64)
+            pic = ids >= self.images.first
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], pic.astype(np.int8), [0]])))
+            base = (ids - self.images.first) // (1 << 12)
+            spans = []
+            for a, b in zip(edges[::2], edges[1::2]):   # runs of image ids, split where the image changes
+                cut = [a] + [int(i) for i in range(a + 1, b) if base[i] != base[i - 1]] + [b]
+                spans += list(zip(cut[:-1], cut[1:]))
+            req.image_spans = [(int(a), int(b)) for a, b in spans]
+        end = start + n
+        for a, b in req.image_spans:
+            if a < end < b:
+                return a - start if a > start else b - start
+        return n
 
     @staticmethod
     def _planned(step: _Step, req: Request, n: int) -> None:
@@ -483,7 +509,8 @@ class Scheduler:
                 if (req.priority != prio or req.status is not Status.RUNNING or req in step.plan
                         or req.is_decoding != decoding):
                     continue
-                n = 1 if decoding else min(req.num_known - req.num_slots, self._first_chunk(step, prio))
+                n = 1 if decoding else self._whole_images(req, req.num_slots, min(req.num_known - req.num_slots,
+                                                                                   self._first_chunk(step, prio)))
                 if n <= 0:
                     continue
                 # drafts ride behind the last sampled token as it enters the sequence; a recomputed
@@ -636,6 +663,7 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running.append(req)
         n = min(len(tokens) - cached - loaded, self._first_chunk(step, req.priority) if first is None else first)
+        n = max(self._whole_images(req, cached + loaded, n), 0)
         step.plan[req] = loaded + n
         step.need[req] = self.blocks_needed(req, loaded + n)
         self._planned(step, req, n)

@@ -119,6 +119,14 @@ class GgufFile:
             block, size = GGML_QUANT_SIZES[qtype]
             self.tensors.append(GgufTensor(name, qtype, np.array(dims, np.uint64), n, n * size // block,
                                            self.data_offset + offset, self))
+        # a model file with its vision tower inside (Ollama's single-file Gemma 3, Qwen2.5-VL):
+        # the tower's tensors (v.*) and projector's (mm.*) apart from the text model's, which the
+        # loaders read (model/vision.py reads these)
+        self.vision_tensors: list[GgufTensor] = []
+        if self.fields.get("general.architecture") != "clip":
+            self.vision_tensors = [t for t in self.tensors if t.name.startswith(("v.", "mm."))]
+            if self.vision_tensors:
+                self.tensors = [t for t in self.tensors if not t.name.startswith(("v.", "mm."))]
 
     def _str(self) -> str:
         (n,) = struct.unpack_from("<Q", self._map, self._off)

@@ -30,8 +30,9 @@ def digest(data: bytes) -> bytes:
 
 
 class ImageTable:
-    def __init__(self, vocab_size: int, keep_bytes: int = 256 << 20):
+    def __init__(self, vocab_size: int, keep_bytes: int = 256 << 20, both_ways: bool = False):
         self.first = -(-vocab_size // STRIDE) * STRIDE
+        self.both_ways = both_ways        # an image's tokens attend to each other both ways (Gemma 3)
         self.slots = (ID_LIMIT - self.first) // STRIDE
         self.keep_bytes = keep_bytes
         self._lock = threading.Lock()
@@ -135,3 +136,34 @@ class ImageTable:
         with self._lock:
             return {"images_kept": len(self._feats), "images_held": len(self._holds), "bytes_kept": self._bytes,
                     "images_encoded": self.encoded, "images_reused": self.reused}
+
+
+def image_see(table: ImageTable, ids: np.ndarray, positions: np.ndarray, starts: np.ndarray) -> np.ndarray | None:
+    """For a prefill call whose rows hold an image's tokens that attend both ways: how many
+    positions each row sees (`ops.paged_prefill`'s `see`): an image token the whole run of its
+    image's tokens in the call (up to its last), any other row its causal count; None when
+    no row is an image's. `starts`: the sequences' first rows (query_start_loc)."""
+    ids = np.asarray(ids, np.int64)
+    pic = ids >= table.first
+    if not pic.any():
+        return None
+    positions = np.asarray(positions, np.int64)
+    see = (positions + 1).astype(np.int32)
+    base = np.where(pic, (ids - table.first) // STRIDE, -1)
+    seq_start = np.zeros(len(ids), bool)
+    seq_start[np.asarray(starts[:-1], np.int64)[np.asarray(starts[:-1]) < len(ids)]] = True
+    # a run: image rows of one image, one sequence, consecutive positions
+    cont = np.zeros(len(ids), bool)
+    cont[1:] = pic[1:] & pic[:-1] & (base[1:] == base[:-1]) & (positions[1:] == positions[:-1] + 1) & ~seq_start[1:]
+    r = 0
+    n = len(ids)
+    while r < n:
+        if not pic[r]:
+            r += 1
+            continue
+        e = r + 1
+        while e < n and cont[e]:
+            e += 1
+        see[r:e] = positions[e - 1] + 1
+        r = e
+    return see

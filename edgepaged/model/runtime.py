@@ -145,7 +145,7 @@ class RunnerBase:
             raise ValueError(f"{enc.path.name} projects images to {enc.width} values, but "
                              f"{getattr(self.model_path, 'name', 'the model')} is {self.config.hidden_size} wide: "
                              "they are not a pair")
-        self.vision, self.images = enc, ImageTable(self.config.vocab_size)
+        self.vision, self.images = enc, ImageTable(self.config.vocab_size, both_ways=enc.both_ways)
         self._take_images(self.images)
 
     def _tower_math(self) -> str:

@@ -280,10 +280,76 @@ def read_mmproj(path) -> tuple[str, dict, dict]:
     return kind, hp, weights
 
 
+# Ollama's single-file layout (its converter's names: the tower and projector inside the model's
+# GGUF, keys under "{arch}.vision."): Gemma 3's
+_OLLAMA_LAYER = {"layer_norm1": "layer_norm1", "layer_norm2": "layer_norm2", "attn_q": "self_attn.q_proj",
+                 "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.out_proj",
+                 "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
+_OLLAMA_TOP = {"v.patch_embedding": "embeddings.patch_embedding", "v.position_embedding": "embeddings.position_embedding",
+               "v.post_layernorm": "post_layernorm", "mm.mm_input_projection": "projector.input",
+               "mm.mm_soft_emb_norm": "projector.norm"}
+OLLAMA_VISION = {"gemma3": "gemma3"}      # the model's architecture -> its projector's kind
+
+
+def read_ollama_vision(path) -> tuple[str, dict, dict]:
+    """The vision tower inside a model's GGUF as Ollama's converter writes it (`ollama pull
+    gemma3:4b`): (projector kind, hyperparameters under the mmproj's names, float32 weights
+    under the tower's names, as `read_mmproj`); ValueError when the file has none."""
+    from .gguf_file import GgufFile
+    from .loader import gguf_field
+    f = GgufFile(path)
+    arch = gguf_field(f, "general.architecture")
+    if not f.vision_tensors:
+        raise ValueError(f"{Path(path).name}: no vision tower in this model file")
+    if arch not in OLLAMA_VISION:
+        raise ValueError(f"{Path(path).name}: the vision tower of a {arch} file is not supported yet")
+    pre = f"{arch}.vision."
+    hp = {k.removeprefix(pre): gguf_field(f, k) for k in f.fields if k.startswith(pre)}
+    hp.setdefault("attention.layer_norm_epsilon", 1e-6)
+    hp.setdefault("image_mean", [0.5, 0.5, 0.5])
+    hp.setdefault("image_std", [0.5, 0.5, 0.5])
+    tokens = gguf_field(f, f"{arch}.mm.tokens_per_image")
+    if tokens:            # (Ollama's own runtime took 256; the file may say otherwise)
+        grid = int(hp["image_size"]) // int(hp["patch_size"])
+        hp["projector.scale_factor"] = grid // int(round(int(tokens) ** 0.5))
+    weights = {}
+    for t in f.vision_tensors:
+        stem, _, suffix = t.name.rpartition(".")
+        if stem.startswith("v.blk."):
+            _, _, i, part = stem.split(".", 3)
+            if part not in _OLLAMA_LAYER:
+                raise ValueError(f"{Path(path).name}: unexpected vision tensor {t.name!r}")
+            name = f"encoder.layers.{i}.{_OLLAMA_LAYER[part]}"
+        elif stem in _OLLAMA_TOP:
+            name = _OLLAMA_TOP[stem]
+        else:
+            raise ValueError(f"{Path(path).name}: unexpected vision tensor {t.name!r}")
+        weights[f"{name}.{suffix}"] = np.asarray(t.data, np.float32)
+    return OLLAMA_VISION[arch], hp, weights
+
+
+def read_vision(path) -> tuple[str, dict, dict]:
+    """An mmproj file (llama.cpp's layout) or a model file with its tower inside (Ollama's)."""
+    from .gguf_file import GgufFile
+    from .loader import gguf_field
+    f = GgufFile(path)
+    return read_mmproj(path) if gguf_field(f, "general.architecture") == "clip" else read_ollama_vision(path)
+
+
+def has_vision(path) -> bool:
+    """Whether a model's GGUF carries its vision tower inside (Ollama's layout)."""
+    from .gguf_file import GgufFile
+    try:
+        return bool(GgufFile(path).vision_tensors)
+    except Exception:   # noqa: BLE001 - not a GGUF file: no
+        return False
+
+
 def tower_from_mmproj(path, math: str = "exact") -> tuple[str, dict, SiglipTower, dict]:
     """The projector type, hyperparameters, the SigLIP tower and the projector's weights of an
-    mmproj file (`math`: the tower's products, SiglipTower)."""
-    kind, hp, w = read_mmproj(path)
+    mmproj file, or of a model file with its tower inside (`math`: the tower's products,
+    SiglipTower)."""
+    kind, hp, w = read_vision(path)
     tower = SiglipTower(w, layers=int(hp["block_count"]), heads=int(hp["attention.head_count"]),
                         patch=int(hp["patch_size"]), eps=float(hp["attention.layer_norm_epsilon"]), math=math)
     proj = {k: v for k, v in w.items() if k.startswith(("connector.", "projector."))}
@@ -299,35 +365,48 @@ class VisionEncoder:
     """A vision model's image side, from its llama.cpp `mmproj` file: the pixels its tower
     takes, the tower and projector (image -> feature rows of the text model's width), and the
     tokens that stand for an image in the prompt (the family's own wrapping, each IMAGE one
-    feature row, in order).
+    feature row, in order). The chat template marks where an image goes (`marker`).
 
     Idefics3 (SmolVLM / SmolVLM2): the image cut into tiles (`idefics3_pixels`), each tile's
     rows after `<fake_token_around_image><row_R_col_C>`, a newline after each row of tiles,
     then the whole image after `\\n<fake_token_around_image><global-img>`, closed by
-    `<fake_token_around_image>` (transformers' Idefics3Processor). The chat template marks
-    where an image goes with `<image>` (`marker`)."""
+    `<fake_token_around_image>` (transformers' Idefics3Processor); marker `<image>`.
 
-    FAMILIES = ("idefics3",)
+    Gemma 3: one bilinear resize to the tower's size (`gemma3_pixels`), its patches pooled to
+    `tokens_per_image` (256); the marker `<start_of_image>` becomes `\\n\\n<start_of_image>`,
+    the image's rows, `<end_of_image>\\n\\n` (transformers' Gemma3Processor; the newlines
+    tokenized apart from the text around them). Its image tokens attend to each other both
+    ways (`both_ways`: the runner's prefill lets them see their whole image)."""
+
+    FAMILIES = ("idefics3", "gemma3")
 
     def __init__(self, path, math: str = "exact"):
         kind, hp, tower, proj = tower_from_mmproj(path, math)
         if kind not in self.FAMILIES:
             raise ValueError(f"{Path(path).name}: vision projector {kind!r} is not supported yet (supported: "
-                             f"{', '.join(self.FAMILIES)}; Gemma 3's image tokens attend both ways, which the "
-                             "paged kernels do not do yet)")
+                             f"{', '.join(self.FAMILIES)})")
         self.path, self.kind, self.hp, self.tower, self.proj = Path(path), kind, hp, tower, proj
         self.tile = int(hp["image_size"])
         self.mean = tuple(float(x) for x in hp.get("image_mean", (0.5, 0.5, 0.5)))
         self.std = tuple(float(x) for x in hp.get("image_std", (0.5, 0.5, 0.5)))
-        self.scale = int(hp.get("projector.scale_factor", 2))
-        self.longest_edge = int(hp.get("preproc_image_size", self.tile))
         grid = self.tile // int(hp["patch_size"])
-        self.tokens_per_tile = grid * grid // (self.scale * self.scale)
-        self.width = int(proj["connector.proj.weight"].shape[0])       # the text model's hidden size
-        self.marker = "<image>"
+        self.eps = float(hp.get("attention.layer_norm_epsilon", 1e-6))
+        if kind == "idefics3":
+            self.scale = int(hp.get("projector.scale_factor", 2))
+            self.longest_edge = int(hp.get("preproc_image_size", self.tile))
+            self.tokens_per_tile = grid * grid // (self.scale * self.scale)
+            self.width = int(proj["connector.proj.weight"].shape[0])       # the text model's hidden size
+            self.marker, self.both_ways = "<image>", False
+        else:
+            pool = int(hp.get("projector.scale_factor", 4))                # patches a side per pooled token
+            self.tokens_per_tile = (grid // pool) ** 2
+            self.width = int(proj["projector.input.weight"].shape[1])
+            self.marker, self.both_ways = "<start_of_image>", True
 
     def pixels(self, img) -> tuple[np.ndarray, tuple]:
         """A decoded RGB image -> (the tower's input, its layout for `prompt_tokens`)."""
+        if self.kind == "gemma3":
+            return gemma3_pixels(img, self.tile, self.mean, self.std), (0, 0)
         tiles, rows, cols = idefics3_pixels(img, longest_edge=self.longest_edge, tile=self.tile, mean=self.mean,
                                             std=self.std)
         return tiles, (rows, cols)
@@ -335,8 +414,13 @@ class VisionEncoder:
     def encode(self, pixels: np.ndarray, pause=None) -> np.ndarray:
         """The tower and projector: float32 [feature rows, text hidden], rows in prompt order.
         `pause()`: called between the tower's layers (SiglipTower)."""
-        return np.ascontiguousarray(idefics3_image_tokens(self.tower, self.proj["connector.proj.weight"], pixels,
-                                                          self.scale, pause), dtype=np.float32)
+        if self.kind == "gemma3":
+            tower = self.tower if pause is None else (lambda px: self.tower(px, pause))
+            out = gemma3_image_tokens(tower, self.proj["projector.norm.weight"] - 1.0,
+                                      self.proj["projector.input.weight"], pixels, self.tokens_per_tile, self.eps)
+        else:
+            out = idefics3_image_tokens(self.tower, self.proj["connector.proj.weight"], pixels, self.scale, pause)
+        return np.ascontiguousarray(out, dtype=np.float32)
 
     def rows_for(self, layout: tuple) -> int:
         rows, cols = layout
@@ -350,17 +434,20 @@ class VisionEncoder:
                 raise ValueError(f"this model's tokenizer has no {name} token: it does not go with "
                                  f"{self.path.name}")
             return i
-        fake, glob = special("<fake_token_around_image>"), special("<global-img>")
         image = [IMAGE] * self.tokens_per_tile
-        rows, cols = layout
         pieces: list = []
-        for r in range(rows):
-            for c in range(cols):
-                pieces += [fake, special(f"<row_{r + 1}_col_{c + 1}>"), *image]
-            pieces.append("\n")
-        if rows:
-            pieces.append("\n")
-        pieces += [fake, glob, *image, fake]
+        if self.kind == "gemma3":
+            pieces = ["\n\n", special("<start_of_image>"), *image, special("<end_of_image>"), "\n\n"]
+        else:
+            fake, glob = special("<fake_token_around_image>"), special("<global-img>")
+            rows, cols = layout
+            for r in range(rows):
+                for c in range(cols):
+                    pieces += [fake, special(f"<row_{r + 1}_col_{c + 1}>"), *image]
+                pieces.append("\n")
+            if rows:
+                pieces.append("\n")
+            pieces += [fake, glob, *image, fake]
         out: list[int] = []
         text = ""
         for p in pieces + [None]:

@@ -341,8 +341,9 @@ def model_set(specs, keep_s, budget, kv_bytes, device, block_size, max_batched_t
 
 
 def projector_for(model_path, mmproj: str | None = None) -> Path | None:
-    """The vision projector to attach: `mmproj` (a path; "none": no projector), else the one
-    mmproj*.gguf beside a model file (two or more: none, say which with --mmproj)."""
+    """The vision projector to attach: `mmproj` (a path; "none": no projector), else the model
+    file itself when its tower is inside (Ollama's layout), else the one mmproj*.gguf beside a
+    model file (two or more: none, say which with --mmproj)."""
     if mmproj is not None:
         if mmproj.lower() == "none":
             return None
@@ -352,6 +353,9 @@ def projector_for(model_path, mmproj: str | None = None) -> Path | None:
         return p
     if model_path is None or not Path(model_path).is_file():
         return None
+    from ..model.vision import has_vision
+    if has_vision(model_path):           # Ollama's single file: the tower inside the model's GGUF
+        return Path(model_path)
     found = sorted(Path(model_path).parent.glob("mmproj*.gguf"))
     return found[0] if len(found) == 1 else None
 

@@ -242,16 +242,21 @@ def _rig_stop(model, eot: int, prompt: list[int], steps: int = 24, also: tuple =
 
 def make_family_model(folder, name: str, seed: int = 0, *, stop_prompt: list[dict] | None = None,
                       rig_token: str | None = None, tools: list | None = None, context: int = 1024,
-                      rig_also: tuple = (), overrides: dict | None = None):
+                      rig_also: tuple = (), overrides: dict | None = None, extra_specials: tuple = ()):
     """Save a tiny random `name` model with its tokenizer and template into `folder`; returns
     the transformers model (eval mode, eager attention). With `stop_prompt` (chat messages)
     the family's end-of-turn token (or `rig_token`) comes within a few tokens of a greedy
     answer to them (rendered with `tools`), for serving tests. `overrides`: config fields
-    replaced (`hf_config`)."""
+    replaced (`hf_config`); `extra_specials`: special tokens besides the family's (a vision
+    model's image tokens)."""
+    import dataclasses
+
     import transformers
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     fam = family(name)
+    if extra_specials:
+        fam = dataclasses.replace(fam, specials=tuple(fam.specials) + tuple(extra_specials))
     if fam.spm:
         _spm_tokenizer(folder, fam, 400)
     else:

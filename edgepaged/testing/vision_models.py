@@ -137,7 +137,8 @@ def make_smolvlm(folder, *, seed: int = 0, image_size: int = 64, patch: int = 16
 
 # ---------------------------------------------------------------- benchmark-sized files
 
-def _copy_gguf(src, dst, *, extra_tokens: tuple = (), template: str | None = None) -> Path:
+def _copy_gguf(src, dst, *, extra_tokens: tuple = (), template: str | None = None, extra_kv: dict | None = None,
+               extra_tensors: dict | None = None) -> Path:
     """`src` rewritten at `dst` with `extra_tokens` appended to its vocabulary (control
     tokens; the embedding and output tables grow by zero rows) and its chat template
     replaced: a text model that takes a vision family's image tokens, its weights as they were."""
@@ -167,6 +168,10 @@ def _copy_gguf(src, dst, *, extra_tokens: tuple = (), template: str | None = Non
         if t.name in ("token_embd.weight", "output.weight") and extra_tokens:
             data = np.concatenate([data, np.zeros((len(extra_tokens),) + data.shape[1:], data.dtype)])
         w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    for k, (value, vtype) in (extra_kv or {}).items():
+        w.add_key_value(k, value, vtype)
+    for name, data in (extra_tensors or {}).items():
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -207,3 +212,137 @@ def synthetic_smolvlm(folder, shape: str = "smolvlm-256m", seed: int = 0) -> tup
     hf = transformers.Idefics3ForConditionalGeneration(cfg).eval()
     write_mmproj(hf, mmproj, "idefics3", longest_edge=s["longest_edge"])
     return model, mmproj
+
+
+# Gemma 3: its image tokens, and a chat template that reads typed parts (as Gemma 3's does)
+GEMMA3_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+
+
+def write_ollama_vision(model, text_gguf, path) -> Path:
+    """A Gemma 3 as `ollama pull gemma3:4b` brings it: the text model's GGUF with the tower and
+    projector inside, as Ollama's converter writes them (keys `gemma3.vision.*` and
+    `gemma3.mm.tokens_per_image`; tensors `v.patch_embedding`, `v.blk.N.attn_q`, ...,
+    `mm.mm_input_projection.weight` in its Hugging Face shape, `mm.mm_soft_emb_norm.weight`
+    + 1; 1-D tensors F32, the others F16)."""
+    import gguf
+    cfg = model.config
+    vc = cfg.vision_config
+    V = gguf.GGUFValueType
+    kv = {"gemma3.vision.block_count": (vc.num_hidden_layers, V.UINT32),
+          "gemma3.vision.embedding_length": (vc.hidden_size, V.UINT32),
+          "gemma3.vision.feed_forward_length": (vc.intermediate_size, V.UINT32),
+          "gemma3.vision.image_size": (vc.image_size, V.UINT32), "gemma3.vision.patch_size": (vc.patch_size, V.UINT32),
+          "gemma3.vision.num_channels": (3, V.UINT32),
+          "gemma3.vision.attention.head_count": (vc.num_attention_heads, V.UINT32),
+          "gemma3.vision.attention.layer_norm_epsilon": (float(vc.layer_norm_eps), V.FLOAT32),
+          "gemma3.mm.tokens_per_image": (cfg.mm_tokens_per_image, V.UINT32)}
+    renames = (("vision_tower.vision_model.embeddings", "v"), ("vision_tower.vision_model", "v"),
+               ("encoder.layers", "blk"), ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+               ("self_attn.v_proj", "attn_v"), ("self_attn.out_proj", "attn_output"),
+               ("input_projection_weight", "input_projection.weight"), ("multi_modal_projector", "mm"))
+    tensors = {}
+    for hf_name, a in model.state_dict().items():
+        name = hf_name.removeprefix("model.")
+        if not name.startswith(("vision_tower.", "multi_modal_projector.")) or ".head." in name:
+            continue
+        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+            name = name.replace("vision_tower.", "vision_tower.vision_model.", 1)   # (the checkpoint's names)
+        for a_, b_ in renames:
+            name = name.replace(a_, b_)
+        a = a.detach().float().numpy()
+        if name.endswith("_norm.weight") and not name.startswith("v."):
+            a = a + 1.0
+        tensors[name] = a.astype(np.float32) if a.ndim == 1 else a.astype(np.float16)
+    return _copy_gguf(text_gguf, path, extra_kv=kv, extra_tensors=tensors)
+
+
+def make_gemma3_vlm(folder, *, seed: int = 0, image_size: int = 64, patch: int = 8, tokens: int = 16,
+                    sliding_window: int = 512):
+    """A tiny random Gemma 3 (transformers' Gemma3ForConditionalGeneration) in both GGUF
+    layouts: as a Hugging Face GGUF repository ships it (`model.gguf` + `mmproj-model.gguf`,
+    llama.cpp's converter's names) and as Ollama's single file (`ollama-gemma3.gguf`: the
+    tower inside). The tower's matrices are rounded to F16 as the files keep them. Returns
+    (the transformers model, model.gguf, mmproj-model.gguf, ollama-gemma3.gguf)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    from .families import make_family_model, write_family_gguf
+    from .tiny_models import randomize
+    folder = Path(folder)
+    make_family_model(folder, "gemma3", seed, extra_specials=GEMMA3_TOKENS,    # (as Gemma 3 is: no final softcap,
+                      overrides={"sliding_window": sliding_window, "final_logit_softcapping": None})   # which its VLM ignores)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    text = transformers.AutoConfig.from_pretrained(str(folder))
+    cfg = transformers.Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=image_size, patch_size=patch),
+        mm_tokens_per_image=tokens, image_token_index=tok.token_to_id("<image_soft_token>"),
+        boi_token_index=tok.token_to_id("<start_of_image>"), eoi_token_index=tok.token_to_id("<end_of_image>"))
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    randomize(hf, seed)
+    with torch.no_grad():
+        hf.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.05)
+        hf.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0, 0.1)
+        for name, p in hf.named_parameters():     # (Ollama's file keeps even the embeddings F16)
+            if p.dim() >= 2 and ("vision_tower" in name or "multi_modal_projector.mm_input" in name):
+                p.copy_(p.half().float())
+    causal = transformers.Gemma3ForCausalLM(text).eval()
+    causal.model.load_state_dict(hf.model.language_model.state_dict())
+    causal.lm_head.weight = causal.model.embed_tokens.weight
+    causal.save_pretrained(folder)
+    model = write_family_gguf(folder, folder / "model.gguf", causal, template=GEMMA3_TEMPLATE, control=GEMMA3_TOKENS)
+    mmproj = write_mmproj(hf, folder / "mmproj-model.gguf", "gemma3")
+    ollama = write_ollama_vision(hf, model, folder / "ollama-gemma3.gguf")
+    return hf, model, mmproj, ollama
+
+
+GEMMA3_TOWERS = {
+    # Gemma 3 4B / 12B / 27B: SigLIP-so400m at 896 px (patch 14: 64 x 64 patches, pooled 4 x 4 to 256 tokens),
+    # projected to the text model's width (2560 for 4 B)
+    "gemma3-4b": dict(hidden=1152, inter=4304, layers=27, heads=16, image=896, patch=14, tokens=256, text=2560),
+}
+
+
+def synthetic_gemma3_tower(folder, shape: str = "gemma3-4b", seed: int = 0) -> tuple[Path, Path]:
+    """Gemma 3's image side at `shape`'s sizes for timing the encoder: a random tower +
+    projector as llama.cpp's mmproj (F16), and a one-layer Gemma 3 text model of the real
+    width with the image tokens (a stub: what llama.cpp's tool needs beside the mmproj; its
+    answers mean nothing). Written once per folder. Returns (text stub, mmproj)."""
+    import torch
+    import transformers
+
+    from .families import make_family_model, write_family_gguf
+    folder = Path(folder)
+    stub, mmproj = folder / f"{shape}-text-stub.gguf", folder / f"mmproj-{shape}.gguf"
+    if stub.exists() and mmproj.exists():
+        return stub, mmproj
+    s = GEMMA3_TOWERS[shape]
+    make_family_model(folder / "stub", "gemma3", seed, extra_specials=GEMMA3_TOKENS,
+                      overrides={"final_logit_softcapping": None})
+    text = transformers.AutoConfig.from_pretrained(str(folder / "stub"))
+    text.hidden_size, text.intermediate_size, text.num_hidden_layers = s["text"], 256, 1
+    text.num_attention_heads, text.num_key_value_heads, text.head_dim = 8, 4, 256
+    text.query_pre_attn_scalar, text.layer_types = 256, ["full_attention"]
+    torch.manual_seed(seed)
+    causal = transformers.Gemma3ForCausalLM(text).eval()
+    write_family_gguf(folder / "stub", stub, causal, template=GEMMA3_TEMPLATE, control=GEMMA3_TOKENS, qtype=1)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(folder / "stub" / "tokenizer.json"))
+    cfg = transformers.Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=dict(hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+                           num_attention_heads=s["heads"], image_size=s["image"], patch_size=s["patch"]),
+        mm_tokens_per_image=s["tokens"], image_token_index=tok.token_to_id("<image_soft_token>"),
+        boi_token_index=tok.token_to_id("<start_of_image>"), eoi_token_index=tok.token_to_id("<end_of_image>"))
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    write_mmproj(hf, mmproj, "gemma3")
+    return stub, mmproj

@@ -399,9 +399,13 @@ class CpuModel:
         elif row_by_row:                 # decode rows, short chunks: paged_decode, one call per layer
             delta = self._layers(h, positions, slots, kv, decode=per_row, ws=ws)
         else:                            # a long prefill chunk in the step: paged_prefill, tiles of rows
+            see = None
+            if self.images is not None and self.images.both_ways:    # (Gemma 3's image tokens see their image)
+                from ..image_table import image_see
+                see = image_see(self.images, ids, positions, query_start_loc)
             delta = self._layers(h, positions, slots, kv, ws=ws, chunks=(
                 np.ascontiguousarray(query_start_loc, dtype=np.int64), np.ascontiguousarray(seq_lens, dtype=np.int32),
-                np.ascontiguousarray(block_tables, dtype=np.int32)))
+                np.ascontiguousarray(block_tables, dtype=np.int32)), see=see)
         if logits_indices is None:
             logits_indices = query_start_loc[1:] - 1
         if len(logits_indices) == 0:
@@ -417,7 +421,7 @@ class CpuModel:
             logits = np.tanh(logits / cap) * cap
         return logits
 
-    def _layers(self, h, positions, slots, kv, decode=None, chunks=None, ws=None) -> np.ndarray:
+    def _layers(self, h, positions, slots, kv, decode=None, chunks=None, ws=None, see=None) -> np.ndarray:
         """Layer by layer, each its family's steps (families/base.py); h holds the residual
         stream without the last layer's output, which is returned (a view of `ws`, the
         workspace, when given: valid until the next forward)."""
@@ -457,8 +461,9 @@ class CpuModel:
                     cos, sin = self.ropes[step.rope]
                     ops.rope_write_kv(qkv, positions, cos, sin, slots, kc, vc, nh, nkv)
                     attend = (ops.paged_decode, decode) if decode is not None else (ops.paged_prefill, chunks)
+                    extra = {} if see is None else {"see": see}     # rows that see past their causal limit
                     attend[0](qkv, out, *attend[1], kc, vc, nh, nkv, cfg.scale, step.window or 0,
-                              step.softcap or 0.0)
+                              step.softcap or 0.0, **extra)
                     x = layer.o(out, res_buf)
                 elif isinstance(step, steps.OutNorm):   # (Gemma's norms after o and down: into `post`)
                     post = self._workspace(t, ws, post=cfg.hidden_size)["post"]

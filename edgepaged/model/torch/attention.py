@@ -29,9 +29,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor     # int64 [T]
     q_lens_host: list[int]
     seq_lens_host: list[int]
+    # per row, how many positions it sees at least (past its causal limit: Gemma 3's image
+    # tokens see their whole image, model/image_table.image_see); None: causal
+    see: np.ndarray | None = None
 
     @classmethod
-    def build(cls, query_start_loc, seq_lens, block_tables, slot_mapping, device="cpu") -> "AttentionMetadata":
+    def build(cls, query_start_loc, seq_lens, block_tables, slot_mapping, device="cpu",
+              see=None) -> "AttentionMetadata":
         qsl = np.asarray(query_start_loc, dtype=np.int64)
         lens = np.asarray(seq_lens, dtype=np.int64)
         q_lens = np.diff(qsl)
@@ -40,7 +44,8 @@ class AttentionMetadata:
         bt = block_tables if isinstance(block_tables, torch.Tensor) else np.asarray(block_tables, np.int32)
         return cls(_tensor(qsl, torch.int32, device), _tensor(lens, torch.int32, device),
                    _tensor(bt, torch.int32, device).reshape(len(lens), -1),
-                   _tensor(slot_mapping, torch.int64, device), q_lens.tolist(), lens.tolist())
+                   _tensor(slot_mapping, torch.int64, device), q_lens.tolist(), lens.tolist(),
+                   None if see is None else np.asarray(see, np.int64))
 
     @property
     def num_seqs(self) -> int:
@@ -179,12 +184,15 @@ class TorchAttention:
             q, n = meta.q_lens_host[i], meta.seq_lens_host[i]
             blocks = meta.block_tables[i, : -(-n // bs)].long()
             mask = None
-            if q != n or window:
+            see = None if meta.see is None else meta.see[int(starts[i]):int(starts[i]) + q]
+            if q != n or window or (see is not None and (see > np.arange(n - q, n) + 1).any()):
                 qpos = torch.arange(n - q, n, device=dev)[:, None]
                 kpos = torch.arange(n, device=dev)[None, :]
                 mask = kpos <= qpos
                 if window:
                     mask &= kpos > qpos - window
+                if see is not None:       # rows that see past their causal limit (an image both ways)
+                    mask |= (kpos > qpos) & (kpos < torch.as_tensor(see, device=dev)[:, None])
             prefills.append((slice(int(starts[i]), int(starts[i]) + q), blocks, n, mask))
         return prefills
 

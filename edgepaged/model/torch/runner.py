@@ -246,9 +246,17 @@ class ModelRunner(RunnerBase):
         logits_indices: rows of the flat batch to compute logits for (default: each sequence's last)."""
         dev = self.device
         with torch.inference_mode():
+            see = None
+            if self.images is not None and self.images.both_ways and not isinstance(attn_metadata, AttentionMetadata):
+                from ..image_table import image_see
+                see = image_see(self.images, np.asarray(input_ids), np.asarray(positions),
+                                np.asarray(attn_metadata["query_start_loc"]))
+                if see is not None and type(self.backend).__name__ != "TorchAttention":
+                    raise NotImplementedError("images that attend both ways (Gemma 3) run on the torch attention "
+                                              "backend or the CPU runtime for now, not the Triton kernels")
             meta = (attn_metadata if isinstance(attn_metadata, AttentionMetadata)
                     else AttentionMetadata.build(**{k: v for k, v in attn_metadata.items() if k != "prompt"},
-                                                 device=dev))
+                                                 device=dev, see=see))
             if max(meta.seq_lens_host) > self.max_model_len:
                 raise ValueError(f"context of {max(meta.seq_lens_host)} tokens exceeds max_model_len "
                                  f"{self.max_model_len}")

@@ -65,7 +65,9 @@ impl<E> PrefillArgs<'_, E> {
             Some(see) => causal.max(see[self.starts[b] as usize + j - self.first] as usize),
             None => causal,
         };
-        (if self.window > 0 { hi.saturating_sub(self.window) } else { 0 }, hi)
+        // a window counts back from the row's own position: what it sees past it is added
+        // (transformers' Gemma 3: causal-and-windowed, or the same image)
+        (if self.window > 0 { causal.saturating_sub(self.window) } else { 0 }, hi)
     }
 }
 
@@ -908,6 +910,27 @@ fn prefill_rows<E: KvElem>(
             for _ in starts[b]..starts[b + 1] {
                 row_tables.extend_from_slice(&tables[b * max_blocks..(b + 1) * max_blocks]);
             }
+        }
+        if see.is_some() && window > 0 {
+            // rows that see past their causal limit attend without the window here (the tiles keep
+            // it for the positions before the row); the others with it
+            let mut causal = Vec::with_capacity(rows.len());
+            for b in 0..nseq {
+                let (s, e, n) = (starts[b], starts[b + 1], lens[b] as i64);
+                causal.extend((0..e - s).map(|j| (n - (e - s) + j + 1) as i32));
+            }
+            for wide in [false, true] {
+                let pick: Vec<usize> = (0..rows.len()).filter(|&i| (row_lens[i] > causal[i]) == wide).collect();
+                if pick.is_empty() {
+                    continue;
+                }
+                let mb = max_blocks;
+                let (r, l) = (pick.iter().map(|&i| rows[i]).collect::<Vec<_>>(), pick.iter().map(|&i| row_lens[i]).collect::<Vec<_>>());
+                let t: Vec<i32> = pick.iter().flat_map(|&i| row_tables[i * mb..(i + 1) * mb].iter().copied()).collect();
+                crate::attention::decode(q, q_stride, out, out_stride, &r, &l, &t, k_cache, v_cache, bs, hs, scale,
+                                         if wide { 0 } else { window }, softcap)?;
+            }
+            return Ok(());
         }
         return crate::attention::decode(q, q_stride, out, out_stride, &rows, &row_lens, &row_tables, k_cache, v_cache, bs,
                                         hs, scale, window, softcap);
