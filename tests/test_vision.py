@@ -274,3 +274,71 @@ def test_gemma3_s_logits_for_an_image_equal_transformers_with_its_image_tokens_b
     scale = max(1.0, np.abs(want).max())
     assert np.abs(got - want).max() <= 1e-3 * scale
     assert np.abs(causal - want).max() > 1e-2 * scale       # (both ways matters here)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_llava_pixels_equal_clip_s_processor(size):
+    """LLaVA-1.5's pixels (CLIP's processor at 336: the shorter edge, the centre, CLIP's mean
+    and std) equal transformers' within 1e-6."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from edgepaged.model.vision import llava_pixels
+    img = _photo(*size, seed=2)
+    hf = CLIPImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
+    want = hf(images=img, return_tensors="np")["pixel_values"]
+    got = llava_pixels(img, 336)
+    assert got.shape == want.shape == (1, 3, 336, 336)
+    assert np.abs(got - want).max() <= 1e-6
+
+
+@pytest.mark.parametrize("runtime", ["cpu", "torch"])
+def test_llava_s_logits_for_an_image_equal_transformers(tmp_path, runtime):
+    """A tiny LLaVA-1.5 (transformers' LlavaForConditionalGeneration) with its projector as
+    llama.cpp's older converter writes it (the last layer left out, fc1/fc2 named the old way,
+    mm.0 / mm.2): the CPU runtime and the torch reference give transformers' logits after an
+    image and a question within 1e-3 (its features from the layer before the last, the class
+    token dropped)."""
+    import torch
+
+    from edgepaged.model import ModelRunner
+    from edgepaged.model.cpu.runner import CpuRunner
+    from edgepaged.model.image_table import digest
+    from edgepaged.model.vision import IMAGE
+    from edgepaged.testing.decode import make_allocator, prompt_logits
+    from edgepaged.testing.vision_models import make_llava
+    hf, model, mmproj = make_llava(tmp_path / "llava")
+    runner = (CpuRunner(model, num_blocks=64, kv_dtype="f32") if runtime == "cpu"
+              else ModelRunner(model, num_blocks=64, kv_dtype="f32"))
+    runner.attach_vision(mmproj, math="exact")
+    enc, tok = runner.vision, runner.tokenizer
+    assert enc.kind == "mlp" and enc.tokens_per_tile == 16 and enc.tower.layers == 2
+    img = _photo(300, 200, seed=8)
+    pixels, layout = enc.pixels(img)
+    base = runner.images.put(digest(img.tobytes()), enc.encode(pixels), layout)
+    head, tail = tok.encode_plain("USER: "), tok.encode_plain("\nWhat is it?\nASSISTANT:")
+    rows = enc.prompt_tokens(layout, tok)
+    ours = head + [base + k for k in range(len(rows))] + tail
+    theirs = head + [hf.config.image_token_index] * len(rows) + tail
+    assert rows == [IMAGE] * 16
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([theirs]), pixel_values=torch.from_numpy(pixels)).logits[0, -1].numpy()
+    got = np.asarray(prompt_logits(runner, make_allocator(runner), ours))[-1]
+    assert np.abs(got - want).max() <= 1e-3 * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.parametrize("d", [64, 72])
+def test_the_tower_s_attention_every_patch_to_every_patch(d):
+    """The tower's attention: heads the prefill tiles take (64: SigLIP-B's) on the Rust tiles
+    with every row seeing every position, others (72: SigLIP-so400m's) in numpy by groups of
+    heads; both equal a plain softmax attention over all positions."""
+    from edgepaged.model.vision import SiglipTower
+    rng = np.random.default_rng(d)
+    t, nh = 300, 4
+    h = nh * d
+    qkv = rng.standard_normal((t, 3 * h), dtype=np.float32)
+    got = SiglipTower._attention(qkv, t, nh, d)
+    q, k, v = (qkv[:, i * h:(i + 1) * h].reshape(t, nh, d).transpose(1, 0, 2).astype(np.float64) for i in range(3))
+    s = q @ k.transpose(0, 2, 1) * d ** -0.5
+    s = np.exp(s - s.max(-1, keepdims=True))
+    want = ((s / s.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(t, h)
+    assert np.abs(got - want).max() <= 1e-5

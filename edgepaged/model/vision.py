@@ -86,6 +86,25 @@ def idefics3_pixels(img, longest_edge: int = 2048, tile: int = 512, mean=(0.5, 0
     return np.stack([_normalise(f, mean, std) for f in frames]), rows, cols
 
 
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def llava_pixels(img, size: int = 336, mean=CLIP_MEAN, std=CLIP_STD) -> np.ndarray:
+    """[1, 3, size, size]: CLIP's processor (LLaVA-1.5's): the shorter edge resized to `size`
+    (bicubic, the longer one truncated to keep the aspect), the centre cut out, rescaled and
+    normalised."""
+    from PIL import Image
+    w, h = img.size
+    if w <= h:
+        nw, nh = size, int(size * h / w)
+    else:
+        nw, nh = int(size * w / h), size
+    arr = np.asarray(img.resize((nw, nh), Image.Resampling.BICUBIC))
+    top, left = (nh - size) // 2, (nw - size) // 2
+    return _normalise(arr[top:top + size, left:left + size], mean, std)[None]
+
+
 def gemma3_pixels(img, size: int = 896, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)) -> np.ndarray:
     """[1, 3, size, size]: one bilinear resize, rescaled and normalised."""
     from PIL import Image
@@ -123,6 +142,7 @@ def _gelu_tanh(x: np.ndarray, rows: int = 64) -> np.ndarray:
 
 
 KV_BLOCK = 16       # the tower's attention: K and V in blocks of this many patches (ops.paged_prefill)
+TILE_HEAD_DIMS = (32, 64, 128)    # head sizes the prefill tiles take (rust_alloc/cpu_kernels/src/prefill.rs)
 
 
 class SiglipTower:
@@ -159,8 +179,8 @@ class SiglipTower:
 
     def __call__(self, pixels: np.ndarray, pause=None) -> np.ndarray:
         """pixels float32 [N, 3, S, S] (whole tiles) -> last hidden states [N, (S / patch)^2, hidden].
-        A tile at a time; `pause()`, when given, is called before each layer of each tile (it
-        may wait: the encoder's work in pieces)."""
+        A tile at a time; `pause()`, when given, is called before each product of each layer
+        (it may wait: the encoder's work in pieces)."""
         n, c, s, _ = pixels.shape
         p, g = self.patch, s // self.patch
         out = np.empty((n, g * g, self.hidden), np.float32)
@@ -171,18 +191,33 @@ class SiglipTower:
             x += self.conv_b
             x += self.positions[: g * g]
             for blk in self.blocks:
-                if pause is not None:
-                    pause()
-                x = self._layer(x, blk)
+                x = self._layer(x, blk, pause)
             out[i] = _layer_norm(x, *self.post, self.eps)
         return out
 
     @staticmethod
     def _attention(qkv: np.ndarray, t: int, nh: int, d: int) -> np.ndarray:
         """Every patch attends to every patch: the CPU runtime's prefill tiles (Rust), each row
-        seeing all t positions (`see`), over K and V laid out as one sequence's blocks."""
+        seeing all t positions (`see`), over K and V laid out as one sequence's blocks; heads
+        of a size the tiles do not take (SigLIP-so400m's 72: Gemma 3's tower) in numpy, a few
+        heads at a time (their scores in a bounded buffer)."""
         from .._native import ops
         h = nh * d
+        if d not in TILE_HEAD_DIMS:
+            out = np.empty((t, h), np.float32)
+            step = max(1, (64 << 20) // (4 * t * t))
+            for h0 in range(0, nh, step):
+                h1 = min(nh, h0 + step)
+                q = qkv[:, h0 * d:h1 * d].reshape(t, h1 - h0, d).transpose(1, 0, 2)
+                k = qkv[:, h + h0 * d:h + h1 * d].reshape(t, h1 - h0, d).transpose(1, 2, 0)
+                v = qkv[:, 2 * h + h0 * d:2 * h + h1 * d].reshape(t, h1 - h0, d).transpose(1, 0, 2)
+                s = np.matmul(q, k)
+                s *= np.float32(d ** -0.5)
+                s -= s.max(-1, keepdims=True)
+                np.exp(s, out=s)
+                s /= s.sum(-1, keepdims=True)
+                out[:, h0 * d:h1 * d] = np.matmul(s, v).transpose(1, 0, 2).reshape(t, -1)
+            return out
         nb = -(-t // KV_BLOCK)
         k = np.zeros((nb * KV_BLOCK, h), np.float32)
         v = np.zeros((nb * KV_BLOCK, h), np.float32)
@@ -194,22 +229,87 @@ class SiglipTower:
                           v.reshape(nb, KV_BLOCK, nh, d), nh, nh, d ** -0.5, see=np.full(t, t, np.int32))
         return out
 
-    def _layer(self, x: np.ndarray, blk: dict) -> np.ndarray:
+    act = staticmethod(_gelu_tanh)      # the MLP's activation, in place
+
+    def _layer(self, x: np.ndarray, blk: dict, pause=None) -> np.ndarray:
+        """One encoder layer; `pause()` before each of its products (a few tens of ms apart)."""
+        step = pause or (lambda: None)
         h, nh = self.hidden, self.heads
         d = h // nh
         t = len(x)
+        step()
         qkv = _layer_norm(x, *blk["ln1"], self.eps) @ blk["qkv"]
         qkv += blk["qkv_b"]
+        step()
         att = self._attention(qkv, t, nh, d)
+        step()
         a = att @ blk["o"]
         a += blk["o_b"]
         x = x + a
+        step()
         f = _layer_norm(x, *blk["ln2"], self.eps) @ blk["fc1"]
         f += blk["fc1_b"]
-        f = _gelu_tanh(f) @ blk["fc2"]
+        step()
+        f = self.act(f) @ blk["fc2"]
         f += blk["fc2_b"]
         x += f
         return x
+
+
+def _quick_gelu(x: np.ndarray, rows: int = 64) -> np.ndarray:
+    """CLIP's activation, x * sigmoid(1.702 x), in place, a few rows at a time."""
+    f32 = np.float32
+    for r in range(0, len(x), rows):
+        v = x[r:r + rows]
+        t = v * f32(-1.702)
+        np.exp(t, out=t)
+        t += f32(1.0)
+        v /= t
+    return x
+
+
+class ClipTower(SiglipTower):
+    """CLIP's vision transformer (LLaVA-1.5's ViT-L/14): a class embedding before the patches
+    (a convolution without bias), a LayerNorm before the layers (`pre_layrnorm`), quick-GELU,
+    and LLaVA's features: the output of the layer before the last (`layers` is how many run:
+    the file's count minus one when it keeps the last), the class token dropped, no final norm."""
+
+    act = staticmethod(_quick_gelu)
+
+    def __init__(self, weights: dict, *, layers: int, heads: int, patch: int, eps: float = 1e-5, prefix: str = "",
+                 math: str = "exact"):
+        w = {k[len(prefix):]: np.asarray(v, np.float32) for k, v in weights.items() if k.startswith(prefix)}
+        hidden = w["embeddings.patch_embedding.weight"].shape[0]
+        w.setdefault("embeddings.patch_embedding.bias", np.zeros(hidden, np.float32))
+        w.setdefault("post_layernorm.weight", np.ones(hidden, np.float32))
+        w.setdefault("post_layernorm.bias", np.zeros(hidden, np.float32))
+        super().__init__(w, layers=layers, heads=heads, patch=patch, eps=eps, math=math)
+        self.cls = w["embeddings.class_embedding"].reshape(-1)
+        self.pre = (w["pre_layrnorm.weight"], w["pre_layrnorm.bias"])
+
+    def __call__(self, pixels: np.ndarray, pause=None) -> np.ndarray:
+        n, c, s, _ = pixels.shape
+        p, g = self.patch, s // self.patch
+        out = np.empty((n, g * g, self.hidden), np.float32)
+        for i in range(n):
+            cols = np.ascontiguousarray(pixels[i].reshape(c, g, p, g, p).transpose(1, 3, 0, 2, 4).reshape(g * g, -1))
+            x = np.concatenate([self.cls[None], cols @ self.conv + self.conv_b])
+            x += self.positions[: g * g + 1]
+            x = _layer_norm(x, *self.pre, self.eps)
+            for blk in self.blocks:
+                x = self._layer(x, blk, pause)
+            out[i] = x[1:]
+        return out
+
+
+def llava_image_tokens(tower: ClipTower, proj: dict, pixels: np.ndarray, pause=None) -> np.ndarray:
+    """LLaVA-1.5's image embeddings: the tower's patch features, then the projector (a linear,
+    GELU, a linear; biases) -> [N * patches, text hidden]."""
+    from .cpu.encoder import gelu
+    x = tower(pixels, pause).reshape(-1, tower.hidden)
+    x = x @ proj["projector.linear_1.weight"].T + proj["projector.linear_1.bias"]
+    x = gelu(np.ascontiguousarray(x, np.float32)) @ proj["projector.linear_2.weight"].T + proj["projector.linear_2.bias"]
+    return x.astype(np.float32)
 
 
 def pixel_shuffle(x: np.ndarray, scale: int) -> np.ndarray:
@@ -253,7 +353,8 @@ _LAYER = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_pro
           "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
 _TOP = {"v.patch_embd": "embeddings.patch_embedding", "v.position_embd": "embeddings.position_embedding",
         "v.post_ln": "post_layernorm", "mm.model.fc": "connector.proj", "mm.input_projection": "projector.input",
-        "mm.soft_emb_norm": "projector.norm"}
+        "mm.soft_emb_norm": "projector.norm", "v.pre_ln": "pre_layrnorm", "mm.0": "projector.linear_1",
+        "mm.2": "projector.linear_2"}
 
 
 def read_mmproj(path) -> tuple[str, dict, dict]:
@@ -270,13 +371,26 @@ def read_mmproj(path) -> tuple[str, dict, dict]:
     hp = {k.removeprefix("clip.vision."): gguf_field(f, k) for k in f.fields if k.startswith("clip.vision.")}
     weights = {}
     for t in f.tensors:
+        if t.name == "v.class_embd":              # (CLIP's class embedding: a name without a suffix)
+            weights["embeddings.class_embedding"] = np.asarray(t.data, np.float32)
+            continue
         stem, _, suffix = t.name.rpartition(".")
         if stem.startswith("v.blk."):
             _, _, i, part = stem.split(".", 3)
             name = f"encoder.layers.{i}.{_LAYER[part]}"
-        else:
+        elif stem in _TOP:
             name = _TOP[stem]
+        else:
+            raise ValueError(f"{Path(path).name}: unexpected tensor {t.name!r} in a {kind} projector")
         weights[f"{name}.{suffix}"] = np.asarray(t.data, np.float32)
+    # llama.cpp's older converter (LLaVA's "mlp" files) named fc1 ffn_down and fc2 ffn_up: the
+    # shapes say which is which (fc1 widens the hidden size)
+    for i in range(int(hp.get("block_count", 0))):
+        a, b = f"encoder.layers.{i}.mlp.fc1.", f"encoder.layers.{i}.mlp.fc2."
+        if a + "weight" in weights and weights[a + "weight"].shape[0] < weights[a + "weight"].shape[1]:
+            for suffix in ("weight", "bias"):
+                if a + suffix in weights and b + suffix in weights:
+                    weights[a + suffix], weights[b + suffix] = weights[b + suffix], weights[a + suffix]
     return kind, hp, weights
 
 
@@ -350,8 +464,13 @@ def tower_from_mmproj(path, math: str = "exact") -> tuple[str, dict, SiglipTower
     mmproj file, or of a model file with its tower inside (`math`: the tower's products,
     SiglipTower)."""
     kind, hp, w = read_vision(path)
-    tower = SiglipTower(w, layers=int(hp["block_count"]), heads=int(hp["attention.head_count"]),
-                        patch=int(hp["patch_size"]), eps=float(hp["attention.layer_norm_epsilon"]), math=math)
+    cls = ClipTower if kind == "mlp" else SiglipTower
+    layers = int(hp["block_count"])
+    if kind == "mlp" and hp.get("feature_layer") is not None:      # (the layers whose output LLaVA takes)
+        fl = hp["feature_layer"]
+        layers = min(layers, int(fl[-1] if isinstance(fl, (list, tuple)) else fl))
+    tower = cls(w, layers=layers, heads=int(hp["attention.head_count"]), patch=int(hp["patch_size"]),
+                eps=float(hp["attention.layer_norm_epsilon"]), math=math)
     proj = {k: v for k, v in w.items() if k.startswith(("connector.", "projector."))}
     return kind, hp, tower, proj
 
@@ -376,9 +495,13 @@ class VisionEncoder:
     `tokens_per_image` (256); the marker `<start_of_image>` becomes `\\n\\n<start_of_image>`,
     the image's rows, `<end_of_image>\\n\\n` (transformers' Gemma3Processor; the newlines
     tokenized apart from the text around them). Its image tokens attend to each other both
-    ways (`both_ways`: the runner's prefill lets them see their whole image)."""
+    ways (`both_ways`: the runner's prefill lets them see their whole image).
 
-    FAMILIES = ("idefics3", "gemma3")
+    LLaVA-1.5 (projector "mlp", llama.cpp's older converter's layout): CLIP's processor (the
+    shorter edge to 336, the centre), the tower's next-to-last layer, 576 tokens each the
+    projector's row, in place of `<image>`, nothing around them."""
+
+    FAMILIES = ("idefics3", "gemma3", "mlp")
 
     def __init__(self, path, math: str = "exact"):
         kind, hp, tower, proj = tower_from_mmproj(path, math)
@@ -397,6 +520,10 @@ class VisionEncoder:
             self.tokens_per_tile = grid * grid // (self.scale * self.scale)
             self.width = int(proj["connector.proj.weight"].shape[0])       # the text model's hidden size
             self.marker, self.both_ways = "<image>", False
+        elif kind == "mlp":             # LLaVA-1.5: CLIP, every patch a token, a two-layer projector
+            self.tokens_per_tile = grid * grid
+            self.width = int(proj["projector.linear_2.weight"].shape[0])
+            self.marker, self.both_ways = "<image>", False
         else:
             pool = int(hp.get("projector.scale_factor", 4))                # patches a side per pooled token
             self.tokens_per_tile = (grid // pool) ** 2
@@ -407,6 +534,8 @@ class VisionEncoder:
         """A decoded RGB image -> (the tower's input, its layout for `prompt_tokens`)."""
         if self.kind == "gemma3":
             return gemma3_pixels(img, self.tile, self.mean, self.std), (0, 0)
+        if self.kind == "mlp":
+            return llava_pixels(img, self.tile, self.mean, self.std), (0, 0)
         tiles, rows, cols = idefics3_pixels(img, longest_edge=self.longest_edge, tile=self.tile, mean=self.mean,
                                             std=self.std)
         return tiles, (rows, cols)
@@ -414,6 +543,8 @@ class VisionEncoder:
     def encode(self, pixels: np.ndarray, pause=None) -> np.ndarray:
         """The tower and projector: float32 [feature rows, text hidden], rows in prompt order.
         `pause()`: called between the tower's layers (SiglipTower)."""
+        if self.kind == "mlp":
+            return np.ascontiguousarray(llava_image_tokens(self.tower, self.proj, pixels, pause), dtype=np.float32)
         if self.kind == "gemma3":
             tower = self.tower if pause is None else (lambda px: self.tower(px, pause))
             out = gemma3_image_tokens(tower, self.proj["projector.norm.weight"] - 1.0,
@@ -436,7 +567,9 @@ class VisionEncoder:
             return i
         image = [IMAGE] * self.tokens_per_tile
         pieces: list = []
-        if self.kind == "gemma3":
+        if self.kind == "mlp":
+            pieces = image
+        elif self.kind == "gemma3":
             pieces = ["\n\n", special("<start_of_image>"), *image, special("<end_of_image>"), "\n\n"]
         else:
             fake, glob = special("<fake_token_around_image>"), special("<global-img>")

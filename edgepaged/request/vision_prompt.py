@@ -30,7 +30,7 @@ from ..model.vision import IMAGE
 from .images import ImageError, ImageLimits, count, decode, image_bytes
 
 ENCODER = trio.CapacityLimiter(1)      # images encoded at once, server-wide
-GATE_WAIT_S = 2.0                      # the most an encoder waits for interactive prompts per layer
+GATE_WAIT_S = 2.0                      # the most an encoder waits for interactive prompts at one pause
 _PROBE = "\x02probe\x03"
 
 
@@ -68,7 +68,7 @@ async def prepare_images(messages: list[dict], runner, limits: ImageLimits, gate
     """Every image of `messages`, read, found or encoded, and held; ImageError (its status:
     400, 413, 415) for an image that breaks a bound or is no image. `gate` (a
     threading.Event: the engine's `encoder_gate`): the encoder runs its layers while it is
-    set, and waits at most GATE_WAIT_S a layer while not (an interactive prompt first)."""
+    set, and waits at most GATE_WAIT_S at each of its pauses while not (an interactive prompt first)."""
     enc, table = runner.vision, runner.images
     parts = [(i, img) for i, m in enumerate(messages) for img in (m.get("images") or ())]
     count([p for _, p in parts], limits)

@@ -346,3 +346,119 @@ def synthetic_gemma3_tower(folder, shape: str = "gemma3-4b", seed: int = 0) -> t
     hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
     write_mmproj(hf, mmproj, "gemma3")
     return stub, mmproj
+
+
+# LLaVA-1.5: "<image>" where the picture goes, USER / ASSISTANT turns (content parts read)
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}{{ 'USER: ' }}{% else %}{{ 'ASSISTANT: ' }}"
+    "{% endif %}{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<image>\\\\n' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '\\\\n' }}{% else %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
+def write_llava_mmproj(model, path) -> Path:
+    """LLaVA-1.5's tower and projector as llama.cpp's older converter writes them (its
+    llava_surgery + convert_image_encoder_to_gguf route, what Hugging Face repositories and
+    Ollama's llava projector layer hold): projector type "mlp", the last encoder layer left
+    out (LLaVA reads the one before), no post-layernorm, `v.class_embd`, `v.pre_ln`, fc1 named
+    ffn_down and fc2 ffn_up (its old naming), the projector's linears as mm.0 and mm.2; 2-D
+    weights F16, the rest F32; CLIP's mean and std; use_gelu false (quick-GELU)."""
+    import gguf
+    from ..model.vision import CLIP_MEAN, CLIP_STD
+    cfg = model.config
+    vc = cfg.vision_config
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_bool("clip.has_text_encoder", False)
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.has_llava_projector", True)
+    w.add_string("clip.projector_type", "mlp")
+    for key, value in (("image_size", vc.image_size), ("patch_size", vc.patch_size),
+                       ("embedding_length", vc.hidden_size), ("feed_forward_length", vc.intermediate_size),
+                       ("projection_dim", vc.projection_dim), ("attention.head_count", vc.num_attention_heads),
+                       ("block_count", vc.num_hidden_layers - 1)):
+        w.add_uint32(f"clip.vision.{key}", value)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", vc.layer_norm_eps)
+    w.add_array("clip.vision.image_mean", list(CLIP_MEAN))
+    w.add_array("clip.vision.image_std", list(CLIP_STD))
+    w.add_bool("clip.use_gelu", False)
+    last = vc.num_hidden_layers - 1
+    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.out_proj": "attn_out", "layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_down",
+             "mlp.fc2": "ffn_up"}
+    for hf_name, t in model.state_dict().items():
+        a = t.detach().float().numpy()
+        name = hf_name.removeprefix("model.")
+        if name.startswith("vision_tower."):
+            stem = name.split("vision_model.", 1)[-1] if "vision_model." in name else name.removeprefix("vision_tower.")
+            if stem == "embeddings.class_embedding":
+                out = "v.class_embd"
+            elif stem.startswith("embeddings.patch_embedding."):
+                out = "v.patch_embd." + stem.rsplit(".", 1)[1]
+            elif stem.startswith("embeddings.position_embedding."):
+                out = "v.position_embd.weight"
+            elif stem.startswith("pre_layrnorm."):
+                out = "v.pre_ln." + stem.rsplit(".", 1)[1]
+            elif stem.startswith("encoder.layers."):
+                _, _, i, rest = stem.split(".", 3)
+                part, suffix = rest.rsplit(".", 1)
+                if int(i) == last:
+                    continue                       # (LLaVA reads the layer before the last)
+                out = f"v.blk.{i}.{parts[part]}.{suffix}"
+            else:
+                continue                           # post_layernorm: not used
+        elif name.startswith("multi_modal_projector.linear_"):
+            i, suffix = name.removeprefix("multi_modal_projector.linear_").split(".")
+            out = f"mm.{0 if i == '1' else 2}.{suffix}"
+        else:
+            continue
+        w.add_tensor(out, a.astype(np.float16) if a.ndim >= 2 else a.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def make_llava(folder, *, seed: int = 0, image_size: int = 32, patch: int = 8):
+    """A tiny random LLaVA-1.5 (transformers' LlavaForConditionalGeneration: CLIP + a two-layer
+    projector + llama) as a GGUF repository ships it: `model.gguf` (llama, with the `<image>`
+    token and a template that places it) and `mmproj-model.gguf` (`write_llava_mmproj`); the
+    tower's and projector's matrices rounded to F16 as the file keeps them. Returns (the
+    transformers model, model.gguf, mmproj-model.gguf)."""
+    import json
+
+    import torch
+    import transformers
+    from tokenizers import AddedToken, Tokenizer
+
+    from .families import make_family_model, write_family_gguf
+    from .tiny_models import randomize
+    folder = Path(folder)
+    make_family_model(folder, "llama", seed)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
+    tok.save(str(folder / "tokenizer.json"))
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": LLAVA_TEMPLATE}))
+    text = transformers.AutoConfig.from_pretrained(str(folder))
+    text.vocab_size, text.tie_word_embeddings = tok.get_vocab_size(), False
+    cfg = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                                    num_attention_heads=4, image_size=image_size, patch_size=patch,
+                                                    projection_dim=32),
+        text_config=text.to_dict(), image_token_index=tok.token_to_id("<image>"), projector_hidden_act="gelu",
+        vision_feature_layer=-2, vision_feature_select_strategy="default", tie_word_embeddings=False)
+    hf = transformers.LlavaForConditionalGeneration(cfg).eval()
+    randomize(hf, seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2 and ("vision_tower" in name or "multi_modal_projector" in name):
+                p.copy_(p.half().float())
+    llama = transformers.LlamaForCausalLM(text).eval()
+    llama.model.load_state_dict(hf.model.language_model.state_dict())
+    llama.lm_head.load_state_dict(hf.lm_head.state_dict())
+    llama.save_pretrained(folder)
+    model = write_family_gguf(folder, folder / "model.gguf", llama, template=LLAVA_TEMPLATE, control=("<image>",))
+    return hf, model, write_llava_mmproj(hf, folder / "mmproj-model.gguf")
