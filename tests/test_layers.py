@@ -133,7 +133,8 @@ def test_a_request_holds_its_own_state_typed():
     """The engine's request keeps the sequence (tokens, sampling, blocks, status, timing); each
     feature keeps its per-request state in a typed part of its own module (speculation:
     `speculate.DraftState`, the disk tier: `disk_cache.DiskState`, a constrained output:
-    `constrain.grammar.Constraint`, an embedding's pooling: `Embedding`); no field is typed Any, and
+    `constrain.grammar.Constraint`, an embedding's pooling: `Embedding`, a vision model's images:
+    `ImageState`); no field is typed Any, and
     the scheduler says what a step's rows are with `Row`, not sentinel token values."""
     import dataclasses
     import inspect
@@ -146,9 +147,10 @@ def test_a_request_holds_its_own_state_typed():
     assert not [n for n, t in fields.items() if "Any" in t], fields
     assert fields["drafting"] == "DraftState" and fields["disk_tier"] == "DiskState"
     assert fields["constraint"] == "Constraint" and fields["embedding"] == "Embedding | None"
+    assert fields["images"] == "ImageState"
     assert not {"drafts", "spec_k", "proposal", "forced", "disk", "loads", "disk_saved", "matcher", "lazy", "embed",
                 "pool", "pooled"} & set(fields)
-    assert len(fields) <= 34
+    assert len(fields) <= 35      # (34 before images' one typed part)
     r = Request([1, 2, 3], __import__("edgepaged.model.params", fromlist=["SamplingParams"]).SamplingParams())
     assert isinstance(r.drafting, DraftState) and isinstance(r.disk_tier, DiskState)
     assert r.drafting is not Request([1], r.params).drafting          # each request its own part

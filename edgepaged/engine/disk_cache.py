@@ -361,7 +361,7 @@ class DiskPrefix:
         worker thread before the request queues (the scheduler loads them at admission)."""
         import trio
         bs = self.block_size
-        if req.embed or req.context_window is not None or len(req.prompt_ids) <= bs or req.images is not None:
+        if req.embed or req.context_window is not None or len(req.prompt_ids) <= bs or req.images.held is not None:
             return         # (an image's ids are this process's: never on disk)
         ram = self.allocator.prefix_match(req.prompt_ids, req.salt)[0]
         if ram >= (len(req.prompt_ids) - 1) // bs * bs:
@@ -380,7 +380,7 @@ class DiskPrefix:
         sequence of their own shares them), to be copied out when the engine rests."""
         bs = self.block_size
         for r in requests:
-            if (r.disk_tier.saved or r.embed or r.images is not None or r.context_window is not None
+            if (r.disk_tier.saved or r.embed or r.images.held is not None or r.context_window is not None
                     or r.num_slots < len(r.prompt_ids)
                     or len(r.prompt_ids) < bs or r.finished or not self.allocator.has_sequence(r.id)):
                 continue

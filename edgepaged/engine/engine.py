@@ -284,7 +284,7 @@ class Engine:
             self.scheduler.add(req)
         send, recv = trio.open_memory_channel(math.inf)
         req.send = send
-        context = req.prompt_ids if req.images is None else [t for t in req.prompt_ids[-8:] if t < self._vocab]
+        context = req.prompt_ids if req.images.held is None else [t for t in req.prompt_ids[-8:] if t < self._vocab]
         req.detok = IncrementalDetokenizer(self.tokenizer, context, stop=req.params.stop)
         self.requests[req.id] = req
         self._costs[req] = (req.owner, req.params.max_tokens)
@@ -877,7 +877,7 @@ class Engine:
         if req not in self._in_step:
             self.scheduler.free(req, cache=reason != "error")
         if reason in ("stop", "length") and not req.embed and self.spec.on and self.spec.config.mode == "lookup":
-            prompt = req.prompt_ids if req.images is None else [t for t in req.prompt_ids if t < self._vocab]
+            prompt = req.prompt_ids if req.images.held is None else [t for t in req.prompt_ids if t < self._vocab]
             self.spec.history.add(req.salt, prompt, req.output_ids)   # lookup's guesses for its next ones
         tail = req.detok.finish() if req.detok is not None and reason != "error" else ""
         if tail:

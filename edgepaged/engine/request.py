@@ -90,6 +90,16 @@ class CostHold:
     since: float
 
 
+@dataclass
+class ImageState:
+    """A vision model's images in a request's prompt: `held` (request/vision_prompt.ImagesHeld:
+    their features kept while the request lives; None: a prompt without images) and, for
+    images whose tokens attend both ways, where they lie (`spans`: [(start, end)], the
+    scheduler's, found once)."""
+    held: object | None = None
+    spans: list | None = None
+
+
 @dataclass(eq=False)
 class Request:
     prompt_ids: list[int]
@@ -137,9 +147,7 @@ class Request:
     embedding: Embedding | None = None      # an embedding request: its pooling (None: a generation)
     drafting: DraftState = field(default_factory=DraftState)    # speculation (speculate.py, draft.py)
     disk_tier: DiskState = field(default_factory=DiskState)     # the prefix cache's disk tier (disk_cache.py)
-    # a vision model's images in prompt_ids (request/vision_prompt.ImagesHeld): kept until it ends
-    images: object | None = field(default=None, repr=False)
-    image_spans: list | None = field(default=None, repr=False)   # [(start, end)] of its images' tokens (scheduler)
+    images: ImageState = field(default_factory=lambda: ImageState(), repr=False)   # a vision model's images in its prompt
 
     @property
     def embed(self) -> bool:

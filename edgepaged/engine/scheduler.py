@@ -467,9 +467,9 @@ class Scheduler:
         """A prefill chunk of `n` tokens from `start`, cut before an image it would end inside
         of (or, starting at one, taken to that image's end): an image whose tokens attend both
         ways is computed in one step."""
-        if self.images is None or req.images is None or n <= 0:
+        if self.images is None or req.images.held is None or n <= 0:
             return n
-        if req.image_spans is None:
+        if req.images.spans is None:
             ids = np.asarray(req.prompt_ids, np.int64)
             pic = ids >= self.images.first
             edges = np.flatnonzero(np.diff(np.concatenate([[0], pic.astype(np.int8), [0]])))
@@ -478,9 +478,9 @@ class Scheduler:
             for a, b in zip(edges[::2], edges[1::2]):   # runs of image ids, split where the image changes
                 cut = [a] + [int(i) for i in range(a + 1, b) if base[i] != base[i - 1]] + [b]
                 spans += list(zip(cut[:-1], cut[1:]))
-            req.image_spans = [(int(a), int(b)) for a, b in spans]
+            req.images.spans = [(int(a), int(b)) for a, b in spans]
         end = start + n
-        for a, b in req.image_spans:
+        for a, b in req.images.spans:
             if a < end < b:
                 return a - start if a > start else b - start
         return n

@@ -150,12 +150,12 @@ class SiglipTower:
     convolution, learned positions, pre-norm encoder layers (attention with biases over every
     patch, a GELU-tanh MLP), a final LayerNorm. `weights`: float32 arrays under Hugging Face's
     names below `prefix` (`embeddings.patch_embedding.weight`, `encoder.layers.{i}.self_attn.q_proj.weight`,
-    ..., `post_layernorm.weight`). `math`: the products' (`cpu.encoder.Matrix`): "exact" (f32
+    ..., `post_layernorm.weight`). `math`: the products' (`dense.Matrix`): "exact" (f32
     BLAS) or "int8" (weights requantized to Q8_0, the integer kernels: the encoders' math)."""
 
     def __init__(self, weights: dict, *, layers: int, heads: int, patch: int, eps: float = 1e-6, prefix: str = "",
                  math: str = "exact"):
-        from .cpu.encoder import Matrix
+        from .dense import Matrix
         w = {k[len(prefix):]: np.asarray(v, np.float32) for k, v in weights.items() if k.startswith(prefix)}
         self.layers, self.heads, self.patch, self.eps, self.math = layers, heads, patch, eps, math
         conv = w["embeddings.patch_embedding.weight"]              # [hidden, 3, patch, patch]
@@ -305,7 +305,7 @@ class ClipTower(SiglipTower):
 def llava_image_tokens(tower: ClipTower, proj: dict, pixels: np.ndarray, pause=None) -> np.ndarray:
     """LLaVA-1.5's image embeddings: the tower's patch features, then the projector (a linear,
     GELU, a linear; biases) -> [N * patches, text hidden]."""
-    from .cpu.encoder import gelu
+    from .dense import gelu
     x = tower(pixels, pause).reshape(-1, tower.hidden)
     x = x @ proj["projector.linear_1.weight"].T + proj["projector.linear_1.bias"]
     x = gelu(np.ascontiguousarray(x, np.float32)) @ proj["projector.linear_2.weight"].T + proj["projector.linear_2.bias"]

@@ -477,7 +477,7 @@ class FrontEnd(Box):
             ticket = await self._finish(item, caller, tok, ids, params, n, fmt, calls, lazy, dropped, window, hold)
             ticket.truncated_tokens = cut
             for r in (ticket.req, *ticket.req.children):
-                r.images = held          # (released when the last of them is gone)
+                r.images.held = held          # (released when the last of them is gone)
             return ticket
         except BaseException:
             self.engine.release(hold)       # (refused or cancelled while its format compiled)
