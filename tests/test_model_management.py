@@ -261,3 +261,43 @@ async def test_the_default_model_can_be_managed_like_any_listed_model(embedded_r
     assert kept["kitchen"].quantization == "Q4_1"
     listed = {e.name: e.source for e in store.entries(tmp_path / "store")}
     assert listed["SmolLM2-135M-Instruct.Q4_1"] == "embedded" and listed["kitchen"] == "store"
+
+
+def test_a_llava_pulled_by_its_ollama_name_keeps_its_projector_beside_it(env, tmp_path):
+    """Ollama's llava: the model layer and a projector layer (llama.cpp's mmproj). The pull
+    checks the projector first, keeps it beside the model as NAME.mmproj.gguf, where `serve`
+    finds it (the model then takes images: an answer about a photo over /api/chat); `rm`
+    removes both."""
+    import base64
+    import io
+
+    import numpy as np
+    import ollama
+    from PIL import Image
+
+    from edgepaged.server.app import projector_for
+    from edgepaged.testing.vision_models import make_llava
+    _, model, mmproj = make_llava(tmp_path / "llava")
+    with FakeRegistry() as reg:
+        reg.add("library/llava", "7b", model, projector=mmproj.read_bytes())
+        e = reg_env(env, reg)
+        r = cli(e, "pull", "llava:7b", "--json")
+        assert r.returncode == 0, r.stderr
+        entry = json.loads(r.stdout.strip().splitlines()[-1])
+    path = Path(entry["path"])
+    assert projector_for(path) == path.with_suffix(".mmproj.gguf")
+    assert path.with_suffix(".mmproj.gguf").read_bytes() == mmproj.read_bytes()
+    png = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (60, 80, 3), dtype=np.uint8)).save(png, "PNG")
+    s = Serve(e, "--model", "llava:7b")
+    try:
+        assert any(".mmproj.gguf (mlp" in line for line in s.lines), s.lines
+        c = ollama.Client(host=s.http, timeout=120)
+        out = c.chat(model="llava:7b", messages=[{"role": "user", "content": "What is it?",
+                                                  "images": [base64.b64encode(png.getvalue()).decode()]}],
+                     options={"num_predict": 4, "temperature": 0})
+        assert out.message.content and out.prompt_eval_count > 16
+    finally:
+        s.stop()
+    r = cli(e, "rm", "llava:7b")
+    assert r.returncode == 0 and not path.exists() and not path.with_suffix(".mmproj.gguf").exists()

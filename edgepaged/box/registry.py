@@ -4,9 +4,10 @@ manifest, then blobs by digest), into edgepaged's store.
     ref = parse_name("llama3.2:3b")           # host, namespace "library", model, tag
     entry = pull_ollama("llama3.2:3b", progress=print_status)
 
-The manifest is fetched first; a layer the runtime does not run (a vision projector, a LoRA
-adapter) and a config naming another format or family are refused before a byte of weights
-moves. Blobs download to the store's `.downloads/` folder under their digest, resume with an
+The manifest is fetched first; a layer the runtime does not run (a LoRA adapter) and a config
+naming another format or family are refused before a byte of weights moves; a vision
+projector layer (llava's: llama.cpp's mmproj) is fetched and checked first and kept beside the
+model as `NAME.mmproj.gguf`. Blobs download to the store's `.downloads/` folder under their digest, resume with an
 HTTP Range request after a cut, and count only when their sha256 matches the digest; the GGUF
 is then checked like any other pull (store.inspect). The registry is the one the box is
 configured with (EDGEPAGED_OLLAMA_REGISTRY, default Ollama's public one): a name never makes
@@ -37,8 +38,9 @@ MODEL_MEDIA = MEDIA + "model"
 TEXT_LAYERS = {MEDIA + "system": "system", MEDIA + "template": "template", MEDIA + "license": "license"}
 PARAMS_MEDIA = MEDIA + "params"
 MESSAGES_MEDIA = MEDIA + "messages"
-REFUSED_LAYERS = {MEDIA + "projector": "a vision projector (images), which edgepaged does not run",
-                  MEDIA + "adapter": "a LoRA adapter, which edgepaged does not apply"}
+PROJECTOR_MEDIA = MEDIA + "projector"     # a vision model's tower + projector (llama.cpp's mmproj GGUF: llava)
+REFUSED_LAYERS = {MEDIA + "adapter": "a LoRA adapter, which edgepaged does not apply"}
+MAX_PROJECTOR_BYTES = 8 << 30
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_TEXT_LAYER_BYTES = 1 << 20
 TIMEOUT_S = 30.0
@@ -164,6 +166,9 @@ def check_manifest(ref: Ref, manifest: dict) -> dict:
     if len(models) != 1:
         raise StoreError(f"{ref.name}: the manifest has {len(models)} model layers; edgepaged takes exactly one "
                          "GGUF file")
+    projectors = [x for x in manifest["layers"] if x.get("mediaType") == PROJECTOR_MEDIA]
+    if len(projectors) > 1 or any(not 0 < int(x.get("size", 0)) <= MAX_PROJECTOR_BYTES for x in projectors):
+        raise StoreError(f"{ref.name}: the manifest's vision projector layers are not one projector file")
     return models[0]
 
 
@@ -178,9 +183,7 @@ def _check_config(ref: Ref, config: dict) -> None:
     known = set(decoders.names()) | set(EMBEDDING_ARCHS)
     if family and family not in known:
         raise StoreError(f"{ref.name} is a {family} model; edgepaged runs {', '.join(sorted(known))}")
-    others = [f for f in families if f not in known and f != "clip"]
-    if "clip" in families:
-        raise StoreError(f"{ref.name} comes with {REFUSED_LAYERS[MEDIA + 'projector']}; refused")
+    others = [f for f in families if f not in known and f != "clip"]     # (clip: its vision projector)
     if others:
         raise StoreError(f"{ref.name} includes {', '.join(others)}; edgepaged runs {', '.join(sorted(known))}")
 
@@ -292,6 +295,19 @@ def _pull_locked(ref: Ref, name: str, root: Path, progress: Progress | None) -> 
                 continue
         else:
             extras[key] = data.decode("utf-8", "replace")
+    projector = None
+    layer = next((x for x in manifest["layers"] if x.get("mediaType") == PROJECTOR_MEDIA), None)
+    if layer is not None:    # the vision projector first (smaller): one the runtime cannot run moves no weights
+        projector = download_blob(ref, layer, work / layer["digest"].replace(":", "-"), progress)
+        try:
+            from ..model.vision import VisionEncoder, read_mmproj
+            kind = read_mmproj(projector)[0] or "mlp"
+            if kind not in VisionEncoder.FAMILIES:
+                raise ValueError(f"its projector type {kind!r} is not one edgepaged runs "
+                                 f"({', '.join(VisionEncoder.FAMILIES)})")
+        except (ValueError, KeyError, OSError) as e:
+            projector.unlink(missing_ok=True)
+            raise StoreError(f"{ref.name} comes with a vision projector edgepaged cannot use ({e}); refused") from None
     blob = download_blob(ref, model_layer, work / model_layer["digest"].replace(":", "-"), progress)
     say("writing manifest")
     if have is not None:                   # a newer version under the same name replaces the old one
@@ -304,4 +320,6 @@ def _pull_locked(ref: Ref, name: str, root: Path, progress: Progress | None) -> 
                      model_layer["digest"].partition(":")[2], extras=extras)
     finally:
         part.unlink(missing_ok=True)
+    if projector is not None:     # beside the model, where `serve` finds it (server/app.projector_for)
+        os.replace(projector, Path(entry.path).with_suffix(".mmproj.gguf"))
     return entry

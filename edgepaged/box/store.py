@@ -359,6 +359,7 @@ def remove(name: str, root: Path | None = None) -> Entry:
     for e in [e for want in (name, f"{name}:latest", name.removesuffix(":latest")) for e in mine if e.name == want]:
         if e.name:
             Path(e.path).unlink(missing_ok=True)
+            Path(e.path).with_suffix(".mmproj.gguf").unlink(missing_ok=True)    # (its vision projector, if any)
             (root / f"{slug(name)}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
             try:     # its laid-out weights, if a load kept them (model/weights_cache.py)
                 from ..model.weights_cache import drop_stale

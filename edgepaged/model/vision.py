@@ -367,7 +367,7 @@ def read_mmproj(path) -> tuple[str, dict, dict]:
     f = GgufFile(path)
     if gguf_field(f, "general.architecture") != "clip":
         raise ValueError(f"{Path(path).name}: not a vision projector (mmproj) file")
-    kind = gguf_field(f, "clip.projector_type")
+    kind = gguf_field(f, "clip.projector_type") or ("mlp" if gguf_field(f, "clip.has_llava_projector") else None)
     hp = {k.removeprefix("clip.vision."): gguf_field(f, k) for k in f.fields if k.startswith("clip.vision.")}
     weights = {}
     for t in f.tensors:

@@ -356,6 +356,9 @@ def projector_for(model_path, mmproj: str | None = None) -> Path | None:
     from ..model.vision import has_vision
     if has_vision(model_path):           # Ollama's single file: the tower inside the model's GGUF
         return Path(model_path)
+    own = Path(model_path).with_suffix(".mmproj.gguf")
+    if own.is_file():                    # a pulled llava's projector layer, kept beside it by the store
+        return own
     found = sorted(Path(model_path).parent.glob("mmproj*.gguf"))
     return found[0] if len(found) == 1 else None
 
