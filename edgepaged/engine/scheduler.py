@@ -623,6 +623,7 @@ class Scheduler:
         cached = self.alloc.prefix_match(req.all_ids, req.salt)[0]
         loaded = self._disk_tokens(req, cached)
         n = min(len(req.all_ids) - cached - loaded, most)
+        n = max(self._whole_images(req, cached + loaded, n), 0)     # (the chunk `_start` will plan)
         return n, self.alloc.admission_blocks(req.all_ids, req.salt, loaded + n, partial=self._partial(req))
 
     @staticmethod
