@@ -422,3 +422,26 @@ finally:
 def test_list_is_models(env):
     a, b = cli(env, "models", "--json", "--server", "127.0.0.1:1"), cli(env, "list", "--json", "--server", "127.0.0.1:1")
     assert a.returncode == b.returncode == 0 and a.stdout == b.stdout
+
+
+def test_a_vision_repository_s_projector_comes_with_its_model(env, tmp_path):
+    """A Hugging Face GGUF repository of a vision model (model files and mmproj files, as
+    ggml-org's SmolVLM ones are laid out): the pull takes the model (never a projector as
+    the model), then the projector of the same quantization, kept beside the model where
+    `serve` finds it; `rm` removes both."""
+    from edgepaged.server.app import projector_for
+    from edgepaged.testing.vision_models import make_smolvlm
+    _, model, mmproj = make_smolvlm(tmp_path / "vlm")
+    files = {"vlm-Q8_0.gguf": model.read_bytes(), "mmproj-vlm-f16.gguf": b"not this one",
+             "mmproj-vlm-Q8_0.gguf": mmproj.read_bytes()}
+    with FakeHub({"house/vlm-GGUF": files}) as hub:
+        e = {**env, "HF_ENDPOINT": hub.url}
+        r = cli(e, "pull", "house/vlm-GGUF", "--json")
+    assert r.returncode == 0, r.stderr
+    entry = json.loads(r.stdout.strip().splitlines()[-1])
+    path = Path(entry["path"])
+    assert entry["origin"] == "house/vlm-GGUF:vlm-Q8_0.gguf" and "images: " in r.stderr
+    assert projector_for(path) == path.with_suffix(".mmproj.gguf")
+    assert path.with_suffix(".mmproj.gguf").read_bytes() == mmproj.read_bytes()
+    r = cli(e, "rm", entry["name"])
+    assert r.returncode == 0 and not path.exists() and not path.with_suffix(".mmproj.gguf").exists()

@@ -259,8 +259,29 @@ def import_file(path: Path, name: str | None = None, root: Path | None = None) -
     return entry
 
 
+def _is_projector(path: str) -> bool:
+    """A vision projector file as Hugging Face GGUF repositories name them (mmproj-*.gguf)."""
+    return Path(path).name.lower().startswith("mmproj")
+
+
+def _pick_projector(model: str, files: list):
+    """The repository's vision projector for `model` (None without one): the one mmproj file,
+    else the one whose name shares the model file's quantization (Q8_0, f16), else the
+    first (the f16 one where there is one)."""
+    found = sorted((f for f in files if f.path.lower().endswith(".gguf") and _is_projector(f.path)),
+                   key=lambda f: ("f16" not in f.path.lower(), f.path))
+    if len(found) <= 1:
+        return found[0] if found else None
+    stem = Path(model).stem.lower()
+    for f in found:
+        tag = Path(f.path).stem.lower().rsplit("-", 1)[-1]
+        if stem.endswith(tag):
+            return f
+    return found[0]
+
+
 def _pick_file(repo: str, files: list) -> object:
-    ggufs = [f for f in files if f.path.lower().endswith(".gguf")]
+    ggufs = [f for f in files if f.path.lower().endswith(".gguf") and not _is_projector(f.path)]
     if not ggufs:
         raise StoreError(f"{repo} holds no GGUF file")
     if len(ggufs) == 1:
@@ -299,6 +320,29 @@ def reachable(url: str, what: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
         reason = e.strerror or type(e).__name__
         raise StoreError(f"cannot reach {what} at {u.scheme}://{u.netloc} ({reason}): is this box online?",
                          502) from None
+
+
+def _pull_projector(repo: str, f, dest: Path, root: Path) -> None:
+    """The repository's projector file `f` at `dest`, checked (its sha256, a projector edgepaged
+    runs); said and skipped when it is not usable: the model still serves text."""
+    from huggingface_hub import hf_hub_download
+    work = root / ".downloads" / slug(f"{repo}-{f.path}")
+    _say(f"pulling its vision projector {f.path} ({f.size / 2**20:.1f} MiB)")
+    try:
+        got = Path(hf_hub_download(repo, f.path, local_dir=work))
+        expected = f.lfs.sha256 if getattr(f, "lfs", None) is not None else None
+        if expected and sha256_of(got) != expected:
+            raise ValueError("checksum mismatch")
+        from ..model.vision import VisionEncoder, read_mmproj
+        kind = read_mmproj(got)[0]
+        if kind not in VisionEncoder.FAMILIES:
+            raise ValueError(f"projector type {kind!r} is not one edgepaged runs")
+        os.replace(got, dest)
+        _say(f"images: {dest.name} ({kind})")
+    except Exception as e:                   # noqa: BLE001 - the hub's client raises its own kinds
+        _say(f"the vision projector {f.path} was not kept ({e}); the model serves text")
+    finally:
+        _drop(work)
 
 
 def pull_hub(spec: str, name: str | None = None, root: Path | None = None) -> Entry:
@@ -350,6 +394,9 @@ def pull_hub(spec: str, name: str | None = None, root: Path | None = None) -> En
     entry = add_file(root, name, part, f"{repo}:{chosen.path}", digest)
     _say(f"pulled {name}: {entry.architecture}, {entry.quantization}, context {entry.context}, "
          f"{entry.size_bytes / 2**20:.1f} MiB")
+    projector = None if _is_projector(chosen.path) else _pick_projector(chosen.path, files)
+    if projector is not None:     # a vision model's projector, kept beside it (server/app.projector_for)
+        _pull_projector(repo, projector, Path(entry.path).with_suffix(".mmproj.gguf"), root)
     return entry
 
 
