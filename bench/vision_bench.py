@@ -106,6 +106,13 @@ def chat(base: str, messages: list[dict], max_tokens: int = 8, model: str | None
             "e2e": time.perf_counter() - t0}
 
 
+def two_turns(base: str, jpeg: bytes) -> tuple[dict, dict]:
+    """The photo and a question, then the conversation resent with the answer and a new question."""
+    first = chat(base, image_turn(jpeg))
+    return first, chat(base, image_turn(jpeg, [{"role": "assistant", "content": first["text"]},
+                                               {"role": "user", "content": "And what else?"}]))
+
+
 def burst(base: str, seeds: list[int]) -> tuple[float, list, list]:
     """The snapshots sent at once, each in a thread: (when they were sent, the threads, their answers)."""
     out = [None] * len(seeds)
@@ -198,10 +205,8 @@ def llama_cpp(bin_dir, model: Path, mmproj: Path, jpeg: bytes, work: Path, encod
         out["llama_cpp_note"] = "llama-server did not start"
         return out
     try:
-        first = chat(base, image_turn(jpeg))
+        first, second = two_turns(base, jpeg)
         out["llama_cpp_ttft_first_s"] = round(first["ttft"], 3)
-        second = chat(base, image_turn(jpeg, [{"role": "assistant", "content": first["text"]},
-                                              {"role": "user", "content": "And what else?"}]))
         out["llama_cpp_ttft_second_turn_s"] = round(second["ttft"], 3)
     finally:
         proc.terminate()
@@ -216,10 +221,8 @@ def measure(model: Path, mmproj: Path, n_burst: int, bin_dir) -> dict:
           f"{res['tiles']} tiles, {res['image_tokens']} image tokens")
     proc, base, _ = start_server("--model", str(model), "--mmproj", str(mmproj))
     try:
-        first = chat(base, image_turn(jpeg))
+        first, second = two_turns(base, jpeg)
         res["ttft_first_s"] = round(first["ttft"], 3)
-        second = chat(base, image_turn(jpeg, [{"role": "assistant", "content": first["text"]},
-                                              {"role": "user", "content": "And what else?"}]))
         res["ttft_second_turn_s"] = round(second["ttft"], 3)
         res["second_turn_cached_tokens"] = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         res["second_turn_prompt_tokens"] = second["usage"]["prompt_tokens"]

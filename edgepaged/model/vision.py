@@ -357,6 +357,27 @@ _TOP = {"v.patch_embd": "embeddings.patch_embedding", "v.position_embd": "embedd
         "mm.2": "projector.linear_2"}
 
 
+def _tower_weights(tensors, layers: dict, top: dict, where: str) -> dict:
+    """A file's tower and projector tensors as float32 arrays under the tower's names, by a
+    layout's maps (`layers`: a block's part -> its name; `top`: the rest); ValueError naming a
+    tensor neither map knows."""
+    weights = {}
+    for t in tensors:
+        if t.name == "v.class_embd":              # (CLIP's class embedding: a name without a suffix)
+            weights["embeddings.class_embedding"] = np.asarray(t.data, np.float32)
+            continue
+        stem, _, suffix = t.name.rpartition(".")
+        parts = stem.split(".", 3)
+        if stem.startswith("v.blk.") and len(parts) == 4 and parts[3] in layers:
+            name = f"encoder.layers.{parts[2]}.{layers[parts[3]]}"
+        elif stem in top:
+            name = top[stem]
+        else:
+            raise ValueError(f"{where}: unexpected vision tensor {t.name!r}")
+        weights[f"{name}.{suffix}"] = np.asarray(t.data, np.float32)
+    return weights
+
+
 def read_mmproj(path) -> tuple[str, dict, dict]:
     """A llama.cpp `mmproj` GGUF -> (projector type, hyperparameters, float32 weights under the
     tower's names: `embeddings.patch_embedding.weight`, `encoder.layers.N.self_attn.q_proj.weight`,
@@ -369,20 +390,7 @@ def read_mmproj(path) -> tuple[str, dict, dict]:
         raise ValueError(f"{Path(path).name}: not a vision projector (mmproj) file")
     kind = gguf_field(f, "clip.projector_type") or ("mlp" if gguf_field(f, "clip.has_llava_projector") else None)
     hp = {k.removeprefix("clip.vision."): gguf_field(f, k) for k in f.fields if k.startswith("clip.vision.")}
-    weights = {}
-    for t in f.tensors:
-        if t.name == "v.class_embd":              # (CLIP's class embedding: a name without a suffix)
-            weights["embeddings.class_embedding"] = np.asarray(t.data, np.float32)
-            continue
-        stem, _, suffix = t.name.rpartition(".")
-        if stem.startswith("v.blk."):
-            _, _, i, part = stem.split(".", 3)
-            name = f"encoder.layers.{i}.{_LAYER[part]}"
-        elif stem in _TOP:
-            name = _TOP[stem]
-        else:
-            raise ValueError(f"{Path(path).name}: unexpected tensor {t.name!r} in a {kind} projector")
-        weights[f"{name}.{suffix}"] = np.asarray(t.data, np.float32)
+    weights = _tower_weights(f.tensors, _LAYER, _TOP, f"{Path(path).name} ({kind} projector)")
     # llama.cpp's older converter (LLaVA's "mlp" files) named fc1 ffn_down and fc2 ffn_up: the
     # shapes say which is which (fc1 widens the hidden size)
     for i in range(int(hp.get("block_count", 0))):
@@ -426,20 +434,7 @@ def read_ollama_vision(path) -> tuple[str, dict, dict]:
     if tokens:            # (Ollama's own runtime took 256; the file may say otherwise)
         grid = int(hp["image_size"]) // int(hp["patch_size"])
         hp["projector.scale_factor"] = grid // int(round(int(tokens) ** 0.5))
-    weights = {}
-    for t in f.vision_tensors:
-        stem, _, suffix = t.name.rpartition(".")
-        if stem.startswith("v.blk."):
-            _, _, i, part = stem.split(".", 3)
-            if part not in _OLLAMA_LAYER:
-                raise ValueError(f"{Path(path).name}: unexpected vision tensor {t.name!r}")
-            name = f"encoder.layers.{i}.{_OLLAMA_LAYER[part]}"
-        elif stem in _OLLAMA_TOP:
-            name = _OLLAMA_TOP[stem]
-        else:
-            raise ValueError(f"{Path(path).name}: unexpected vision tensor {t.name!r}")
-        weights[f"{name}.{suffix}"] = np.asarray(t.data, np.float32)
-    return OLLAMA_VISION[arch], hp, weights
+    return OLLAMA_VISION[arch], hp, _tower_weights(f.vision_tensors, _OLLAMA_LAYER, _OLLAMA_TOP, Path(path).name)
 
 
 def read_vision(path) -> tuple[str, dict, dict]:
@@ -504,7 +499,10 @@ class VisionEncoder:
     FAMILIES = ("idefics3", "gemma3", "mlp")
 
     def __init__(self, path, math: str = "exact"):
-        kind, hp, tower, proj = tower_from_mmproj(path, math)
+        try:
+            kind, hp, tower, proj = tower_from_mmproj(path, math)
+        except KeyError as e:       # a file without a key or tensor a tower needs
+            raise ValueError(f"{Path(path).name}: not a complete vision projector (no {e})") from None
         if kind not in self.FAMILIES:
             raise ValueError(f"{Path(path).name}: vision projector {kind!r} is not supported yet (supported: "
                              f"{', '.join(self.FAMILIES)})")

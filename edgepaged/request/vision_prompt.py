@@ -51,6 +51,11 @@ def has_images(messages) -> bool:
     return any(m.get("images") for m in messages or ())
 
 
+def _read(img, limits: ImageLimits, where: str) -> tuple[bytes, bytes]:
+    data = image_bytes(img, limits, where)
+    return data, digest(data)
+
+
 def _encode(enc, table, key: bytes, data: bytes, limits: ImageLimits, where: str, gate=None) -> tuple[int, object]:
     got = table.get(key, hold=True)          # (encoded meanwhile by another request)
     if got is not None:
@@ -76,8 +81,7 @@ async def prepare_images(messages: list[dict], runner, limits: ImageLimits, gate
     held = ImagesHeld(table, items)         # (releases what was held if a later image fails)
     for j, (i, img) in enumerate(parts):
         where = f"messages[{i}]'s image" + (f" {j + 1}" if len(parts) > 1 else "")
-        data = await trio.to_thread.run_sync(image_bytes, img, limits, where)
-        key = digest(data)
+        data, key = await trio.to_thread.run_sync(_read, img, limits, where)   # (a 20 MiB hash: off the loop)
         got = table.get(key, hold=True)
         if got is not None:
             base, layout = got[0], got[2]
