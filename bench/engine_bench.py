@@ -5,6 +5,7 @@ Then the interactive-under-flood check: interactive TTFT p99 alone, and while ba
 agents flood the engine.
 
     python bench/engine_bench.py [--json] [--scale 0.15] [--requests 40] [--rate 3] [--caps agent=none/512]
+                                 [--overlap on|off]
 
 `--caps` changes what a class of clients sends as max_tokens (bench/workloads.py), nothing
 else about the requests: the max_active ratio depends on it (see bench/RESULTS.md).
@@ -127,6 +128,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--caps", default="", help="override the max_tokens a class's clients send, e.g. "
                     "'agent=none/512' (sensitivity runs; the default is workloads.CLASSES)")
+    ap.add_argument("--overlap", choices=("on", "off"), default="on",
+                    help="the engine streams the last step's tokens while the next step runs (on) or between steps")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -136,7 +139,8 @@ def main() -> None:
     print(f"model {runner.model_path.name} loaded in {time.monotonic() - t:.1f} s; KV pool {runner.num_blocks} "
           f"blocks x 16 = {runner.num_blocks * 16} tokens ({runner.kv_dtype_name}); context {runner.max_model_len}; "
           f"{runner.products} products")
-    cfg = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
+    cfg = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+               overlap_host_work=args.overlap == "on")
     items = poisson(mix(tok, args.requests, args.seed, args.scale, context=runner.max_model_len,
                         caps=parse_caps(args.caps)), args.rate,
                     args.seed)
