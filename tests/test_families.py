@@ -325,7 +325,7 @@ def test_unsupported_architecture_and_tensor_type_are_refused(tmp_path, built):
     w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     for f in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
         f()
-    with pytest.raises(ModelFileError, match="'falcon'.*gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3"):
+    with pytest.raises(ModelFileError, match="'falcon'.*gemma2, gemma3, llama, mistral, phi3, qwen2, qwen2vl, qwen25vl, qwen3"):
         ModelFiles(tmp_path / "falcon.gguf")
     # a tensor in a type without a kernel here (IQ4_XS): named, with what runs
     from gguf.gguf_reader import GGUFReader

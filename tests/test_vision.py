@@ -342,3 +342,121 @@ def test_the_tower_s_attention_every_patch_to_every_patch(d):
     s = np.exp(s - s.max(-1, keepdims=True))
     want = ((s / s.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(t, h)
     assert np.abs(got - want).max() <= 1e-5
+
+
+# ---------------------------------------------------------------- Qwen2.5-VL
+
+@pytest.mark.parametrize("size", SIZES + [(40, 30), (4000, 3000)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_qwen25vl_pixels_equal_transformers(size):
+    """Qwen2.5-VL's pixels (dynamic resolution: edges to multiples of 28 within the area
+    bounds, bicubic, CLIP's mean and std, patches in 2 x 2 blocks, each twice in time) and
+    its grid equal transformers' processor's, for a camera frame, photos, an image under the
+    least area (40 x 30: scaled up) and one over the most (4000 x 3000: scaled down)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from edgepaged.model.vision import qwen2vl_pixels
+    img = _photo(*size, seed=9)
+    want = Qwen2VLImageProcessorPil()(images=[img], return_tensors="np")
+    got, gh, gw = qwen2vl_pixels(img)
+    assert [1, gh, gw] == want["image_grid_thw"][0].tolist()
+    assert got.shape == want["pixel_values"].shape and got.shape[1] == 3 * 2 * 14 * 14
+    assert np.abs(got - want["pixel_values"]).max() <= 1e-6
+    assert 56 * 56 <= gh * gw * 14 * 14 <= 28 * 28 * 1280
+
+
+def test_qwen25vl_refuses_an_image_200_times_longer_than_wide():
+    from edgepaged.model.vision import qwen2vl_pixels
+    with pytest.raises(ValueError, match="200"):
+        qwen2vl_pixels(Image.new("RGB", (4020, 20)))
+
+
+@pytest.fixture(scope="module")
+def qwen25vl(tmp_path_factory):
+    """A tiny Qwen2.5-VL in both layouts (model + mmproj; Ollama's single file)."""
+    from edgepaged.testing.vision_models import make_qwen25vl
+    return make_qwen25vl(tmp_path_factory.mktemp("qwen25vl"))
+
+
+def _qwen_prompt(runner, hf, img):
+    """(our ids, transformers' ids, its mm_token_type_ids, the processor's output) for
+    "User:" + <|vision_start|> + the image + <|vision_end|> + a question."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from edgepaged.model.image_table import digest
+    from edgepaged.model.vision import IMAGE
+    enc, tok = runner.vision, runner.tokenizer
+    pixels, layout = enc.pixels(img)
+    base = runner.images.put(digest(img.tobytes()), enc.encode(pixels), layout)
+    vs, ve = (tok.tok.token_to_id(t) for t in ("<|vision_start|>", "<|vision_end|>"))
+    rows = enc.prompt_tokens(layout, tok)
+    assert rows == [IMAGE] * (layout[0] * layout[1])
+    head, tail = tok.encode_plain("User:"), tok.encode_plain("What is on this photo? Tell me more")
+    ours = head + [vs] + [base + k for k in range(len(rows))] + [ve] + tail
+    theirs = head + [vs] + [hf.config.image_token_id] * len(rows) + [ve] + tail
+    kinds = [[int(t == hf.config.image_token_id) for t in theirs]]
+    return ours, theirs, kinds, Qwen2VLImageProcessorPil()(images=[img], return_tensors="np")
+
+
+@pytest.mark.parametrize("runtime, layout", [("cpu", "llama.cpp"), ("cpu", "ollama"), ("torch", "llama.cpp"),
+                                             ("torch", "ollama")])
+def test_qwen25vl_s_logits_for_an_image_equal_transformers_with_its_multimodal_positions(qwen25vl, runtime, layout):
+    """A tiny Qwen2.5-VL as llama.cpp writes it (qwen2vl + mmproj "qwen2.5vl_merger") and as
+    Ollama does (qwen25vl, the tower inside), on the CPU runtime and the torch reference: the
+    logits at every position of an image (230 x 150: 5 x 8 feature rows; windows of 4 x 4,
+    some cut at the edge; two full-attention layers) and a question equal transformers'
+    Qwen2_5_VLForConditionalGeneration's within 1e-3 — the image's rows at their (t, h, w)
+    rotary positions, the text after it from t + max(h, w); with every row at its index
+    instead they differ by far more (the check can fail)."""
+    import torch
+
+    from edgepaged.model import ModelRunner
+    from edgepaged.model.cpu.runner import CpuRunner
+    from edgepaged.testing.decode import make_allocator, prompt_logits
+    hf, model, mmproj, ollama = qwen25vl
+    path, proj = (model, mmproj) if layout == "llama.cpp" else (ollama, ollama)
+    runner = (CpuRunner(path, num_blocks=64, kv_dtype="f32") if runtime == "cpu"
+              else ModelRunner(path, num_blocks=64, kv_dtype="f32"))
+    runner.attach_vision(proj, math="exact")
+    assert runner.config.rope_sections == (2, 3, 3) and runner.images.mrope and runner.vision.marker == "<|image_pad|>"
+    ours, theirs, kinds, px = _qwen_prompt(runner, hf, _photo(230, 150, seed=5))
+    assert px["image_grid_thw"].tolist() == [[1, 10, 16]]
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([theirs]), pixel_values=torch.from_numpy(px["pixel_values"]),
+                  image_grid_thw=torch.from_numpy(px["image_grid_thw"]),
+                  mm_token_type_ids=torch.tensor(kinds)).logits[0].numpy()
+    got = np.asarray(prompt_logits(runner, make_allocator(runner), ours, every=True))
+    assert np.abs(got - want).max() <= 1e-3 * max(1.0, np.abs(want).max())
+    runner.images.mrope = False           # every row at its index: not Qwen2.5-VL's answer
+    flat = np.asarray(prompt_logits(runner, make_allocator(runner), ours, every=True))
+    assert np.abs(flat - want).max() > 1e-1
+
+
+def test_a_qwen25vl_projector_and_a_model_without_multimodal_positions_are_no_pair(qwen25vl, smolvlm):
+    """Qwen2.5-VL's projector beside a model whose rotary is plain (or the other way round):
+    refused at load, naming both."""
+    from edgepaged.model.cpu.runner import CpuRunner
+    _, model, mmproj, _ = qwen25vl
+    with pytest.raises(ValueError, match="not a pair"):
+        CpuRunner(smolvlm[1], num_blocks=8).attach_vision(mmproj)
+    with pytest.raises(ValueError, match="not a pair"):
+        CpuRunner(model, num_blocks=8).attach_vision(smolvlm[2])
+
+
+@pytest.mark.parametrize("d", [32, 80])
+def test_windowed_attention_inside_each_segment(d):
+    """The windowed ViT's attention: each segment's rows see exactly their segment (segments
+    of unequal lengths), on the Rust tiles (32-wide heads) and in numpy (80: Qwen2.5-VL's)."""
+    from edgepaged.model.vision import segment_attention
+    rng = np.random.default_rng(d)
+    nh, cu = 3, np.array([0, 64, 128, 144, 200, 204])
+    t, h = cu[-1], nh * d
+    qkv = rng.standard_normal((t, 3 * h), dtype=np.float32)
+    got = segment_attention(qkv, cu, nh, d)
+    want = np.empty((t, h))
+    for a, b in zip(cu[:-1], cu[1:]):
+        q, k, v = (qkv[a:b, i * h:(i + 1) * h].reshape(b - a, nh, d).transpose(1, 0, 2).astype(np.float64)
+                   for i in range(3))
+        s = q @ k.transpose(0, 2, 1) * d ** -0.5
+        s = np.exp(s - s.max(-1, keepdims=True))
+        want[a:b] = ((s / s.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(b - a, h)
+    assert np.abs(got - want).max() <= 1e-5

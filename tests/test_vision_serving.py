@@ -350,6 +350,20 @@ async def test_image_inputs_fuzzed_through_every_door_beside_a_canary(vision_run
         [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR][:5]
 
 
+async def _greedy(engine, ids, held, n: int) -> list[int]:
+    """`n` greedy tokens after the prompt `ids` whose images `held` holds, straight from the engine."""
+    from edgepaged.engine import Request, TokenEvent
+    from edgepaged.model import SamplingParams
+    req = Request(prompt_ids=list(ids), params=SamplingParams(temperature=0, ignore_eos=True, max_tokens=n))
+    req.images.held = held
+    got = []
+    async with engine.stream(req) as events:
+        async for ev in events:
+            if isinstance(ev, TokenEvent):
+                got += ev.token_ids
+    return got
+
+
 async def test_gemma3_from_ollamas_single_file_answers_as_transformers_however_the_prompt_is_cut(tmp_path):
     """Gemma 3 as `ollama pull gemma3:4b` brings it (the tower inside the model's GGUF), found
     by `serve` itself: a photo and a question through the OpenAI door give transformers'
@@ -372,8 +386,6 @@ async def test_gemma3_from_ollamas_single_file_answers_as_transformers_however_t
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
                                                       {"type": "image_url", "image_url": {"url": url}}]}],
             "temperature": 0, "max_tokens": 6, "ignore_eos": True}
-    from edgepaged.engine import Request, TokenEvent
-    from edgepaged.model import SamplingParams
     messages = [{"role": "user", "content": "What is it?", "images": (Img(url=url),)}]
     held = await vp.prepare_images(messages, runner, vp.ImageLimits())
     ids = vp.render(runner.tokenizer, messages, held, runner.vision)     # (the front end's rendering)
@@ -383,14 +395,7 @@ async def test_gemma3_from_ollamas_single_file_answers_as_transformers_however_t
             status, _, raw = await afetch(server.http_base + "/v1/chat/completions", body)
             assert status == 200, raw
             answers.append(json.loads(raw)["choices"][0]["message"]["content"])
-            req = Request(prompt_ids=list(ids), params=SamplingParams(temperature=0, ignore_eos=True, max_tokens=6))
-            req.images.held = held
-            got = []
-            async with server.front.engine.stream(req) as events:
-                async for ev in events:
-                    if isinstance(ev, TokenEvent):
-                        got += ev.token_ids
-            tokens.append(got)
+            tokens.append(await _greedy(server.front.engine, ids, held, 6))
     assert answers[0] == answers[1] and tokens[0] == tokens[1] and len(tokens[0]) == 6
     # transformers on the same ids, the image's rows its image token, teacher-forced with our
     # answer: each of our tokens is its greedy choice (within a near tie's 1e-4)
@@ -405,3 +410,77 @@ async def test_gemma3_from_ollamas_single_file_answers_as_transformers_however_t
         row = logits[len(ids) - 1 + i]
         assert row[t] >= row.max() - 1e-4 * max(1.0, np.abs(row).max()), (i, t, int(row.argmax()))
     assert sum(t == IMAGE for t in runner.vision.prompt_tokens((0, 0), runner.tokenizer)) == 16
+
+
+async def test_qwen25vl_from_ollamas_single_file_answers_as_transformers_with_its_image_positions(tmp_path):
+    """Qwen2.5-VL as `ollama pull qwen2.5vl` brings it (the tower inside the model's GGUF,
+    architecture qwen25vl), found by `serve` itself: a photo through Ollama's /api/chat gives
+    transformers' greedy answer — the image's rows at their (t, h, w) rotary positions, every
+    token after it (the prompt's text and the answer) shifted past the image — whether the
+    prompt runs in one step or in chunks of 8 tokens (chunks that end inside the image); the
+    conversation resent with the photo runs no encoder and finds the image in the prefix
+    cache; every block comes back."""
+    import torch
+
+    from edgepaged.model.cpu.runner import CpuRunner
+    from edgepaged.request import vision_prompt as vp
+    from edgepaged.request.messages import Image as Img
+    from edgepaged.server.app import projector_for
+    from edgepaged.testing.vision_models import make_qwen25vl
+    hf, model, mmproj, ollama = make_qwen25vl(tmp_path / "q")
+    assert projector_for(ollama) == ollama and projector_for(model) == mmproj
+    runner = CpuRunner(ollama, num_blocks=256, kv_dtype="f32")
+    runner.attach_vision(projector_for(ollama), math="exact")
+    photo = _jpeg(300, 200, seed=13)
+    b64 = base64.b64encode(photo).decode()
+    body = {"model": "ollama-qwen25vl", "stream": False, "options": {"temperature": 0, "num_predict": 8},
+            "messages": [{"role": "user", "content": "What is it?", "images": [b64]}]}
+    messages = [{"role": "user", "content": "What is it?", "images": (Img(url="data:image/jpeg;base64," + b64),)}]
+    held = await vp.prepare_images(messages, runner, vp.ImageLimits())
+    ids = vp.render(runner.tokenizer, messages, held, runner.vision)     # (the front end's rendering)
+    first = runner.images.first
+    assert sum(t >= first for t in ids) == 7 * 11           # 196 x 308 px: 7 x 11 feature rows
+    answers, tokens = [], []
+    for budget in (512, 8):
+        async with box.serving(runner, http=True, engine={"max_num_batched_tokens": budget}) as server:
+            status, _, raw = await afetch(server.http_base + "/api/chat", body)
+            assert status == 200, raw
+            answers.append(json.loads(raw)["message"]["content"])
+            tokens.append(await _greedy(server.front.engine, ids, held, 8))
+            if budget == 512:        # a photo 200 times as long as wide: a 400 naming it, nothing run
+                strip = io.BytesIO()
+                Image.new("RGB", (2100, 10), (90, 90, 90)).save(strip, "PNG")
+                bad = {**body, "messages": [{"role": "user", "content": "And this?",
+                                             "images": [base64.b64encode(strip.getvalue()).decode()]}]}
+                status, _, raw = await afetch(server.http_base + "/api/chat", bad)
+                assert status == 400 and b"210 times as long as it is wide" in raw, raw
+                # the second turn: the conversation resent, photo included
+                encoded = runner.images.stats()["images_encoded"]
+                again = {**body, "messages": body["messages"] + [
+                    {"role": "assistant", "content": answers[0]}, {"role": "user", "content": "And the colours?"}]}
+                status, _, raw = await afetch(server.http_base + "/v1/chat/completions", {
+                    "messages": [{"role": "user", "content": [
+                        {"type": "text", "text": "What is it?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + b64}}]},
+                        *again["messages"][1:]], "temperature": 0, "max_tokens": 4})
+                assert status == 200, raw
+                assert runner.images.stats()["images_encoded"] == encoded
+                assert json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
+                    (len(ids) - 1) // 16 * 16
+            await trio.sleep(0.1)
+            a = server.front.engine.allocator.stats()
+            assert a["used_blocks"] == 0 and a["num_sequences"] == 0
+    assert answers[0] == answers[1] and tokens[0] == tokens[1] and len(tokens[0]) == 8
+    # transformers on the same ids (the image's rows its image token) teacher-forced with our
+    # answer: each of our tokens is its greedy choice (within a near tie's 1e-4)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    full = [hf.config.image_token_id if t >= first else t for t in ids] + tokens[0]
+    px = Qwen2VLImageProcessorPil()(images=[Image.open(io.BytesIO(photo)).convert("RGB")], return_tensors="np")
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([full]), pixel_values=torch.from_numpy(px["pixel_values"]),
+                    image_grid_thw=torch.from_numpy(px["image_grid_thw"]),
+                    mm_token_type_ids=torch.tensor([[int(t >= first) for t in ids] + [0] * len(tokens[0])])
+                    ).logits[0].numpy()
+    for i, t in enumerate(tokens[0]):
+        row = logits[len(ids) - 1 + i]
+        assert row[t] >= row.max() - 1e-4 * max(1.0, np.abs(row).max()), (i, t, int(row.argmax()))

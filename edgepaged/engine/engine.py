@@ -152,7 +152,7 @@ class Engine:
         self.metrics = Metrics(self.model_name)
         self.requests: dict[int, Request] = {}
         images = getattr(runner, "images", None)
-        if images is not None and images.both_ways:
+        if images is not None and (images.both_ways or images.mrope):
             self.scheduler.images = images
         self._vocab = getattr(getattr(runner, "config", None), "vocab_size", None) or 1 << 32   # ids past it: an image's rows (model/image_table.py)
         self.accepting = False

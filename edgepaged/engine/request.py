@@ -98,6 +98,9 @@ class ImageState:
     scheduler's, found once)."""
     held: object | None = None
     spans: list | None = None
+    # Qwen2.5-VL's rotary positions ((t, h, w) of each prompt token, and the offset of the
+    # tokens after it: image_table.mrope_positions), the scheduler's, found once
+    rope: tuple | None = None
 
 
 @dataclass(eq=False)

@@ -100,6 +100,11 @@ class Batch:
     before: list = field(default_factory=list)
     # bool [B]: the sequence's rows are its prompt's (a prefill chunk), not generated tokens
     prompt: np.ndarray | None = None
+    # M-RoPE (Qwen2.5-VL, requests with images): each row's rotary position where it is not
+    # its index (int64 [T]: the t of an image's row, the text's shifted past its images), and
+    # the image rows' own (rows, int64 [k, 2]: their h and w); None: every row rotates by its index
+    rope_positions: np.ndarray | None = None
+    mrope: tuple | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -467,7 +472,7 @@ class Scheduler:
         """A prefill chunk of `n` tokens from `start`, cut before an image it would end inside
         of (or, starting at one, taken to that image's end): an image whose tokens attend both
         ways is computed in one step."""
-        if self.images is None or req.images.held is None or n <= 0:
+        if self.images is None or not self.images.both_ways or req.images.held is None or n <= 0:
             return n
         if req.images.spans is None:
             ids = np.asarray(req.prompt_ids, np.int64)
@@ -841,5 +846,31 @@ class Scheduler:
                 logits_indices.append(t - 1)
                 sampled.append(r)
         prompt = np.array([kind in (Row.CHUNK, Row.PROMPT_DRAFTS) for kind in kinds], dtype=bool)
-        return Batch(reqs, num_new, input_ids, positions, qsl, seq_lens, block_tables, slot_mapping, copies,
-                     np.array(logits_indices, dtype=np.int64), sampled, step.preempted, spec, loads, before, prompt)
+        batch = Batch(reqs, num_new, input_ids, positions, qsl, seq_lens, block_tables, slot_mapping, copies,
+                      np.array(logits_indices, dtype=np.int64), sampled, step.preempted, spec, loads, before, prompt)
+        if self.images is not None and self.images.mrope:
+            self._mrope(batch)
+        return batch
+
+    def _mrope(self, batch: Batch) -> None:
+        """The batch's M-RoPE positions (Batch.rope_positions, Batch.mrope) for its requests
+        whose prompts hold images; the others rotate by their index."""
+        from ..model.image_table import mrope_positions, mrope_rows
+        rope, rows, hw = None, [], []
+        for i, r in enumerate(batch.requests):
+            if r.images.held is None:
+                continue
+            if r.images.rope is None:
+                r.images.rope = mrope_positions(self.images, r.prompt_ids) or (np.zeros((0, 3), np.int64), 0)
+            if not r.images.rope[1] and not len(r.images.rope[0]):
+                continue
+            if rope is None:
+                rope = batch.positions.copy()
+            a, b = int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1])
+            rope[a:b], own, got = mrope_rows(r.images.rope, batch.positions[a:b])
+            rows.append(a + np.flatnonzero(own))
+            hw.append(got)
+        if rope is not None:
+            batch.rope_positions = rope
+            if rows and sum(len(x) for x in rows):
+                batch.mrope = (np.concatenate(rows), np.concatenate(hw))

@@ -30,9 +30,10 @@ def digest(data: bytes) -> bytes:
 
 
 class ImageTable:
-    def __init__(self, vocab_size: int, keep_bytes: int = 256 << 20, both_ways: bool = False):
+    def __init__(self, vocab_size: int, keep_bytes: int = 256 << 20, both_ways: bool = False, mrope: bool = False):
         self.first = -(-vocab_size // STRIDE) * STRIDE
         self.both_ways = both_ways        # an image's tokens attend to each other both ways (Gemma 3)
+        self.mrope = mrope                # its tokens rotate by (row, column) positions (Qwen2.5-VL: `mrope_positions`)
         self.slots = (ID_LIMIT - self.first) // STRIDE
         self.keep_bytes = keep_bytes
         self._lock = threading.Lock()
@@ -113,6 +114,11 @@ class ImageTable:
                 self._bytes -= self._feats.pop(base).nbytes
                 self._meta.pop(base, None)
 
+    def layout(self, base: int):
+        """The layout an image was encoded with (held images keep theirs)."""
+        with self._lock:
+            return self._meta.get(base)
+
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """The feature rows of image ids (in the step's worker thread)."""
         ids = np.asarray(ids, np.int64)
@@ -167,3 +173,63 @@ def image_see(table: ImageTable, ids: np.ndarray, positions: np.ndarray, starts:
         see[r:e] = positions[e - 1] + 1
         r = e
     return see
+
+
+def mrope_positions(table: ImageTable, ids) -> tuple[np.ndarray, int] | None:
+    """Qwen2-VL's multimodal rotary positions (M-RoPE) of a prompt: int64 [P, 3], each
+    token's (t, h, w), and the offset of every token after the prompt (its position is its
+    index plus the offset; None: no image in the prompt). A text token's three are one
+    position, counting on from the last; an image of gh x gw rows (its layout, row by row)
+    starting at position p gives its row k (p, p + k // gw, p + k % gw), and the text after it
+    goes on from p + max(gh, gw) (transformers' `get_rope_index`, llama.cpp's mtmd)."""
+    ids = np.asarray(ids, np.int64)
+    pic = ids >= table.first
+    if not pic.any():
+        return None
+    n = len(ids)
+    out = np.empty((n, 3), np.int64)
+    cur, i = 0, 0
+    while i < n:
+        if not pic[i]:
+            e = i + 1
+            while e < n and not pic[e]:
+                e += 1
+            out[i:e] = (cur + np.arange(e - i))[:, None]
+            cur += e - i
+            i = e
+            continue
+        base = table.first + (int(ids[i]) - table.first) // STRIDE * STRIDE
+        e = i + 1
+        while e < n and pic[e] and ids[e] == ids[e - 1] + 1:
+            e += 1
+        layout = table.layout(base)
+        if not layout:
+            raise RuntimeError("an image of this prompt is no longer kept (its request ended?)")
+        gh, gw = int(layout[0]), int(layout[1])
+        k = ids[i:e] - base
+        out[i:e, 0] = cur
+        out[i:e, 1] = cur + k // gw
+        out[i:e, 2] = cur + k % gw
+        cur += max(gh, gw)
+        i = e
+    return out, cur - n
+
+
+def mrope_rows(rope: tuple[np.ndarray, int], index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For tokens at `index` (int64 [n], their places in the sequence) of a sequence whose
+    prompt has `rope` (`mrope_positions`): (their rotary positions [n]: an image row's t, a
+    text token's one position), which of them are image rows that turn by their own h and w
+    (bool [n]), and those rows' (h, w) [k, 2]."""
+    pos3, delta = rope
+    index = np.asarray(index, np.int64)
+    inside = index < len(pos3)
+    p = index + delta
+    p[inside] = pos3[index[inside], 0]
+    own = np.zeros(len(index), bool)
+    hw = np.zeros((0, 2), np.int64)
+    if inside.any():
+        got = pos3[index[inside]]
+        pic = (got[:, 1] != got[:, 0]) | (got[:, 2] != got[:, 0])
+        own[np.flatnonzero(inside)[pic]] = True
+        hw = got[pic, 1:]
+    return p, own, hw

@@ -71,6 +71,7 @@ class ModelConfig:
     final_softcap: float | None = None     # gemma: of the logits
     layer_sliding: list[bool] | None = None  # which layers use sliding_window (None: all, when it is set)
     rope_local: dict | None = None         # gemma3: {"theta", "scaling"} of the sliding layers
+    rope_sections: tuple | None = None     # qwen2vl: M-RoPE's rotary pairs turned by t, h, w (rope.mrope_tables)
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -83,6 +84,11 @@ class ModelConfig:
             raise ValueError(f"{len(self.layer_sliding)} layer types for {self.num_layers} layers")
         if not self.sliding_window:
             self.sliding_window = None
+        if self.rope_sections is not None:
+            self.rope_sections = tuple(int(x) for x in self.rope_sections)[:3]
+            if sum(self.rope_sections) != self.head_dim // 2:
+                raise ValueError(f"multimodal rotary sections {list(self.rope_sections)} do not cover the "
+                                 f"{self.head_dim // 2} rotary pairs of a {self.head_dim}-wide head")
 
     @property
     def family(self) -> families.Family:

@@ -61,3 +61,20 @@ def rotary_tables(head_dim: int, max_positions: int, theta: float, scaling: dict
         cos, sin = cos * m, sin * m
     return (np.ascontiguousarray(np.concatenate([cos, cos], -1), dtype=np.float32),
             np.ascontiguousarray(np.concatenate([-sin, sin], -1), dtype=np.float32))
+
+
+def mrope_tables(cos, sin, positions, rows, hw, sections):
+    """M-RoPE (Qwen2-VL, Qwen2.5-VL): per-row rotary tables [T, D] for a batch (numpy arrays
+    or torch tensors alike): row i rotates by `positions[i]` (its t), except image rows
+    `rows`, whose rotary pairs in the second and third of `sections` (counts of the D / 2
+    pairs: t, h, w, in that order) turn by their h and w (`hw` [k, 2]). Positions then index
+    these tables by row (0 .. T - 1)."""
+    c, s = cos[positions], sin[positions]
+    half = cos.shape[-1] // 2
+    t, h, w = (int(x) for x in sections[:3])
+    for axis, lo, hi in ((0, t, t + h), (1, t + h, t + h + w)):
+        at = hw[:, axis]
+        for off in (0, half):
+            c[rows, off + lo:off + hi] = cos[at, off + lo:off + hi]
+            s[rows, off + lo:off + hi] = sin[at, off + lo:off + hi]
+    return c, s

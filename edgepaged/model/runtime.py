@@ -145,7 +145,12 @@ class RunnerBase:
             raise ValueError(f"{enc.path.name} projects images to {enc.width} values, but "
                              f"{getattr(self.model_path, 'name', 'the model')} is {self.config.hidden_size} wide: "
                              "they are not a pair")
-        self.vision, self.images = enc, ImageTable(self.config.vocab_size, both_ways=enc.both_ways)
+        if enc.mrope != bool(getattr(self.config, "rope_sections", None)):
+            raise ValueError(f"{enc.path.name} and {getattr(self.model_path, 'name', 'the model')} are not a pair: "
+                             + ("the projector's images take multimodal rotary positions (Qwen2.5-VL), the model "
+                                "has none" if enc.mrope else "the model's rotary positions are multimodal "
+                                "(Qwen2.5-VL), the projector's images are not"))
+        self.vision, self.images = enc, ImageTable(self.config.vocab_size, both_ways=enc.both_ways, mrope=enc.mrope)
         self._take_images(self.images)
 
     def _tower_math(self) -> str:
@@ -265,11 +270,16 @@ class RunnerBase:
                     block_tables=batch.block_tables, slot_mapping=batch.slot_mapping)
         if getattr(batch, "prompt", None) is not None:
             meta["prompt"] = batch.prompt
+        positions = batch.positions
+        if getattr(batch, "rope_positions", None) is not None:     # M-RoPE (Qwen2.5-VL's images)
+            positions = batch.rope_positions
+            if batch.mrope is not None:
+                meta["mrope"] = batch.mrope
         masks = None
         if matchers is not None and any(m is not None for m in matchers):
             masks = _Background(self._masks, matchers)
         try:
-            raw = self.execute(batch.input_ids, batch.positions, meta, batch.logits_indices)
+            raw = self.execute(batch.input_ids, positions, meta, batch.logits_indices)
             if not spec and not (embeds is not None and any(embeds)):
                 tokens = self.sample_where_computed(raw, params, prev_tokens, outputs, masks)
                 if tokens is not None:

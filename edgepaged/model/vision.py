@@ -86,6 +86,8 @@ def idefics3_pixels(img, longest_edge: int = 2048, tile: int = 512, mean=(0.5, 0
     return np.stack([_normalise(f, mean, std) for f in frames]), rows, cols
 
 
+QWEN25VL = "qwen2.5vl_merger"     # llama.cpp's projector type of Qwen2.5-VL
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -109,6 +111,39 @@ def gemma3_pixels(img, size: int = 896, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5
     """[1, 3, size, size]: one bilinear resize, rescaled and normalised."""
     from PIL import Image
     return _normalise(np.asarray(img.resize((size, size), Image.Resampling.BILINEAR)), mean, std)[None]
+
+
+def smart_resize(h: int, w: int, factor: int = 28, min_pixels: int = 56 * 56,
+                 max_pixels: int = 28 * 28 * 1280) -> tuple[int, int]:
+    """Qwen2-VL's dynamic resolution: both edges multiples of `factor`, the area within
+    [min_pixels, max_pixels], the aspect kept as near as the rounding allows (transformers'
+    `smart_resize`); ValueError for an image more than 200 times as long as it is wide."""
+    if max(h, w) / min(h, w) > 200:
+        raise ValueError(f"an image {max(h, w) / min(h, w):.0f} times as long as it is wide (at most 200)")
+    hb, wb = round(h / factor) * factor, round(w / factor) * factor
+    if hb * wb > max_pixels:
+        beta = math.sqrt(h * w / max_pixels)
+        hb = max(factor, math.floor(h / beta / factor) * factor)
+        wb = max(factor, math.floor(w / beta / factor) * factor)
+    elif hb * wb < min_pixels:
+        beta = math.sqrt(min_pixels / (h * w))
+        hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
+    return hb, wb
+
+
+def qwen2vl_pixels(img, *, patch: int = 14, merge: int = 2, temporal: int = 2, min_pixels: int = 56 * 56,
+                   max_pixels: int = 28 * 28 * 1280, mean=CLIP_MEAN, std=CLIP_STD) -> tuple[np.ndarray, int, int]:
+    """Qwen2-VL / Qwen2.5-VL: the image resized (bicubic) to `smart_resize`'s size, rescaled
+    and normalised, cut into patches -> ([gh * gw, 3 * temporal * patch * patch] rows in the
+    processor's order: merge x merge blocks of patches row by row, each patch's channels,
+    its `temporal` copies, rows, columns), gh, gw (the grid in patches)."""
+    from PIL import Image
+    h, w = smart_resize(img.height, img.width, patch * merge, min_pixels, max_pixels)
+    x = _normalise(np.asarray(img.resize((w, h), Image.Resampling.BICUBIC)), mean, std)
+    gh, gw = h // patch, w // patch
+    x = x.reshape(3, gh // merge, merge, patch, gw // merge, merge, patch).transpose(1, 4, 2, 5, 0, 3, 6)
+    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], temporal, patch, patch))
+    return np.ascontiguousarray(x.reshape(gh * gw, 3 * temporal * patch * patch)), gh, gw
 
 
 # ---------------------------------------------------------------- the tower (numpy; the Rust kernels next)
@@ -302,6 +337,179 @@ class ClipTower(SiglipTower):
         return out
 
 
+def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    v = np.mean(x * x, -1, keepdims=True)
+    v += np.float32(eps)
+    return (x / np.sqrt(v)) * w
+
+
+def segment_attention(qkv: np.ndarray, cu: np.ndarray, nh: int, d: int) -> np.ndarray:
+    """Attention without a mask inside each segment [cu[i], cu[i + 1]) of the rows (a
+    windowed ViT's windows; one segment: every row sees every row), q, k, v side by side in
+    `qkv` [t, 3 * nh * d]: the Rust prefill tiles for 32/64/128-wide heads (each segment a
+    sequence of its own blocks, each row seeing its whole segment), numpy otherwise (the
+    segments of one length together, a few heads at a time)."""
+    from .._native import ops
+    t, h = len(qkv), nh * d
+    cu = np.asarray(cu, np.int64)
+    lens = np.diff(cu)
+    out = np.empty((t, h), np.float32)
+    if d in TILE_HEAD_DIMS:
+        nbs = -(-lens // KV_BLOCK)
+        first = np.concatenate([[0], np.cumsum(nbs)[:-1]])
+        total = int(nbs.sum())
+        k = np.zeros((total * KV_BLOCK, h), np.float32)
+        v = np.zeros((total * KV_BLOCK, h), np.float32)
+        rows = np.concatenate([first[i] * KV_BLOCK + np.arange(n) for i, n in enumerate(lens)])
+        k[rows], v[rows] = qkv[:, h:2 * h], qkv[:, 2 * h:]
+        tables = np.zeros((len(lens), int(nbs.max())), np.int32)
+        for i, (f, n) in enumerate(zip(first, nbs)):
+            tables[i, :n] = np.arange(f, f + n)
+        ops.paged_prefill(np.ascontiguousarray(qkv[:, :h]), out, cu, lens.astype(np.int32), tables,
+                          k.reshape(total, KV_BLOCK, nh, d), v.reshape(total, KV_BLOCK, nh, d), nh, nh, d ** -0.5,
+                          see=np.repeat(lens, lens).astype(np.int32))
+        return out
+    scale = np.float32(d ** -0.5)
+    for n in np.unique(lens):
+        n = int(n)
+        starts = cu[:-1][lens == n]
+        idx = (starts[:, None] + np.arange(n)).reshape(-1)
+        step = max(1, (64 << 20) // (4 * n * n * len(starts)))
+        for h0 in range(0, nh, step):
+            h1 = min(nh, h0 + step)
+            part = qkv[idx].reshape(len(starts), n, 3, nh, d)[:, :, :, h0:h1]
+            q = part[:, :, 0].transpose(0, 2, 1, 3)
+            kt = part[:, :, 1].transpose(0, 2, 3, 1)
+            vv = part[:, :, 2].transpose(0, 2, 1, 3)
+            sc = np.matmul(q, kt)
+            sc *= scale
+            sc -= sc.max(-1, keepdims=True)
+            np.exp(sc, out=sc)
+            sc /= sc.sum(-1, keepdims=True)
+            o = np.matmul(sc, vv).transpose(0, 2, 1, 3).reshape(len(starts) * n, (h1 - h0) * d)
+            out[idx, h0 * d:h1 * d] = o
+    return out
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+class QwenVisionTower:
+    """Qwen2.5-VL's vision transformer: patches (3 x 2 x 14 x 14, the image twice in time:
+    a Conv3d, here one product with its two time slices summed) in merge x merge blocks, a
+    2-D rotary (the first half of each head's rotary pairs by the patch's row, the second
+    by its column), RMS-normed pre-norm blocks (fused qkv with biases, a SwiGLU MLP with
+    biases), attention inside windows of `window` pixels except in the `full` layers, then
+    the merger: RMSNorm, each block's 4 patches side by side, linear, GELU, linear.
+    `weights`: float32 arrays under the names `read_mmproj` gives (`encoder.layers.N.*`,
+    `embeddings.patch_embedding.weight` (+ `.weight_1`), `post_layernorm.weight`: the
+    merger's norm, `projector.linear_1/2.*`)."""
+
+    def __init__(self, weights: dict, *, layers: int, heads: int, patch: int = 14, merge: int = 2,
+                 window: int = 112, full=(7, 15, 23, 31), eps: float = 1e-6, theta: float = 10000.0,
+                 math: str = "exact"):
+        from .dense import Matrix
+        w = weights
+        conv = np.asarray(w["embeddings.patch_embedding.weight"], np.float32)
+        if conv.ndim == 5:                  # transformers' Conv3d [hidden, 3, 2, p, p]
+            conv = conv.sum(2)
+        elif "embeddings.patch_embedding.weight_1" in w:       # llama.cpp: the two time slices apart
+            conv = conv + w["embeddings.patch_embedding.weight_1"]
+        self.hidden = conv.shape[0]
+        self.layers, self.heads, self.patch, self.merge, self.eps = layers, heads, patch, merge, eps
+        self.window, self.full = window, {int(i) for i in full}
+        self.conv = Matrix(conv.reshape(self.hidden, -1), math)
+        d = self.hidden // heads
+        self.inv_freq = (1.0 / theta ** (np.arange(0, d // 2, 2, dtype=np.float32) / (d // 2))).astype(np.float32)
+        self.blocks = []
+        for i in range(layers):
+            p = f"encoder.layers.{i}."
+            a = p + "self_attn."
+            self.blocks.append({
+                "ln1": w[p + "layer_norm1.weight"], "ln2": w[p + "layer_norm2.weight"],
+                "qkv": Matrix(np.concatenate([w[a + f"{t}_proj.weight"] for t in "qkv"]), math),
+                "qkv_b": np.concatenate([w[a + f"{t}_proj.bias"] for t in "qkv"]),
+                "o": Matrix(w[a + "out_proj.weight"], math), "o_b": w[a + "out_proj.bias"],
+                "gu": Matrix(np.concatenate([w[p + "mlp.gate.weight"], w[p + "mlp.fc1.weight"]]), math),
+                "gu_b": np.concatenate([w[p + "mlp.gate.bias"], w[p + "mlp.fc1.bias"]]),
+                "down": Matrix(w[p + "mlp.fc2.weight"], math), "down_b": w[p + "mlp.fc2.bias"]})
+        self.ln_q = w["post_layernorm.weight"]
+        self.mm0 = (Matrix(w["projector.linear_1.weight"], math), w["projector.linear_1.bias"])
+        self.mm2 = (Matrix(w["projector.linear_2.weight"], math), w["projector.linear_2.bias"])
+        self.width = int(w["projector.linear_2.weight"].shape[0])
+
+    def order(self, gh: int, gw: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(the merged units in window order, the windows' bounds in patch rows, each patch's
+        (row, column) in the processor's order)."""
+        m = self.merge
+        GH, GW = gh // m, gw // m
+        side = max(1, self.window // m // self.patch)        # merged units a window's side
+        r, c = np.divmod(np.arange(GH * GW), GW)
+        key = (r // side) * (GW // side + 1) + c // side
+        units = np.argsort(key, kind="stable")
+        _, counts = np.unique(key[units], return_counts=True)
+        cu = np.concatenate([[0], np.cumsum(counts) * m * m])
+        i, j = np.divmod(np.arange(m * m), m)
+        rows = (r[:, None] * m + i[None]).reshape(-1)
+        cols = (c[:, None] * m + j[None]).reshape(-1)
+        return units, cu, np.stack([rows, cols], 1)
+
+    def __call__(self, pixels: np.ndarray, grid: tuple[int, int], pause=None) -> np.ndarray:
+        """pixels [gh * gw, 3 * 2 * p * p] (qwen2vl_pixels), grid (gh, gw) -> the image's
+        feature rows [(gh / 2) * (gw / 2), text hidden], row by row of the merged grid."""
+        step = pause or (lambda: None)
+        gh, gw = grid
+        n, mm = gh * gw, self.merge * self.merge
+        p2 = self.patch * self.patch
+        x = np.ascontiguousarray(pixels.reshape(n, 3, -1, p2)[:, :, 0].reshape(n, 3 * p2)) @ self.conv
+        units, cu_win, hw = self.order(gh, gw)
+        perm = (units[:, None] * mm + np.arange(mm)).reshape(-1)      # patch rows in window order
+        x, hw = x[perm], hw[perm]
+        ang = np.concatenate([hw[:, :1] * self.inv_freq, hw[:, 1:] * self.inv_freq], 1).astype(np.float32)
+        cos, sin = np.cos(ang), np.sin(ang)
+        cu_all = np.array([0, n], np.int64)
+        for li, blk in enumerate(self.blocks):
+            x = self._block(x, blk, cos, sin, cu_all if li in self.full else cu_win, step)
+        step()
+        y = _rms_norm(x, self.ln_q, 1e-6).reshape(n // mm, -1) @ self.mm0[0]
+        y += self.mm0[1]
+        from .dense import gelu
+        y = gelu(np.ascontiguousarray(y, np.float32)) @ self.mm2[0]
+        y += self.mm2[1]
+        out = np.empty_like(y)
+        out[units] = y
+        return out
+
+    def _block(self, x, blk, cos, sin, cu, step) -> np.ndarray:
+        t, nh = len(x), self.heads
+        d = self.hidden // nh
+        step()
+        qkv = _rms_norm(x, blk["ln1"], self.eps) @ blk["qkv"]
+        qkv += blk["qkv_b"]
+        for at in (0, self.hidden):         # the rotary on q and k: pairs (j, j + d / 2)
+            v = qkv[:, at:at + self.hidden].reshape(t, nh, 2, d // 2)
+            a, b = v[:, :, 0].copy(), v[:, :, 1].copy()
+            v[:, :, 0] = a * cos[:, None] - b * sin[:, None]
+            v[:, :, 1] = b * cos[:, None] + a * sin[:, None]
+        step()
+        att = segment_attention(qkv, cu, nh, d)
+        step()
+        a = att @ blk["o"]
+        a += blk["o_b"]
+        x = x + a
+        step()
+        gu = _rms_norm(x, blk["ln2"], self.eps) @ blk["gu"]
+        gu += blk["gu_b"]
+        inter = gu.shape[1] // 2
+        f = np.ascontiguousarray(_silu(gu[:, :inter]) * gu[:, inter:])
+        step()
+        f = f @ blk["down"]
+        f += blk["down_b"]
+        x += f
+        return x
+
+
 def llava_image_tokens(tower: ClipTower, proj: dict, pixels: np.ndarray, pause=None) -> np.ndarray:
     """LLaVA-1.5's image embeddings: the tower's patch features, then the projector (a linear,
     GELU, a linear; biases) -> [N * patches, text hidden]."""
@@ -350,7 +558,8 @@ def gemma3_image_tokens(tower: SiglipTower, norm_weight: np.ndarray, projection:
 # ---------------------------------------------------------------- llama.cpp's mmproj files
 
 _LAYER = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-          "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
+          "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2",
+          "ffn_gate": "mlp.gate"}
 _TOP = {"v.patch_embd": "embeddings.patch_embedding", "v.position_embd": "embeddings.position_embedding",
         "v.post_ln": "post_layernorm", "mm.model.fc": "connector.proj", "mm.input_projection": "projector.input",
         "mm.soft_emb_norm": "projector.norm", "v.pre_ln": "pre_layrnorm", "mm.0": "projector.linear_1",
@@ -365,6 +574,9 @@ def _tower_weights(tensors, layers: dict, top: dict, where: str) -> dict:
     for t in tensors:
         if t.name == "v.class_embd":              # (CLIP's class embedding: a name without a suffix)
             weights["embeddings.class_embedding"] = np.asarray(t.data, np.float32)
+            continue
+        if t.name in ("v.patch_embd.weight.1", "v.patch_embd_1.weight"):   # (Qwen2.5-VL's second time slice)
+            weights["embeddings.patch_embedding.weight_1"] = np.asarray(t.data, np.float32)
             continue
         stem, _, suffix = t.name.rpartition(".")
         parts = stem.split(".", 3)
@@ -393,7 +605,7 @@ def read_mmproj(path) -> tuple[str, dict, dict]:
     weights = _tower_weights(f.tensors, _LAYER, _TOP, f"{Path(path).name} ({kind} projector)")
     # llama.cpp's older converter (LLaVA's "mlp" files) named fc1 ffn_down and fc2 ffn_up: the
     # shapes say which is which (fc1 widens the hidden size)
-    for i in range(int(hp.get("block_count", 0))):
+    for i in range(int(hp.get("block_count", 0)) if kind == "mlp" else 0):
         a, b = f"encoder.layers.{i}.mlp.fc1.", f"encoder.layers.{i}.mlp.fc2."
         if a + "weight" in weights and weights[a + "weight"].shape[0] < weights[a + "weight"].shape[1]:
             for suffix in ("weight", "bias"):
@@ -410,7 +622,12 @@ _OLLAMA_LAYER = {"layer_norm1": "layer_norm1", "layer_norm2": "layer_norm2", "at
 _OLLAMA_TOP = {"v.patch_embedding": "embeddings.patch_embedding", "v.position_embedding": "embeddings.position_embedding",
                "v.post_layernorm": "post_layernorm", "mm.mm_input_projection": "projector.input",
                "mm.mm_soft_emb_norm": "projector.norm"}
-OLLAMA_VISION = {"gemma3": "gemma3"}      # the model's architecture -> its projector's kind
+# Qwen2.5-VL's (`qwen25vl`: llama.cpp's part names, the merger under its own)
+_OLLAMA_QWEN_LAYER = {**_LAYER, "attn_out": "self_attn.out_proj"}
+_OLLAMA_QWEN_TOP = {"v.patch_embd_0": "embeddings.patch_embedding", "v.merger.ln_q": "post_layernorm",
+                    "v.merger.mlp.0": "projector.linear_1", "v.merger.mlp.2": "projector.linear_2"}
+OLLAMA_VISION = {"gemma3": "gemma3", "qwen25vl": QWEN25VL}      # the model's architecture -> its projector's kind
+_OLLAMA_MAPS = {"gemma3": (_OLLAMA_LAYER, _OLLAMA_TOP), "qwen25vl": (_OLLAMA_QWEN_LAYER, _OLLAMA_QWEN_TOP)}
 
 
 def read_ollama_vision(path) -> tuple[str, dict, dict]:
@@ -428,13 +645,14 @@ def read_ollama_vision(path) -> tuple[str, dict, dict]:
     pre = f"{arch}.vision."
     hp = {k.removeprefix(pre): gguf_field(f, k) for k in f.fields if k.startswith(pre)}
     hp.setdefault("attention.layer_norm_epsilon", 1e-6)
-    hp.setdefault("image_mean", [0.5, 0.5, 0.5])
-    hp.setdefault("image_std", [0.5, 0.5, 0.5])
+    qwen = arch == "qwen25vl"           # (its converter keeps CLIP's mean and std to itself)
+    hp.setdefault("image_mean", list(CLIP_MEAN) if qwen else [0.5, 0.5, 0.5])
+    hp.setdefault("image_std", list(CLIP_STD) if qwen else [0.5, 0.5, 0.5])
     tokens = gguf_field(f, f"{arch}.mm.tokens_per_image")
     if tokens:            # (Ollama's own runtime took 256; the file may say otherwise)
         grid = int(hp["image_size"]) // int(hp["patch_size"])
         hp["projector.scale_factor"] = grid // int(round(int(tokens) ** 0.5))
-    return OLLAMA_VISION[arch], hp, _tower_weights(f.vision_tensors, _OLLAMA_LAYER, _OLLAMA_TOP, Path(path).name)
+    return OLLAMA_VISION[arch], hp, _tower_weights(f.vision_tensors, *_OLLAMA_MAPS[arch], Path(path).name)
 
 
 def read_vision(path) -> tuple[str, dict, dict]:
@@ -459,6 +677,19 @@ def tower_from_mmproj(path, math: str = "exact") -> tuple[str, dict, SiglipTower
     mmproj file, or of a model file with its tower inside (`math`: the tower's products,
     SiglipTower)."""
     kind, hp, w = read_vision(path)
+    if kind == QWEN25VL:
+        layers = int(hp["block_count"])
+        if hp.get("fullatt_block_indexes") is not None:          # (Ollama's key)
+            full = [int(i) for i in hp["fullatt_block_indexes"]]
+        else:                                                   # (llama.cpp's: every n-th layer)
+            n = int(hp.get("n_wa_pattern") or 0)
+            full = [i for i in range(layers) if n and (i + 1) % n == 0]
+        tower = QwenVisionTower(w, layers=layers, heads=int(hp["attention.head_count"]),
+                                patch=int(hp["patch_size"]), merge=int(hp.get("spatial_merge_size", 2)),
+                                window=int(hp.get("window_size", 112)), full=full,
+                                eps=float(hp.get("attention.layer_norm_epsilon", 1e-6)),
+                                theta=float(hp.get("rope.freq_base", 10000.0)), math=math)
+        return kind, hp, tower, {}
     cls = ClipTower if kind == "mlp" else SiglipTower
     layers = int(hp["block_count"])
     if kind == "mlp" and hp.get("feature_layer") is not None:      # (the layers whose output LLaVA takes)
@@ -494,9 +725,16 @@ class VisionEncoder:
 
     LLaVA-1.5 (projector "mlp", llama.cpp's older converter's layout): CLIP's processor (the
     shorter edge to 336, the centre), the tower's next-to-last layer, 576 tokens each the
-    projector's row, in place of `<image>`, nothing around them."""
+    projector's row, in place of `<image>`, nothing around them.
 
-    FAMILIES = ("idefics3", "gemma3", "mlp")
+    Qwen2.5-VL (projector "qwen2.5vl_merger"; Ollama's `qwen25vl` file): dynamic resolution
+    (`qwen2vl_pixels`: edges to multiples of 28, the area within the bounds), the windowed
+    tower and merger (`QwenVisionTower`), one feature row per 2 x 2 patches, row by row, in
+    place of `<|image_pad|>` (the template wraps it in <|vision_start|> ... <|vision_end|>);
+    the layout is the merged grid (rows, columns), which the text model's multimodal rotary
+    positions take (`mrope`: image_table.mrope_positions)."""
+
+    FAMILIES = ("idefics3", "gemma3", "mlp", QWEN25VL)
 
     def __init__(self, path, math: str = "exact"):
         try:
@@ -507,6 +745,16 @@ class VisionEncoder:
             raise ValueError(f"{Path(path).name}: vision projector {kind!r} is not supported yet (supported: "
                              f"{', '.join(self.FAMILIES)})")
         self.path, self.kind, self.hp, self.tower, self.proj = Path(path), kind, hp, tower, proj
+        self.mrope = kind == QWEN25VL
+        if self.mrope:
+            self.mean = tuple(float(x) for x in hp.get("image_mean", CLIP_MEAN))
+            self.std = tuple(float(x) for x in hp.get("image_std", CLIP_STD))
+            self.width, self.marker, self.both_ways = tower.width, "<|image_pad|>", False
+            # llama.cpp's mmproj may state the images' bounds in tokens; else transformers' processor's
+            side = tower.patch * tower.merge
+            self.min_pixels = int(hp.get("image_min_pixels") or 56 * 56)
+            self.max_pixels = int(hp.get("image_max_pixels") or side * side * 1280)
+            return
         self.tile = int(hp["image_size"])
         self.mean = tuple(float(x) for x in hp.get("image_mean", (0.5, 0.5, 0.5)))
         self.std = tuple(float(x) for x in hp.get("image_std", (0.5, 0.5, 0.5)))
@@ -530,6 +778,11 @@ class VisionEncoder:
 
     def pixels(self, img) -> tuple[np.ndarray, tuple]:
         """A decoded RGB image -> (the tower's input, its layout for `prompt_tokens`)."""
+        if self.mrope:          # (the layout: the merged grid, rows x columns of feature rows)
+            t = self.tower      # (ValueError for an image it cannot take: the caller's 400)
+            px, gh, gw = qwen2vl_pixels(img, patch=t.patch, merge=t.merge, min_pixels=self.min_pixels,
+                                        max_pixels=self.max_pixels, mean=self.mean, std=self.std)
+            return (px, (gh, gw)), (gh // t.merge, gw // t.merge)
         if self.kind == "gemma3":
             return gemma3_pixels(img, self.tile, self.mean, self.std), (0, 0)
         if self.kind == "mlp":
@@ -541,6 +794,9 @@ class VisionEncoder:
     def encode(self, pixels: np.ndarray, pause=None) -> np.ndarray:
         """The tower and projector: float32 [feature rows, text hidden], rows in prompt order.
         `pause()`: called between the tower's layers (SiglipTower)."""
+        if self.mrope:
+            px, grid = pixels
+            return np.ascontiguousarray(self.tower(px, grid, pause), dtype=np.float32)
         if self.kind == "mlp":
             return np.ascontiguousarray(llava_image_tokens(self.tower, self.proj, pixels, pause), dtype=np.float32)
         if self.kind == "gemma3":
@@ -552,6 +808,8 @@ class VisionEncoder:
         return np.ascontiguousarray(out, dtype=np.float32)
 
     def rows_for(self, layout: tuple) -> int:
+        if self.mrope:
+            return int(layout[0]) * int(layout[1])
         rows, cols = layout
         return self.tokens_per_tile * (rows * cols + 1)
 
@@ -563,9 +821,11 @@ class VisionEncoder:
                 raise ValueError(f"this model's tokenizer has no {name} token: it does not go with "
                                  f"{self.path.name}")
             return i
-        image = [IMAGE] * self.tokens_per_tile
+        image = [] if self.mrope else [IMAGE] * self.tokens_per_tile
         pieces: list = []
-        if self.kind == "mlp":
+        if self.mrope:              # (the template wraps it: <|vision_start|><|image_pad|><|vision_end|>)
+            pieces = [IMAGE] * self.rows_for(layout)
+        elif self.kind == "mlp":
             pieces = image
         elif self.kind == "gemma3":
             pieces = ["\n\n", special("<start_of_image>"), *image, special("<end_of_image>"), "\n\n"]

@@ -61,7 +61,12 @@ def _encode(enc, table, key: bytes, data: bytes, limits: ImageLimits, where: str
     if got is not None:
         return got[0], got[2]
     img = decode(data, limits, where)
-    pixels, layout = enc.pixels(img)
+    try:
+        pixels, layout = enc.pixels(img)
+    except ImageError:
+        raise
+    except ValueError as e:        # (a shape the family cannot take: Qwen2.5-VL's aspect bound)
+        raise ImageError(f"{where}: {e}") from None
     pause = None
     if gate is not None:
         def pause():   # between two layers: while a voice command waits for its first token

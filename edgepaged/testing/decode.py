@@ -58,6 +58,14 @@ def prompt_logits(runner, alloc, prompt, seq_id=0, every: bool = False):
         meta = dict(query_start_loc=np.array([0, len(prompt)], np.int32), seq_lens=lens, block_tables=tables,
                     slot_mapping=slots)
         idx = np.arange(len(prompt)) if every else None
-        return runner.execute(np.asarray(prompt, np.int64), np.arange(len(prompt)), meta, idx)
+        positions = np.arange(len(prompt))
+        table = getattr(runner, "images", None)
+        if table is not None and table.mrope:        # (Qwen2.5-VL: its images' rotary positions)
+            from ..model.image_table import mrope_positions, mrope_rows
+            rope = mrope_positions(table, prompt)
+            if rope is not None:
+                positions, own, hw = mrope_rows(rope, positions)
+                meta["mrope"] = (np.flatnonzero(own), hw)
+        return runner.execute(np.asarray(prompt, np.int64), positions, meta, idx)
     finally:
         alloc.free_sequence(seq_id, cache=False)

@@ -12,6 +12,15 @@ from pathlib import Path
 import numpy as np
 
 
+
+def _written(w, path) -> Path:
+    """A GGUFWriter's file written out and closed."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
 def write_mmproj(model, path, family: str, *, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
                  longest_edge: int | None = None) -> Path:
     """`model`: a transformers Idefics3ForConditionalGeneration ("idefics3") or
@@ -67,11 +76,7 @@ def write_mmproj(model, path, family: str, *, mean=(0.5, 0.5, 0.5), std=(0.5, 0.
         else:
             data = a.astype(np.float16)
         w.add_tensor(gname, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return Path(path)
+    return _written(w, path)
 
 
 # SmolVLM's chat template (its content parts: text, and an image as <image>)
@@ -168,15 +173,11 @@ def _copy_gguf(src, dst, *, extra_tokens: tuple = (), template: str | None = Non
         if t.name in ("token_embd.weight", "output.weight") and extra_tokens:
             data = np.concatenate([data, np.zeros((len(extra_tokens),) + data.shape[1:], data.dtype)])
         w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    for k, (value, vtype) in (extra_kv or {}).items():
-        w.add_key_value(k, value, vtype)
+    for k, (value, vtype, *sub) in (extra_kv or {}).items():
+        w.add_key_value(k, value, vtype, sub_type=sub[0] if sub else None)
     for name, data in (extra_tensors or {}).items():
         w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return Path(dst)
+    return _written(w, dst)
 
 
 VISION_SHAPES = {
@@ -414,11 +415,7 @@ def write_llava_mmproj(model, path) -> Path:
         else:
             continue
         w.add_tensor(out, a.astype(np.float16) if a.ndim >= 2 else a.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return Path(path)
+    return _written(w, path)
 
 
 def make_llava(folder, *, seed: int = 0, image_size: int = 32, patch: int = 8):
@@ -462,3 +459,149 @@ def make_llava(folder, *, seed: int = 0, image_size: int = 32, patch: int = 8):
     llama.save_pretrained(folder)
     model = write_family_gguf(folder, folder / "model.gguf", llama, template=LLAVA_TEMPLATE, control=("<image>",))
     return hf, model, write_llava_mmproj(hf, folder / "mmproj-model.gguf")
+
+
+# Qwen2.5-VL: its vision tokens, and ChatML that reads typed parts (as Qwen2.5-VL's template does)
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+QWEN_VL_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def _qwen_vision_tensors(model, names: dict) -> dict:
+    """Qwen2.5-VL's tower and merger as llama.cpp's and Ollama's converters split and name
+    them (`names`: the patch embedding's two time slices, the merger's parts); q, k, v
+    split from the fused qkv; 1-D tensors F32, the rest F16."""
+    vc = model.config.vision_config
+    hidden = vc.hidden_size
+    parts = {"norm1": "ln1", "norm2": "ln2", "attn.proj": "attn_out", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    out = {}
+    for hf_name, t in model.state_dict().items():
+        name = hf_name.removeprefix("model.")
+        if not name.startswith("visual."):
+            continue
+        a = t.detach().float().numpy()
+        stem = name.removeprefix("visual.")
+        if stem == "patch_embed.proj.weight":
+            out[names["patch0"]] = a[:, :, 0]
+            out[names["patch1"]] = a[:, :, 1]
+            continue
+        if stem.startswith("merger."):
+            part, suffix = stem.removeprefix("merger.").rsplit(".", 1)
+            out[f"{names[part]}.{suffix}"] = a
+            continue
+        _, i, rest = stem.split(".", 2)
+        part, suffix = rest.rsplit(".", 1)
+        if part == "attn.qkv":
+            for j, x in enumerate("qkv"):
+                out[f"v.blk.{i}.attn_{x}.{suffix}"] = a[j * hidden:(j + 1) * hidden]
+            continue
+        out[f"v.blk.{i}.{parts[part]}.{suffix}"] = a
+    return {k: (v.astype(np.float32) if v.ndim == 1 else v.astype(np.float16)) for k, v in out.items()}
+
+
+def write_qwen25vl_mmproj(model, path) -> Path:
+    """Qwen2.5-VL's tower and merger as llama.cpp's converter writes them (Qwen2VLVisionModel):
+    projector type "qwen2.5vl_merger", the Conv3d's two time slices as `v.patch_embd.weight`
+    and `v.patch_embd.weight.1`, `v.blk.N.{ln1,ln2,attn_q,attn_k,attn_v,attn_out,ffn_gate,
+    ffn_up,ffn_down}`, the merger's norm `v.post_ln`, its linears mm.0 and mm.2;
+    `clip.vision.n_wa_pattern` (the full-attention layers' period), CLIP's mean and std."""
+    import gguf
+    from ..model.vision import CLIP_MEAN, CLIP_STD
+    vc = model.config.vision_config
+    full = list(vc.fullatt_block_indexes)
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", "qwen2.5vl_merger")
+    w.add_bool("clip.use_silu", True)
+    for key, value in (("image_size", 560), ("patch_size", vc.patch_size), ("embedding_length", vc.hidden_size),
+                       ("feed_forward_length", vc.intermediate_size), ("projection_dim", vc.out_hidden_size),
+                       ("attention.head_count", vc.num_heads), ("block_count", vc.depth),
+                       ("n_wa_pattern", full[0] + 1)):
+        w.add_uint32(f"clip.vision.{key}", value)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_array("clip.vision.image_mean", list(CLIP_MEAN))
+    w.add_array("clip.vision.image_std", list(CLIP_STD))
+    names = {"patch0": "v.patch_embd.weight", "patch1": "v.patch_embd.weight.1", "ln_q": "v.post_ln",
+             "mlp.0": "mm.0", "mlp.2": "mm.2"}
+    for name, a in _qwen_vision_tensors(model, names).items():
+        w.add_tensor(name, a)
+    return _written(w, path)
+
+
+def make_qwen25vl(folder, *, seed: int = 0, sections=(2, 3, 3), heads: int = 2, window: int = 112,
+                  full=(1, 3)):
+    """A tiny random Qwen2.5-VL (transformers' Qwen2_5_VLForConditionalGeneration: a windowed
+    ViT of 4 layers, the merger, Qwen2's text model with M-RoPE `sections`) in both GGUF
+    layouts: llama.cpp's (`model.gguf`, architecture "qwen2vl" with rope.dimension_sections,
+    + `mmproj-model.gguf`) and Ollama's single file (`ollama-qwen25vl.gguf`: architecture
+    "qwen25vl", rope.mrope_section, the tower inside: `v.patch_embd_0/1`, `v.merger.*`). The
+    tower's matrices are rounded to F16 as the files keep them. Returns (the transformers
+    model, model.gguf, mmproj-model.gguf, ollama-qwen25vl.gguf)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    from .families import make_family_model, write_family_gguf
+    from .tiny_models import randomize
+    folder = Path(folder)
+    make_family_model(folder, "qwen2", seed, extra_specials=QWEN_VL_TOKENS)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    text = transformers.AutoConfig.from_pretrained(str(folder))
+    tc = text.to_dict()
+    tc["rope_parameters"] = {"rope_type": "default", "rope_theta": float(getattr(text, "rope_theta", None) or
+                                                                          text.rope_parameters["rope_theta"]),
+                             "mrope_section": list(sections)}
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=tc,
+        vision_config=dict(depth=4, hidden_size=64, num_heads=heads, intermediate_size=96,
+                           out_hidden_size=text.hidden_size, patch_size=14, window_size=window,
+                           fullatt_block_indexes=list(full), spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=tok.token_to_id("<|image_pad|>"), vision_start_token_id=tok.token_to_id("<|vision_start|>"),
+        vision_end_token_id=tok.token_to_id("<|vision_end|>"), tie_word_embeddings=False)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    randomize(hf, seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2 and "visual" in name:
+                p.copy_(p.half().float())
+    causal = transformers.Qwen2ForCausalLM(text).eval()
+    causal.model.load_state_dict(hf.model.language_model.state_dict())
+    causal.lm_head.load_state_dict(hf.lm_head.state_dict())
+    causal.save_pretrained(folder)
+    V = gguf_types()
+    plain = write_family_gguf(folder, folder / "text-qwen2vl.gguf", causal, arch="qwen2vl", template=QWEN_VL_TEMPLATE,
+                              control=QWEN_VL_TOKENS)
+    model = _copy_gguf(plain, folder / "model.gguf",
+                       extra_kv={"qwen2vl.rope.dimension_sections": ([*sections, 0], V.ARRAY, V.INT32)})
+    mmproj = write_qwen25vl_mmproj(hf, folder / "mmproj-model.gguf")
+    plain = write_family_gguf(folder, folder / "text-qwen25vl.gguf", causal, arch="qwen25vl",
+                              template=QWEN_VL_TEMPLATE, control=QWEN_VL_TOKENS)
+    vc = hf.config.vision_config
+    kv = {"qwen25vl.rope.mrope_section": (list(sections), V.ARRAY, V.INT32),
+          "qwen25vl.vision.block_count": (vc.depth, V.UINT32),
+          "qwen25vl.vision.embedding_length": (vc.hidden_size, V.UINT32),
+          "qwen25vl.vision.attention.head_count": (vc.num_heads, V.UINT32),
+          "qwen25vl.vision.num_channels": (3, V.UINT32), "qwen25vl.vision.patch_size": (vc.patch_size, V.UINT32),
+          "qwen25vl.vision.spatial_merge_size": (vc.spatial_merge_size, V.UINT32),
+          "qwen25vl.vision.spatial_patch_size": (vc.patch_size, V.UINT32),
+          "qwen25vl.vision.window_size": (vc.window_size, V.UINT32),
+          "qwen25vl.vision.attention.layer_norm_epsilon": (1e-6, V.FLOAT32),
+          "qwen25vl.vision.rope.freq_base": (10000.0, V.FLOAT32),
+          "qwen25vl.vision.fullatt_block_indexes": (list(vc.fullatt_block_indexes), V.ARRAY, V.INT32),
+          "qwen25vl.vision.temporal_patch_size": (2, V.UINT32)}
+    names = {"patch0": "v.patch_embd_0.weight", "patch1": "v.patch_embd_1.weight", "ln_q": "v.merger.ln_q",
+             "mlp.0": "v.merger.mlp.0", "mlp.2": "v.merger.mlp.2"}
+    ollama = _copy_gguf(plain, folder / "ollama-qwen25vl.gguf", extra_kv=kv,
+                        extra_tensors=_qwen_vision_tensors(hf, names))
+    return hf, model, mmproj, ollama
+
+
+def gguf_types():
+    import gguf
+    return gguf.GGUFValueType

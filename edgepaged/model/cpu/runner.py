@@ -350,20 +350,21 @@ class CpuModel:
         return y
 
     def forward(self, ids, positions, query_start_loc, seq_lens, block_tables, slots, kv, logits_indices,
-                prompt=None):
+                prompt=None, ropes=None):
         """Flat batch [T] -> float32 logits [len(logits_indices), vocab]; kv is the runner's
         [layers, 2, num_blocks, block_size, kv_heads, head_dim] pool. `prompt` (bool per
-        sequence): its rows are its prompt's; without it, a sequence of 2 rows or more is one."""
+        sequence): its rows are its prompt's; without it, a sequence of 2 rows or more is one.
+        `ropes`: rotary tables in place of the model's (M-RoPE's, per row: `positions` index them)."""
         ws = self._ws if self._ws_lock.acquire(blocking=False) else None   # (never two forwards on one buffer)
         try:
             return self._forward(ids, positions, query_start_loc, seq_lens, block_tables, slots, kv, logits_indices,
-                                 prompt, ws)
+                                 prompt, ws, ropes or self.ropes)
         finally:
             if ws is not None:
                 self._ws_lock.release()
 
     def _forward(self, ids, positions, query_start_loc, seq_lens, block_tables, slots, kv, logits_indices,
-                 prompt, ws):
+                 prompt, ws, ropes):
         cfg, settings = self.cfg, self.settings
         t = len(ids)
         q_lens = np.diff(query_start_loc)
@@ -392,12 +393,12 @@ class CpuModel:
             tables = block_tables if len(q_lens) == t else np.repeat(block_tables, q_lens, axis=0)
             per_row = (np.arange(t, dtype=np.int64), lens, np.ascontiguousarray(tables, dtype=np.int32))
         if one_call:
-            cos, sin = self.ropes[0]
+            cos, sin = ropes[0]
             self.decoder.decode(h, positions, slots, per_row[1], per_row[2], kv, cos, sin, cfg.scale,
                                 self.layers[0].spec.attention.window or 0)
             delta = None
         elif row_by_row:                 # decode rows, short chunks: paged_decode, one call per layer
-            delta = self._layers(h, positions, slots, kv, decode=per_row, ws=ws)
+            delta = self._layers(h, positions, slots, kv, decode=per_row, ws=ws, ropes=ropes)
         else:                            # a long prefill chunk in the step: paged_prefill, tiles of rows
             see = None
             if self.images is not None and self.images.both_ways:    # (Gemma 3's image tokens see their image)
@@ -405,7 +406,7 @@ class CpuModel:
                 see = image_see(self.images, ids, positions, query_start_loc)
             delta = self._layers(h, positions, slots, kv, ws=ws, chunks=(
                 np.ascontiguousarray(query_start_loc, dtype=np.int64), np.ascontiguousarray(seq_lens, dtype=np.int32),
-                np.ascontiguousarray(block_tables, dtype=np.int32)), see=see)
+                np.ascontiguousarray(block_tables, dtype=np.int32)), see=see, ropes=ropes)
         if logits_indices is None:
             logits_indices = query_start_loc[1:] - 1
         if len(logits_indices) == 0:
@@ -421,7 +422,7 @@ class CpuModel:
             logits = np.tanh(logits / cap) * cap
         return logits
 
-    def _layers(self, h, positions, slots, kv, decode=None, chunks=None, ws=None, see=None) -> np.ndarray:
+    def _layers(self, h, positions, slots, kv, decode=None, chunks=None, ws=None, see=None, ropes=None) -> np.ndarray:
         """Layer by layer, each its family's steps (families/base.py); h holds the residual
         stream without the last layer's output, which is returned (a view of `ws`, the
         workspace, when given: valid until the next forward)."""
@@ -458,7 +459,7 @@ class CpuModel:
                             np.copyto(c.reshape(t, size), qkv[:, at: at + size])
                             ops.add_rms_norm(c, None, n[name + "_norm"], cfg.rms_eps, y)
                             qkv[:, at: at + size] = y.reshape(t, size)
-                    cos, sin = self.ropes[step.rope]
+                    cos, sin = (ropes or self.ropes)[step.rope]
                     ops.rope_write_kv(qkv, positions, cos, sin, slots, kc, vc, nh, nkv)
                     attend = (ops.paged_decode, decode) if decode is not None else (ops.paged_prefill, chunks)
                     extra = {} if see is None else {"see": see}     # rows that see past their causal limit
@@ -663,6 +664,16 @@ class CpuRunner(RunnerBase):
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         pos = np.ascontiguousarray(positions, dtype=np.int64)
         self.rotary_positions(pos)
+        ropes = None
+        if m.get("mrope") is not None and self.config.rope_sections:
+            # Qwen2.5-VL's image rows: tables of the batch's own rows (rope.mrope_tables)
+            from ..rope import mrope_tables
+            rows, hw = m["mrope"]
+            self.rotary_positions(np.asarray(hw).reshape(-1))
+            cos, sin = self.model.ropes[0]
+            ropes = [mrope_tables(cos, sin, pos, np.asarray(rows, np.int64), np.asarray(hw, np.int64),
+                                  self.config.rope_sections)]
+            pos = np.arange(len(pos), dtype=np.int64)
         slots = np.ascontiguousarray(m["slot_mapping"], dtype=np.int64)
         idx = None if logits_indices is None else np.asarray(logits_indices, dtype=np.int64)
         prompt = m.get("prompt")
@@ -676,7 +687,7 @@ class CpuRunner(RunnerBase):
             qsl, seq_lens, tables = np.array([0, 1, 2]), np.repeat(seq_lens, 2), np.repeat(tables, 2, axis=0)
             slots, prompt = np.array([slots[0], -1], np.int64), np.array([True, True])
             idx = np.array([0], np.int64) if idx is None else idx
-        return self.model.forward(ids, pos, qsl, seq_lens, tables, slots, self.kv_cache, idx, prompt)
+        return self.model.forward(ids, pos, qsl, seq_lens, tables, slots, self.kv_cache, idx, prompt, ropes)
 
 
 __all__ = ["CpuModel", "CpuRunner", "kv_bytes_per_value", "kv_numpy_dtype", "kv_row_units"]

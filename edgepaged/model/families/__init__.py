@@ -3,7 +3,7 @@
 | file        | families                       |
 |-------------|--------------------------------|
 | `llama.py`  | llama, mistral                 |
-| `qwen2.py`  | qwen2                          |
+| `qwen2.py`  | qwen2, qwen2vl, qwen25vl       |
 | `qwen3.py`  | qwen3                          |
 | `gemma2.py` | gemma2                         |
 | `gemma3.py` | gemma3                         |

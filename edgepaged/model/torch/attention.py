@@ -32,10 +32,12 @@ class AttentionMetadata:
     # per row, how many positions it sees at least (past its causal limit: Gemma 3's image
     # tokens see their whole image, model/image_table.image_see); None: causal
     see: np.ndarray | None = None
+    # M-RoPE's image rows (Qwen2.5-VL): (rows, their h and w [k, 2]), as torch tensors; None: none
+    mrope: tuple | None = None
 
     @classmethod
     def build(cls, query_start_loc, seq_lens, block_tables, slot_mapping, device="cpu",
-              see=None) -> "AttentionMetadata":
+              see=None, mrope=None) -> "AttentionMetadata":
         qsl = np.asarray(query_start_loc, dtype=np.int64)
         lens = np.asarray(seq_lens, dtype=np.int64)
         q_lens = np.diff(qsl)
@@ -45,7 +47,9 @@ class AttentionMetadata:
         return cls(_tensor(qsl, torch.int32, device), _tensor(lens, torch.int32, device),
                    _tensor(bt, torch.int32, device).reshape(len(lens), -1),
                    _tensor(slot_mapping, torch.int64, device), q_lens.tolist(), lens.tolist(),
-                   None if see is None else np.asarray(see, np.int64))
+                   None if see is None else np.asarray(see, np.int64),
+                   None if mrope is None else tuple(_tensor(np.asarray(a, np.int64), torch.int64, device)
+                                                    for a in mrope))
 
     @property
     def num_seqs(self) -> int:

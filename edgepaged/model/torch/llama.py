@@ -206,6 +206,10 @@ class LlamaForCausalLM(nn.Module):
         [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
         h = self.embed(input_ids)
         ropes = [r.tables(positions) for r in self.ropes]
+        if meta.mrope is not None and self.cfg.rope_sections:       # Qwen2.5-VL's image rows
+            from ..rope import mrope_tables
+            cos, sin = mrope_tables(self.rotary.cos, self.rotary.sin, positions, *meta.mrope, self.cfg.rope_sections)
+            ropes[0] = (cos.unsqueeze(1), sin.unsqueeze(1))
         plan = backend.plan(meta)
         for i, layer in enumerate(self.layers):
             h = layer(h, ropes, backend, plan, kv_cache[i, 0], kv_cache[i, 1])

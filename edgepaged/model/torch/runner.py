@@ -257,6 +257,8 @@ class ModelRunner(RunnerBase):
             meta = (attn_metadata if isinstance(attn_metadata, AttentionMetadata)
                     else AttentionMetadata.build(**{k: v for k, v in attn_metadata.items() if k != "prompt"},
                                                  device=dev, see=see))
+            if meta.mrope is not None:      # (the tables must reach the image rows' h and w)
+                self.rotary_positions(np.asarray(attn_metadata["mrope"][1]).reshape(-1))
             if max(meta.seq_lens_host) > self.max_model_len:
                 raise ValueError(f"context of {max(meta.seq_lens_host)} tokens exceeds max_model_len "
                                  f"{self.max_model_len}")
