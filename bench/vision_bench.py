@@ -3,8 +3,9 @@ camera snapshots beside a voice command, against `edgepaged serve` (a subprocess
 
 Per shape (a synthetic SmolVLM-256M: the embedded SmolLM2-135M as its text model with
 SmolVLM's image tokens, a random SigLIP-B/16-512 tower + connector as llama.cpp's mmproj, F16;
-Gemma 3 4B: its SigLIP-so400m-896 tower and projector, the encoder alone, beside a one-layer
-text stub of the 4 B's width) with a 1280 x 720 JPEG:
+a synthetic Gemma 3 4B: its text model as Q4_K_M, 34 layers, 262,208 tokens, random blocks
+(`testing/vision_models.synthetic_gemma3`), beside its SigLIP-so400m-896 tower and projector
+as llama.cpp's mmproj, F16) with a 1280 x 720 JPEG:
 
 - `encode_s`: the image decoded, cut into tiles and encoded (tower + connector), in process,
   with the math `serve` uses (`--quant-math auto`: f32 products, or the integer kernels on a
@@ -22,7 +23,9 @@ text stub of the 4 B's width) with a 1280 x 720 JPEG:
   on the same files, when `--llama-bin DIR` holds them (or they are on the PATH); null with the
   reason otherwise.
 
-    python bench/vision_bench.py [--json] [--burst 8] [--llama-bin DIR] [--work DIR] [--skip-gemma]
+    python bench/vision_bench.py [--json] [--burst 8] [--llama-bin DIR] [--work DIR] [--skip-gemma] [--skip-smolvlm]
+
+The top-level fields repeat the first shape's (SmolVLM-256M's, unless skipped).
 """
 from __future__ import annotations
 
@@ -265,28 +268,22 @@ def main() -> None:
     ap.add_argument("--burst", type=int, default=8, help="camera snapshots sent at once")
     ap.add_argument("--llama-bin", default=None, help="the folder of llama.cpp's llama-mtmd-cli and llama-server")
     ap.add_argument("--skip-gemma", action="store_true", help="measure SmolVLM-256M only")
+    ap.add_argument("--skip-smolvlm", action="store_true", help="measure Gemma 3 4B only")
     ap.add_argument("--work", default=None, help="where the synthetic files are written (kept: a second run "
                     "reuses them)")
     args = ap.parse_args()
     from edgepaged.testing.vision_models import synthetic_smolvlm
     work = Path(args.work or Path(tempfile.gettempdir()) / "edgepaged-vision-bench")
-    model, mmproj = synthetic_smolvlm(work, "smolvlm-256m")
     out = {"cpu": cpu_flags(), "image": "1280x720 JPEG", "shapes": {}}
-    out["shapes"]["smolvlm-256m"] = measure(model, mmproj, args.burst, args.llama_bin)
+    if not args.skip_smolvlm:
+        model, mmproj = synthetic_smolvlm(work, "smolvlm-256m")
+        out["shapes"]["smolvlm-256m"] = measure(model, mmproj, args.burst, args.llama_bin)
     if not args.skip_gemma:
-        from edgepaged.testing.vision_models import synthetic_gemma3_tower
-        stub, mm = synthetic_gemma3_tower(work, "gemma3-4b")
-        res = encode_times(stub, mm, frame(0))
-        print(f"gemma3-4b tower: encode {res['encode_s']} s ({res['encode_math']}, {res['image_tokens']} image tokens)")
-        with tempfile.TemporaryDirectory() as tmp:
-            ll = llama_cpp(args.llama_bin, stub, mm, frame(0), Path(tmp), encode_only=True)
-        res.update(ll)
-        if res.get("llama_cpp_encode_s"):
-            res["encode_vs_llama_cpp"] = round(res["encode_s"] / res["llama_cpp_encode_s"], 3)
-        res["note"] = ("the encoder only: its text model is a one-layer stub of the 4 B's width (a 4 B file is not "
-                       "written here), so the TTFT fields are not measured for this shape")
-        out["shapes"]["gemma3-4b"] = res
-    out.update({k: v for k, v in out["shapes"]["smolvlm-256m"].items() if k != "note"})
+        from edgepaged.testing.vision_models import synthetic_gemma3
+        model, mm = synthetic_gemma3(work, "gemma3-4b")
+        out["shapes"]["gemma3-4b"] = measure(model, mm, args.burst, args.llama_bin)
+    first = next(iter(out["shapes"].values()), {})
+    out.update({k: v for k, v in first.items() if k != "note"})
     if args.json:
         print(json.dumps(out))
 

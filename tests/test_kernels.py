@@ -40,12 +40,25 @@ def make_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, spare=3):
     return k_cache, v_cache, tables.to(DEVICE)
 
 
+def filled_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype):
+    """`make_cache` with each sequence's K/V written in its slots: (caches, tables, keys, values)."""
+    k_cache, v_cache, tables = make_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    keys, values = [], []
+    for b, n in enumerate(seq_lens):
+        k, v = torch.randn(2, n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+        s = slots(tables[b], torch.arange(n, device=DEVICE), block_size)
+        k_cache.view(-1, num_kv_heads, head_dim)[s], v_cache.view(-1, num_kv_heads, head_dim)[s] = k, v
+        keys.append(k), values.append(v)
+    return k_cache, v_cache, tables, keys, values
+
+
 def slots(table_row, positions, block_size):
     return table_row[positions // block_size].long() * block_size + positions % block_size
 
 
-def reference(q, query_start_loc, keys, values, scale, window=None):
-    """Causal attention per sequence on contiguous K/V [L, Hkv, D]; queries are the last positions."""
+def reference(q, query_start_loc, keys, values, scale, window=None, see=None):
+    """Causal attention per sequence on contiguous K/V [L, Hkv, D]; queries are the last positions
+    (`see`: per row, positions it sees at least past its causal limit)."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b, (k, v) in enumerate(zip(keys, values)):
         a, e = int(query_start_loc[b]), int(query_start_loc[b + 1])
@@ -56,6 +69,8 @@ def reference(q, query_start_loc, keys, values, scale, window=None):
         pos = torch.arange(L - (e - a), L, device=q.device)[:, None]
         kpos = torch.arange(L, device=q.device)[None, :]
         visible = kpos <= pos
+        if see is not None:
+            visible |= kpos < see[a:e, None].to(q.device)
         if window:
             visible &= kpos > pos - window
         out[a:e] = torch.einsum("hqk,khd->qhd", s.masked_fill(~visible, float("-inf")).softmax(-1), v)
@@ -101,13 +116,7 @@ DECODE_CASES = [  # dtype, block_size, head_dim, kv heads, group (H / Hkv), slid
 def test_paged_decode(dtype, bs, D, Hkv, G, window, num_splits):
     torch.manual_seed(1)
     seq_lens = [1, 16, 17, 33, 300]
-    k_cache, v_cache, tables = make_cache(seq_lens, bs, Hkv, D, dtype)
-    keys, values = [], []
-    for b, n in enumerate(seq_lens):
-        k, v = torch.randn(2, n, Hkv, D, device=DEVICE).to(dtype)
-        s = slots(tables[b], torch.arange(n, device=DEVICE), bs)
-        k_cache.view(-1, Hkv, D)[s], v_cache.view(-1, Hkv, D)[s] = k, v
-        keys.append(k), values.append(v)
+    k_cache, v_cache, tables, keys, values = filled_cache(seq_lens, bs, Hkv, D, dtype)
     q = torch.randn(len(seq_lens), Hkv * G, D, device=DEVICE).to(dtype)
     scale = D ** -0.5
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
@@ -150,6 +159,38 @@ def test_paged_prefill(dtype, bs, D, Hkv, G, window):
     scale = D ** -0.5
     out = paged_prefill(q, k_cache, v_cache, tables, qsl, lens, scale, sliding_window=window)
     assert_close(out, reference(q, qsl, keys, values, scale, window), dtype)
+
+
+@pytest.mark.parametrize("window", [None, 24], ids=["full", "window"])
+def test_paged_prefill_rows_that_see_past_their_causal_limit(window):
+    """Gemma 3's image tokens see their whole image (`see`), in a chunk after a cached prefix
+    and beside a plain chunk and a decode row; other rows stay causal; a window still counts
+    back from the row."""
+    torch.manual_seed(5)
+    dtype, bs, Hkv, G, D = f32, 16, 1, 2, 64
+    chunks = [(20, 40), (0, 9), (30, 1)]         # (cached prefix, q_len)
+    seq_lens = [p + n for p, n in chunks]
+    k_cache, v_cache, tables, keys, values = filled_cache(seq_lens, bs, Hkv, D, dtype)
+    T = sum(n for _, n in chunks)
+    q = torch.randn(T, Hkv * G, D, device=DEVICE).to(dtype)
+    qsl = torch.tensor([0] + [n for _, n in chunks], device=DEVICE).cumsum(0).to(torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    pos = torch.cat([torch.arange(p, p + n) for p, n in chunks])
+    see = pos + 1
+    see[5:25] = 45          # an image at positions 25..44 of the first sequence: rows 5..24 see it whole
+    out = paged_prefill(q, k_cache, v_cache, tables, qsl, lens, D ** -0.5, sliding_window=window,
+                        see=see.to(torch.int32).to(DEVICE))
+    want = reference(q, qsl, keys, values, D ** -0.5, window, see=see)
+    assert_close(out, want, dtype)
+    assert (want - reference(q, qsl, keys, values, D ** -0.5, window)).abs().max() > 1e-2
+    # the GPU backend passes the step's `see` (AttentionMetadata.see, Gemma 3's images) to the kernel
+    import numpy as np
+
+    from edgepaged.model.torch.attention import AttentionMetadata, TritonAttention
+    meta = AttentionMetadata.build(qsl.cpu().numpy(), seq_lens, tables.cpu(), np.zeros(T, np.int64), DEVICE,
+                                   see=see.numpy())
+    backend = TritonAttention(Hkv * G, Hkv, D, bs, window)
+    assert_close(backend.attend(q, k_cache, v_cache, meta), want, dtype)
 
 
 def test_decode_splits_agree():

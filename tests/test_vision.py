@@ -460,3 +460,27 @@ def test_windowed_attention_inside_each_segment(d):
         s = np.exp(s - s.max(-1, keepdims=True))
         want[a:b] = ((s / s.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(b - a, h)
     assert np.abs(got - want).max() <= 1e-5
+
+
+def test_the_torch_runner_s_towers_give_the_cpu_towers_features(smolvlm, gemma3vlm, qwen25vl, tmp_path):
+    """The torch runner runs each family's tower on its device (model/torch/vision.py: the GPU
+    on a GPU box; here the CPU): SmolVLM's tiles, Gemma 3's SigLIP, LLaVA's CLIP and
+    Qwen2.5-VL's windowed ViT and merger give the CPU runtime's numpy towers' feature rows
+    within 1e-4."""
+    from edgepaged.model import ModelRunner
+    from edgepaged.model.cpu.runner import CpuRunner
+    from edgepaged.model.torch.vision import TorchQwenTower, TorchSiglip
+    from edgepaged.testing.vision_models import make_llava
+    pairs = [(smolvlm[1], smolvlm[2]), (gemma3vlm[1], gemma3vlm[2]), (qwen25vl[1], qwen25vl[2]),
+             make_llava(tmp_path / "llava")[1:]]
+    img = _photo(300, 200, seed=6)
+    for model, mmproj in pairs:
+        cpu, gpu = CpuRunner(model, num_blocks=8), ModelRunner(model, num_blocks=8)
+        cpu.attach_vision(mmproj, math="exact")
+        gpu.attach_vision(mmproj)
+        assert isinstance(gpu.vision.tower, (TorchSiglip, TorchQwenTower))
+        pixels, layout = cpu.vision.pixels(img)
+        want = cpu.vision.encode(pixels)
+        got = gpu.vision.encode(pixels, pause=lambda: None)
+        assert got.shape == want.shape and got.dtype == np.float32
+        assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()), cpu.vision.kind

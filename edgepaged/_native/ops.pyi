@@ -15,6 +15,8 @@ def add_rms_norm(h: F32, delta: F32 | None, weight: F32, eps: float, out: F32) -
     """h += delta (if given); out = h / rms(h) * weight, row by row ([T, D])."""
 def silu_mul(gu: F32, out: F32) -> None:
     """out[t, i] = silu(gu[t, i]) * gu[t, I + i]; gu [T, 2I], out [T, I]."""
+def softmax_rows(x: F32, scale: float) -> None:
+    """Each row of x [..., n] in place: softmax(scale * row), scale > 0 (the pool's threads)."""
 def rope_write_kv(
     qkv: F32, positions: I64, cos: F32, sin: F32, slots: I64, k_cache: F32, v_cache: F32, num_heads: int,
     num_kv_heads: int,

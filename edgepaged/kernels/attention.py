@@ -121,11 +121,11 @@ def _merge_kernel(part_ptr, lse_ptr, o_ptr, s_ob, s_oh, H,
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qsl_ptr, lens_ptr, qk_scale, window, softcap, num_seqs,
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qsl_ptr, lens_ptr, see_ptr, qk_scale, window, softcap, num_seqs,
     s_qt, s_qh, s_ot, s_oh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, B_PAD: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-    SOFTCAP: tl.constexpr, SPLIT_DIAG: tl.constexpr,
+    SOFTCAP: tl.constexpr, SPLIT_DIAG: tl.constexpr, HAS_SEE: tl.constexpr,
 ):
     # grid (T // BLOCK_Q + B, Hkv). Sequence b owns the query tiles numbered from
     # qsl[b] // BLOCK_Q + b, at least cdiv(q_len, BLOCK_Q) of them; a tile past its q_len idles.
@@ -157,6 +157,9 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_Q * G_PAD, D], tl.float32)
 
     hi = tl.where(q0 < q_len, ctx0 + tl.minimum(q0 + BLOCK_Q, q_len), 0)  # causal: up to the last query
+    if HAS_SEE:  # rows that see past their causal limit (Gemma 3's image tokens: their whole image)
+        sees = tl.load(see_ptr + tok, mask=row_ok, other=0)
+        hi = tl.maximum(hi, tl.max(sees, 0))
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(ctx0 + q0 - window + 1, 0) // BLOCK_N * BLOCK_N
@@ -177,6 +180,8 @@ def _prefill_kernel(
         s, v = _attend_tile(q, k_base, v_base, bt_row, n, n < hi, s_kb, s_kt, s_vb, s_vt,
                             qk_scale, softcap, d, BS, UPCAST, SOFTCAP)
         visible = n[None, :] <= pos[:, None]
+        if HAS_SEE:
+            visible = visible | (n[None, :] < sees[:, None])
         if USE_WINDOW:
             visible = visible & (n[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -261,13 +266,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                  sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                  sliding_window: int | None = None, softcap: float | None = None,
+                  see: torch.Tensor | None = None) -> torch.Tensor:
     """Packed causal attention: q [T, H, D] holds B chunks, chunk b = rows qsl[b]:qsl[b+1].
 
     Chunk b's queries are the last q_len positions of its context of seq_lens[b] tokens; their own
     K/V must already be in the cache (write_kv). They attend to the cached prefix and causally to
     themselves. Rows with q_len = 1 (decode) may be mixed in. `softcap`: gemma2's tanh capping
-    of the scaled scores. Returns [T, H, D].
+    of the scaled scores. `see` (int32 [T], at most the row's seq_len): positions a row sees at
+    least, past its causal limit (Gemma 3's image tokens see their whole image; a window still
+    counts back from the row). Returns [T, H, D].
     """
     BS, Hkv, D = _check(q, k_cache, v_cache, block_tables, seq_lens)
     T, H, _ = q.shape
@@ -281,13 +289,14 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     g_pad = triton.next_power_of_2(G)
     block_q = max(cfg["BLOCK_M"], 16, g_pad) // g_pad  # queries per program: BLOCK_M rows of (query, head)
     _prefill_kernel[(T // block_q + B, Hkv)](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale * LOG2E,
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        seq_lens if see is None else see.to(device=q.device, dtype=torch.int32).contiguous(), scale * LOG2E,
         sliding_window or 0, softcap or 1.0, B,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         G=G, G_PAD=g_pad, D=D, BS=BS, BLOCK_Q=block_q, BLOCK_N=_block_n(cfg, k_cache.dtype, D),
         B_PAD=triton.next_power_of_2(B), USE_WINDOW=bool(sliding_window), UPCAST=interpreting(), SOFTCAP=bool(softcap),
-        SPLIT_DIAG=bool(cfg.get("SPLIT_DIAG")),
+        SPLIT_DIAG=bool(cfg.get("SPLIT_DIAG")), HAS_SEE=see is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -1,11 +1,14 @@
-"""An image's pixels as a vision tower takes them, and the tower (issue 68's first pieces).
+"""An image's pixels as a vision tower takes them, the towers, and the files they come from.
 
     tiles, rows, cols = idefics3_pixels(img, longest_edge=2048, tile=512)   # SmolVLM / SmolVLM2
     pixels = gemma3_pixels(img, size=896)                                    # Gemma 3 (SigLIP at 896)
-    tokens = idefics3_image_tokens(SiglipTower(weights, ...), projection, tiles, scale)   # SmolVLM's
+    patches, gh, gw = qwen2vl_pixels(img)                                    # Qwen2.5-VL (any size)
+    enc = VisionEncoder(mmproj)            # a served model's image side: pixels, tower, prompt tokens
 
-The tower runs in numpy here (transformers' names; the mmproj GGUF layouts, the Rust kernels
-and the torch path are next).
+The towers here run on the CPU runtime (numpy's BLAS for the products, the Rust kernels for
+attention and softmax); the torch runner runs the same towers on its device
+(model/torch/vision.py). Weights come under transformers' names from llama.cpp's mmproj
+files or from Ollama's single files (`read_vision`).
 
 `img` is a PIL RGB image (`request/images.decode`); the result is float32, channels first,
 rescaled to 0..1 and normalised by the model's mean and std: the values transformers' own image
@@ -232,37 +235,8 @@ class SiglipTower:
 
     @staticmethod
     def _attention(qkv: np.ndarray, t: int, nh: int, d: int) -> np.ndarray:
-        """Every patch attends to every patch: the CPU runtime's prefill tiles (Rust), each row
-        seeing all t positions (`see`), over K and V laid out as one sequence's blocks; heads
-        of a size the tiles do not take (SigLIP-so400m's 72: Gemma 3's tower) in numpy, a few
-        heads at a time (their scores in a bounded buffer)."""
-        from .._native import ops
-        h = nh * d
-        if d not in TILE_HEAD_DIMS:
-            out = np.empty((t, h), np.float32)
-            step = max(1, (64 << 20) // (4 * t * t))
-            for h0 in range(0, nh, step):
-                h1 = min(nh, h0 + step)
-                q = qkv[:, h0 * d:h1 * d].reshape(t, h1 - h0, d).transpose(1, 0, 2)
-                k = qkv[:, h + h0 * d:h + h1 * d].reshape(t, h1 - h0, d).transpose(1, 2, 0)
-                v = qkv[:, 2 * h + h0 * d:2 * h + h1 * d].reshape(t, h1 - h0, d).transpose(1, 0, 2)
-                s = np.matmul(q, k)
-                s *= np.float32(d ** -0.5)
-                s -= s.max(-1, keepdims=True)
-                np.exp(s, out=s)
-                s /= s.sum(-1, keepdims=True)
-                out[:, h0 * d:h1 * d] = np.matmul(s, v).transpose(1, 0, 2).reshape(t, -1)
-            return out
-        nb = -(-t // KV_BLOCK)
-        k = np.zeros((nb * KV_BLOCK, h), np.float32)
-        v = np.zeros((nb * KV_BLOCK, h), np.float32)
-        k[:t], v[:t] = qkv[:, h:2 * h], qkv[:, 2 * h:]
-        q = np.ascontiguousarray(qkv[:, :h])
-        out = np.empty((t, h), np.float32)
-        ops.paged_prefill(q, out, np.array([0, t], np.int64), np.array([t], np.int32),
-                          np.arange(nb, dtype=np.int32)[None], k.reshape(nb, KV_BLOCK, nh, d),
-                          v.reshape(nb, KV_BLOCK, nh, d), nh, nh, d ** -0.5, see=np.full(t, t, np.int32))
-        return out
+        """Every patch attends to every patch (`segment_attention` over one segment)."""
+        return segment_attention(qkv, np.array([0, t], np.int64), nh, d)
 
     act = staticmethod(_gelu_tanh)      # the MLP's activation, in place
 
@@ -343,14 +317,18 @@ def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(v)) * w
 
 
-def segment_attention(qkv: np.ndarray, cu: np.ndarray, nh: int, d: int) -> np.ndarray:
+def segment_attention(qkv: np.ndarray, cu: np.ndarray, nh: int, d: int, scale: float | None = None) -> np.ndarray:
     """Attention without a mask inside each segment [cu[i], cu[i + 1]) of the rows (a
     windowed ViT's windows; one segment: every row sees every row), q, k, v side by side in
     `qkv` [t, 3 * nh * d]: the Rust prefill tiles for 32/64/128-wide heads (each segment a
-    sequence of its own blocks, each row seeing its whole segment), numpy otherwise (the
-    segments of one length together, a few heads at a time)."""
+    sequence of its own blocks, each row seeing its whole segment); other heads (Gemma 3's
+    72, Qwen2.5-VL's 80) as two BLAS products around `ops.softmax_rows` (the pool's threads:
+    numpy's exp ran one core, 1.7 against 0.8-1.0 s a layer of Gemma 3's tower here), long
+    segments a head and a block of query rows at a time (`_long_segment`), short ones (the
+    windows) of one length together."""
     from .._native import ops
     t, h = len(qkv), nh * d
+    scale = d ** -0.5 if scale is None else scale
     cu = np.asarray(cu, np.int64)
     lens = np.diff(cu)
     out = np.empty((t, h), np.float32)
@@ -366,13 +344,16 @@ def segment_attention(qkv: np.ndarray, cu: np.ndarray, nh: int, d: int) -> np.nd
         for i, (f, n) in enumerate(zip(first, nbs)):
             tables[i, :n] = np.arange(f, f + n)
         ops.paged_prefill(np.ascontiguousarray(qkv[:, :h]), out, cu, lens.astype(np.int32), tables,
-                          k.reshape(total, KV_BLOCK, nh, d), v.reshape(total, KV_BLOCK, nh, d), nh, nh, d ** -0.5,
+                          k.reshape(total, KV_BLOCK, nh, d), v.reshape(total, KV_BLOCK, nh, d), nh, nh, scale,
                           see=np.repeat(lens, lens).astype(np.int32))
         return out
-    scale = np.float32(d ** -0.5)
     for n in np.unique(lens):
         n = int(n)
         starts = cu[:-1][lens == n]
+        if n >= 512:       # long segments one by one, in blocks of query rows (their scores stay in the cache)
+            for a in starts:
+                _long_segment(qkv, out, int(a), n, nh, d, scale)
+            continue
         idx = (starts[:, None] + np.arange(n)).reshape(-1)
         step = max(1, (64 << 20) // (4 * n * n * len(starts)))
         for h0 in range(0, nh, step):
@@ -381,14 +362,28 @@ def segment_attention(qkv: np.ndarray, cu: np.ndarray, nh: int, d: int) -> np.nd
             q = part[:, :, 0].transpose(0, 2, 1, 3)
             kt = part[:, :, 1].transpose(0, 2, 3, 1)
             vv = part[:, :, 2].transpose(0, 2, 1, 3)
-            sc = np.matmul(q, kt)
-            sc *= scale
-            sc -= sc.max(-1, keepdims=True)
-            np.exp(sc, out=sc)
-            sc /= sc.sum(-1, keepdims=True)
+            sc = np.matmul(q, kt)            # (BLAS), the softmax on the pool's threads, BLAS again
+            ops.softmax_rows(sc, scale)
             o = np.matmul(sc, vv).transpose(0, 2, 1, 3).reshape(len(starts) * n, (h1 - h0) * d)
             out[idx, h0 * d:h1 * d] = o
     return out
+
+
+def _long_segment(qkv, out, a: int, n: int, nh: int, d: int, scale: float, block_bytes: int = 16 << 20) -> None:
+    """`segment_attention` of rows a .. a + n, head by head, `block_bytes` of scores at a time:
+    scores (BLAS), their softmax (the pool's threads), times V (BLAS)."""
+    from .._native import ops
+    h = nh * d
+    rows = max(16, block_bytes // (4 * n))
+    seg = qkv[a:a + n]
+    for i in range(nh):
+        kt = np.ascontiguousarray(seg[:, h + i * d:h + (i + 1) * d].T)
+        v = np.ascontiguousarray(seg[:, 2 * h + i * d:2 * h + (i + 1) * d])
+        q = np.ascontiguousarray(seg[:, i * d:(i + 1) * d])
+        for r in range(0, n, rows):
+            sc = q[r:r + rows] @ kt
+            ops.softmax_rows(sc, scale)
+            out[a + r:a + r + len(sc), i * d:(i + 1) * d] = sc @ v
 
 
 def _silu(x: np.ndarray) -> np.ndarray:

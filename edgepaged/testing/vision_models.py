@@ -349,6 +349,82 @@ def synthetic_gemma3_tower(folder, shape: str = "gemma3-4b", seed: int = 0) -> t
     return stub, mmproj
 
 
+GEMMA3_TEXT = {
+    # Gemma 3 4B's text model: 34 layers (5 local of a 1,024-token window to 1 global), 8 heads of
+    # 256 over 4 KV heads, a 10,240-wide MLP, 262,208 tokens
+    "gemma3-4b": dict(layers=34, inter=10240, vocab=262208, window=1024, pattern=6, context=8192),
+}
+# llama.cpp's Q4_K_M (its common choice per tensor: Q6_K for the embeddings, V and down)
+Q4_K_M = {"token_embd": 14, "attn_q": 12, "attn_k": 12, "attn_v": 14, "attn_output": 12, "ffn_gate": 12,
+          "ffn_up": 12, "ffn_down": 14}
+
+
+def synthetic_gemma3(folder, shape: str = "gemma3-4b", seed: int = 0) -> tuple[Path, Path]:
+    """A Gemma 3 of `shape`'s sizes end to end, as a Hugging Face GGUF repository ships it:
+    the text model as Q4_K_M (random blocks, each kind's shared by every layer: fast to write,
+    the file's size and work; the vocabulary the stub's tokens, Gemma 3's image tokens
+    among them, padded to the real count with control tokens) beside the random tower's
+    mmproj (`synthetic_gemma3_tower`). Its answers mean nothing; its time is the 4 B's.
+    Written once per folder. Returns (model, mmproj)."""
+    import gguf
+
+    from .gguf_models import random_blocks
+    folder = Path(folder)
+    stub, mmproj = synthetic_gemma3_tower(folder, shape, seed)
+    path = folder / f"{shape}-q4_k_m.gguf"
+    if path.exists():
+        return path, mmproj
+    t = GEMMA3_TEXT[shape]
+    r = gguf.GGUFReader(str(stub))
+    arch = "gemma3"
+    V = gguf.GGUFValueType
+    n_tok = len(r.fields["tokenizer.ggml.tokens"].contents())
+    pad = t["vocab"] - n_tok
+    override = {f"{arch}.block_count": t["layers"], f"{arch}.feed_forward_length": t["inter"],
+                f"{arch}.context_length": t["context"], f"{arch}.attention.sliding_window": t["window"],
+                f"{arch}.attention.sliding_window_pattern": t["pattern"], "general.name": f"synthetic-{shape}"}
+    tmp = path.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        value = override.get(f.name, f.contents())
+        if f.name == "tokenizer.ggml.tokens":
+            value = list(value) + [f"<unused{i}>" for i in range(pad)]
+        elif f.name == "tokenizer.ggml.token_type":
+            value = list(value) + [3] * pad
+        elif f.name == "tokenizer.ggml.scores":
+            value = list(value) + [0.0] * pad
+        vtype = f.types[0]
+        w.add_key_value(f.name, value, vtype, sub_type=f.types[-1] if vtype == V.ARRAY else None)
+    w.add_uint32("general.file_type", int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
+    hidden = int(r.fields[f"{arch}.embedding_length"].contents())
+    q = int(r.fields[f"{arch}.attention.head_count"].contents()) * 256
+    kv = int(r.fields[f"{arch}.attention.head_count_kv"].contents()) * 256
+    shapes = {"token_embd": (t["vocab"], hidden), "attn_q": (q, hidden), "attn_k": (kv, hidden),
+              "attn_v": (kv, hidden), "attn_output": (hidden, q), "ffn_gate": (t["inter"], hidden),
+              "ffn_up": (t["inter"], hidden), "ffn_down": (hidden, t["inter"])}
+    rng = np.random.default_rng(seed)
+    blocks = {k: random_blocks(Q4_K_M[k], rows, cols, rng, 1.0 if k == "token_embd" else cols ** -0.5)
+              for k, (rows, cols) in shapes.items()}
+    norms = {x.name.split(".", 2)[2]: np.asarray(x.data, np.float32) for x in r.tensors
+             if x.name.startswith("blk.0.") and x.name.endswith("norm.weight")}
+
+    def add(name, kind):
+        w.add_tensor(name, blocks[kind], raw_dtype=gguf.GGMLQuantizationType(Q4_K_M[kind]))
+    add("token_embd.weight", "token_embd")
+    w.add_tensor("output_norm.weight", np.asarray(next(x for x in r.tensors if x.name == "output_norm.weight").data,
+                                                  np.float32))
+    for i in range(t["layers"]):
+        for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            add(f"blk.{i}.{kind}.weight", kind)
+        for name, a in norms.items():
+            w.add_tensor(f"blk.{i}.{name}", a)
+    _written(w, tmp)
+    tmp.rename(path)
+    return path, mmproj
+
+
 # LLaVA-1.5: "<image>" where the picture goes, USER / ASSISTANT turns (content parts read)
 LLAVA_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}{{ 'USER: ' }}{% else %}{{ 'ASSISTANT: ' }}"

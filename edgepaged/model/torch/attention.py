@@ -269,8 +269,13 @@ class TritonAttention:
         if meta.is_decode:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
                                 sliding_window=window, softcap=self.softcap)
+        see = None
+        if meta.see is not None:        # (Gemma 3's images: their rows see the whole image)
+            see = getattr(meta, "_see_dev", None)
+            if see is None:
+                see = meta._see_dev = torch.as_tensor(meta.see, dtype=torch.int32).to(q.device, non_blocking=True)
         return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                             self.scale, sliding_window=window, softcap=self.softcap)
+                             self.scale, sliding_window=window, softcap=self.softcap, see=see)
 
 
 def backend_for(device, cfg, block_size: int, dtype):

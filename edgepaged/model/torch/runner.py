@@ -235,7 +235,11 @@ class ModelRunner(RunnerBase):
         return self.model.last_normed.float().cpu().numpy()
 
     def _take_images(self, table) -> None:
+        """The embedding takes image ids from `table`; the vision tower runs on this runner's
+        device (model/torch/vision.py: on a GPU box, the GPU)."""
+        from .vision import torch_tower
         self.model.images = table
+        self.vision.tower = torch_tower(self.vision, self.device)
 
     def execute(self, input_ids, positions, attn_metadata, logits_indices=None) -> torch.Tensor:
         """One forward over a flat batch -> float32 logits [len(logits_indices), vocab].
@@ -251,9 +255,6 @@ class ModelRunner(RunnerBase):
                 from ..image_table import image_see
                 see = image_see(self.images, np.asarray(input_ids), np.asarray(positions),
                                 np.asarray(attn_metadata["query_start_loc"]))
-                if see is not None and type(self.backend).__name__ != "TorchAttention":
-                    raise NotImplementedError("images that attend both ways (Gemma 3) run on the torch attention "
-                                              "backend or the CPU runtime for now, not the Triton kernels")
             meta = (attn_metadata if isinstance(attn_metadata, AttentionMetadata)
                     else AttentionMetadata.build(**{k: v for k, v in attn_metadata.items() if k != "prompt"},
                                                  device=dev, see=see))

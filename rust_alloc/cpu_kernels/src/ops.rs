@@ -153,6 +153,46 @@ pub fn silu_mul(gu: &[f32], out: &mut [f32], rows: usize, inter: usize) -> Resul
     Ok(())
 }
 
+// ------------------------------------------------------------------ softmax
+
+#[inline(always)]
+unsafe fn softmax_rows_scalar(x: P, n: usize, scale: f32, r0: usize, r1: usize) {
+    for r in r0..r1 {
+        let row = std::slice::from_raw_parts_mut(x.0.add(r * n), n);
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for v in row.iter_mut() {
+            *v = exp((*v - m) * scale);
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        for v in row.iter_mut() {
+            *v *= inv;
+        }
+    }
+}
+
+/// Each row of `x` [rows, n] in place: softmax(scale * x) (scale > 0). A vision tower's
+/// scores between its two products (model/vision.py): numpy's passes over them ran one core.
+pub fn softmax_rows(x: &mut [f32], rows: usize, n: usize, scale: f32) -> Result<(), OpError> {
+    if x.len() < rows * n || n == 0 || scale.is_nan() || scale <= 0.0 {
+        return bad(format!("softmax_rows: [{rows}, {n}] rows with scale {scale}"));
+    }
+    let xp = P(x.as_mut_ptr());
+    let avx = has_avx2();
+    // SAFETY: x holds `rows * n` values (checked above); chunks cover disjoint rows; AVX2
+    // only when the CPU has it.
+    let run = |r0: usize, r1: usize| unsafe {
+        #[cfg(target_arch = "x86_64")]
+        if avx {
+            return x86::softmax_rows(xp, n, scale, r0, r1);
+        }
+        softmax_rows_scalar(xp, n, scale, r0, r1)
+    };
+    split(rows, rows * n, 1 << 14, &run);
+    Ok(())
+}
+
 // ------------------------------------------------------------------ rotary + KV write
 
 /// Shapes of one attention layer.
@@ -275,6 +315,46 @@ pub(crate) mod x86 {
         _mm256_and_ps(exp8(x), _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(-46.0)))
     }
 
+    /// `super::softmax_rows_scalar` on 8 lanes (the tail of a row, past a multiple of 8, scalar).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn softmax_rows(x: super::P, n: usize, scale: f32, r0: usize, r1: usize) {
+        let body = n / 8 * 8;
+        let sc = _mm256_set1_ps(scale);
+        for r in r0..r1 {
+            let row = x.0.add(r * n);
+            let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
+            for i in (0..body).step_by(8) {
+                mv = _mm256_max_ps(mv, _mm256_loadu_ps(row.add(i)));
+            }
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), mv);
+            let mut m = lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            for i in body..n {
+                m = m.max(*row.add(i));
+            }
+            let (mb, mut sv) = (_mm256_set1_ps(m), _mm256_setzero_ps());
+            for i in (0..body).step_by(8) {
+                let e = softmax_exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row.add(i)), mb), sc));
+                _mm256_storeu_ps(row.add(i), e);
+                sv = _mm256_add_ps(sv, e);
+            }
+            _mm256_storeu_ps(lanes.as_mut_ptr(), sv);
+            let mut sum: f32 = lanes.iter().sum();
+            for i in body..n {
+                let e = super::exp((*row.add(i) - m) * scale);
+                *row.add(i) = e;
+                sum += e;
+            }
+            let inv = _mm256_set1_ps(1.0 / sum);
+            for i in (0..body).step_by(8) {
+                _mm256_storeu_ps(row.add(i), _mm256_mul_ps(_mm256_loadu_ps(row.add(i)), inv));
+            }
+            for i in body..n {
+                *row.add(i) /= sum;
+            }
+        }
+    }
+
     /// `super::silu_mul_rows` on 8 lanes (`exp8`; `inter` a multiple of 8, else the scalar
     /// loop takes the tail): the compiler's own vectorisation of the scalar loop was several
     /// times slower (bench/RESULTS.md, "Seventh session").
@@ -310,6 +390,26 @@ mod tests {
             x += 0.01;
         }
         assert!(exp(-1000.0) >= 0.0 && exp(-1000.0) < 1e-37);
+    }
+
+    #[test]
+    fn softmax_rows_sum_to_one() {
+        for n in [1usize, 7, 8, 37, 64] {
+            let rows = 5;
+            let x0: Vec<f32> = (0..rows * n).map(|i| ((i as f32) * 0.77).sin() * 9.0).collect();
+            let mut x = x0.clone();
+            softmax_rows(&mut x, rows, n, 0.3).unwrap();
+            for r in 0..rows {
+                let row = &x0[r * n..(r + 1) * n];
+                let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let z: f64 = row.iter().map(|v| ((*v as f64 - m) * 0.3).exp()).sum();
+                for i in 0..n {
+                    let want = ((row[i] as f64 - m) * 0.3).exp() / z;
+                    assert!((x[r * n + i] as f64 - want).abs() < 1e-6, "row {r} col {i}");
+                }
+            }
+        }
+        assert!(softmax_rows(&mut [1.0, 2.0], 1, 2, 0.0).is_err());
     }
 
     #[test]

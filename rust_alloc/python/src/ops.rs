@@ -132,6 +132,14 @@ fn silu_mul(py: Python<'_>, gu: PyReadonlyArrayDyn<'_, f32>, mut out: PyReadwrit
     py.detach(|| ops::silu_mul(g, o, rows, inter)).map_err(verr)
 }
 
+/// Each row of `x` [..., n] float32 in place: softmax(scale * row) (scale > 0).
+#[pyfunction]
+fn softmax_rows(py: Python<'_>, mut x: PyReadwriteArrayDyn<'_, f32>, scale: f32) -> PyResult<()> {
+    let (rows, n) = rows_cols(x.shape());
+    let xs = contiguous_mut(&mut x, "x")?;
+    py.detach(|| ops::softmax_rows(xs, rows, n, scale)).map_err(verr)
+}
+
 /// Rotary embedding of the Q and K heads of fused QKV rows [T, (H + 2 Hkv) D] in place, then
 /// K and V written to their cache slots (int64 [T], -1: skip). cos/sin [P, D] tables,
 /// positions int64 [T]; caches [num_blocks, block_size, Hkv, D] float32, float16 or int8 (q8_0 head rows of D + D / 16 bytes).
@@ -455,6 +463,7 @@ pub(crate) fn module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     m.add_function(wrap_pyfunction!(bf16_attention, &m)?)?;
     m.add_function(wrap_pyfunction!(add_rms_norm, &m)?)?;
     m.add_function(wrap_pyfunction!(silu_mul, &m)?)?;
+    m.add_function(wrap_pyfunction!(softmax_rows, &m)?)?;
     m.add_function(wrap_pyfunction!(rope_write_kv, &m)?)?;
     m.add_function(wrap_pyfunction!(paged_decode, &m)?)?;
     m.add_function(wrap_pyfunction!(paged_prefill, &m)?)?;
