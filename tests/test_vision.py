@@ -328,12 +328,12 @@ def test_llava_s_logits_for_an_image_equal_transformers(tmp_path, runtime):
 
 @pytest.mark.parametrize("d", [64, 72])
 def test_the_tower_s_attention_every_patch_to_every_patch(d):
-    """The tower's attention: heads the prefill tiles take (64: SigLIP-B's) on the Rust tiles
-    with every row seeing every position, others (72: SigLIP-so400m's) in numpy by groups of
-    heads; both equal a plain softmax attention over all positions."""
+    """The tower's attention (`segment_attention` over one segment: BLAS around the Rust
+    softmax) for SigLIP-B's 64-wide heads and SigLIP-so400m's 72 equals a plain softmax
+    attention over all positions, also for a segment long enough to go in blocks of rows."""
     from edgepaged.model.vision import SiglipTower
     rng = np.random.default_rng(d)
-    t, nh = 300, 4
+    t, nh = (300 if d == 64 else 700), 4
     h = nh * d
     qkv = rng.standard_normal((t, 3 * h), dtype=np.float32)
     got = SiglipTower._attention(qkv, t, nh, d)
@@ -445,7 +445,7 @@ def test_a_qwen25vl_projector_and_a_model_without_multimodal_positions_are_no_pa
 @pytest.mark.parametrize("d", [32, 80])
 def test_windowed_attention_inside_each_segment(d):
     """The windowed ViT's attention: each segment's rows see exactly their segment (segments
-    of unequal lengths), on the Rust tiles (32-wide heads) and in numpy (80: Qwen2.5-VL's)."""
+    of unequal lengths), for 32- and 80-wide heads (Qwen2.5-VL's)."""
     from edgepaged.model.vision import segment_attention
     rng = np.random.default_rng(d)
     nh, cu = 3, np.array([0, 64, 128, 144, 200, 204])
