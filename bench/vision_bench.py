@@ -130,8 +130,11 @@ def burst(base: str, seeds: list[int]) -> tuple[float, list, list]:
 
 
 def encode_times(model: Path, mmproj: Path, jpeg: bytes) -> dict:
-    """In process: decode + tiles + the tower and connector, with the serve math and exact."""
+    """In process: decode + tiles + the tower and connector, with the serve math and exact,
+    under serve's malloc settings (`tame_malloc`: a buffer of a megabyte or more mapped fresh)."""
     from edgepaged.model.runtime import RunnerBase
+    from edgepaged.server.app import tame_malloc
+    tame_malloc()
     from edgepaged.model.settings import CpuConfig
     from edgepaged.model.vision import VisionEncoder
     from edgepaged.request.images import ImageLimits, decode

@@ -301,3 +301,39 @@ def test_a_llava_pulled_by_its_ollama_name_keeps_its_projector_beside_it(env, tm
         s.stop()
     r = cli(e, "rm", "llava:7b")
     assert r.returncode == 0 and not path.exists() and not path.with_suffix(".mmproj.gguf").exists()
+
+
+def test_a_qwen25vl_pulled_by_its_ollama_name_answers_about_a_photo(env, tmp_path):
+    """Ollama's qwen2.5vl: one model layer, the vision tower inside (architecture qwen25vl).
+    Pulled by its Ollama name, served as it is: `serve` finds the tower in the file, and a
+    photo over /api/chat is answered (its 7 x 11 feature rows counted in the prompt)."""
+    import base64
+    import io
+
+    import numpy as np
+    import ollama
+    from PIL import Image
+
+    from edgepaged.server.app import projector_for
+    from edgepaged.testing.vision_models import make_qwen25vl
+    _, _, _, single = make_qwen25vl(tmp_path / "qwen")
+    with FakeRegistry() as reg:
+        reg.add("library/qwen2.5vl", "3b", single)
+        e = reg_env(env, reg)
+        r = cli(e, "pull", "qwen2.5vl:3b", "--json")
+        assert r.returncode == 0, r.stderr
+        entry = json.loads(r.stdout.strip().splitlines()[-1])
+    path = Path(entry["path"])
+    assert projector_for(path) == path and path.read_bytes() == single.read_bytes()
+    png = io.BytesIO()
+    Image.fromarray(np.random.default_rng(2).integers(0, 255, (200, 300, 3), dtype=np.uint8)).save(png, "PNG")
+    s = Serve(e, "--model", "qwen2.5vl:3b")
+    try:
+        assert any("qwen2.5vl_merger" in line for line in s.lines), s.lines
+        c = ollama.Client(host=s.http, timeout=120)
+        out = c.chat(model="qwen2.5vl:3b", messages=[{"role": "user", "content": "What is it?",
+                                                      "images": [base64.b64encode(png.getvalue()).decode()]}],
+                     options={"num_predict": 4, "temperature": 0})
+        assert out.message.content and out.prompt_eval_count > 7 * 11
+    finally:
+        s.stop()

@@ -64,10 +64,15 @@ class Matrix:
         return self.q.nbytes if self.q is not None else self.t.nbytes
 
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        return self.into(x, None)
+
+    def into(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """x @ W.T, written into `out` [len(x), rows] (float32, C-contiguous) when given."""
+        if out is None:
+            out = np.empty((x.shape[0], self.rows), np.float32)
         if self.q is None:
-            return x @ self.t
+            return np.matmul(x, self.t, out=out)
         from .._native import quant as kernels
-        out = np.empty((x.shape[0], self.rows), np.float32)
         kernels.matmul(self.q.data, self.q.kind, np.ascontiguousarray(x, dtype=np.float32), out, col=0,
                        rows=self.rows)
         return out

@@ -151,14 +151,31 @@ def qwen2vl_pixels(img, *, patch: int = 14, merge: int = 2, temporal: int = 2, m
 
 # ---------------------------------------------------------------- the tower (numpy; the Rust kernels next)
 
-def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+    """LayerNorm of the rows of x, into `out` when given (no temporary as large as x)."""
     m = x.mean(-1, keepdims=True)
-    xc = x - m
-    v = np.mean(xc * xc, -1, keepdims=True)
+    xc = np.subtract(x, m, out=out)
+    v = np.einsum("ij,ij->i", xc, xc)[:, None] / np.float32(x.shape[-1])
     xc /= np.sqrt(v + np.float32(eps))
     xc *= w
     xc += b
     return xc
+
+
+class _Workspace:
+    """A tower's float32 buffers by name, kept from call to call and grown to the largest
+    asked for: a server maps each buffer of a megabyte or more fresh (`tame_malloc`), and a
+    tower's products and norms made new ones at every layer (a SigLIP-B frame 29-34 s
+    against 22-24 without that setting, here). One image is encoded at a time (ENCODER)."""
+
+    def __init__(self):
+        self.bufs: dict[str, np.ndarray] = {}
+
+    def __call__(self, name: str, rows: int, cols: int) -> np.ndarray:
+        b = self.bufs.get(name)
+        if b is None or b.shape[0] < rows or b.shape[1] != cols:
+            b = self.bufs[name] = np.empty((rows, cols), np.float32)
+        return b[:rows]
 
 
 def _gelu_tanh(x: np.ndarray, rows: int = 64) -> np.ndarray:
@@ -220,21 +237,22 @@ class SiglipTower:
         n, c, s, _ = pixels.shape
         p, g = self.patch, s // self.patch
         out = np.empty((n, g * g, self.hidden), np.float32)
+        ws = self._ws = getattr(self, "_ws", None) or _Workspace()
         for i in range(n):
             # the strided convolution as one product: each patch's c x p x p values in the kernel's order
             cols = np.ascontiguousarray(pixels[i].reshape(c, g, p, g, p).transpose(1, 3, 0, 2, 4).reshape(g * g, -1))
-            x = cols @ self.conv
+            x = self.conv.into(cols, ws("x", g * g, self.hidden))
             x += self.conv_b
             x += self.positions[: g * g]
             for blk in self.blocks:
                 x = self._layer(x, blk, pause)
-            out[i] = _layer_norm(x, *self.post, self.eps)
+            _layer_norm(x, *self.post, self.eps, out=out[i])
         return out
 
     @staticmethod
-    def _attention(qkv: np.ndarray, t: int, nh: int, d: int) -> np.ndarray:
+    def _attention(qkv: np.ndarray, t: int, nh: int, d: int, pause=None, out=None) -> np.ndarray:
         """Every patch attends to every patch (`segment_attention` over one segment)."""
-        return segment_attention(qkv, np.array([0, t], np.int64), nh, d)
+        return segment_attention(qkv, np.array([0, t], np.int64), nh, d, pause=pause, out=out)
 
     act = staticmethod(_gelu_tanh)      # the MLP's activation, in place
 
@@ -244,20 +262,22 @@ class SiglipTower:
         h, nh = self.hidden, self.heads
         d = h // nh
         t = len(x)
+        ws = self._ws = getattr(self, "_ws", None) or _Workspace()      # (x is ws("x") or the caller's: in place)
+        y = ws("y", t, h)
         step()
-        qkv = _layer_norm(x, *blk["ln1"], self.eps) @ blk["qkv"]
+        qkv = blk["qkv"].into(_layer_norm(x, *blk["ln1"], self.eps, out=y), ws("qkv", t, 3 * h))
         qkv += blk["qkv_b"]
         step()
-        att = self._attention(qkv, t, nh, d)
+        att = self._attention(qkv, t, nh, d, pause, out=ws("att", t, h))
         step()
-        a = att @ blk["o"]
+        a = blk["o"].into(att, y)
         a += blk["o_b"]
-        x = x + a
+        x += a
         step()
-        f = _layer_norm(x, *blk["ln2"], self.eps) @ blk["fc1"]
+        f = blk["fc1"].into(_layer_norm(x, *blk["ln2"], self.eps, out=y), ws("f", t, blk["fc1"].rows))
         f += blk["fc1_b"]
         step()
-        f = self.act(f) @ blk["fc2"]
+        f = blk["fc2"].into(self.act(f), y)
         f += blk["fc2_b"]
         x += f
         return x
@@ -315,7 +335,8 @@ def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(v)) * w
 
 
-def segment_attention(qkv: np.ndarray, cu: np.ndarray, nh: int, d: int, scale: float | None = None) -> np.ndarray:
+def segment_attention(qkv: np.ndarray, cu: np.ndarray, nh: int, d: int, scale: float | None = None,
+                      pause=None, out: np.ndarray | None = None) -> np.ndarray:
     """Attention without a mask inside each segment [cu[i], cu[i + 1]) of the rows (a
     windowed ViT's windows; one segment: every row sees every row), q, k, v side by side in
     `qkv` [t, 3 * nh * d]: two BLAS products around `ops.softmax_rows` (the pool's threads),
@@ -323,19 +344,21 @@ def segment_attention(qkv: np.ndarray, cu: np.ndarray, nh: int, d: int, scale: f
     (the windows) of one length together. Measured here (Zen 3, alternated in one process):
     a SigLIP-B tile (1,024 patches, 12 heads of 64) 58-62 ms a layer against 87-100 ms on the
     Rust prefill tiles it ran on before; Gemma 3's tower (4,096 patches, 16 heads of 72)
-    0.8-1.0 s a layer against 1.7 s with numpy's softmax (its exp ran one core)."""
+    0.8-1.0 s a layer against 1.7 s with numpy's softmax (its exp ran one core). `pause()`,
+    when given, is called between the heads of a long segment (the encoder's pieces: a head
+    of Gemma 3's tower is ~60 ms, its whole attention ~1 s)."""
     from .._native import ops
     t, h = len(qkv), nh * d
     scale = d ** -0.5 if scale is None else scale
     cu = np.asarray(cu, np.int64)
     lens = np.diff(cu)
-    out = np.empty((t, h), np.float32)
+    out = np.empty((t, h), np.float32) if out is None else out
     for n in np.unique(lens):
         n = int(n)
         starts = cu[:-1][lens == n]
         if n >= 512:       # long segments one by one, in blocks of query rows (their scores stay in the cache)
             for a in starts:
-                _long_segment(qkv, out, int(a), n, nh, d, scale)
+                _long_segment(qkv, out, int(a), n, nh, d, scale, pause=pause)
             continue
         idx = (starts[:, None] + np.arange(n)).reshape(-1)
         step = max(1, (64 << 20) // (4 * n * n * len(starts)))
@@ -352,21 +375,28 @@ def segment_attention(qkv: np.ndarray, cu: np.ndarray, nh: int, d: int, scale: f
     return out
 
 
-def _long_segment(qkv, out, a: int, n: int, nh: int, d: int, scale: float, block_bytes: int = 16 << 20) -> None:
-    """`segment_attention` of rows a .. a + n, head by head, `block_bytes` of scores at a time:
+def _long_segment(qkv, out, a: int, n: int, nh: int, d: int, scale: float, block_bytes: int = 16 << 20,
+                  pause=None) -> None:
+    """`segment_attention` of rows a .. a + n, head by head, `block_bytes` of scores at a time
+    in one buffer (a server maps each buffer of a megabyte or more fresh: `tame_malloc`):
     scores (BLAS), their softmax (the pool's threads), times V (BLAS)."""
     from .._native import ops
     h = nh * d
-    rows = max(16, block_bytes // (4 * n))
+    rows = min(n, max(16, block_bytes // (4 * n)))
     seg = qkv[a:a + n]
+    buf = np.empty((rows, n), np.float32)
+    pv = np.empty((rows, d), np.float32)
     for i in range(nh):
+        if pause is not None and i:
+            pause()
         kt = np.ascontiguousarray(seg[:, h + i * d:h + (i + 1) * d].T)
         v = np.ascontiguousarray(seg[:, 2 * h + i * d:2 * h + (i + 1) * d])
         q = np.ascontiguousarray(seg[:, i * d:(i + 1) * d])
         for r in range(0, n, rows):
-            sc = q[r:r + rows] @ kt
+            m = min(rows, n - r)
+            sc = np.matmul(q[r:r + m], kt, out=buf[:m])
             ops.softmax_rows(sc, scale)
-            out[a + r:a + r + len(sc), i * d:(i + 1) * d] = sc @ v
+            out[a + r:a + r + m, i * d:(i + 1) * d] = np.matmul(sc, v, out=pv[:m])
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -471,7 +501,7 @@ class QwenVisionTower:
             v[:, :, 0] = a * cos[:, None] - b * sin[:, None]
             v[:, :, 1] = b * cos[:, None] + a * sin[:, None]
         step()
-        att = segment_attention(qkv, cu, nh, d)
+        att = segment_attention(qkv, cu, nh, d, pause=step)
         step()
         a = att @ blk["o"]
         a += blk["o_b"]
@@ -784,6 +814,13 @@ class VisionEncoder:
         else:
             out = idefics3_image_tokens(self.tower, self.proj["connector.proj.weight"], pixels, self.scale, pause)
         return np.ascontiguousarray(out, dtype=np.float32)
+
+    def describe(self) -> str:
+        """The projector in a few words (serve's log line)."""
+        if self.mrope:
+            side = self.tower.patch * self.tower.merge
+            return f"{self.kind}, any size up to {self.max_pixels // (side * side)} tokens an image"
+        return f"{self.kind}, {self.tokens_per_tile} tokens a tile"
 
     def rows_for(self, layout: tuple) -> int:
         if self.mrope:

@@ -401,7 +401,7 @@ def load_runner(model_path, device, kv_bytes, block_size, max_batched_tokens, kv
     if projector is not None:
         try:
             runner.attach_vision(projector)
-            say(f"images: {projector.name} ({runner.vision.kind}, {runner.vision.tokens_per_tile} tokens a tile)")
+            say(f"images: {projector.name} ({runner.vision.describe()})")
         except (ValueError, KeyError) as e:
             if mmproj is not None:         # asked for: its failure is the load's
                 raise ValueError(f"--mmproj {mmproj}: {e}") from None
