@@ -263,18 +263,34 @@ async def test_the_default_model_can_be_managed_like_any_listed_model(embedded_r
     assert listed["SmolLM2-135M-Instruct.Q4_1"] == "embedded" and listed["kitchen"] == "store"
 
 
-def test_a_llava_pulled_by_its_ollama_name_keeps_its_projector_beside_it(env, tmp_path):
-    """Ollama's llava: the model layer and a projector layer (llama.cpp's mmproj). The pull
-    checks the projector first, keeps it beside the model as NAME.mmproj.gguf, where `serve`
-    finds it (the model then takes images: an answer about a photo over /api/chat); `rm`
-    removes both."""
+def _answers_about_a_photo(e, model: str, logged: str, size: tuple, rows: int) -> None:
+    """`serve --model MODEL` logs its projector (`logged`) and answers a photo of `size` over
+    Ollama's /api/chat with more than `rows` prompt tokens (the image's)."""
     import base64
     import io
 
     import numpy as np
     import ollama
     from PIL import Image
+    png = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(png, "PNG")
+    s = Serve(e, "--model", model)
+    try:
+        assert any(logged in line for line in s.lines), s.lines
+        c = ollama.Client(host=s.http, timeout=120)
+        out = c.chat(model=model, messages=[{"role": "user", "content": "What is it?",
+                                             "images": [base64.b64encode(png.getvalue()).decode()]}],
+                     options={"num_predict": 4, "temperature": 0})
+        assert out.message.content and out.prompt_eval_count > rows
+    finally:
+        s.stop()
 
+
+def test_a_llava_pulled_by_its_ollama_name_keeps_its_projector_beside_it(env, tmp_path):
+    """Ollama's llava: the model layer and a projector layer (llama.cpp's mmproj). The pull
+    checks the projector first, keeps it beside the model as NAME.mmproj.gguf, where `serve`
+    finds it (the model then takes images: an answer about a photo over /api/chat); `rm`
+    removes both."""
     from edgepaged.server.app import projector_for
     from edgepaged.testing.vision_models import make_llava
     _, model, mmproj = make_llava(tmp_path / "llava")
@@ -287,18 +303,7 @@ def test_a_llava_pulled_by_its_ollama_name_keeps_its_projector_beside_it(env, tm
     path = Path(entry["path"])
     assert projector_for(path) == path.with_suffix(".mmproj.gguf")
     assert path.with_suffix(".mmproj.gguf").read_bytes() == mmproj.read_bytes()
-    png = io.BytesIO()
-    Image.fromarray(np.random.default_rng(1).integers(0, 255, (60, 80, 3), dtype=np.uint8)).save(png, "PNG")
-    s = Serve(e, "--model", "llava:7b")
-    try:
-        assert any(".mmproj.gguf (mlp" in line for line in s.lines), s.lines
-        c = ollama.Client(host=s.http, timeout=120)
-        out = c.chat(model="llava:7b", messages=[{"role": "user", "content": "What is it?",
-                                                  "images": [base64.b64encode(png.getvalue()).decode()]}],
-                     options={"num_predict": 4, "temperature": 0})
-        assert out.message.content and out.prompt_eval_count > 16
-    finally:
-        s.stop()
+    _answers_about_a_photo(e, "llava:7b", ".mmproj.gguf (mlp", (80, 60), 16)
     r = cli(e, "rm", "llava:7b")
     assert r.returncode == 0 and not path.exists() and not path.with_suffix(".mmproj.gguf").exists()
 
@@ -307,13 +312,6 @@ def test_a_qwen25vl_pulled_by_its_ollama_name_answers_about_a_photo(env, tmp_pat
     """Ollama's qwen2.5vl: one model layer, the vision tower inside (architecture qwen25vl).
     Pulled by its Ollama name, served as it is: `serve` finds the tower in the file, and a
     photo over /api/chat is answered (its 7 x 11 feature rows counted in the prompt)."""
-    import base64
-    import io
-
-    import numpy as np
-    import ollama
-    from PIL import Image
-
     from edgepaged.server.app import projector_for
     from edgepaged.testing.vision_models import make_qwen25vl
     _, _, _, single = make_qwen25vl(tmp_path / "qwen")
@@ -325,15 +323,4 @@ def test_a_qwen25vl_pulled_by_its_ollama_name_answers_about_a_photo(env, tmp_pat
         entry = json.loads(r.stdout.strip().splitlines()[-1])
     path = Path(entry["path"])
     assert projector_for(path) == path and path.read_bytes() == single.read_bytes()
-    png = io.BytesIO()
-    Image.fromarray(np.random.default_rng(2).integers(0, 255, (200, 300, 3), dtype=np.uint8)).save(png, "PNG")
-    s = Serve(e, "--model", "qwen2.5vl:3b")
-    try:
-        assert any("qwen2.5vl_merger" in line for line in s.lines), s.lines
-        c = ollama.Client(host=s.http, timeout=120)
-        out = c.chat(model="qwen2.5vl:3b", messages=[{"role": "user", "content": "What is it?",
-                                                      "images": [base64.b64encode(png.getvalue()).decode()]}],
-                     options={"num_predict": 4, "temperature": 0})
-        assert out.message.content and out.prompt_eval_count > 7 * 11
-    finally:
-        s.stop()
+    _answers_about_a_photo(e, "qwen2.5vl:3b", "qwen2.5vl_merger", (300, 200), 7 * 11)

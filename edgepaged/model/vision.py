@@ -329,10 +329,13 @@ class ClipTower(SiglipTower):
         return out
 
 
-def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    v = np.mean(x * x, -1, keepdims=True)
+def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+    """RMSNorm of the rows of x, into `out` when given (no temporary as large as x)."""
+    v = np.einsum("ij,ij->i", x, x)[:, None] / np.float32(x.shape[-1])
     v += np.float32(eps)
-    return (x / np.sqrt(v)) * w
+    out = np.multiply(x, np.float32(1.0) / np.sqrt(v), out=out)
+    out *= w
+    return out
 
 
 def segment_attention(qkv: np.ndarray, cu: np.ndarray, nh: int, d: int, scale: float | None = None,
@@ -397,10 +400,6 @@ def _long_segment(qkv, out, a: int, n: int, nh: int, d: int, scale: float, block
             sc = np.matmul(q[r:r + m], kt, out=buf[:m])
             ops.softmax_rows(sc, scale)
             out[a + r:a + r + m, i * d:(i + 1) * d] = np.matmul(sc, v, out=pv[:m])
-
-
-def _silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1.0) + np.exp(-x))
 
 
 class QwenVisionTower:
@@ -490,31 +489,40 @@ class QwenVisionTower:
         return out
 
     def _block(self, x, blk, cos, sin, cu, step) -> np.ndarray:
-        t, nh = len(x), self.heads
-        d = self.hidden // nh
+        """One block over x (the caller's buffer, updated in place), its buffers kept (`_Workspace`)."""
+        from .._native import ops
+        t, nh, h = len(x), self.heads, self.hidden
+        d = h // nh
+        ws = self._ws = getattr(self, "_ws", None) or _Workspace()
+        y = ws("y", t, h)
         step()
-        qkv = _rms_norm(x, blk["ln1"], self.eps) @ blk["qkv"]
+        qkv = blk["qkv"].into(_rms_norm(x, blk["ln1"], self.eps, out=y), ws("qkv", t, 3 * h))
         qkv += blk["qkv_b"]
-        for at in (0, self.hidden):         # the rotary on q and k: pairs (j, j + d / 2)
-            v = qkv[:, at:at + self.hidden].reshape(t, nh, 2, d // 2)
-            a, b = v[:, :, 0].copy(), v[:, :, 1].copy()
-            v[:, :, 0] = a * cos[:, None] - b * sin[:, None]
-            v[:, :, 1] = b * cos[:, None] + a * sin[:, None]
+        a, b = ws("ra", t, h // 2).reshape(t, nh, d // 2), ws("rb", t, h // 2).reshape(t, nh, d // 2)
+        c, s = cos[:, None], sin[:, None]
+        for at in (0, h):                   # the rotary on q and k: pairs (j, j + d / 2)
+            v = qkv[:, at:at + h].reshape(t, nh, 2, d // 2)
+            np.copyto(a, v[:, :, 0])
+            np.copyto(b, v[:, :, 1])
+            np.multiply(a, c, out=v[:, :, 0])
+            v[:, :, 0] -= b * s
+            np.multiply(b, c, out=v[:, :, 1])
+            v[:, :, 1] += a * s
         step()
-        att = segment_attention(qkv, cu, nh, d, pause=step)
+        att = segment_attention(qkv, cu, nh, d, pause=step, out=ws("att", t, h))
         step()
-        a = att @ blk["o"]
-        a += blk["o_b"]
-        x = x + a
+        o = blk["o"].into(att, y)
+        o += blk["o_b"]
+        x += o
         step()
-        gu = _rms_norm(x, blk["ln2"], self.eps) @ blk["gu"]
+        gu = blk["gu"].into(_rms_norm(x, blk["ln2"], self.eps, out=y), ws("gu", t, blk["gu"].rows))
         gu += blk["gu_b"]
-        inter = gu.shape[1] // 2
-        f = np.ascontiguousarray(_silu(gu[:, :inter]) * gu[:, inter:])
+        f = ws("f", t, gu.shape[1] // 2)
+        ops.silu_mul(gu, f)
         step()
-        f = f @ blk["down"]
-        f += blk["down_b"]
-        x += f
+        down = blk["down"].into(f, y)
+        down += blk["down_b"]
+        x += down
         return x
 
 
