@@ -167,6 +167,41 @@ async def test_image_bounds_are_refused_before_any_decoding_and_name_the_image(v
         assert got == 200, raw
 
 
+async def test_one_caller_s_images_waiting_for_the_encoder_are_bounded(vision_runner):
+    """A caller with 16 images waiting for the encoder (two requests of 8, the encoder held
+    busy) gets a 429 for a third request before any of its images is read, naming the bound;
+    the first two are answered, and the caller's next photo is taken again."""
+    from edgepaged.request import vision_prompt as vp
+
+    def body(seed0):
+        urls = ["data:image/jpeg;base64," + base64.b64encode(_jpeg(64, 48, seed=seed0 + k)).decode()
+                for k in range(8)]
+        return {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}] + [
+            {"type": "image_url", "image_url": {"url": u}} for u in urls]}], "max_tokens": 2}
+
+    async with box.serving(vision_runner, http=True) as server:
+        chat = server.http_base + "/v1/chat/completions"
+        got = {}
+
+        async def send(name, b):
+            got[name] = await afetch(chat, b)
+        async with trio.open_nursery() as nursery:
+            async with vp.ENCODER:                     # the encoder busy: the callers' images wait
+                nursery.start_soon(send, "a", body(300))
+                nursery.start_soon(send, "b", body(400))
+                with trio.fail_after(30):
+                    while sum(vp._WAITING.values()) < 16:
+                        await trio.sleep(0.01)
+                encoded = vision_runner.images.stats()["images_encoded"]
+                status, _, raw = await afetch(chat, body(500))
+                assert status == 429 and b"waiting for the image encoder" in raw, raw
+                assert vision_runner.images.stats()["images_encoded"] == encoded
+        assert got["a"][0] == 200 and got["b"][0] == 200, (got["a"][2][:200], got["b"][2][:200])
+        assert not vp._WAITING
+        status, _, raw = await afetch(chat, body(600))
+        assert status == 200, raw
+
+
 def test_serve_pairs_the_projector_beside_the_model_and_the_cli_sends_photos(tmp_path):
     """`edgepaged serve --model model.gguf` finds mmproj-model.gguf beside it (as a Hugging
     Face GGUF repository ships them) and says so; /api/show lists the vision capability; a

@@ -391,7 +391,7 @@ class FrontEnd(Box):
             kwargs = self._template_kwargs(item, offered)
             job = partial(tok.apply_chat_template, messages, **kwargs)
             if vp.has_images(messages):
-                held = await self._images(messages)
+                held = await self._images(messages, caller.quota_key or None)
                 job = partial(vp.render, tok, messages, held, self.engine.runner.vision, **kwargs)
             if offered:     # tool schemas are grammars too: measured before the prompt is even rendered
                 await trio.to_thread.run_sync(self._check_tool_limits, offered, limiter=PREPARE)
@@ -515,9 +515,10 @@ class FrontEnd(Box):
                       [None if calls is None else tl.ToolStream(calls.syntax, tok) for _ in range(n)],
                       thinks, think_open)
 
-    async def _images(self, messages: list[dict]):
+    async def _images(self, messages: list[dict], who: str | None = None):
         """The prompt's images read, found or encoded, and held (vision_prompt.py); a model
-        without vision refuses them, naming itself."""
+        without vision refuses them, naming itself. `who`: the caller (its images waiting for
+        the encoder at once are bounded: ImageLimits.max_waiting)."""
         runner = self.engine.runner
         if runner.vision is None:
             raise RequestRejected("invalid_params", f"{self.model} does not take images: it is a text-only model "
@@ -525,9 +526,10 @@ class FrontEnd(Box):
                                   "serve --mmproj FILE)")
         try:
             return await vp.prepare_images(messages, runner, self.config.images,
-                                           getattr(self.engine, "encoder_gate", None))
+                                           getattr(self.engine, "encoder_gate", None), who)
         except ImageError as e:
-            code = {413: "image_too_large", 415: "unsupported_image"}.get(e.status, "bad_request")
+            code = {413: "image_too_large", 415: "unsupported_image", 429: "too_many_requests"}.get(e.status,
+                                                                                                  "bad_request")
             raise RequestRejected(code, str(e)) from None
 
     def _first_drafts(self, item, ids: list[int], salt: int, n: int, syntax=None):

@@ -45,6 +45,7 @@ class ImageLimits:
     max_pixels: int = 25_000_000         # width x height: a 24 MP camera photo (75 MB as RGB); 48 MP refused
     max_side: int = 16384
     max_images: int = 8                  # per request
+    max_waiting: int = 16                # per caller identity: images read, decoded or encoded at once
     allow_remote: bool = False           # http(s) URLs: never fetched unless the operator says so
 
 

@@ -30,6 +30,7 @@ from ..model.vision import IMAGE
 from .images import ImageError, ImageLimits, count, decode, image_bytes
 
 ENCODER = trio.CapacityLimiter(1)      # images encoded at once, server-wide
+_WAITING: dict[str, int] = {}          # per caller identity: its images being read, decoded or encoded
 GATE_WAIT_S = 2.0                      # the most an encoder waits for interactive prompts at one pause
 _PROBE = "\x02probe\x03"
 
@@ -74,14 +75,34 @@ def _encode(enc, table, key: bytes, data: bytes, limits: ImageLimits, where: str
     return table.put(key, enc.encode(pixels, pause), layout, hold=True), layout
 
 
-async def prepare_images(messages: list[dict], runner, limits: ImageLimits, gate=None) -> ImagesHeld:
+async def prepare_images(messages: list[dict], runner, limits: ImageLimits, gate=None, who: str | None = None
+                         ) -> ImagesHeld:
     """Every image of `messages`, read, found or encoded, and held; ImageError (its status:
-    400, 413, 415) for an image that breaks a bound or is no image. `gate` (a
-    threading.Event: the engine's `encoder_gate`): the encoder runs its layers while it is
-    set, and waits at most GATE_WAIT_S at each of its pauses while not (an interactive prompt first)."""
-    enc, table = runner.vision, runner.images
+    400, 413, 415; 429 past `limits.max_waiting` images of one caller `who` at once, before any
+    work) for an image that breaks a bound or is no image. `gate` (a threading.Event: the
+    engine's `encoder_gate`): the encoder runs its layers while it is set, and waits at most
+    GATE_WAIT_S at each of its pauses while not (an interactive prompt first)."""
     parts = [(i, img) for i, m in enumerate(messages) for img in (m.get("images") or ())]
     count([p for _, p in parts], limits)
+    if who is None:
+        return await _prepare(parts, runner, limits, gate)
+    waiting = _WAITING.get(who, 0)
+    if waiting + len(parts) > limits.max_waiting:
+        raise ImageError(f"{waiting} of your images are waiting for the image encoder already (at most "
+                         f"{limits.max_waiting} at once); send this one when some are done", 429)
+    _WAITING[who] = waiting + len(parts)
+    try:
+        return await _prepare(parts, runner, limits, gate)
+    finally:
+        left = _WAITING[who] - len(parts)
+        if left:
+            _WAITING[who] = left
+        else:
+            del _WAITING[who]
+
+
+async def _prepare(parts: list, runner, limits: ImageLimits, gate) -> ImagesHeld:
+    enc, table = runner.vision, runner.images
     items: list = []
     held = ImagesHeld(table, items)         # (releases what was held if a later image fails)
     for j, (i, img) in enumerate(parts):
