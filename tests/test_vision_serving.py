@@ -186,7 +186,7 @@ async def test_one_caller_s_images_waiting_for_the_encoder_are_bounded(vision_ru
         async def send(name, b):
             got[name] = await afetch(chat, b)
         async with trio.open_nursery() as nursery:
-            async with vp.ENCODER:                     # the encoder busy: the callers' images wait
+            async with vp.ENCODER.turn("test"):        # the encoder busy: the callers' images wait
                 nursery.start_soon(send, "a", body(300))
                 nursery.start_soon(send, "b", body(400))
                 with trio.fail_after(30):
@@ -200,6 +200,40 @@ async def test_one_caller_s_images_waiting_for_the_encoder_are_bounded(vision_ru
         assert not vp._WAITING
         status, _, raw = await afetch(chat, body(600))
         assert status == 200, raw
+
+
+async def test_the_encoder_takes_callers_images_in_turn(vision_runner):
+    """One caller's burst of 4 photos waiting for the encoder, then another caller's one: the
+    second caller's photo is encoded second, not fifth (callers in turn, each caller's own in
+    order); a waiter cancelled in the queue leaves it; every image held comes back."""
+    from edgepaged.request import vision_prompt as vp
+    from edgepaged.request.messages import Image as Img
+
+    def msgs(seed):
+        url = "data:image/jpeg;base64," + base64.b64encode(_jpeg(64, 48, seed=seed)).decode()
+        return [{"role": "user", "content": "What is it?", "images": (Img(url=url),)}]
+    done = []
+
+    async def one(name, seed, scope=None):
+        with scope or trio.CancelScope():
+            held = await vp.prepare_images(msgs(seed), vision_runner, vp.ImageLimits(), who=name[0])
+            done.append(name)
+            held.release()
+    gone = trio.CancelScope()                              # a waiter that leaves before its turn
+    async with trio.open_nursery() as nursery:
+        async with vp.ENCODER.turn("test"):
+            for k, (name, seed) in enumerate((("a0", 700), ("a1", 701), ("a2", 702), ("a3", 703), ("c0", 799),
+                                              ("b0", 800))):
+                nursery.start_soon(one, name, seed, gone if name == "c0" else None)
+                with trio.fail_after(30):          # (queued in this order)
+                    while vp.ENCODER.waiting() < k + 1:
+                        await trio.sleep(0.01)
+            gone.cancel()
+            with trio.fail_after(30):
+                while vp.ENCODER.waiting() > 5:
+                    await trio.sleep(0.01)
+    assert done == ["a0", "b0", "a1", "a2", "a3"], done
+    assert vp.ENCODER.waiting() == 0 and not vp._WAITING
 
 
 def test_serve_pairs_the_projector_beside_the_model_and_the_cli_sends_photos(tmp_path):

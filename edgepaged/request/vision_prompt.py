@@ -9,7 +9,8 @@ and looked up in the runner's `ImageTable`: an image seen recently (the same pho
 with the conversation, as Open WebUI and Home Assistant do) is not decoded or encoded
 again. A new one is decoded (`request/images.decode`: the bounds before any pixel) and
 encoded by the model's `VisionEncoder` in a worker thread, one image at a time across the
-server (`ENCODER`): a burst of camera snapshots queues there while the engine's steps go on,
+server (`ENCODER`, callers' images taken round robin): a burst of camera snapshots queues
+there while the engine's steps go on,
 and the encoder steps aside between its layers while an interactive prompt (a voice
 command) waits for its first token (the engine's `encoder_gate`).
 
@@ -22,6 +23,8 @@ cache keys them by the image's content.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict, deque
+from contextlib import asynccontextmanager
 
 import trio
 
@@ -29,7 +32,56 @@ from ..model.image_table import digest
 from ..model.vision import IMAGE
 from .images import ImageError, ImageLimits, count, decode, image_bytes
 
-ENCODER = trio.CapacityLimiter(1)      # images encoded at once, server-wide
+class FairSlot:
+    """One holder at a time (`async with slot.turn(who)`); waiting callers take their turns
+    round robin, each caller's own in order: one camera's burst does not hold another
+    caller's photo back by the whole burst."""
+
+    def __init__(self):
+        self._busy = False
+        self._queues: OrderedDict[str, deque] = OrderedDict()     # caller -> its waiters, in turn order
+
+    @asynccontextmanager
+    async def turn(self, who: str):
+        if not self._busy and not self._queues:
+            self._busy = True
+        else:
+            ev = trio.Event()
+            self._queues.setdefault(who, deque()).append(ev)
+            try:
+                await ev.wait()
+            except BaseException:
+                if ev.is_set():          # handed the slot as it was cancelled: hand it on
+                    self._next()
+                else:
+                    q = self._queues.get(who)
+                    if q is not None and ev in q:
+                        q.remove(ev)
+                        if not q:
+                            del self._queues[who]
+                raise
+        try:
+            yield
+        finally:
+            self._next()
+
+    def _next(self) -> None:
+        if not self._queues:
+            self._busy = False
+            return
+        who, q = next(iter(self._queues.items()))
+        ev = q.popleft()
+        if q:
+            self._queues.move_to_end(who)       # its next image after the other callers'
+        else:
+            del self._queues[who]
+        ev.set()                                # (still busy: the slot is handed over)
+
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+
+ENCODER = FairSlot()                   # images encoded at once, server-wide: one
 _WAITING: dict[str, int] = {}          # per caller identity: its images being read, decoded or encoded
 GATE_WAIT_S = 2.0                      # the most an encoder waits for interactive prompts at one pause
 _PROBE = "\x02probe\x03"
@@ -85,14 +137,14 @@ async def prepare_images(messages: list[dict], runner, limits: ImageLimits, gate
     parts = [(i, img) for i, m in enumerate(messages) for img in (m.get("images") or ())]
     count([p for _, p in parts], limits)
     if who is None:
-        return await _prepare(parts, runner, limits, gate)
+        return await _prepare(parts, runner, limits, gate, "")
     waiting = _WAITING.get(who, 0)
     if waiting + len(parts) > limits.max_waiting:
         raise ImageError(f"{waiting} of your images are waiting for the image encoder already (at most "
                          f"{limits.max_waiting} at once); send this one when some are done", 429)
     _WAITING[who] = waiting + len(parts)
     try:
-        return await _prepare(parts, runner, limits, gate)
+        return await _prepare(parts, runner, limits, gate, who)
     finally:
         left = _WAITING[who] - len(parts)
         if left:
@@ -101,7 +153,7 @@ async def prepare_images(messages: list[dict], runner, limits: ImageLimits, gate
             del _WAITING[who]
 
 
-async def _prepare(parts: list, runner, limits: ImageLimits, gate) -> ImagesHeld:
+async def _prepare(parts: list, runner, limits: ImageLimits, gate, who: str) -> ImagesHeld:
     enc, table = runner.vision, runner.images
     items: list = []
     held = ImagesHeld(table, items)         # (releases what was held if a later image fails)
@@ -112,8 +164,8 @@ async def _prepare(parts: list, runner, limits: ImageLimits, gate) -> ImagesHeld
         if got is not None:
             base, layout = got[0], got[2]
         else:
-            base, layout = await trio.to_thread.run_sync(_encode, enc, table, key, data, limits, where, gate,
-                                                         limiter=ENCODER)
+            async with ENCODER.turn(who):
+                base, layout = await trio.to_thread.run_sync(_encode, enc, table, key, data, limits, where, gate)
         items.append((base, layout))
         held.bases.append(base)
         held._done.detach()
