@@ -188,20 +188,17 @@ def mrope_positions(table: ImageTable, ids) -> tuple[np.ndarray, int] | None:
         return None
     n = len(ids)
     out = np.empty((n, 3), np.int64)
-    cur, i = 0, 0
-    while i < n:
+    # runs: text, or one image's rows (consecutive ids; the same image twice starts a new run)
+    brk = np.ones(n, bool)
+    brk[1:] = (pic[1:] != pic[:-1]) | (pic[1:] & (ids[1:] != ids[:-1] + 1))
+    starts = np.flatnonzero(brk)
+    cur = 0
+    for i, e in zip(starts.tolist(), starts[1:].tolist() + [n]):
         if not pic[i]:
-            e = i + 1
-            while e < n and not pic[e]:
-                e += 1
             out[i:e] = (cur + np.arange(e - i))[:, None]
             cur += e - i
-            i = e
             continue
         base = table.first + (int(ids[i]) - table.first) // STRIDE * STRIDE
-        e = i + 1
-        while e < n and pic[e] and ids[e] == ids[e - 1] + 1:
-            e += 1
         layout = table.layout(base)
         if not layout:
             raise RuntimeError("an image of this prompt is no longer kept (its request ended?)")
@@ -211,7 +208,6 @@ def mrope_positions(table: ImageTable, ids) -> tuple[np.ndarray, int] | None:
         out[i:e, 1] = cur + k // gw
         out[i:e, 2] = cur + k % gw
         cur += max(gh, gw)
-        i = e
     return out, cur - n
 
 

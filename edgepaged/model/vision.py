@@ -211,6 +211,7 @@ class SiglipTower:
         from .dense import Matrix
         w = {k[len(prefix):]: np.asarray(v, np.float32) for k, v in weights.items() if k.startswith(prefix)}
         self.layers, self.heads, self.patch, self.eps, self.math = layers, heads, patch, eps, math
+        self._ws = _Workspace()
         conv = w["embeddings.patch_embedding.weight"]              # [hidden, 3, patch, patch]
         self.hidden = conv.shape[0]
         self.conv = Matrix(conv.reshape(self.hidden, -1), math)    # each patch's 3 x p x p values -> hidden
@@ -237,7 +238,7 @@ class SiglipTower:
         n, c, s, _ = pixels.shape
         p, g = self.patch, s // self.patch
         out = np.empty((n, g * g, self.hidden), np.float32)
-        ws = self._ws = getattr(self, "_ws", None) or _Workspace()
+        ws = self._ws
         for i in range(n):
             # the strided convolution as one product: each patch's c x p x p values in the kernel's order
             cols = np.ascontiguousarray(pixels[i].reshape(c, g, p, g, p).transpose(1, 3, 0, 2, 4).reshape(g * g, -1))
@@ -262,7 +263,7 @@ class SiglipTower:
         h, nh = self.hidden, self.heads
         d = h // nh
         t = len(x)
-        ws = self._ws = getattr(self, "_ws", None) or _Workspace()      # (x is ws("x") or the caller's: in place)
+        ws = self._ws                       # (x is ws("x") or the caller's: updated in place)
         y = ws("y", t, h)
         step()
         qkv = blk["qkv"].into(_layer_norm(x, *blk["ln1"], self.eps, out=y), ws("qkv", t, 3 * h))
@@ -426,6 +427,7 @@ class QwenVisionTower:
         self.hidden = conv.shape[0]
         self.layers, self.heads, self.patch, self.merge, self.eps = layers, heads, patch, merge, eps
         self.window, self.full = window, {int(i) for i in full}
+        self._ws = _Workspace()
         self.conv = Matrix(conv.reshape(self.hidden, -1), math)
         d = self.hidden // heads
         self.inv_freq = (1.0 / theta ** (np.arange(0, d // 2, 2, dtype=np.float32) / (d // 2))).astype(np.float32)
@@ -493,7 +495,7 @@ class QwenVisionTower:
         from .._native import ops
         t, nh, h = len(x), self.heads, self.hidden
         d = h // nh
-        ws = self._ws = getattr(self, "_ws", None) or _Workspace()
+        ws = self._ws
         y = ws("y", t, h)
         step()
         qkv = blk["qkv"].into(_rms_norm(x, blk["ln1"], self.eps, out=y), ws("qkv", t, 3 * h))
