@@ -268,6 +268,84 @@ async def test_a_cancel_during_a_failing_step_leaves_no_garbage_in_the_prefix_ca
         assert again == fresh
 
 
+@pytest.mark.parametrize("device_ids,speculation", [(False, "off"), (True, "lookup")],
+                         ids=["host_tokens", "device_ids_beside_lookup"])
+async def test_look_ahead_decode_changes_no_event_and_caches_the_real_tokens(tiny_model_dir, device_ids,
+                                                                             speculation):
+    """Look-ahead decode (EngineConfig.async_decode; vLLM's async scheduling): the next decode
+    step planned and launched before the last one's tokens are known, fed its input tokens
+    from that step (`device_ids`: the torch runner's path that leaves them on the device; else
+    the host's). Every request's events are the step-by-step engine's: greedy answers of
+    every length, stop tokens and EOS that end a request on a token the next step already
+    computed, rows that cannot go ahead (stop strings, logprobs, penalties), a client leaving
+    mid-answer, requests arriving while others decode; beside lookup speculation, look-ahead
+    only while more requests run than it drafts for. The allocator learned the real tokens
+    (never the placeholders): each conversation sent again finds the same cached prefix as on
+    the step-by-step engine, and the same answer. Every block comes back."""
+    rng = random.Random(5)
+    ps = prompts(12, seed=7)
+    kinds = []
+    for i in range(len(ps)):
+        kw = dict(max_tokens=rng.randrange(1, 30), temperature=0, ignore_eos=i % 2 == 0)
+        if i in (1, 3, 11):     # plain: each ends on a token the next step already computed
+            kw["stop_token_ids"] = [{1: 217, 3: 179, 11: 26}[i]] + [rng.randrange(300, 400) for _ in range(8)]
+        if i == 5:
+            kw["stop"] = ["e"]                 # decided by the text: no look-ahead while it runs
+        if i == 6:
+            kw["logprobs"] = 2
+        if i == 9:
+            kw["repetition_penalty"] = 1.3
+        if i in (5, 6, 9) and speculation == "lookup":
+            kw["max_tokens"] = 2          # (out of the way soon: more than 4 plain requests then run)
+        elif speculation == "lookup":
+            kw["max_tokens"] = max(kw["max_tokens"], 12)
+        kinds.append(kw)
+
+    async def run(ahead: bool):
+        out, follow = [None] * len(ps), [None] * len(ps)
+        runner = ModelRunner(tiny_model_dir, num_blocks=200, block_size=16)    # (no evictions: what stays
+        runner.device_sampling = device_ids                                  # cached hangs on no timing)
+        async with Engine(runner, EngineConfig(max_num_seqs=8, async_decode=ahead, speculation=speculation)) as eng:
+            async def one(i, prompt, kw, into):
+                await trio.sleep(0.02 * (i % 3) if into is out else 0)     # arrivals while others decode
+                r = Request(prompt_ids=list(prompt), params=SamplingParams(**kw))
+                events = []
+                async with eng.stream(r) as chan:
+                    async for ev in chan:
+                        events.append(("tok", ev.token_ids, ev.text, ev.logprobs and len(ev.logprobs))
+                                      if isinstance(ev, TokenEvent) else
+                                      ("done", ev.finish_reason, ev.stop,
+                                       {k: v for k, v in ev.usage.items() if k != "cached_tokens" or into is follow}))
+                        if i == 10 and into is out and len(events) == 4:
+                            break                  # a client that leaves mid-answer
+                into[i] = events
+
+            async with trio.open_nursery() as n:
+                for i in range(len(ps)):
+                    n.start_soon(one, i, ps[i], kinds[i], out)
+            await trio.sleep(0.05)
+            a = eng.allocator.stats()
+            assert a["used_blocks"] == 0 and a["num_sequences"] == 0
+            for i in range(len(ps)):          # one at a time: the cached prefix does not hang on timing
+                answer = [t for e in out[i] if e[0] == "tok" for t in e[1]]
+                await one(i, ps[i] + answer, dict(max_tokens=6, temperature=0, ignore_eos=True), follow)
+            assert eng.allocator.stats()["used_blocks"] == 0
+            return out, follow, eng.stats()["steps_ahead"]
+
+    on, on_follow, ahead = await run(True)
+    off, off_follow, none_ahead = await run(False)
+    for i, (a, b) in enumerate(zip(on, off)):
+        assert a == b, (i, kinds[i], a, b)
+    cached = lambda events: events[-1][3].pop("cached_tokens")     # noqa: E731
+    for i, (a, b) in enumerate(zip(on_follow, off_follow)):
+        # a request that ended on a token the next step computed holds that token's K/V too:
+        # as much cached at least (with a placeholder's hash in its blocks, less)
+        ca, cb = cached(a), cached(b)
+        assert ca >= cb and a == b, (i, ca, cb, a, b)
+    assert none_ahead == 0 and ahead >= (20 if speculation == "off" else 3), ahead
+    assert sum(e[-1][1] == "stop" and isinstance(e[-1][2], int) for e in on) >= 2    # stop tokens ended them
+
+
 async def test_sending_overlapped_with_the_next_step_changes_no_event(tiny_model_dir):
     """The plain rows' tokens are detokenized and sent while the next step's forward runs
     (EngineConfig.overlap_host_work): every request's events (ids, text, logprobs, the end,

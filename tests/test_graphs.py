@@ -158,3 +158,38 @@ def test_rotary_and_the_cache_write_in_one_kernel():
             want_v[s // bs, s % bs] = x[i, h + hkv:]
     assert (q - qk[:, :h]).abs().max().item() <= 1e-6
     assert (kc - want_k).abs().max().item() <= 1e-6 and torch.equal(vc, want_v)
+
+
+def test_the_engine_s_decode_steps_run_through_the_graph_and_ahead(tiny_model_dir):
+    """The engine on a runner set up as on a GPU (decode graphs, the sampler on the device,
+    look-ahead decode): its decode steps go through the static buffers (the engine passes
+    each sequence's row as logits_indices: before the fix the graph never ran in the engine,
+    only under the benchmark's harness), steps are launched ahead with the ids on the device,
+    and the greedy answers are the plain runner's, step by step."""
+    import trio
+
+    from edgepaged.engine import Engine, EngineConfig, Request, TokenEvent
+    from edgepaged.model import SamplingParams
+
+    prompts = [list(range(5, 5 + n)) for n in (9, 30, 4)]
+
+    async def answers(runner, ahead):
+        out = [None] * len(prompts)
+        async with Engine(runner, EngineConfig(max_num_seqs=4, async_decode=ahead, speculation="off")) as eng:
+            async def one(i):
+                r = Request(prompt_ids=prompts[i], params=SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+                async with eng.stream(r) as chan:
+                    out[i] = [t for ev in [e async for e in chan] if isinstance(ev, TokenEvent) for t in ev.token_ids]
+            async with trio.open_nursery() as n:
+                for i in range(len(prompts)):
+                    n.start_soon(one, i)
+            return out, eng.stats()["steps_ahead"]
+
+    plain = ModelRunner(tiny_model_dir, num_blocks=32, kv_dtype="f32", decode_graphs=False)
+    gpu_like = ModelRunner(tiny_model_dir, num_blocks=32, kv_dtype="f32", decode_graphs=True, max_num_seqs=4)
+    gpu_like.device_sampling = True
+    want, _ = trio.run(answers, plain, False)
+    got, ahead = trio.run(answers, gpu_like, True)
+    assert got == want and all(len(a) == 10 for a in got)
+    assert sum(gpu_like.graphs.steps.values()) >= 8, gpu_like.graphs.steps     # (decode steps of 3 rows)
+    assert ahead >= 5, ahead

@@ -66,6 +66,10 @@ class BlockAllocator:
         first step copies it before writing: a `copies` pair), so the count need not be whole
         blocks."""
     def append_tokens(self, seq_id: int, tokens: _Ints) -> None: ...
+    def set_token(self, seq_id: int, position: int, token: int) -> None:
+        """Put `token` at `position` of the sequence's known tokens: a token whose slot a step
+        ahead reserved before it was sampled (a placeholder `prepare_step` appended). Refused
+        inside a block already hashed, or past the known tokens."""
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares all the parent's blocks (refcounts up); the first write into a
         shared block copies it (a `copies` pair of prepare_step)."""

@@ -84,6 +84,11 @@ class EngineConfig:
     # the host's share of a step's output (detokenizing and streaming the plain rows' tokens)
     # done while the next step's forward runs, not between two steps (Engine._emit)
     overlap_host_work: bool = True
+    # look-ahead decode (vLLM's async scheduling): while a decode step runs on the device, the
+    # next one is planned and launched with its input tokens left on the device, so the GPU
+    # never waits for the host between two steps (Engine._pipeline). None: where the runner's
+    # steps run on a device the host does not wait for (`runner.async_steps`: torch on CUDA)
+    async_decode: bool | None = None
 
 # a step expected to take INTERRUPT_MIN_S or more may be stopped for a new short prompt, if it
 # has INTERRUPT_LEFT_S or more to run and has run at most INTERRUPT_MAX_DONE of its expected
@@ -176,6 +181,9 @@ class Engine:
         # detokenized and sent: sent while the next step's forward runs (_emit, _flush)
         self._unsent: dict[Request, list] = {}
         self.overlapped_s = 0.0     # host seconds spent sending while a step ran
+        self._ahead = (cfg.async_decode if cfg.async_decode is not None
+                       else bool(getattr(runner, "async_steps", False))) and hasattr(runner, "step_begin")
+        self.steps_ahead = 0        # steps planned and launched before the last one's tokens were known
         self.tokens_overlapped = 0  # tokens sent while a step ran
         # a vision model's image encoders (request/vision_prompt.py) run while this is set: no
         # interactive request waits for its first token (a voice command beside a camera burst)
@@ -377,7 +385,7 @@ class Engine:
                  kv_dtype=self.runner.kv_dtype_name,
                  mode="contiguous" if self.config.contiguous else "paged", context_policy=self.config.context_policy,
                  speculation=self.spec.stats(), steps_interrupted=self.steps_interrupted,
-                 tokens_sent_during_steps=self.tokens_overlapped,
+                 tokens_sent_during_steps=self.tokens_overlapped, steps_ahead=self.steps_ahead,
                  **self.scheduler.kv_bound_stats())
         if self.drafter is not None:
             s["draft_model"] = self.drafter.stats()
@@ -465,7 +473,123 @@ class Engine:
             d.finish(plan, guesses)
             sched._free_blocks = None
 
+    def _plain(self, req: Request) -> bool:
+        """A request whose next token changes nothing but itself: no stop strings, format,
+        history (penalties, a seed), logprobs, images, window, samples or embedding; the
+        look-ahead decode takes only these (`Scheduler.plan_ahead`)."""
+        p = req.params
+        return (not p.stop and p.logprobs is None and not p.needs_history and not p.counts_output
+                and req.constraint.matcher is None and req.constraint.lazy is None and not req.embed
+                and not req.children and req.context_window is None and req.images.held is None
+                and not req.drafting.drafts)
+
+    def _pipelines(self, batch: Batch) -> bool:
+        """`batch` may start a look-ahead run: decode rows only, every one plain."""
+        spec = self.scheduler.spec
+        return (self._ahead and self.drafter is None and not batch.spec
+                and (spec is None or len(self.scheduler.running) > spec.config.max_running)
+                and not batch.loads and batch.rope_positions is None and len(batch.sampled) == len(batch.requests)
+                and batch.num_tokens == len(batch.requests) and not (batch.prompt is not None and batch.prompt.any())
+                and all(r.first_scheduled is not None and self._plain(r) for r in batch.requests))
+
+    def _begin(self, batch: Batch, feed=None):
+        """(In the worker) launch a step of plain rows (`runner.step_begin`)."""
+        if self.step_hook is not None:
+            self.step_hook(batch)
+        return self.runner.step_begin(batch, [r.params for r in batch.sampled], feed)
+
+    async def _pipeline(self, batch: Batch) -> None:
+        """Decode steps planned one ahead (look-ahead decode; vLLM's async scheduling): while
+        a step runs, the next one is planned (`Scheduler.plan_ahead`) and launched with its
+        input tokens taken from the running step's on the device (`runner.step_begin`'s feed);
+        then the first step's tokens come to the host and are processed as ever (`_process`),
+        and so on while every running request decodes plain tokens and nothing waits. Each
+        request's events are those of the step-by-step engine: a request that ended on a token
+        the next step already computed drops that step's token, and its blocks go back after it."""
+        sched = self.scheduler
+        self._in_step = frozenset(batch.requests)
+        self.step_started = trio.current_time()
+        t_prev = time.monotonic()
+        try:
+            launched = await self._in_worker(self._begin, batch, meanwhile=self._flush)
+        except Exception as e:   # noqa: BLE001 - a failed step fails only its own requests
+            self._step_failed(batch, e)
+            self._after_pipeline(batch.requests, cache=False)
+            return
+        uncached: set[Request] = set()      # requests whose fed token did not come: never cached
+        while True:
+            nxt = nxt_launched = None
+            if self.disk is None or not self.disk.due():
+                try:
+                    nxt = sched.plan_ahead(batch, self._plain)
+                except Exception as e:   # noqa: BLE001 - the allocator refused: step by step from here
+                    log.debug("no look-ahead step: %s", _short(e))
+                    sched._free_blocks = None
+            if nxt is not None:
+                self._in_step = frozenset(batch.requests) | frozenset(nxt.requests)
+                try:
+                    nxt_launched = await self._in_worker(self._begin, nxt, (launched, nxt.feed), meanwhile=self._flush)
+                except Exception as e:   # noqa: BLE001 - not launched: its reservations go back
+                    log.debug("a look-ahead step could not start: %s", _short(e))
+                    sched.undo_step(nxt)
+                    nxt = None
+            ok = True
+            try:
+                tokens = await self._in_worker(self.runner.step_end, launched, meanwhile=self._flush)
+            except Exception as e:   # noqa: BLE001
+                ok = False
+                self._step_failed(batch, e)
+            now = time.monotonic()
+            sched.observe_step(batch.num_tokens, now - t_prev)
+            t_prev = now
+            if ok and nxt is not None:
+                self.steps_ahead += 1
+                uncached.update(sched.learn_ahead(nxt, tokens))
+            if ok and self.disk is not None:
+                self.disk.pin(batch.requests)
+            # the step's requests that ended while it ran, and that the next one does not use
+            keep = frozenset(nxt.requests) if nxt is not None else frozenset()
+            self._in_step = keep
+            for req in batch.requests:
+                if req.finished and req.status is Status.RUNNING and req not in keep:
+                    sched.free(req, cache=ok and req not in uncached)
+            if ok:
+                self._process(batch, tokens)
+            if nxt is None:
+                break
+            if not ok:        # the next step was fed by a failed one: let it finish, drop it
+                try:
+                    await self._in_worker(self.runner.step_end, nxt_launched)
+                except Exception:  # noqa: BLE001 - its requests ended with the failed step
+                    pass
+                self._after_pipeline(nxt.requests, cache=False)
+                return
+            batch, launched = nxt, nxt_launched
+            self._steps_since_trim += 1
+        self._after_pipeline([], cache=True)
+
+    def _step_failed(self, batch: Batch, e: BaseException) -> None:
+        log.error("model step failed: %s (its %d requests end with an error)", _short(e), len(batch.requests))
+        log.debug("model step failed", exc_info=True)
+        for req in batch.requests:
+            self._end(req, "error", error={"code": "internal_error",
+                                           "message": "the model step failed (see the server's log)"})
+
+    def _after_pipeline(self, requests, cache: bool) -> None:
+        self.step_started = None
+        self._in_step = frozenset()
+        for req in requests:
+            if req.finished and req.status is Status.RUNNING:
+                self.scheduler.free(req, cache=cache)
+        if not self.scheduler.has_work():
+            self._flush()
+            if not self._disk_busy():
+                self._idle.set()
+
     async def _run_step(self, batch: Batch) -> None:
+        if self._pipelines(batch):
+            await self._pipeline(batch)
+            return
         now = time.monotonic()
         for req in batch.requests:
             if req.first_scheduled is None:

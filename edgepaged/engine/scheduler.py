@@ -105,6 +105,9 @@ class Batch:
     # the image rows' own (rows, int64 [k, 2]: their h and w); None: every row rotates by its index
     rope_positions: np.ndarray | None = None
     mrope: tuple | None = None
+    # a step planned ahead (Scheduler.plan_ahead): each row's input is the earlier step's token
+    # of this row there (input_ids holds placeholders); None: input_ids are the tokens
+    feed: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -765,6 +768,64 @@ class Scheduler:
             r.num_known, r.num_slots = known, slots
             r.drafting.drafts, r.drafting.forced, r.drafting.certain = [], 0, []
         self._free_blocks = None
+
+    def plan_ahead(self, prev: Batch, plain) -> Batch | None:
+        """The next step of `prev`'s decodes, planned while `prev` runs, before its tokens are
+        known (look-ahead decode; vLLM's async scheduling): each row's input is `prev`'s token
+        of its request (`Batch.feed`: its row there; the allocator holds a placeholder until
+        `learn_ahead`). None unless it is the step `schedule` would plan once those tokens
+        are in: every running request decodes one plain token (`plain(req)`) in `prev` and
+        goes on after it (not at its length limit), nothing waits, no drafts could come (no
+        draft model; lookup speculation only while more requests run than it drafts for),
+        the pool has the blocks (no preemption)."""
+        if self.num_waiting or self.drafter is not None or not self.running:
+            return None
+        if self.spec is not None and len(self.running) <= self.spec.config.max_running:
+            return None          # (speculation's drafts, which hang on the pending tokens, may come)
+        rows = {r: j for j, r in enumerate(prev.sampled)}
+        if len(prev.sampled) != len(prev.requests) or prev.spec or prev.loads:
+            return None
+        reqs = []
+        for req in self.running:
+            if req not in rows or req.finished or req.status is not Status.RUNNING or not plain(req):
+                return None
+            if req.num_known != req.num_tokens or req.num_slots != req.num_tokens:   # (prev's decode, token pending)
+                return None
+            if len(req.output_ids) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self.config.max_model_len:
+                return None       # its pending token may be its last: the next plan is decided by it
+            reqs.append(req)
+        rank = {INTERACTIVE: 0, BACKGROUND: 1}
+        reqs.sort(key=lambda r: (rank[r.priority], r.arrival))
+        need = sum(self.blocks_needed(r, 1) for r in reqs)
+        if need > self.free_blocks - self.watermark:
+            return None
+        n = len(reqs)
+        before = [(r.num_known, r.num_slots) for r in reqs]
+        slot_mapping, block_tables, seq_lens, copies, self._free_blocks = self.alloc.prepare_step(
+            np.array([r.id for r in reqs], dtype=np.int64), np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+        positions = np.array([r.num_slots for r in reqs], dtype=np.int64)
+        for r in reqs:
+            r.num_known += 1
+            r.num_slots += 1
+        batch = Batch(reqs, [1] * n, np.zeros(n, dtype=np.int64), positions, np.arange(n + 1, dtype=np.int32),
+                      seq_lens, block_tables, slot_mapping, copies, np.arange(n, dtype=np.int64), list(reqs),
+                      before=before, prompt=np.zeros(n, dtype=bool))
+        batch.feed = np.array([rows[r] for r in reqs], dtype=np.int64)
+        return batch
+
+    def learn_ahead(self, batch: Batch, tokens: list) -> list:
+        """`batch` was planned ahead (plan_ahead): the tokens it was fed are known now (the
+        earlier step's, by row); the allocator takes each in its placeholder's place. Returns
+        the requests whose token did not come (that row failed): their blocks must not be cached."""
+        failed = []
+        for req, j, pos in zip(batch.requests, batch.feed, batch.positions):
+            tok = tokens[int(j)]
+            tok = tok[0] if isinstance(tok, tuple) else tok
+            if isinstance(tok, (int, np.integer)) and self.alloc.has_sequence(req.id):
+                self.alloc.set_token(req.id, int(pos), int(tok))
+            else:
+                failed.append(req)
+        return failed
 
     def _build(self, step: _Step) -> Batch:
         reqs = list(step.plan)

@@ -39,6 +39,23 @@ class _Background:
             raise self._err
         return self._out
 
+
+class Launched:
+    """A step `step_begin` started: its tokens (host) once known; a device runner's own
+    handle adds the ids left on its device (`ids`) and what says they reached the host."""
+
+    def __init__(self, tokens: list | None = None, ids=None, ready=None, host=None):
+        self.tokens, self.ids, self.ready, self.host = tokens, ids, ready, host
+
+
+def _token_id(tok) -> int:
+    """A sampled row's token id (a logprobs row's (token, info)); 0 for a row that failed
+    (its request ends with the step's results; the placeholder computes nothing it keeps)."""
+    if isinstance(tok, tuple):
+        tok = tok[0]
+    return int(tok) if isinstance(tok, (int, np.integer)) else 0
+
+
 CPU_KV_MAX_BYTES = 1 << 30       # CPU default budget: min(1 GiB, 25% of available RAM)
 CPU_KV_RAM_FRACTION = 0.25
 
@@ -251,6 +268,26 @@ class RunnerBase:
         masks = Masks.compute(matchers, self.config.vocab_size)
         self.mask_ms.append((time.perf_counter() - t0) * 1000)
         return masks
+
+    # a runner whose `step_begin` returns before its device has computed the step (the torch
+    # runner on a GPU): the engine plans the next decode step meanwhile (look-ahead decode)
+    async_steps = False
+
+    def step_begin(self, batch, params: list[SamplingParams], feed=None) -> "Launched":
+        """Start one step of plain rows (no format, history or speculation: the engine's
+        look-ahead decode) and return its handle; `step_end(handle)` gives its tokens.
+        `feed`: (an earlier step's handle, rows): row i's input token is that step's token of
+        row rows[i] (batch.input_ids holds placeholders there): a step planned before the
+        last one's tokens were known. Here: the whole step at once (the host's sampler)."""
+        if feed is not None:
+            earlier, rows = feed
+            got = self.step_end(earlier)
+            batch.input_ids = np.array([_token_id(got[j]) for j in rows], dtype=np.int64)
+        return Launched(self.step(batch, params))
+
+    def step_end(self, launched: "Launched") -> list:
+        """The tokens of a step `step_begin` started (waits for the device where it must)."""
+        return launched.tokens
 
     def step(self, batch, params: list[SamplingParams], prev_tokens=None, matchers=None, outputs=None,
              embeds=None, spec=None) -> list:

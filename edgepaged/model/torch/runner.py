@@ -21,6 +21,19 @@ def _as_tensor(x, dtype, device) -> torch.Tensor:
     return torch.as_tensor(x, dtype=dtype).to(device)
 
 
+def _each_last_row(logits_indices, meta: AttentionMetadata) -> bool:
+    """The rows are each sequence's last, in order (what logits_indices=None computes)."""
+    idx = logits_indices.cpu().numpy() if isinstance(logits_indices, torch.Tensor) else np.asarray(logits_indices)
+    if idx.shape != (meta.num_seqs,) or not meta.is_decode:     # (decode rows only: one token a sequence)
+        return False
+    return bool(np.array_equal(idx, np.arange(meta.num_seqs)))
+
+
+def _host_id(tok) -> int:
+    from ..runtime import _token_id
+    return _token_id(tok)
+
+
 KV_DTYPES = {"f16": torch.float16, "f32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -145,6 +158,48 @@ class ModelRunner(RunnerBase):
     def _rotary_size(self) -> int:
         return self.model.rotary.max_positions
 
+    @property
+    def async_steps(self) -> bool:
+        return self.device.type == "cuda" and self.device_sampling
+
+    def step_begin(self, batch, params, feed=None):
+        """One step of plain rows launched on the device and left running: the forward and the
+        device's sampler queued, the ids' copy to pinned host memory queued behind them, an
+        event recorded. A fed step (`feed`) takes its input ids from the earlier step's ids
+        on the device: nothing waits for them. Rows the device cannot sample (a seed, logprobs)
+        or a step that reads or writes blocks on the host: the whole step at once."""
+        from . import sampling
+        from ..runtime import Launched
+        if (not self.device_sampling or not sampling.supported(params) or len(batch.copies)
+                or getattr(batch, "loads", None) or getattr(batch, "rope_positions", None) is not None
+                or self.images is not None):      # (a vision model's steps read their ids on the host)
+            return super().step_begin(batch, params, feed)
+        dev = self.device
+        with torch.inference_mode():
+            ids = _as_tensor(batch.input_ids, torch.int64, dev)
+            if feed is not None:
+                earlier, rows = feed
+                src = earlier.ids if earlier.ids is not None else torch.tensor(
+                    [_host_id(t) for t in earlier.tokens], dtype=torch.int64)
+                ids = src.to(dev)[torch.as_tensor(np.asarray(rows, np.int64)).to(dev)]
+            raw = self.execute(ids, batch.positions, dict(query_start_loc=batch.query_start_loc,
+                                                          seq_lens=batch.seq_lens, block_tables=batch.block_tables,
+                                                          slot_mapping=batch.slot_mapping), batch.logits_indices)
+            out = sampling.sample_tensor(raw, params)
+            if dev.type != "cuda":
+                return Launched(out.tolist(), ids=out)
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            return Launched(None, ids=out, ready=ready, host=host)
+
+    def step_end(self, launched) -> list:
+        if launched.tokens is None:
+            launched.ready.synchronize()
+            launched.tokens = launched.host.tolist()
+        return launched.tokens
+
     def sample_where_computed(self, logits, params, prev_tokens, outputs, masks=None) -> list | None:
         if not self.device_sampling or not isinstance(logits, torch.Tensor):
             return None
@@ -266,6 +321,8 @@ class ModelRunner(RunnerBase):
             self.rotary_positions(positions)
             ids = _as_tensor(input_ids, torch.int64, dev)
             pos = _as_tensor(positions, torch.int64, dev)
+            if logits_indices is not None and _each_last_row(logits_indices, meta):
+                logits_indices = None        # (the engine's decode steps: each sequence's row, the graph's)
             if (logits_indices is None and self.graphs is not None and self.graphs.takes(meta)
                     and (self.images is None or not bool((ids >= self.images.first).any()))):
                 return self.graphs.run(ids, pos, meta)

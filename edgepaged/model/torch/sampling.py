@@ -118,6 +118,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None,
     """One token per row, drawn on the logits' device (`masks`: a format's allowed tokens of
     its rows, `constrain.grammar.Masks`); None when a row needs the host's sampler (a seed,
     logprobs)."""
+    out = sample_tensor(logits, params, prev_tokens, outputs, generator, masks)
+    return None if out is None else out.tolist()
+
+
+def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None, outputs=None,
+                  generator: torch.Generator | None = None, masks=None) -> torch.Tensor | None:
+    """`sample`, the ids left on the device (int64 [B]): nothing waits for them (a step
+    launched ahead feeds them to the next one)."""
     if not supported(params):
         return None
     if masks is not None:
@@ -129,4 +137,4 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], prev_tokens=None,
         probs = _filter(logits[rows], [params[i] for i in rows])
         noise = torch.empty_like(probs).exponential_(generator=generator)
         out[rows] = torch.argmax(probs / noise.clamp_min(1e-20), -1)
-    return out.tolist()
+    return out

@@ -706,6 +706,24 @@ impl BlockPool {
         Ok(())
     }
 
+    /// Put `token` at `position` of a sequence's known tokens: a token a step ahead
+    /// reserved a slot for before it was sampled (`prepare_step` appended a placeholder;
+    /// the engine's look-ahead decode) is learned when it lands. Refused where the position
+    /// is in a block already hashed (cached blocks never change) or past the known tokens.
+    pub fn set_token(&mut self, seq_id: i64, position: usize, token: u32) -> Result<()> {
+        let bs = self.store.block_size;
+        let seq = self.seqs.get_mut(&seq_id).ok_or(AllocError::UnknownSequence(seq_id))?;
+        if position >= seq.tokens.len() || position < seq.num_hashed_blocks * bs {
+            return Err(AllocError::Invalid(format!(
+                "set token {position} of sequence {seq_id}: it has {} tokens, {} of them in cached blocks",
+                seq.tokens.len(),
+                seq.num_hashed_blocks * bs
+            )));
+        }
+        seq.tokens[position] = token;
+        Ok(())
+    }
+
     /// Child shares all of the parent's blocks (refcounts up); writes into a shared block
     /// copy it first (see `prepare_step`).
     pub fn fork(&mut self, parent_id: i64, child_id: i64) -> Result<()> {

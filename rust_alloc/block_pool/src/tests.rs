@@ -52,6 +52,27 @@ fn prepare_step_appends_sampled_tokens_first() {
 }
 
 #[test]
+fn a_token_learned_after_its_slot_and_never_inside_a_hashed_block() {
+    let mut p = pool(8, 2);
+    p.add_sequence(1, vec![5, 6, 7], 0, None).unwrap();
+    p.prepare_step(&[1], &[3], None).unwrap();
+    // a step ahead: the slot of a token not sampled yet (placeholder 0), learned later
+    let plan = p.prepare_step(&[1], &[1], Some(&[0])).unwrap();
+    assert_eq!(plan.slot_mapping.len(), 1);
+    p.set_token(1, 3, 9).unwrap();
+    assert_eq!(p.sequence(1).unwrap().tokens, vec![5, 6, 7, 9]);
+    // the next step hashes the now full block [7, 9] with the real token
+    p.prepare_step(&[1], &[0], None).unwrap();
+    assert_eq!(p.prefix_match(&[5, 6, 7, 9, 1], 0).0, 4);
+    // blocks already hashed, and positions past the known tokens, are refused
+    assert!(matches!(p.set_token(1, 1, 3), Err(AllocError::Invalid(_))));
+    assert!(matches!(p.set_token(1, 3, 3), Err(AllocError::Invalid(_))));
+    assert!(matches!(p.set_token(1, 4, 3), Err(AllocError::Invalid(_))));
+    assert!(matches!(p.set_token(7, 0, 3), Err(AllocError::UnknownSequence(7))));
+    ok(&p);
+}
+
+#[test]
 fn all_or_nothing_when_out_of_blocks() {
     let mut p = pool(3, 4);
     p.add_sequence(1, (0..8).collect(), 0, None).unwrap();

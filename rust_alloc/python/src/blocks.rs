@@ -102,6 +102,14 @@ impl BlockAllocator {
         self.pool.append_tokens(seq_id, &tokens).map_err(err)
     }
 
+    /// A token learned after its slot was reserved (look-ahead decode): see `BlockPool::set_token`.
+    fn set_token(&mut self, seq_id: i64, position: usize, token: i64) -> PyResult<()> {
+        if !(0..u32::MAX as i64).contains(&token) {
+            return Err(PyValueError::new_err(format!("token id {token} out of range")));
+        }
+        self.pool.set_token(seq_id, position, token as u32).map_err(err)
+    }
+
     fn fork(&mut self, parent_id: i64, child_id: i64) -> PyResult<()> {
         self.pool.fork(parent_id, child_id).map_err(err)
     }
