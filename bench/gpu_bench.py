@@ -17,8 +17,14 @@ Per file (the last line's `files.<shape>`):
     prefill_tflops_frac prefill_tok_s x 2 x params / bf16_tflops
     step_gpu_busy_frac  the GPU's busy time over a b1 decode step's wall time (torch profiler:
                         the kernels' summed durations over 16 steps / their wall time)
-    llama_cpp_tok_s_b1, llama_cpp_prefill_tok_s   llama.cpp's CUDA build on the same file: null
-                        with llama_cpp_note when it was not carried to this machine
+    engine_tok_s_b1     one stream through the Engine (serve's loop; speculation off) with look-ahead
+                        decode (the next step launched before the last one's ids reach the host);
+                        engine_tok_s_b1_step_by_step without it (alternated in one process);
+                        engine_b1_gpu_busy_frac the GPU's kernel time over that request's wall time
+    llama_cpp_tok_s_b1, llama_cpp_prefill_tok_s   llama.cpp's CUDA build on the same file (its
+                        llama-bench, its defaults: tg --new-tokens, pp --prefill): null, with
+                        llama_cpp_note saying why, when it was not carried to this machine or failed
+    b1_over_llama_cpp, prefill_over_llama_cpp     the two ratios (targets: >= 1.5, >= 1.0)
 
 Top level: `read_gbs` (a device reduction over 2 GiB, best of 5), `bf16_tflops` (torch.mm
 8192^3 in bf16, best of 5), `gpu`, `driver`, `torch`, `triton`.
@@ -129,6 +135,55 @@ def busy_frac(runner, steps: int = 16) -> float | None:
     return min(1.0, kernels_us / 1e6 / t_decode)
 
 
+def engine_rates(runner, new_tokens: int = 64) -> dict:
+    """One stream through the Engine itself (what `serve` runs; speculation off): decode tokens
+    per second with look-ahead decode on and off, alternated twice in one process, and the GPU's
+    busy fraction of a request's wall time with it on (torch profiler: kernel time over the
+    wall time of a 32-token prompt and its answer)."""
+    import torch
+    import trio
+    from torch.profiler import ProfilerActivity, profile
+
+    from edgepaged.engine import Engine, EngineConfig, Request, TokenEvent
+    from edgepaged.model import SamplingParams
+    if runner.device.type != "cuda":
+        return {}
+
+    async def once(eng, n):
+        r = Request(prompt_ids=list(range(5, 37)), params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        times = []
+        t0 = time.perf_counter()
+        async with eng.stream(r) as chan:
+            async for ev in chan:
+                if isinstance(ev, TokenEvent):
+                    times.extend([time.perf_counter()] * len(ev.token_ids))
+        return t0, times
+
+    async def run(ahead: bool, profiled: bool):
+        async with Engine(runner, EngineConfig(speculation="off", async_decode=ahead)) as eng:
+            await once(eng, 8)                               # warm-up: the graphs captured
+            if not profiled:
+                _, times = await once(eng, new_tokens)
+                return (len(times) - 1) / (times[-1] - times[0]), eng.stats()["steps_ahead"]
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t0, times = await once(eng, new_tokens)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+            busy = sum(e.time_range.elapsed_us() for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+            return min(1.0, busy / wall), eng.stats()["steps_ahead"]
+
+    on, off, ahead = [], [], 0
+    for _ in range(2):
+        rate, n = trio.run(run, True, False)
+        on.append(rate)
+        ahead += n
+        off.append(trio.run(run, False, False)[0])
+    busy, _ = trio.run(run, True, True)
+    return {"engine_tok_s_b1": max(on), "engine_tok_s_b1_step_by_step": max(off),
+            "engine_b1_gpu_busy_frac": busy, "engine_steps_ahead": ahead}
+
+
 def sweep(device, limits: dict) -> dict:
     """The kernel's launch configs on the 8 B shape's largest products (ffn_down Q6_K
     [4096, 14336], ffn_up Q4_K [14336, 4096]): one row's GB/s per BLOCK_N (decode), 2,048
@@ -164,6 +219,45 @@ def sweep(device, limits: dict) -> dict:
     return out
 
 
+def llama_cpp(path: Path, new_tokens: int, prefill: int, reps: int = 3, want_gpu: bool = False) -> dict:
+    """llama.cpp's `llama-bench` on the same file with its own defaults (every layer on the GPU,
+    flash attention where it decides): one stream's tg{new_tokens} and a pp{prefill} prompt,
+    `reps` repetitions each (its mean). The executable: $LLAMA_BENCH, else llama-bench on PATH
+    (gpu_check.sh points $LLAMA_BENCH at the CUDA build `bench/llama_cuda.sh` made and carried)."""
+    exe = os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
+    res: dict = {"llama_cpp_tok_s_b1": None, "llama_cpp_prefill_tok_s": None}
+    if not exe:
+        res["llama_cpp_note"] = ("llama.cpp's CUDA build was not carried to this machine (no llama-bench on PATH "
+                                 "or $LLAMA_BENCH; bench/llama_cuda.sh builds one)")
+        return res
+    import subprocess
+    cmd = [exe, "-m", str(path), "-p", str(prefill), "-n", str(new_tokens), "-r", str(reps), "-o", "json"]
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        rows = json.loads(run.stdout) if run.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        run, rows = None, None
+        res["llama_cpp_note"] = f"llama-bench did not run: {type(e).__name__}: {e}"
+    if run is not None and rows is None:
+        tail = (run.stderr or run.stdout).strip().splitlines()[-3:]
+        res["llama_cpp_note"] = f"llama-bench failed (rc {run.returncode}): {' | '.join(tail)}"
+    for row in rows or []:
+        if row.get("n_prompt") and not row.get("n_gen"):
+            res["llama_cpp_prefill_tok_s"] = round(row["avg_ts"], 2)
+        elif row.get("n_gen") and not row.get("n_prompt"):
+            res["llama_cpp_tok_s_b1"] = round(row["avg_ts"], 2)
+        res["llama_cpp_note"] = (f"llama-bench {row.get('build_commit', '?')} ({row.get('backends', '?')}, "
+                                 f"{row.get('gpu_info') or 'no GPU'}), flash_attn {row.get('flash_attn')}, "
+                                 f"n_gpu_layers {row.get('n_gpu_layers')}, mean of {reps}")
+    if rows and want_gpu and not any(row.get("gpu_info") for row in rows):
+        # its CUDA runtime did not start (it then runs on the CPU): no GPU baseline
+        why = [ln for ln in (run.stderr or "").splitlines() if "CUDA" in ln][-1:]
+        res.update(llama_cpp_tok_s_b1=None, llama_cpp_prefill_tok_s=None,
+                   llama_cpp_note=f"llama-bench found no GPU ({' '.join(why) or 'its gpu_info is empty'}): "
+                                  "not a GPU baseline")
+    return res
+
+
 def measure(shape: str, folder: Path, device, args, limits: dict) -> dict:
     import torch
 
@@ -190,16 +284,22 @@ def measure(shape: str, folder: Path, device, args, limits: dict) -> dict:
     out["tok_s_b32"] = decode_rate(runner, prompts, args.new_tokens)
     out["prefill_tok_s"] = prefill_rate(runner, args.prefill)
     out["step_gpu_busy_frac"] = busy_frac(runner)
+    try:
+        out.update(engine_rates(runner, args.new_tokens))
+    except Exception as e:  # noqa: BLE001 - reported, the rest of the figures stand
+        out["engine_error"] = f"{type(e).__name__}: {e}"
     params = runner.config.num_params
     out["b1_hbm_frac"] = out["tok_s_b1"] * (wb["quantized"] + wb["dense"]) / (limits["read_gbs"] * 1e9)
     out["prefill_tflops_frac"] = out["prefill_tok_s"] * 2 * params / (limits["bf16_tflops"] * 1e12)
     out["b32_over_b1"] = out["tok_s_b32"] / out["tok_s_b1"]
     out["weights_over_file"] = out["vram_weights_mb"] / file_mb
-    exe = shutil.which("llama-bench") or os.environ.get("LLAMA_BENCH")
-    out["llama_cpp_tok_s_b1"] = out["llama_cpp_prefill_tok_s"] = None
-    out["llama_cpp_note"] = ("llama.cpp's CUDA build was not carried to this machine (no llama-bench on PATH or "
-                             "$LLAMA_BENCH)" if exe is None else "llama-bench found but not run by this version")
     del runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()                  # (llama.cpp runs on the same GPU next)
+    out.update(llama_cpp(path, args.new_tokens, args.prefill, want_gpu=device.type == "cuda"))
+    for mine, theirs, key in (("tok_s_b1", "llama_cpp_tok_s_b1", "b1_over_llama_cpp"),
+                              ("prefill_tok_s", "llama_cpp_prefill_tok_s", "prefill_over_llama_cpp")):
+        out[key] = out[mine] / out[theirs] if out.get(theirs) else None
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 

@@ -13,8 +13,12 @@
 #      (edgepaged/_native.abi3.so, built by ./run.sh; ignored by git: carry it along).
 #   4. bench/gpu_bench.py --json: synthetic Llama-3.2-1B- and 3.1-8B-shaped Q4_K_M files written there,
 #      their weights kept as GGUF blocks on the GPU (kernels/quant.py): tok_s_b1, tok_s_b32, prefill_tok_s,
-#      vram_weights_mb against file_mb, b1_hbm_frac, prefill_tflops_frac, step_gpu_busy_frac (issue 67)
+#      vram_weights_mb against file_mb, b1_hbm_frac, prefill_tflops_frac, step_gpu_busy_frac (issue 67), and
+#      llama.cpp's CUDA llama-bench on the same files where .llama-cuda/llama-bench.xz was carried
+#      (bash bench/llama_cuda.sh builds it on the CPU machine) or $LLAMA_BENCH names one
 # Outputs go to $OUT (or bench/out). Uses the python found on PATH, not a venv.
+# Carried from the CPU machine (ignored by git; 31 MiB): .whl (bench/gpu_wheels.sh), .llama-cuda/llama-bench.xz
+# (bench/llama_cuda.sh) and edgepaged/_native.abi3.so (./run.sh).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
@@ -46,8 +50,32 @@ else
   model_rc=0
 fi
 
+# llama.cpp's CUDA llama-bench for step 4's baseline, built on the CPU machine by bench/llama_cuda.sh and
+# carried as .llama-cuda/llama-bench.xz; the CUDA runtime and cuBLAS it needs are torch's nvidia wheels'
+if [ -z "${LLAMA_BENCH:-}" ] && [ -f .llama-cuda/llama-bench.xz ]; then
+  "$PY" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+    .llama-cuda/llama-bench.xz /tmp/edgepaged-llama-bench && chmod +x /tmp/edgepaged-llama-bench \
+    && export LLAMA_BENCH=/tmp/edgepaged-llama-bench
+fi
+if [ -n "${LLAMA_BENCH:-}" ]; then
+  libs=$("$PY" - <<'PY'
+import pathlib
+try:
+    import nvidia
+    roots = [pathlib.Path(p) for p in nvidia.__path__]
+except ImportError:
+    roots = []
+print(":".join(sorted({str(f.parent) for r in roots for f in r.rglob("lib*.so.*")
+                       if f.name.startswith(("libcublas", "libcudart"))})))
+PY
+)
+  export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  { echo "llama-bench: $LLAMA_BENCH, libraries from: ${libs:-(none found)}"; "$LLAMA_BENCH" --list-devices 2>&1 | tail -n 4; } \
+    | tee "$OUT/llama_cpp.txt"
+fi
+
 if "$PY" -c 'import trio, pydantic, gguf, tokenizers' 2>/dev/null; then
-  timeout 300 "$PY" -m bench.gpu_bench --json --sweep 2>&1 | tee "$OUT/gpu_bench.txt"
+  timeout 360 "$PY" -m bench.gpu_bench --json --sweep 2>&1 | tee "$OUT/gpu_bench.txt"
   gpu_rc=${PIPESTATUS[0]}
   tail -n 1 "$OUT/gpu_bench.txt" > "$OUT/gpu_bench.json"
 else

@@ -88,6 +88,7 @@ def run_engine(model_dir, device, dtype, ps, max_tokens, together=True, num_bloc
             out["decode_s"] = end - first     # from the last request's first token: decode steps only
             out["used_blocks"] = eng.allocator.num_used_blocks
             out["preemptions"] = eng.stats().get("num_preemptions", 0)
+            out["steps_ahead"] = eng.stats()["steps_ahead"]
     trio.run(main)
     return out
 
@@ -104,6 +105,10 @@ def correctness(tmp):
     gpu_tog = run_engine(model_dir, "cuda", torch.float32, ps, 24)
     checks["f32_gpu_together_equals_alone"] = gpu_tog["ids"] == cpu_alone
     checks["blocks_returned"] = gpu_alone["used_blocks"] == 0 and gpu_tog["used_blocks"] == 0
+    ahead = run_engine(model_dir, "cuda", torch.float32, ps, 24, speculation="off", async_decode=True)
+    checks["f32_gpu_look_ahead_equals_alone"] = ahead["ids"] == cpu_alone and ahead["used_blocks"] == 0
+    res["steps_ahead"] = ahead["steps_ahead"]
+    checks["look_ahead_ran"] = ahead["steps_ahead"] > 0
     pre = run_engine(model_dir, "cuda", torch.float32, ps, 24, num_blocks=24)
     checks["f32_gpu_preempted_equals_alone"] = pre["ids"] == cpu_alone
     checks["preempted_blocks_returned"] = pre["used_blocks"] == 0

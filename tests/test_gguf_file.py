@@ -31,6 +31,32 @@ def test_the_embedded_model_and_a_k_quant_file_read_as_gguf_py_reads_them(tmp_pa
     same_as_gguf_py(path)                      # every format the kernels read, BF16 and F16 among them
 
 
+def test_a_synthetic_file_holds_what_llama_cpp_asks_for_and_gpu_bench_says_why_it_has_no_llama_cpp(
+        tmp_path, monkeypatch):
+    """The synthetic files the benchmarks write (bench/gpu_bench.py's Llama-shaped ones) are
+    read by llama.cpp's llama-bench beside edgepaged: its BPE vocabulary must hold merges (it
+    refuses one without: "cannot find tokenizer merges"), and its byte tokens load in our own
+    tokenizer. Without llama.cpp's build, gpu_bench's llama_cpp_* figures are null and its
+    note says why."""
+    from bench.gpu_bench import llama_cpp
+    from edgepaged.model.tokenizer import Tokenizer
+    path = write_random_gguf(tmp_path / "s.gguf", hidden=64, layers=1, heads=2, kv_heads=1, inter=96,
+                             qtypes=dict.fromkeys(("token_embd", "attn_q", "attn_k", "attn_v", "attn_output",
+                                                   "ffn_gate", "ffn_up", "ffn_down"), 0), vocab=300)
+    f = GgufFile(path)
+    assert f.fields["tokenizer.ggml.merges"] == ["\u0120 \u0120"] and len(f.fields["tokenizer.ggml.tokens"]) == 300
+    tok = Tokenizer.load(path)
+    assert tok.decode(tok.encode("a  b")) == "a  b"
+    monkeypatch.delenv("LLAMA_BENCH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    res = llama_cpp(path, 4, 16)
+    assert res["llama_cpp_tok_s_b1"] is None and res["llama_cpp_prefill_tok_s"] is None
+    assert "not carried" in res["llama_cpp_note"] and "bench/llama_cuda.sh" in res["llama_cpp_note"]
+    monkeypatch.setenv("LLAMA_BENCH", str(tmp_path / "missing" / "llama-bench"))
+    res = llama_cpp(path, 4, 16)
+    assert res["llama_cpp_tok_s_b1"] is None and res["llama_cpp_note"].startswith("llama-bench did not run")
+
+
 def test_damaged_files_give_one_clear_error(tmp_path):
     src = default_model_path().read_bytes()
     cases = {"empty": b"", "not gguf": b"PK\x03\x04" + src[4:4096], "cut in the vocabulary": src[:200_000],

@@ -104,3 +104,47 @@ def test_the_torch_runner_on_these_kernels_gives_the_rust_kernels_logits(name, t
     tokens = list(range(3, 23))
     want, got = _paged_logits(rust, tokens, 16), _paged_logits(tri, tokens, 16)
     assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-4
+
+
+# every format the CPU runtime serves, two mixes that together hold all ten (one format a tensor kind)
+MIXES = {"mix_a": dict(token_embd=3, output=6, attn_q=7, attn_k=1, attn_v=30, attn_output=2, ffn_gate=8,
+                       ffn_up=12, ffn_down=14),
+         "mix_b": dict(token_embd=13, output=14, attn_q=12, attn_k=8, attn_v=2, attn_output=30, ffn_gate=7,
+                       ffn_up=6, ffn_down=3)}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_every_format_the_cpu_serves_gives_its_logits_on_the_triton_runner(mix, tmp_path):
+    """Item 1's "every other format the CPU runtime serves correctly": a llama file whose tensors
+    are in all ten formats the CPU runtime reads (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+    Q5_K, Q6_K), on the torch runner with the Triton kernels: the formats the kernel reads stay
+    blocks (packed, about the file's bytes), the others decoded once, and the logits of a prefill
+    and decode steps are those of the CPU's Rust kernels on the same file."""
+    if DEVICE != "cpu":
+        pytest.skip("compares with the CPU's kernels in the same process (interpreter run)")
+    from edgepaged.model.quant.formats import FORMATS
+    from edgepaged.model.torch.gpu_quant import TritonQuantEmbedding, TritonQuantLinear
+    from edgepaged.model.torch.runner import ModelRunner
+    from edgepaged.testing.gguf_models import write_random_gguf
+    from test_families import _paged_logits
+    assert set(MIXES["mix_a"].values()) | set(MIXES["mix_b"].values()) == set(FORMATS)
+    path = write_random_gguf(tmp_path / f"{mix}.gguf", hidden=256, layers=1, heads=4, kv_heads=2, inter=512,
+                             qtypes=MIXES[mix], seed=3, tied=False, vocab=300)
+    rust = ModelRunner(path, num_blocks=8, kv_dtype="f32")
+    tri = ModelRunner(path, num_blocks=8, kv_dtype="f32", quant_kernels="triton")
+    assert tri.products == "GGUF blocks (triton)"
+    m = tri.model
+    layer = m.layers[0]
+    segments = {"token_embd": [m.embed_tokens.seg], "output": m.lm_head.segments,
+                "ffn_down": layer.mlp.down_proj.segments, "attn_output": layer.self_attn.o_proj.segments}
+    segments.update(zip(("attn_q", "attn_k", "attn_v"), ([s] for s in layer.self_attn.qkv_proj.segments)))
+    segments.update(zip(("ffn_gate", "ffn_up"), ([s] for s in layer.mlp.gate_up_proj.segments)))
+    assert isinstance(m.embed_tokens, TritonQuantEmbedding) and isinstance(m.lm_head, TritonQuantLinear)
+    for kind, segs in segments.items():
+        (seg,) = segs
+        assert seg.qtype == MIXES[mix][kind], kind
+        assert (seg.packed is not None) == (seg.qtype in kq.KEPT), (kind, FORMATS[seg.qtype])
+    tokens = list(range(3, 15))
+    want, got = _paged_logits(rust, tokens, 10), _paged_logits(tri, tokens, 10)
+    assert got.shape == want.shape == (12, 300)
+    assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())

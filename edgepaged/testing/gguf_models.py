@@ -50,7 +50,7 @@ def write_random_gguf(path, *, hidden: int, layers: int, heads: int, kv_heads: i
     """A random llama GGUF: `qtypes` maps tensor kinds (token_embd, output, attn_q, attn_k,
     attn_v, attn_output, ffn_gate, ffn_up, ffn_down) to GGML type ids; each kind's bytes are
     made once and shared by every layer (fast to write, same file size). The tokenizer is a
-    byte-level one of 258 tokens, or the one of the GGUF file `tokenizer_from` (its
+    byte-level one of 259 tokens (one merge), or the one of the GGUF file `tokenizer_from` (its
     vocabulary, merges, token types, pre-tokenizer and chat template), padded to `vocab` tokens
     with reserved control tokens (Llama 3's 128,256 for the 3 B and 8 B shapes)."""
     import gguf
@@ -63,7 +63,8 @@ def write_random_gguf(path, *, hidden: int, layers: int, heads: int, kv_heads: i
         source = GgufFile(tokenizer_from)
         tokens = gguf_field(source, "tokenizer.ggml.tokens")
     else:
-        tokens = sorted(ByteLevel.alphabet()) + ["<|im_start|>", "<|im_end|>"]
+        # one merge (two spaces): llama.cpp refuses a BPE vocabulary without merges
+        tokens = sorted(ByteLevel.alphabet()) + ["\u0120\u0120", "<|im_start|>", "<|im_end|>"]
     pad = max(0, (vocab or 0) - len(tokens))
     tokens = list(tokens) + [f"<|reserved_special_token_{i}|>" for i in range(pad)]
     vocab = len(tokens)
@@ -96,8 +97,8 @@ def write_random_gguf(path, *, hidden: int, layers: int, heads: int, kv_heads: i
     else:
         w.add_tokenizer_model("gpt2")
         w.add_token_list(tokens)
-        w.add_token_types([1] * 256 + [3, 3] + [3] * pad)
-        w.add_token_merges([])
+        w.add_token_types([1] * 257 + [3, 3] + [3] * pad)
+        w.add_token_merges(["\u0120 \u0120"])
         w.add_eos_token_id(vocab - 1)
     blocks = {}
 
