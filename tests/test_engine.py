@@ -346,6 +346,27 @@ async def test_look_ahead_decode_changes_no_event_and_caches_the_real_tokens(tin
     assert sum(e[-1][1] == "stop" and isinstance(e[-1][2], int) for e in on) >= 2    # stop tokens ended them
 
 
+async def test_a_long_look_ahead_run_keeps_the_watchdog_fed(tiny_model_dir):
+    """A run of look-ahead steps is many steps, not one: `alive(limit)` (the service watchdog)
+    stays true while answers decode ahead for longer than the limit."""
+    async with make_engine(tiny_model_dir, async_decode=True, speculation="off") as eng:
+        seen, stop = [], trio.Event()
+
+        async def watch():
+            while not stop.is_set():
+                seen.append(eng.alive(0.25))
+                await trio.sleep(0.02)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(watch)
+            t0 = time.monotonic()
+            await collect(eng, request(range(5, 30), max_tokens=400))
+            took = time.monotonic() - t0
+            stop.set()
+        assert eng.stats()["steps_ahead"] > 300
+    assert took > 0.5 and all(seen), (took, seen.count(False))
+
+
 async def test_sending_overlapped_with_the_next_step_changes_no_event(tiny_model_dir):
     """The plain rows' tokens are detokenized and sent while the next step's forward runs
     (EngineConfig.overlap_host_work): every request's events (ids, text, logprobs, the end,

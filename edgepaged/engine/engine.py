@@ -566,6 +566,7 @@ class Engine:
                 return
             batch, launched = nxt, nxt_launched
             self._steps_since_trim += 1
+            self.step_started = trio.current_time()     # (the watchdog's `alive` times each step, not the run)
         self._after_pipeline([], cache=True)
 
     def _step_failed(self, batch: Batch, e: BaseException) -> None:
