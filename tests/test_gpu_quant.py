@@ -121,7 +121,8 @@ def test_every_format_the_cpu_serves_gives_its_logits_on_the_triton_runner(mix, 
     blocks (packed, about the file's bytes), the others decoded once, and the logits of a prefill
     and decode steps are those of the CPU's Rust kernels on the same file."""
     if DEVICE != "cpu":
-        pytest.skip("compares with the CPU's kernels in the same process (interpreter run)")
+        pytest.skip("compares with the CPU's Rust kernels in the same process: runs in CI (Triton's CPU "
+                    "interpreter), not in gpu_check.sh's compiled run on a GPU")
     from edgepaged.model.quant.formats import FORMATS
     from edgepaged.model.torch.gpu_quant import TritonQuantEmbedding, TritonQuantLinear
     from edgepaged.model.torch.runner import ModelRunner

@@ -9,8 +9,8 @@ from . import forward
 from .attention import AttentionMetadata, backend_for
 from .llama import LlamaForCausalLM
 from ..loader import ModelFiles, terminal_progress
-from ..runtime import (CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, KvBudgetError, RunnerBase, _gib,  # noqa: F401
-                      available_ram, cpu_kv_default_bytes, rss_bytes)
+from ..runtime import (CPU_KV_MAX_BYTES, CPU_KV_RAM_FRACTION, KvBudgetError, Launched,  # noqa: F401
+                      RunnerBase, _gib, _token_id, available_ram, cpu_kv_default_bytes, rss_bytes)
 from ..settings import CpuConfig
 from ..tokenizer import Tokenizer
 
@@ -27,11 +27,6 @@ def _each_last_row(logits_indices, meta: AttentionMetadata) -> bool:
     if idx.shape != (meta.num_seqs,) or not meta.is_decode:     # (decode rows only: one token a sequence)
         return False
     return bool(np.array_equal(idx, np.arange(meta.num_seqs)))
-
-
-def _host_id(tok) -> int:
-    from ..runtime import _token_id
-    return _token_id(tok)
 
 
 KV_DTYPES = {"f16": torch.float16, "f32": torch.float32, "bf16": torch.bfloat16}
@@ -169,7 +164,6 @@ class ModelRunner(RunnerBase):
         on the device: nothing waits for them. Rows the device cannot sample (a seed, logprobs)
         or a step that reads or writes blocks on the host: the whole step at once."""
         from . import sampling
-        from ..runtime import Launched
         if (not self.device_sampling or not sampling.supported(params) or len(batch.copies)
                 or getattr(batch, "loads", None) or getattr(batch, "rope_positions", None) is not None
                 or self.images is not None):      # (a vision model's steps read their ids on the host)
@@ -180,7 +174,7 @@ class ModelRunner(RunnerBase):
             if feed is not None:
                 earlier, rows = feed
                 src = earlier.ids if earlier.ids is not None else torch.tensor(
-                    [_host_id(t) for t in earlier.tokens], dtype=torch.int64)
+                    [_token_id(t) for t in earlier.tokens], dtype=torch.int64)
                 ids = src.to(dev)[torch.as_tensor(np.asarray(rows, np.int64)).to(dev)]
             raw = self.execute(ids, batch.positions, dict(query_start_loc=batch.query_start_loc,
                                                           seq_lens=batch.seq_lens, block_tables=batch.block_tables,
